@@ -1,0 +1,29 @@
+# Every target bootstraps .venv on a fresh machine and is safe to re-run.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= The capital of France is
+PYTEST_ARGS ?=
+
+.PHONY: install test generate clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# Re-install only when the package metadata changes.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+generate: install
+	$(BIN)/pagellm generate --prompt "$(PROMPT)"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

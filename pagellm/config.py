@@ -1,0 +1,86 @@
+"""Engine configuration: frozen dataclasses, validated at construction.
+
+Each field carries its help text in `metadata["help"]` so the CLI derives its
+flags from these classes. `from_dict` rejects unknown keys by name, so a typo
+in a config never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _help(text: str, **kwargs) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+class _FromDict:
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ModelConfig(_FromDict):
+    model: str | None = _help(
+        "GGUF file or HF checkpoint directory; empty means the embedded Gemma 3 270M Q4_K_M.", default=None
+    )
+    dtype: str | None = _help("Compute dtype: float32, bfloat16 or float16 (default float32 on CPU).", default=None)
+    max_model_len: int | None = _help("Longest sequence served (default: the model's context length).", default=None)
+    device: str = _help("torch device to run on.", default="cpu")
+
+    def __post_init__(self):
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig(_FromDict):
+    block_size: int = _help("Tokens per KV block.", default=16)
+    kv_cache_memory: float | None = _help(
+        "KV cache budget in GiB (default: a quarter of available RAM, at most 4 GiB). "
+        "Reserved, but pages become resident only as blocks are written.",
+        default=None,
+    )
+    enable_prefix_caching: bool = _help("Share KV blocks of identical prefixes across requests.", default=True)
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_FromDict):
+    max_num_seqs: int = _help("Most requests running at once.", default=64)
+    max_num_batched_tokens: int = _help(
+        "Token budget T of one step: decodes claim theirs first, prefill gets max(n_ubatch, T - decodes).",
+        default=2048,
+    )
+    n_ubatch: int = _help("Prefill tokens always admitted per step even under heavy decode load.", default=64)
+    decode_stable_interval: int = _help(
+        "Opt-in decode-stable mode: with decodes running, admit prefill only every K steps (0 = off).", default=0
+    )
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "n_ubatch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_stable_interval < 0:
+            raise ValueError(f"decode_stable_interval must be >= 0, got {self.decode_stable_interval}")
+
+
+@dataclass(frozen=True)
+class EngineConfig(_FromDict):
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

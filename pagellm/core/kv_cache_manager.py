@@ -1,0 +1,122 @@
+r"""KVCacheManager: each request's block table, prefix-cache lookups, check-before-commit allocation.
+
+    request tokens:  [ block 0 ][ block 1 ][ block 2 ][ blo..]
+    block table:        b12        b3         b40       b7
+                     \______ shared with any request whose first ______/
+                             24 tokens hash (chained) to the same values
+
+Blocks are hashed when they become full *as of the end of the step that
+computes them*. Because every layer writes the whole step's K/V before any of
+its attention reads, a second request scheduled in the same step may already
+hit those blocks: N requests arriving together compute their shared prefix once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pagellm.core.block_pool import BlockPool, KVBlock
+from pagellm.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_hashed: dict[str, int] = {}  # blocks of each request already registered in the cache
+        # Hashes of full prompt blocks that a running request will compute in a later step:
+        # a newcomer needing one of them waits a step instead of computing it again.
+        self._in_flight: Counter[int] = Counter()
+        self._in_flight_of: dict[str, list[int]] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks at the start of the request, and the tokens they hold.
+
+        When all tokens hit the cache we must still recompute the last one to get
+        its logits, so the hit is capped at num_tokens - 1.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            block = self.pool.lookup(block_hash, request.block_token_ids(i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def is_prefix_in_flight(self, request: Request, num_cached_blocks: int) -> bool:
+        """Whether the request's next uncached block is being computed by another running request."""
+        if not self.enable_caching or num_cached_blocks >= len(request.block_hashes):
+            return False
+        return self._in_flight[request.block_hashes[num_cached_blocks]] > 0
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()
+    ) -> list[KVBlock] | None:
+        """Blocks for `num_new_tokens` more tokens (after any cached prefix), or None if they don't fit.
+
+        Returns the blocks appended to the request's table. On None nothing has changed.
+        """
+        held = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_fresh = max(0, total_blocks - len(held) - len(cached_blocks))
+        num_revived = sum(1 for b in cached_blocks if b.ref_count == 0)  # they leave the free queue too
+        if num_fresh + num_revived > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(cached_blocks)
+        appended = list(cached_blocks) + self.pool.allocate(num_fresh)
+        if request.request_id not in self.req_blocks:
+            self.req_blocks[request.request_id] = held
+            self._num_hashed[request.request_id] = 0
+            self._mark_in_flight(request, len(cached_blocks))
+        held.extend(appended)
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return appended
+
+    def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
+        if not self.enable_caching:
+            return
+        rid, blocks = request.request_id, self.req_blocks[request.request_id]
+        num_full = min(num_tokens_after_step // self.block_size, len(request.block_hashes))
+        for i in range(self._num_hashed[rid], num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i], request.block_token_ids(i))
+        self._num_hashed[rid] = max(self._num_hashed[rid], num_full)
+        self._settle_in_flight(request, num_full)
+
+    def _mark_in_flight(self, request: Request, first_block: int) -> None:
+        if not self.enable_caching:
+            return
+        num_prompt_blocks = request.num_prompt_tokens // self.block_size
+        pending = list(range(first_block, num_prompt_blocks))  # block indexes still to compute
+        self._in_flight.update(request.block_hashes[i] for i in pending)
+        self._in_flight_of[request.request_id] = pending
+
+    def _settle_in_flight(self, request: Request, num_full: int) -> None:
+        """Blocks below num_full are cached now: they are no longer in flight."""
+        pending = self._in_flight_of.get(request.request_id)
+        if not pending or pending[0] >= num_full:
+            return
+        done = [i for i in pending if i < num_full]
+        self._in_flight.subtract(request.block_hashes[i] for i in done)
+        self._in_flight_of[request.request_id] = pending[len(done):]
+
+    def free(self, request: Request) -> None:
+        """Return a finished, aborted or preempted request's blocks, tail first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_hashed.pop(request.request_id, None)
+        pending = self._in_flight_of.pop(request.request_id, [])
+        self._in_flight.subtract(request.block_hashes[i] for i in pending)
+        self._in_flight = +self._in_flight  # drop zero counts so the map stays small
+        self.pool.free(reversed(blocks))

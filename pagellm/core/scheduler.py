@@ -1,0 +1,209 @@
+"""Scheduler: one rule — each request's num_computed_tokens catches up with its token count.
+
+There is no prefill or decode phase. A decode is a running request that needs
+one token; a prefill chunk is a request that needs many. Each step:
+
+  1. running decodes claim their tokens first (D tokens);
+  2. prefill (running chunks, then waiting requests in arrival order) shares a
+     budget of max(n_ubatch, T - D), so a long prompt is chunked and never
+     freezes the decodes batched with it;
+  3. when blocks run out, the newest running request is preempted: its blocks
+     are freed and it is recomputed later (mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.types import ModelOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        self._released: list[str] = []
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ValueError when it could never run."""
+        # A prompt must leave room for one generated token and fit the whole KV pool.
+        limit = min(self.max_model_len - 1, self.kv_cache.pool.num_blocks * self.kv_cache.block_size)
+        if request.num_prompt_tokens > limit:
+            raise ValueError(
+                f"prompt is {request.num_prompt_tokens} tokens, longer than the {limit} this engine can hold "
+                f"(max_model_len {self.max_model_len}, KV pool {self.kv_cache.pool.num_blocks} blocks of "
+                f"{self.kv_cache.block_size} tokens)"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish or abort a request wherever it is; its blocks and slot return at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        scheduled: list[ScheduledRequest] = []
+        num_decode = self._schedule_decodes(scheduled)
+        prefill_budget = max(self.config.n_ubatch, self.config.max_num_batched_tokens - num_decode)
+        interval = self.config.decode_stable_interval
+        if interval and num_decode and self.num_steps % interval:
+            prefill_budget = 0  # decode-stable mode: prefill only joins every K-th step
+        used = self._schedule_running_prefills(scheduled, prefill_budget)
+        self._schedule_waiting(scheduled, prefill_budget - used)
+        released, self._released = tuple(self._released), []
+        num_tokens = sum(len(item.token_ids) for item in scheduled)
+        num_decode = sum(1 for item in scheduled if item.new is None and len(item.token_ids) == 1)
+        return SchedulerOutput(tuple(scheduled), released, num_decode, num_tokens - num_decode)
+
+    def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; return the requests that got a token."""
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is not None:
+                request.num_computed_tokens += len(item.token_ids)
+        updated = []
+        for request_id, token_id in zip(model_output.request_ids, model_output.sampled_token_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.append_output_token(token_id)
+            updated.append(request)
+        return updated
+
+    def check_length_stop(self, request: Request) -> RequestStatus | None:
+        status = request.check_stop_token()
+        if status is None and request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        return status
+
+    # ---- one step, in three parts ---------------------------------------------------------
+
+    def _schedule_decodes(self, scheduled: list[ScheduledRequest]) -> int:
+        num_decode = 0
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            new_blocks = self._allocate_or_preempt(request, 1, scheduled)
+            if new_blocks is None:
+                continue  # the request itself was preempted
+            scheduled.append(self._make_item(request, 1, new_blocks))
+            num_decode += 1
+        return num_decode
+
+    def _schedule_running_prefills(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        used = 0
+        for request in list(self.running):
+            remaining = request.num_tokens - request.num_computed_tokens
+            if request.status != RequestStatus.RUNNING or remaining <= 1 or used >= budget:
+                continue
+            num_new = min(remaining, budget - used)
+            new_blocks = self._allocate_or_preempt(request, num_new, scheduled)
+            if new_blocks is None:
+                continue
+            scheduled.append(self._make_item(request, num_new, new_blocks))
+            used += num_new
+        return used
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        used, skipped = 0, []
+        while self.waiting and budget - used > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            hits, num_hit_tokens = self.kv_cache.find_cached_prefix(request)
+            if self.kv_cache.is_prefix_in_flight(request, len(hits)):
+                skipped.append(request)  # another request computes this prefix right now: share it next step
+                continue
+            num_new = min(request.num_tokens - num_hit_tokens, budget - used)
+            new_blocks = self.kv_cache.allocate(request, num_new, hits)
+            if new_blocks is None:
+                self.waiting.appendleft(request)  # no room: wait for blocks; FCFS keeps it first
+                break
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            request.slot = self._free_slots.pop()
+            self.running.append(request)
+            scheduled.append(self._make_item(request, num_new, new_blocks, is_new=True))
+            used += num_new
+        self.waiting.extendleft(reversed(skipped))
+        return used
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: list[ScheduledRequest]):
+        """Blocks for a running request, preempting the newest running requests until it fits.
+
+        A victim already scheduled in this step loses its slot in the step too.
+        """
+        while True:
+            new_blocks = self.kv_cache.allocate(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running[-1]
+            self._preempt(victim)
+            scheduled[:] = [item for item in scheduled if item.request_id != victim.request_id]
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
+        self._released.append(request.request_id)
+
+    def _make_item(self, request: Request, num_new: int, new_blocks, is_new: bool = False) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        new = None
+        if is_new:
+            new = NewRequestData(tuple(request.prompt_token_ids), tuple(request.output_token_ids),
+                                 request.sampling_params)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            slot=request.slot,
+            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            start_position=start,
+            new_block_ids=tuple(b.block_id for b in new_blocks),
+            sample=start + num_new == request.num_tokens,
+            new=new,
+        )

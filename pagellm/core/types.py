@@ -1,0 +1,63 @@
+"""The only types that cross from the scheduler to the runner (and from a head to its workers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent once, when a request first runs or resumes after preemption: what the slot needs to start."""
+
+    prompt_token_ids: tuple[int, ...]  # for penalties over the prompt
+    output_token_ids: tuple[int, ...]  # non-empty only on resume: recomputed like prompt tokens
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    slot: int  # row of the runner's persistent per-request buffers; stable while the request runs
+    token_ids: tuple[int, ...]  # tokens fed this step (one for a decode, a chunk for a prefill)
+    start_position: int  # position of token_ids[0] == tokens already in the KV cache
+    new_block_ids: tuple[int, ...]  # appended to the slot's block table this step (the whole table when new)
+    sample: bool  # this chunk reaches the last known token, so a next token is sampled
+    new: NewRequestData | None = None  # set on first schedule / resume; the slot is (re)initialised
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    # Requests that left since the previous step (finished, aborted, preempted): their slots are free.
+    released_request_ids: tuple[str, ...] = ()
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """Per scheduled request that sampled: its new token (and logprobs when asked)."""
+
+    request_ids: tuple[str, ...]
+    sampled_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...] | None = None

@@ -1,0 +1,69 @@
+"""AttentionMetadata: everything attention needs about one step, built once per step.
+
+A step packs the scheduled tokens of B requests back to back (T tokens in all).
+Request b owns rows query_start_loc[b] : query_start_loc[b+1] of every [T, ...]
+tensor; its context after this step is seq_lens[b] tokens, stored in the KV
+blocks block_tables[b, :ceil(seq_lens[b] / block_size)].
+
+    KV cache of one layer: [num_blocks, block_size, H_kv, D]
+    logical token j of request b  ->  block block_tables[b, j // block_size],
+                                      row   j % block_size
+
+The host-side lists mirror the tensors so that a Python-level kernel never has
+to read a device tensor back (no hidden host sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for each new token
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int64, context length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # [B, max_blocks] int64, physical block ids, padded with 0
+    block_size: int
+    query_start_loc_host: tuple[int, ...]  # same as query_start_loc, on the host
+    seq_lens_host: tuple[int, ...]  # same as seq_lens, on the host
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every request feeds exactly one token (the common steady-state step)."""
+        return self.query_start_loc_host[-1] == self.num_seqs
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Build from per-request host lists (query length, context length, block ids)."""
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        slots: list[int] = []
+        for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
+            for pos in range(slen - qlen, slen):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=0) or 1
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width),
+            block_size=block_size,
+            query_start_loc_host=tuple(starts),
+            seq_lens_host=tuple(seq_lens),
+        )

@@ -1,0 +1,244 @@
+"""Sampler: turn one step's logits [B, V] into one next token per request.
+
+Each stage runs only if some row in the batch needs it:
+
+    raw logits ─► log_softmax ─────────────────────────────────────────► logprobs (raw model distribution)
+        │
+        ▼
+    penalties (repetition over prompt + output; presence, frequency over output)
+        ├─► argmax ───────────────────────────────────────────────────► greedy rows
+        ▼
+    / temperature ─► top-k ─► top-p ─► softmax ─► min-p ─► argmax(probs / q) ─► sampled rows
+                                                   q ~ Exp(1): the row's own generator if it has a seed,
+                                                               else the sampler's generator
+
+Every decision is taken from host-side SamplingParams, never from tensor values, so __call__ does not
+wait on the device (no host sync); the runner reads the result back with a single .tolist().
+B = batch rows, V = vocabulary, K = most top logprobs any row asked for, N = rows with penalties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pagellm.sampling_params import SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What the engine's request provides for one logits row."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """Set by the engine iff sampling_params.seed is not None, seeded with it, on the logits' device."""
+        ...
+
+
+@dataclass(frozen=True)
+class LogprobsTensors:
+    sampled_logprobs: torch.Tensor  # [B] float32, logprob of the sampled token
+    sampled_ranks: torch.Tensor  # [B] int64, 1 + number of tokens strictly more likely than the sampled one
+    top_ids: torch.Tensor  # [B, K] int64, most likely first; a row that asked for n < K uses [:n]
+    top_logprobs: torch.Tensor  # [B, K] float32
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None):
+        self._seed = seed
+        # Rows without a seed draw from here. One generator per device, made on first use because
+        # the device is only known once logits arrive.
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        params = [row.sampling_params for row in rows]
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        needs_penalties = any(p.needs_penalties for p in params)
+        if not wants_logprobs and not needs_penalties and all(p.is_greedy for p in params):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
+
+        logits = logits.float()  # sampling maths in fp32 whatever the model's dtype; no copy if already fp32
+        # vLLM returns logprobs of the raw model distribution, before penalties and temperature.
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        if needs_penalties:
+            logits = apply_penalties(logits, rows)
+        token_ids = self._pick_tokens(logits, rows)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None)
+        num_top = max(p.logprobs or 0 for p in params)
+        return SamplerOutput(token_ids=token_ids, logprobs=_gather_logprobs(raw_logprobs, token_ids, num_top))
+
+    # ---- internal helpers -------------------------------------------------------------------------
+
+    def _pick_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        greedy = [row.sampling_params.is_greedy for row in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        sampled = self._sample(logits, rows)
+        if not any(greedy):
+            return sampled
+        is_greedy = torch.tensor(greedy, dtype=torch.bool, device=logits.device)
+        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Sample every row (greedy rows too; the caller discards those) from its filtered distribution."""
+        params = [row.sampling_params for row in rows]
+        device = logits.device
+        # Greedy rows get temperature 1 only to stay finite; their samples are thrown away.
+        temperature = [1.0 if p.is_greedy else p.temperature for p in params]
+        temperature = torch.tensor(temperature, dtype=logits.dtype, device=device)
+        logits = logits / temperature.unsqueeze(1)  # new tensor: the filters below may work in place
+        logits = _apply_top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+            probs = _apply_min_p(probs, min_p)
+        return sample_exponential_race_no_sync(probs, self._exponential_noise(probs, rows))
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """q ~ Exp(1), [B, V]. A seeded row's noise comes only from its own generator, so its tokens do
+        not depend on what else is in the batch or where the row sits in it."""
+        seeded = [i for i, row in enumerate(rows) if row.generator is not None and not row.sampling_params.is_greedy]
+        noise = torch.empty_like(probs)
+        if len(seeded) < len(rows):
+            noise.exponential_(generator=self._generator(probs.device))  # one batched draw for the rest
+        for i in seeded:
+            noise[i].exponential_(generator=rows[i].generator)
+        return noise
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()  # fresh OS entropy; never touches torch's global RNG
+            else:
+                generator.manual_seed(self._seed)
+            self._generators[device] = generator
+        return generator
+
+
+def sample_exponential_race_no_sync(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i] / sum(probs), like
+    torch.multinomial but without its host sync; probs need not be normalised. Overwrites both inputs."""
+    # exponential_ can return exactly 0; then a filtered token (prob 0) would become 0/0 = NaN, and
+    # argmax picks NaN. Flooring q keeps filtered tokens at 0 and only makes a kept token win outright.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Logits [B, V] with repetition, presence and frequency penalties applied, as a new tensor.
+
+    repetition (HF / vLLM): every token seen in prompt or output: logit / p if logit > 0 else logit * p
+    presence, frequency (OpenAI): logit -= presence * (count > 0) + frequency * count, output tokens only
+    Rows that need no penalty are left as they are; only the N rows that do are gathered and processed.
+    """
+    picked = [i for i, row in enumerate(rows) if row.sampling_params.needs_penalties]
+    if not picked:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    params = [rows[i].sampling_params for i in picked]
+    index = torch.tensor(picked, dtype=torch.int64, device=device)
+    sub = logits.index_select(0, index)  # [N, V]
+    output_counts = _token_counts([rows[i].output_token_ids for i in picked], vocab, sub.dtype, device)  # [N, V]
+    output_seen = output_counts > 0
+
+    if any(p.repetition_penalty != 1.0 for p in params):  # skip scattering long prompts when unused
+        prompt_seen = _token_counts([rows[i].prompt_token_ids for i in picked], vocab, sub.dtype, device) > 0
+        repetition = _column([p.repetition_penalty for p in params], sub.dtype, device)
+        penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub = torch.where(prompt_seen | output_seen, penalised, sub)
+    frequency = _column([p.frequency_penalty for p in params], sub.dtype, device)
+    presence = _column([p.presence_penalty for p in params], sub.dtype, device)
+    sub = sub - frequency * output_counts - presence * output_seen.to(sub.dtype)
+    return logits.index_copy(0, index, sub)
+
+
+def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)  # [N, 1], broadcasts over V
+
+
+def _token_counts(
+    token_lists: list[Sequence[int]], vocab: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[N, V] occurrences of each token id per row, by one scatter_add over a padded [N, L] id tensor."""
+    id_rows = [torch.as_tensor(tokens, dtype=torch.int64) for tokens in token_lists]
+    # Pad with id V, which lands in a spare column that is cut off afterwards.
+    ids = torch.nn.utils.rnn.pad_sequence(id_rows, batch_first=True, padding_value=vocab).to(device)
+    counts = torch.zeros(len(id_rows), vocab + 1, dtype=dtype, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=dtype))
+    return counts[:, :vocab]
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Set logits outside each row's top-k and then outside its nucleus (top-p) to -inf.
+
+    Ties with the k-th largest logit are kept (as in vLLM). A full sort only happens if some row uses top-p;
+    top-k alone needs just torch.topk up to the largest k asked for.
+    """
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: off (also for k >= V)
+    any_top_p = any(p.top_p < 1.0 for p in params)
+    if not any_top_p and not any(top_k):
+        return logits
+    k = torch.tensor(top_k, dtype=torch.int64, device=logits.device)
+    if not any_top_p:
+        largest = logits.topk(max(top_k), dim=-1).values  # [B, max k], descending
+        return logits.masked_fill_(logits < _kth_largest(largest, k), float("-inf"))
+
+    # stable: rows with tied logits sort the same way whatever else is in the batch
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    sorted_logits.masked_fill_(sorted_logits < _kth_largest(sorted_logits, k), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each token
+    # Keep tokens until the kept mass reaches top_p: the smallest prefix with mass >= top_p. The top
+    # token has mass_before == 0 < top_p, so it always survives. Rows without top-p get an infinite
+    # threshold, so rounding that pushes the cumulative mass past 1.0 cannot drop their tail.
+    top_p = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], probs.dtype, probs.device)
+    sorted_logits.masked_fill_(mass_before >= top_p, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def _kth_largest(descending: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[B, 1] per-row k-th largest value from values sorted descending; -inf (keep all) where k == 0."""
+    kth = descending.gather(1, (k - 1).clamp_min(0).unsqueeze(1))
+    return kth.masked_fill_(k.unsqueeze(1) == 0, float("-inf"))
+
+
+def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens with prob < min_p * max prob. Ratios to the max are unchanged by renormalising, so
+    probs need not sum to 1 here, and the sampler below does not need them to."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
+    # Ties with the sampled token do not push it down, so a greedy token always ranks 1.
+    # (vLLM counts ties as ahead, >=; the two differ only on exact ties.)
+    ranks = (raw_logprobs > sampled).sum(dim=-1) + 1
+    top = raw_logprobs.topk(num_top, dim=-1)  # num_top may be 0: rows asked only for the sampled token
+    return LogprobsTensors(
+        sampled_logprobs=sampled.squeeze(1),
+        sampled_ranks=ranks,
+        top_ids=top.indices,
+        top_logprobs=top.values,
+    )

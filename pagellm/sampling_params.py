@@ -1,0 +1,80 @@
+"""SamplingParams: how one request turns logits into tokens, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Above this a softmax over fp32 logits is numerically meaningless; vLLM caps top-n logprobs similarly.
+MAX_LOGPROBS = 20
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) means the whole vocabulary
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs returned per token, besides the sampled one's
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self):
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_float("temperature", self.temperature, 0.0, 100.0)
+        _check_float("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _check_int("top_k", self.top_k, -1)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63))
+        _check_float("repetition_penalty", self.repetition_penalty, 1e-6, 100.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        # Normalise list-like inputs to tuples so the object stays hashable and immutable.
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = tuple(self.stop_token_ids or ())
+        for i in ids:
+            _check_int("stop_token_ids", i, 0)
+        object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

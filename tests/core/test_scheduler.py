@@ -1,0 +1,141 @@
+import pytest
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import Scheduler
+from pagellm.core.types import ModelOutput
+from pagellm.request import RequestStatus
+
+from core_builders import make_request
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, **kwargs):
+    cfg = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "n_ubatch": 4, **kwargs})
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size), max_model_len)
+
+
+def run_step(sched, token=7):
+    out = sched.schedule()
+    sampled = [item.request_id for item in out.scheduled if item.sample]
+    updated = sched.update(out, ModelOutput(tuple(sampled), tuple([token] * len(sampled))))
+    for req in updated:
+        status = sched.check_length_stop(req)
+        if status is not None:
+            sched.finish(req.request_id, status)
+    return out
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running():
+    sched = make_scheduler()
+    sched.add_request(make_request("short", range(5), max_tokens=20))
+    run_step(sched)  # short: whole prompt, samples its first token
+    sched.add_request(make_request("long", range(100, 200), max_tokens=4))
+    out = run_step(sched)
+    by_id = {item.request_id: item for item in out.scheduled}
+    assert len(by_id["short"].token_ids) == 1  # the decode was not frozen
+    assert len(by_id["long"].token_ids) == 31  # prefill budget max(n_ubatch, T - D) = 32 - 1
+    assert not by_id["long"].sample
+    steps = 1
+    while sched.requests["long"].num_computed_tokens < 100:
+        out = run_step(sched)
+        assert "short" in {i.request_id for i in out.scheduled}
+        steps += 1
+    assert steps == 4  # 31 + 31 + 31 + 7
+
+
+def test_prefill_budget_never_below_n_ubatch():
+    sched = make_scheduler(max_num_batched_tokens=8, n_ubatch=4, max_num_seqs=16)
+    for i in range(8):
+        sched.add_request(make_request(f"d{i}", [i], max_tokens=50))
+    run_step(sched)  # 8 one-token prompts
+    sched.add_request(make_request("p", range(100, 140)))
+    out = run_step(sched)
+    assert out.num_decode_tokens == 8 and out.num_prefill_tokens == 4
+
+
+def test_decode_stable_mode_admits_prefill_every_k_steps():
+    sched = make_scheduler(decode_stable_interval=3)
+    sched.add_request(make_request("d", range(3), max_tokens=30))
+    run_step(sched)
+    sched.add_request(make_request("p", range(50, 60)))
+    admitted_at = None
+    for step in range(2, 6):
+        out = run_step(sched)
+        if any(i.request_id == "p" for i in out.scheduled):
+            admitted_at = sched.num_steps
+            break
+    assert admitted_at is not None and admitted_at % 3 == 0
+
+
+def test_concurrent_requests_compute_a_shared_prefix_once():
+    sched = make_scheduler(max_num_batched_tokens=64)
+    prefix = list(range(300, 324))  # 6 full blocks of 4
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", prefix + [i, i + 1, i + 2]))
+    out = run_step(sched)
+    fed = {item.request_id: len(item.token_ids) for item in out.scheduled}
+    assert fed["r0"] == 27
+    assert all(fed[f"r{i}"] == 3 for i in range(1, 4))  # each prefills only its own suffix
+    assert all(sched.requests[f"r{i}"].num_cached_tokens == 24 for i in range(1, 4))
+
+
+def test_follower_waits_for_a_chunked_leader_instead_of_recomputing():
+    sched = make_scheduler(max_num_batched_tokens=8, n_ubatch=8)
+    prefix = list(range(500, 532))  # 8 blocks, needs 4 steps at 8 tokens per step
+    sched.add_request(make_request("lead", prefix + [1]))
+    sched.add_request(make_request("follow", prefix + [2]))
+    total_fed = 0
+    for _ in range(12):
+        out = run_step(sched)
+        total_fed += sum(len(i.token_ids) for i in out.scheduled)
+        if not sched.has_unfinished() or all(r.num_output_tokens for r in sched.requests.values()):
+            break
+    assert total_fed == 33 + 1  # lead computes the whole prompt; follow only its one-token suffix
+    assert sched.requests["follow"].num_cached_tokens == 32
+
+
+def test_preemption_frees_the_newest_and_it_resumes():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    sched.add_request(make_request("old", range(8), max_tokens=12))
+    sched.add_request(make_request("new", range(100, 108), max_tokens=12))
+    run_step(sched)  # 2 + 2 blocks
+    preempted_seen = False
+    for _ in range(40):
+        out = run_step(sched)
+        if "new" in out.released_request_ids and sched.requests.get("new") is not None:
+            preempted_seen = preempted_seen or sched.requests["new"].num_preemptions > 0
+        if not sched.has_unfinished():
+            break
+    assert preempted_seen and sched.num_preemptions >= 1
+    assert not sched.has_unfinished()
+    assert sched.kv_cache.pool.num_free_blocks == 6  # no leak
+
+
+def test_prompt_longer_than_context_or_pool_is_rejected():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=100)
+    with pytest.raises(ValueError, match="prompt is 17 tokens"):
+        sched.add_request(make_request("big", range(17)))  # pool holds 16
+    sched2 = make_scheduler(max_model_len=10)
+    with pytest.raises(ValueError, match="max_model_len 10"):
+        sched2.add_request(make_request("ctx", range(10)))
+
+
+def test_abort_returns_blocks_and_slot():
+    sched = make_scheduler(num_blocks=16)
+    sched.add_request(make_request("a", range(10), max_tokens=100))
+    sched.add_request(make_request("b", range(20, 30), max_tokens=100))
+    run_step(sched)
+    sched.finish("a", RequestStatus.FINISHED_ABORTED)
+    sched.finish("b", RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache.pool.num_free_blocks == 16 and not sched.has_unfinished()
+    out = sched.schedule()
+    assert set(out.released_request_ids) == {"a", "b"}
+    assert sorted(sched._free_slots) == list(range(8))
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        sched.add_request(make_request(str(i), range(i * 10, i * 10 + 3), max_tokens=5))
+    out = run_step(sched)
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 2
