@@ -94,7 +94,7 @@ class Sampler:
         sampled = self._sample(logits, rows)
         if not any(greedy):
             return sampled
-        is_greedy = torch.tensor(greedy, dtype=torch.bool, device=logits.device)
+        is_greedy = _to_device(greedy, torch.bool, logits.device)
         return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -102,14 +102,12 @@ class Sampler:
         params = [row.sampling_params for row in rows]
         device = logits.device
         # Greedy rows get temperature 1 only to stay finite; their samples are thrown away.
-        temperature = [1.0 if p.is_greedy else p.temperature for p in params]
-        temperature = torch.tensor(temperature, dtype=logits.dtype, device=device)
-        logits = logits / temperature.unsqueeze(1)  # new tensor: the filters below may work in place
+        temperature = _column([1.0 if p.is_greedy else p.temperature for p in params], logits.dtype, device)
+        logits = logits / temperature  # new tensor: the filters below may work in place
         logits = _apply_top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
-            probs = _apply_min_p(probs, min_p)
+            probs = _apply_min_p(probs, _column([p.min_p for p in params], probs.dtype, device))
         return sample_exponential_race_no_sync(probs, self._exponential_noise(probs, rows))
 
     def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -156,7 +154,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         return logits
     device, vocab = logits.device, logits.shape[-1]
     params = [rows[i].sampling_params for i in picked]
-    index = torch.tensor(picked, dtype=torch.int64, device=device)
+    index = _to_device(picked, torch.int64, device)
     sub = logits.index_select(0, index)  # [N, V]
     output_counts = _token_counts([rows[i].output_token_ids for i in picked], vocab, sub.dtype, device)  # [N, V]
     output_seen = output_counts > 0
@@ -172,8 +170,17 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return logits.index_copy(0, index, sub)
 
 
+def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on `device`, without a host sync: torch.tensor(..., device="cuda") is a blocking copy
+    that first waits for all queued GPU work (the forward pass); a copy from pinned memory does not."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)  # [N, 1], broadcasts over V
+    return _to_device(values, dtype, device).unsqueeze(1)  # [N, 1], broadcasts over V
 
 
 def _token_counts(
@@ -182,7 +189,8 @@ def _token_counts(
     """[N, V] occurrences of each token id per row, by one scatter_add over a padded [N, L] id tensor."""
     id_rows = [torch.as_tensor(tokens, dtype=torch.int64) for tokens in token_lists]
     # Pad with id V, which lands in a spare column that is cut off afterwards.
-    ids = torch.nn.utils.rnn.pad_sequence(id_rows, batch_first=True, padding_value=vocab).to(device)
+    ids = torch.nn.utils.rnn.pad_sequence(id_rows, batch_first=True, padding_value=vocab)  # [N, L]
+    ids = _to_device(ids, torch.int64, device)
     counts = torch.zeros(len(id_rows), vocab + 1, dtype=dtype, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=dtype))
     return counts[:, :vocab]
@@ -199,7 +207,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     any_top_p = any(p.top_p < 1.0 for p in params)
     if not any_top_p and not any(top_k):
         return logits
-    k = torch.tensor(top_k, dtype=torch.int64, device=logits.device)
+    k = _to_device(top_k, torch.int64, logits.device)
     if not any_top_p:
         largest = logits.topk(max(top_k), dim=-1).values  # [B, max k], descending
         return logits.masked_fill_(logits < _kth_largest(largest, k), float("-inf"))
@@ -224,9 +232,9 @@ def _kth_largest(descending: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero tokens with prob < min_p * max prob. Ratios to the max are unchanged by renormalising, so
-    probs need not sum to 1 here, and the sampler below does not need them to."""
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    """Zero tokens with prob < min_p * max prob (min_p is [B, 1]). Ratios to the max are unchanged by
+    renormalising, so probs need not sum to 1 here, and the sampler below does not need them to."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
     return probs.masked_fill_(probs < threshold, 0.0)
 
 
