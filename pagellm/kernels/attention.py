@@ -49,7 +49,11 @@ def _attend(
         visible &= (query_pos[:, :, None] - key_pos[None, None, :]) < sliding_window  # [B, Lq, L]
     scores = scores.masked_fill(~visible[:, None, None, :, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgql,blhd->bqhgd", probs, values.float())
+    # Rows past a sequence's end hold whatever the block last stored (or uninitialised memory):
+    # zero them, since 0 * NaN would still poison the weighted sum.
+    in_range = (key_pos[None, :] < kv_lens[:, None])[:, :, None, None]  # [B, L, 1, 1]
+    values = values.float().masked_fill(~in_range, 0.0)
+    out = torch.einsum("bhgql,blhd->bqhgd", probs, values)
     return out.to(query.dtype)
 
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 # Types whose frequencies do not depend on the sequence length ("dynamic" and
-# "longrope" change with it, "yarn" also rescales attention: not supported yet).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "longrope" change with it: not supported yet).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config, layer_type: str | None = None) -> dict:
@@ -48,36 +48,71 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def compute_inv_freq(head_dim: int, params: dict, device: torch.device | str | None = None) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies for one RoPE parameter dict."""
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(head_dim: int, params: dict, max_position_embeddings: int, device) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp between; scale cos/sin. As HF computes it."""
+    base, original_max = params["rope_theta"], params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / original_max
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:  # the dim that turns num_rotations times over original_max
+        return head_dim * math.log(original_max / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # prevent a division by zero, as HF does
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = (1 - ramp).to(device=device)  # [D/2]: 1 keeps the original frequency
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(device=device, dtype=torch.float) / head_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def compute_rope(head_dim: int, params: dict, max_position_embeddings: int,
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+    """[head_dim / 2] float32 inverse frequencies, and the factor cos/sin are multiplied by."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "yarn":
+        return _yarn(head_dim, params, max_position_embeddings, device)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (params["rope_theta"] ** exponents)
     if rope_type == "linear":
-        return inv_freq / params["factor"]
+        return inv_freq / params["factor"], 1.0
     if rope_type == "llama3":
-        return _llama3_scaling(inv_freq, params)
-    return inv_freq
+        return _llama3_scaling(inv_freq, params), 1.0
+    return inv_freq, 1.0
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, params: dict):
+    def __init__(self, head_dim: int, params: dict, max_position_embeddings: int):
         super().__init__()
-        compute_inv_freq(head_dim, params, device="meta")  # reject an unsupported config at build time
-        self.head_dim, self.params = head_dim, dict(params)
+        _, self.attention_scaling = compute_rope(head_dim, params, max_position_embeddings, device="meta")
+        self.head_dim, self.params, self.max_position_embeddings = head_dim, dict(params), max_position_embeddings
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
 
     def materialize(self, device: torch.device | str) -> None:
         """(Re)compute the buffer for real: a model built on the meta device calls this after loading."""
-        self.inv_freq = compute_inv_freq(self.head_dim, self.params, device=device)
+        self.inv_freq, _ = compute_rope(self.head_dim, self.params, self.max_position_embeddings, device=device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq.float()[None, :]  # [T, D/2]
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

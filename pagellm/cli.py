@@ -1,0 +1,88 @@
+"""`pagellm generate ...` (and later serve / bench): flags derived from the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+
+from pagellm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+_ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+
+
+def _field_type(cls, f: dataclasses.Field):
+    hint = typing.get_type_hints(cls)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0]
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One --flag per config field, typed and documented from the dataclass."""
+    for section, cls in _ENGINE_SECTIONS:
+        group = parser.add_argument_group(f"{section} options")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _field_type(cls, f)
+            default = f.default
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                   help=f.metadata.get("help"))
+            else:
+                group.add_argument(flag, type=kind, default=default, help=f.metadata.get("help"))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    parts = {}
+    for section, cls in _ENGINE_SECTIONS:
+        parts[section] = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    return EngineConfig(**parts)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagellm.engine import LLMEngine
+    from pagellm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    engine = LLMEngine(engine_config_from_args(args))
+    engine.add_request(args.prompt, params)
+    sys.stdout.write(args.prompt)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="LLM inference over a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and stream it to stdout")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pagellm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

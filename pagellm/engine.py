@@ -1,0 +1,140 @@
+"""LLMEngine: add_request / step / abort over the scheduler and the model runner.
+
+    step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update()
+             -> detokenize, stop strings, finish -> RequestOutput per updated request
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import torch
+
+from pagellm.config import EngineConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import Scheduler
+from pagellm.engine_stats import EngineStats
+from pagellm.loader.model_loader import load_model
+from pagellm.output_processor import RequestState
+from pagellm.outputs import RequestOutput
+from pagellm.request import Request, RequestStatus
+from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagellm.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GIB = 1 << 30
+
+
+def default_kv_cache_gib() -> float:
+    """A quarter of the RAM available now, capped at 4 GiB (pages are committed only when written)."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = 8 * _GIB
+    return min(4.0, available / 4 / _GIB)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
+        self.config = config
+        mc, cc = config.model, config.cache
+        self.device = torch.device(mc.device)
+        self.dtype = _DTYPES[mc.dtype or "float32"]
+        loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init)
+        self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        self.model_path = loaded.path
+        context = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        self.max_model_len = min(mc.max_model_len or context, context)
+        per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.dtype)
+        budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_gib()
+        num_blocks = int(budget * _GIB // per_block)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {budget} GiB holds no block of {per_block} bytes")
+        self.kv_cache = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, config.scheduler.max_num_seqs,
+                                  self.dtype, self.device)
+        self.eos_token_ids = self._eos_ids()
+        self._states: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self.counters = EngineStats()
+
+    def _eos_ids(self) -> frozenset[int]:
+        if self.tokenizer is not None:
+            return frozenset(self.tokenizer.eos_token_ids)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        return frozenset(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt must be token ids: this engine was started without a tokenizer")
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; raises ValueError for a prompt that could never run."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        request = Request(request_id, token_ids, params, self.config.cache.block_size,
+                          self.eos_token_ids, arrival_time)
+        self.scheduler.add_request(request)
+        self._states[request_id] = RequestState(request, prompt if isinstance(prompt, str) else None,
+                                                self.tokenizer)
+        self.counters.prompt_tokens += len(token_ids)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        self._states.pop(request_id, None)
+        return self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        output = self.scheduler.schedule()
+        schedule_ms = (time.perf_counter() - t0) * 1e3
+        if output.is_empty:
+            return []
+        model_output = self.runner.execute(output)
+        updated = self.scheduler.update(output, model_output)
+        self.counters.record_step(output, schedule_ms, self.runner.last_timings, self.scheduler)
+        logprobs = dict(zip(model_output.request_ids, model_output.logprobs or ()))
+        results = []
+        for request in updated:
+            state = self._states[request.request_id]
+            finish = state.add_token(request.output_token_ids[-1], logprobs.get(request.request_id))
+            status = finish or self.scheduler.check_length_stop(request)
+            if status is not None:
+                self.scheduler.finish(request.request_id, status)
+                del self._states[request.request_id]
+            results.append(state.make_output(status))
+        return results
+
+    def stats(self) -> dict:
+        return self.counters.as_dict(self.kv_cache, self.scheduler)

@@ -1,0 +1,56 @@
+"""EngineStats: cheap running counters behind LLM.stats() and the server's /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    decode_tokens: int = 0
+    num_steps: int = 0
+    host_ms_total: float = 0.0  # scheduling + input preparation, before the model runs
+    model_ms_total: float = 0.0
+    sample_ms_total: float = 0.0
+    host_syncs_total: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_queried_tokens: int = 0
+
+    def record_step(self, output, schedule_ms: float, timings, scheduler) -> None:
+        self.num_steps += 1
+        self.decode_tokens += output.num_decode_tokens
+        self.computed_prefill_tokens += output.num_prefill_tokens
+        self.host_ms_total += schedule_ms + timings.host_ms
+        self.model_ms_total += timings.model_ms
+        self.sample_ms_total += timings.sample_ms
+        self.host_syncs_total += timings.host_syncs
+        for item in output.scheduled:
+            if item.new is not None and not item.new.output_token_ids:  # first admission, not a resume
+                request = scheduler.requests.get(item.request_id)
+                if request is not None:
+                    self.prefix_cache_hit_tokens += request.num_cached_tokens
+                    self.prefix_cache_queried_tokens += request.num_prompt_tokens
+
+    def as_dict(self, kv_cache, scheduler) -> dict:
+        steps = max(self.num_steps, 1)
+        pool = kv_cache.pool
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "computed_prefill_tokens": self.computed_prefill_tokens,
+            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
+            "prefix_cache_queried_tokens": self.prefix_cache_queried_tokens,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_cached": pool.num_cached_blocks,
+            "num_preemptions": scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "decode_tokens": self.decode_tokens,
+            "host_ms_per_step": self.host_ms_total / steps,
+            "model_ms_per_step": self.model_ms_total / steps,
+            "sample_ms_per_step": self.sample_ms_total / steps,
+            "host_syncs_per_step": self.host_syncs_total / steps,
+            "num_requests_running": len(scheduler.running),
+            "num_requests_waiting": len(scheduler.waiting),
+        }

@@ -1,0 +1,96 @@
+"""LLM: offline batch generation on LLMEngine, with a progress bar over requests."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm import tqdm
+
+from pagellm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagellm.engine import LLMEngine
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM(model=None)` serves the embedded Gemma 3 270M; otherwise a GGUF path or an HF directory."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory: float | None = None,
+        max_model_len: int | None = None,
+        n_ubatch: int = 64,
+        decode_stable_interval: int = 0,
+        device: str = "cpu",
+        skip_tokenizer_init: bool = False,
+    ):
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      n_ubatch=n_ubatch, decode_stable_interval=decode_stable_interval),
+        )
+        self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in the order given. Prompts: a string, strings, or token-id lists."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
+        # Validate every prompt before queueing any, so a bad one leaves no half-submitted batch.
+        token_lists = [self.engine.tokenize(p) for p in prompt_list]
+        ids = []
+        try:
+            for prompt, tokens, params in zip(prompt_list, token_lists, params_list):
+                ids.append(self.engine.add_request(prompt if isinstance(prompt, str) else tokens, params))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        raise ValueError("a single token-id prompt must be wrapped in a list: generate([[1, 2, 3]])")
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    return prompts

@@ -1,0 +1,202 @@
+"""Tokenizers for HF checkpoint directories and GGUF files, with chat templates and streaming decode.
+
+An HF directory loads with transformers' AutoTokenizer (tokenizer.json, tokenizer_config.json,
+chat_template.jinja). A GGUF file's tokenizer is rebuilt by transformers from the file's metadata
+(vocabulary, scores or merges, special ids); we call the fast-tokenizer class directly, because
+AutoTokenizer would first rebuild the model config through gguf.GGUFReader (~10 s on Gemma 3).
+Nothing is fetched from the network (local_files_only).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from pagellm.loader.gguf import read_gguf_header
+
+# Tokens that end a turn or a text in the families we serve. llama.cpp treats these as
+# end-of-generation whenever the vocabulary has them as control tokens (llama-vocab.cpp),
+# because files rarely list them: Gemma's GGUF says eos = <eos> (1), yet an instruction-tuned
+# Gemma ends its answer with <end_of_turn> (106), as its generation_config.json [1, 106] says.
+END_OF_TURN_TOKENS = (
+    "<end_of_turn>",  # Gemma
+    "<|im_end|>",  # ChatML: Qwen
+    "<|endoftext|>",  # Qwen base models, GPT-2 family
+    "<|eot_id|>",  # Llama 3
+    "<|eom_id|>",  # Llama 3 tool calls
+    "<|end_of_text|>",  # Llama 3 base
+    "<|end|>",  # Phi-3
+)
+
+# Gemma's chat format, for Gemma GGUFs that carry no tokenizer.chat_template (such as the embedded
+# one: llama.cpp's converter did not read the separate chat_template.jinja of newer HF repos).
+# This is the text part of the template Google ships with Gemma 3: the system prompt is folded
+# into the first user turn, and the assistant's role is called "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+# For a model with no chat template at all (a base model): one "role: content" line per message.
+PLAIN_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}{{ message['role'] + ': ' + message['content'] + '\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}assistant:{%- endif -%}"
+)
+
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class Tokenizer:
+    """A transformers tokenizer with the few operations the engine needs."""
+
+    def __init__(
+        self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int], chat_template: str | None
+    ):
+        self.hf_tokenizer = hf_tokenizer
+        self.chat_template = chat_template or _fallback_chat_template(hf_tokenizer)
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids) | _end_of_turn_ids(hf_tokenizer)
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)  # with added tokens; the model's embedding may be larger
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # A rendered chat template often starts with the BOS text itself (Gemma's does); adding
+        # BOS again would feed the model two, which it never saw in training.
+        bos = self.bos_token_id
+        if add_special_tokens and bos is not None and ids[:2] == [bos, bos] and text.startswith(self._bos_text):
+            ids = ids[1:]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation: [{"role": "user", "content": "..."}, ...]."""
+        if not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
+        return self.hf_tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    @property
+    def _bos_text(self) -> str:
+        return self.hf_tokenizer.bos_token or "\0"  # no BOS text: a prefix no prompt starts with
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of an HF checkpoint directory or of a GGUF file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer not found: {str(path)!r} (expected a GGUF file or an HF directory)")
+    if path.is_file():
+        return _load_gguf_tokenizer(path)
+    if not any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {str(path)!r}: expected one of {list(_HF_TOKENIZER_FILES)}")
+    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    eos = {hf.eos_token_id} | _config_eos_ids(path / "config.json")
+    eos |= _config_eos_ids(path / "generation_config.json")  # e.g. Gemma: [1, 106]
+    return Tokenizer(hf, {i for i in eos if i is not None}, hf.chat_template)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text as they arrive, without ever cutting a character in half.
+
+    As in vLLM, each step decodes a short window twice: ids[prefix:read] (text already emitted)
+    and ids[prefix:] (the same plus the new ids), and emits the difference. Decoding from a few
+    ids back keeps SentencePiece's leading spaces right (a lone "▁Paris" may decode as "Paris"),
+    and a text ending in U+FFFD is held back until the ids that complete the character arrive.
+    """
+
+    _CONTEXT = 5  # prompt ids kept as left context for the first decoded window
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = list(prompt_ids)
+        self._read = len(self._ids)  # ids before this are already emitted (or are the prompt)
+        self._prefix = max(self._read - self._CONTEXT, 0)  # window start: left context for decoding
+        self._text_parts: list[str] = []
+
+    def add(self, token_id: int) -> str:
+        """Append one generated id; returns the text it completes (often "", sometimes several chars)."""
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an incomplete character shows as U+FFFD); for a finished request."""
+        return self._emit(final=True)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text_parts)
+
+    def _emit(self, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip_special)
+        full_text = decode(self._ids[self._prefix :], skip_special_tokens=self._skip_special)
+        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._text_parts.append(new_text)
+        return new_text
+
+
+def _load_gguf_tokenizer(path: Path) -> Tokenizer:
+    metadata = read_gguf_header(path).metadata
+    if "tokenizer.ggml.model" not in metadata:
+        raise FileNotFoundError(f"GGUF file {str(path)!r} has no tokenizer (no tokenizer.ggml.model metadata)")
+    hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    # llama.cpp's end-of-generation ids, where the file states them
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    eos = {metadata[k] for k in keys if k in metadata}
+    return Tokenizer(hf, eos, metadata.get("tokenizer.chat_template"))
+
+
+def _config_eos_ids(config_file: Path) -> set[int]:
+    """eos_token_id of a config.json / generation_config.json: absent, one id, or a list."""
+    if not config_file.is_file():
+        return set()
+    value = json.loads(config_file.read_text()).get("eos_token_id")
+    if value is None:
+        return set()
+    return set(value) if isinstance(value, list) else {value}
+
+
+def _end_of_turn_ids(hf: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Ids of END_OF_TURN_TOKENS that this vocabulary has as special (control) tokens."""
+    special = {i for i, tok in hf.added_tokens_decoder.items() if tok.special}
+    vocab = hf.get_vocab()
+    return frozenset(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] in special)
+
+
+def _fallback_chat_template(hf: PreTrainedTokenizerBase) -> str:
+    """Gemma's format when the vocabulary has Gemma's turn markers as special tokens, else plain lines."""
+    vocab = hf.get_vocab()
+    special = {i for i, tok in hf.added_tokens_decoder.items() if tok.special}
+    if all(t in vocab and vocab[t] in special for t in ("<start_of_turn>", "<end_of_turn>")):
+        return GEMMA_CHAT_TEMPLATE
+    return PLAIN_CHAT_TEMPLATE

@@ -1,0 +1,112 @@
+"""Gemma 3 text (Gemma3ForCausalLM, config Gemma3TextConfig / model_type gemma3_text).
+
+Differences from Llama, in reading order:
+- RMSNorm scales by (1 + w); q_norm/k_norm per head before RoPE; four norms per
+  layer (before and after attention, before and after the MLP).
+- Layers are "sliding_attention" (window `config.sliding_window`) or
+  "full_attention" (`config.layer_types`); each type has its own RoPE
+  parameters (`config.rope_parameters[layer_type]`, e.g. theta 10k local, 1M global).
+- Query scale is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5.
+- Embeddings are multiplied by sqrt(hidden), rounded to the model dtype as HF does.
+- gelu-tanh MLP; final logits soft-capped when `final_logit_softcapping` is set
+  (done by LlamaForCausalLM.compute_logits).
+
+Legend: T = tokens, H = query heads, K = kv heads, D = head_dim, E = hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.layers.attention import PagedAttention
+from pagellm.layers.mlp import GatedMLP
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagellm.models.llama import LlamaForCausalLM, head_dim_of, sliding_window_of
+from pagellm.runner.attention_metadata import AttentionMetadata
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        hidden, head_dim = config.hidden_size, head_dim_of(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, head_dim)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=True)
+        # No attention soft-capping: HF's Gemma3Attention never passes attn_logit_softcapping
+        # to its attention function (Gemma 2 did), and released Gemma 3 configs set it to null.
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim,
+                                   scale=config.query_pre_attn_scalar**-0.5,
+                                   sliding_window=sliding_window_of(config, layer_idx))
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = h.shape[0]
+        q = self.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, meta))  # [T, H * D] -> [T, E]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_type = config.layer_types[layer_idx]
+        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
+        self.input_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, meta))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))  # [T, E]
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("Gemma 3 with use_bidirectional_attention (embedding models) is not supported")
+        self.hidden_size = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.register_buffer("embed_scale", torch.tensor(self.hidden_size**0.5), persistent=False)
+        self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+        head_dim, max_positions = head_dim_of(config), config.max_position_embeddings
+        self.rotary_emb = nn.ModuleDict({
+            layer_type: RotaryEmbedding(head_dim, rope_parameters(config, layer_type), max_positions)
+            for layer_type in sorted(set(config.layer_types))
+        })
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        weight = self.embed_tokens.weight
+        h = self.embed_tokens(input_ids) * self.embed_scale.to(weight.dtype)  # [T, E]; sqrt(E) rounded to dtype
+        rope = {layer_type: emb(positions, h.dtype) for layer_type, emb in self.rotary_emb.items()}
+        for layer in self.layers:
+            cos, sin = rope[layer.layer_type]  # [T, D/2] each
+            h = layer(h, cos, sin, meta)
+        return self.norm(h)  # [T, E]
+
+    def materialize_buffers(self, device: torch.device) -> None:
+        self.embed_scale = torch.tensor(self.hidden_size**0.5, device=device)
+        for emb in self.rotary_emb.values():
+            emb.materialize(device)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Same head as Llama (tied by default in Gemma configs, soft-capped logits if configured)."""
+
+    @staticmethod
+    def build_backbone(config) -> nn.Module:
+        return Gemma3Model(config)

@@ -1,0 +1,186 @@
+"""Llama family: Llama 2/3 and Mistral; Qwen2, Qwen3 and Gemma 3 build on its pieces.
+
+Legend: T = tokens in the step (all requests packed), H = query heads,
+K = kv heads, D = head_dim, E = hidden size, V = vocab size.
+
+Module and parameter names mirror the HF checkpoint names, so loading is a
+strict name match (`load_checkpoint_weights`). Models are built on the meta
+device (see registry.build_model) and weights are assigned as they stream in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.layers.attention import PagedAttention
+from pagellm.layers.mlp import GatedMLP
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagellm.runner.attention_metadata import AttentionMetadata
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The attention window of one layer, None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral: one window (or none) for every layer
+        return window
+    return window if layer_types[layer_idx] == "sliding_attention" else None
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, options: AttentionOptions):
+        super().__init__()
+        hidden, head_dim = config.hidden_size, head_dim_of(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, head_dim)
+        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=options.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=options.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=options.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=options.o_bias)
+        self.qk_norm = options.qk_norm
+        if options.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, scale=head_dim**-0.5,
+                                   sliding_window=sliding_window_of(config, layer_idx))
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = h.shape[0]
+        q = self.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, meta))  # [T, H * D] -> [T, E]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, options: AttentionOptions):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, options)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, E]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, options: AttentionOptions):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i, options) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config),
+                                         config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, E]
+        cos, sin = self.rotary_emb(positions, h.dtype)  # [T, D/2] each
+        for layer in self.layers:
+            h = layer(h, cos, sin, meta)
+        return self.norm(h)  # [T, E]
+
+    def materialize_buffers(self, device: torch.device) -> None:
+        self.rotary_emb.materialize(device)
+
+
+def _is_ignored_by_hf(name: str) -> bool:
+    """Keys some checkpoints carry that HF recomputes instead of loading."""
+    return "rotary_emb." in name
+
+
+def load_checkpoint_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device,
+    skip: Callable[[str], bool],
+) -> None:
+    """Assign each (name, tensor) to the parameter of that name, strictly.
+
+    An unexpected name, a shape mismatch, or a parameter that never arrives is a
+    ValueError naming it. Each tensor replaces the parameter object (cast to the
+    parameter's dtype, moved to `device`), so a meta-device model is filled in
+    without a second full copy of the weights.
+    """
+    expected = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        if name not in expected:
+            raise ValueError(f"unexpected weight {name!r}: {type(model).__name__} has no such parameter")
+        shape, dtype = expected[name]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {shape}")
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[attr] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s) of {type(model).__name__}: {shown}")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM; Qwen2/Qwen3/Gemma 3 override `build_backbone`."""
+
+    def __init__(self, hf_config, *, load_device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config = hf_config
+        self.load_device = torch.device(load_device)  # where load_weights puts the weights
+        self.model = self.build_backbone(hf_config)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None)
+
+    @staticmethod
+    def build_backbone(config) -> nn.Module:
+        bias = getattr(config, "attention_bias", False)
+        return LlamaModel(config, AttentionOptions(qkv_bias=bias, o_bias=bias))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)  # [T] ids and positions -> [T, E]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        logits = F.linear(hidden, weight)  # [N, V]
+        if self.final_logit_softcap is not None:  # Gemma; in the model dtype, as HF does
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits.float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def skip(name: str) -> bool:
+            # A tied checkpoint may still carry lm_head.weight; HF ties it to the embedding, so do we.
+            return _is_ignored_by_hf(name) or (self.tie_word_embeddings and name == "lm_head.weight")
+
+        load_checkpoint_weights(self, weights, self.load_device, skip)
+        self.model.materialize_buffers(self.load_device)

@@ -1,0 +1,40 @@
+"""HF architecture name -> model class, and `build_model` to construct one on the meta device."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from pagellm.models.gemma3 import Gemma3ForCausalLM
+from pagellm.models.llama import LlamaForCausalLM
+from pagellm.models.qwen2 import Qwen2ForCausalLM
+from pagellm.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES = MappingProxyType({
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # Llama + optional sliding window, read from the config
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+})
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(MODEL_CLASSES)
+
+
+def model_class(hf_config) -> type[nn.Module]:
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(f"config has no `architectures`; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    name = architectures[0]
+    if name not in MODEL_CLASSES:
+        raise ValueError(f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return MODEL_CLASSES[name]
+
+
+def build_model(hf_config, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
+    """An empty model on the meta device; `model.load_weights(...)` puts real weights on `device`."""
+    cls = model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config, load_device=device)
+    return model.to(dtype=dtype).eval()

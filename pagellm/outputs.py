@@ -1,0 +1,29 @@
+"""What generate() returns: the vLLM output shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.core.types import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    new_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step (for streaming)
+    new_text: str = ""  # text released by the last step (for streaming)

@@ -1,0 +1,109 @@
+"""ModelRunner: SchedulerOutput -> packed inputs -> model -> logits of sampled rows -> tokens.
+
+The one blocking host read of a step is the `.tolist()` of the sampled ids
+(and their logprobs when asked); everything before it is queued work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.core.types import ModelOutput, SchedulerOutput, TokenLogprobs
+from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.runner.input_batch import InputBatch, SlotState
+from pagellm.runner.sampler import Sampler, SamplerOutput
+
+
+@dataclass
+class StepTimings:
+    host_ms: float = 0.0  # scheduling excluded: input preparation before the model runs
+    model_ms: float = 0.0  # forward + LM head
+    sample_ms: float = 0.0  # sampler + the blocking read of its output
+    host_syncs: int = 0
+
+
+def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    per_token = sum(2 * layer.num_kv_heads * layer.head_dim for layer in model.attention_layers())
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
+                 dtype: torch.dtype, device: torch.device, seed: int | None = None):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.input_batch = InputBatch(max_num_seqs, device)
+        self.sampler = Sampler(seed)
+        self.last_timings = StepTimings()
+        for layer in model.attention_layers():
+            # torch.empty reserves address space only: pages become resident as blocks are written.
+            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            layer.bind_kv_cache(torch.empty(shape, dtype=dtype, device=device),
+                                torch.empty(shape, dtype=dtype, device=device))
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
+        t0 = time.perf_counter()
+        states = self.input_batch.apply(output.released_request_ids, output.scheduled)
+        input_ids, positions, meta, logits_rows = self._prepare_inputs(output, states)
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, meta)  # [T, hidden]
+        sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
+        if not sampled:
+            self.last_timings = StepTimings((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, 0.0, 0)
+            return ModelOutput((), ())
+        logits = self.model.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
+        t2 = time.perf_counter()
+        for state in sampled:
+            state.reseed()
+        result = self.sampler(logits, sampled)
+        token_ids, logprobs = self._read_back(result, sampled)  # the step's one host sync
+        t3 = time.perf_counter()
+        for state, token in zip(sampled, token_ids):
+            state.output_token_ids.append(token)
+        self.last_timings = StepTimings((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1)
+        return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs)
+
+    def _prepare_inputs(self, output: SchedulerOutput, states: list[SlotState]):
+        tokens: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables, logits_rows = [], [], [], []
+        for item, state in zip(output.scheduled, states):
+            n = len(item.token_ids)
+            tokens.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + n))
+            query_lens.append(n)
+            seq_lens.append(item.start_position + n)
+            tables.append(state.block_ids)
+            if item.sample:
+                logits_rows.append(len(tokens) - 1)  # logits only where a token is sampled
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        return input_ids, pos, meta, rows
+
+    @staticmethod
+    def _read_back(result: SamplerOutput, rows: list[SlotState]):
+        if result.logprobs is None:
+            return result.token_ids.tolist(), None
+        lp = result.logprobs
+        packed = torch.cat([result.token_ids[:, None].float(), lp.sampled_logprobs[:, None],
+                            lp.sampled_ranks[:, None].float(), lp.top_ids.float(), lp.top_logprobs], dim=1)
+        data = packed.cpu().tolist()  # one read for ids and logprobs together
+        k = lp.top_ids.shape[1]
+        token_ids, entries = [], []
+        for row, state in zip(data, rows):
+            token = int(row[0])
+            token_ids.append(token)
+            n = state.sampling_params.logprobs
+            if n is None:
+                entries.append(None)
+                continue
+            top = tuple((int(i), v) for i, v in zip(row[3 : 3 + n], row[3 + k : 3 + k + n]))
+            entries.append(TokenLogprobs(token, row[1], int(row[2]), top))
+        return token_ids, tuple(entries)

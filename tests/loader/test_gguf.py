@@ -1,0 +1,249 @@
+"""GGUF loader on tiny files written with gguf.GGUFWriter: config, names, dequantization, conversions."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers.integrations.gguf.dequant import dequantize as hf_torch_dequantize
+
+from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header, unpermute_qk_rows
+from gguf_builders import TinyDims, llama_cpp_permute, write_tiny_gguf
+
+# One tensor per storage type the loader must handle. K-quants need rows of 256 values, which
+# only ffn_down has (intermediate = 256); the gguf package cannot quantize them, so the builder
+# writes random blocks with sane f16 scales (see random_k_quant_blocks).
+MIXED_TYPES = {
+    "token_embd.weight": T.BF16,
+    "output.weight": T.F16,
+    "blk.0.attn_q.weight": T.Q8_0,
+    "blk.0.attn_k.weight": T.Q5_0,
+    "blk.0.attn_v.weight": T.F16,
+    "blk.0.ffn_gate.weight": T.Q8_0,
+    "blk.0.ffn_down.weight": T.Q4_K,
+    "blk.1.ffn_down.weight": T.Q6_K,
+    "blk.1.attn_output.weight": T.BF16,
+    # blk.1.attn_q / attn_k stay F32: they must come back exactly as the HF weights
+}
+
+
+def load_all(path, config=None):
+    config = config or load_gguf_config(path)
+    return dict(iter_gguf_weights(path, config, progress=False))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_weights_match_the_dequantized_stored_data(tmp_path, arch):
+    tiny = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, types=MIXED_TYPES)
+    got = load_all(tiny.path)
+    assert sorted(got) == sorted(tiny.expected)
+    for name, weight in got.items():
+        assert weight.dtype == torch.float32, name
+        torch.testing.assert_close(weight, torch.from_numpy(tiny.expected[name]), rtol=0, atol=0, msg=name)
+    assert set(tiny.types.values()) >= {T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K}
+
+
+def test_llama_qk_permutation_is_undone_exactly(tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "llama.gguf", "llama", types=MIXED_TYPES)
+    got = load_all(tiny.path)
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert torch.equal(got[name], torch.from_numpy(tiny.original[name]))  # stored as F32
+        assert not torch.equal(got[name], torch.from_numpy(llama_cpp_permute(tiny.original[name], 2)))
+
+
+@pytest.mark.parametrize("n_heads,head_dim,in_features", [(4, 16, 64), (2, 16, 64), (1, 256, 640), (8, 8, 3)])
+def test_unpermute_inverts_llama_cpp_permute(n_heads, head_dim, in_features):
+    hf_q = torch.randn(n_heads * head_dim, in_features)
+    stored = torch.from_numpy(llama_cpp_permute(hf_q.numpy(), n_heads))
+    assert not torch.equal(stored, hf_q)
+    assert torch.equal(unpermute_qk_rows(stored, n_heads), hf_q)
+
+
+def test_non_llama_families_are_not_permuted(tmp_path):
+    for arch in ("qwen3", "gemma3"):
+        tiny = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch)
+        got = load_all(tiny.path)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(got[name], torch.from_numpy(tiny.original[name]))
+
+
+def test_gemma3_norms_lose_llama_cpp_plus_one(tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "gemma3.gguf", "gemma3")
+    got = load_all(tiny.path)
+    norms = [n for n in got if "norm" in n]
+    assert len(norms) == 1 + 2 * 6  # final norm; per layer 4 block norms + q_norm + k_norm
+    for name in norms:
+        torch.testing.assert_close(got[name], torch.from_numpy(tiny.original[name]), rtol=0, atol=1e-6)
+
+
+def test_gguf_package_dequant_agrees_with_transformers_torch_dequant(tmp_path):
+    """The loader's dequantizer (gguf.quants) against an independent one (transformers' torch one)."""
+    tiny = write_tiny_gguf(tmp_path / "llama.gguf", "llama", types=MIXED_TYPES)
+    checked = set()
+    for tensor in read_gguf_header(tiny.path).tensors:
+        if tensor.ggml_type in (T.Q8_0, T.Q4_K, T.Q6_K):
+            ours = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.ggml_type))
+            raw = torch.from_numpy(np.array(tensor.data)).reshape(-1)
+            reference = hf_torch_dequantize(raw, int(tensor.ggml_type)).reshape(tensor.shape)
+            torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7, msg=tensor.name)
+            checked.add(tensor.ggml_type)
+    assert checked == {T.Q8_0, T.Q4_K, T.Q6_K}
+
+
+def test_llama_config_fields_as_written(tmp_path):
+    dims = TinyDims(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, context=512, rope_base=5e5, rms_eps=1e-5)
+    tiny = write_tiny_gguf(tmp_path / "llama.gguf", "llama", dims=dims)
+    config = load_gguf_config(tiny.path)
+    assert type(config) is LlamaConfig and config.architectures == ["LlamaForCausalLM"]
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (64, 64, 3)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 32)
+    assert config.intermediate_size == 256 and config.max_position_embeddings == 512
+    assert config.rms_norm_eps == 1e-5
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
+    assert config.tie_word_embeddings is False
+    assert (config.bos_token_id, config.eos_token_id) == (1, 2)
+
+
+def test_tied_embeddings_when_there_is_no_output_tensor(tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", tie_embeddings=True)
+    config = load_gguf_config(tiny.path)
+    assert config.tie_word_embeddings is True
+    assert "lm_head.weight" not in load_all(tiny.path, config)
+
+
+@pytest.mark.parametrize(
+    "arch,cls,hf_arch", [("qwen2", Qwen2Config, "Qwen2ForCausalLM"), ("qwen3", Qwen3Config, "Qwen3ForCausalLM")]
+)
+def test_qwen_configs(tmp_path, arch, cls, hf_arch):
+    # head_dim differs from hidden / heads (as in Qwen3-0.6B): it must come from key_length
+    dims = TinyDims(hidden=64, n_heads=2, n_kv_heads=1, head_dim=48)
+    config = load_gguf_config(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, dims=dims).path)
+    assert type(config) is cls and config.architectures == [hf_arch]
+    assert config.head_dim == 48 and config.num_key_value_heads == 1
+
+
+def test_rope_scaling(tmp_path):
+    def linear(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
+
+    def yarn(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(2.0)
+        w.add_rope_scaling_orig_ctx_len(64)
+
+    config = load_gguf_config(write_tiny_gguf(tmp_path / "a.gguf", extra_metadata=linear).path)
+    assert config.rope_parameters == {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}
+    config = load_gguf_config(write_tiny_gguf(tmp_path / "b.gguf", extra_metadata=yarn).path)
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 2.0
+    assert config.rope_parameters["original_max_position_embeddings"] == 64
+
+
+def test_gemma3_config_follows_llama_cpp(tmp_path):
+    dims = TinyDims(n_layers=7, head_dim=32, rope_base=1e6)
+    config = load_gguf_config(write_tiny_gguf(tmp_path / "g.gguf", "gemma3", dims=dims).path)
+    assert type(config) is Gemma3TextConfig and config.architectures == ["Gemma3ForCausalLM"]
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert config.rope_parameters == {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},  # llama.cpp's fixed local base
+    }
+    assert config.sliding_window == 32 and config.query_pre_attn_scalar == 32  # = key_length
+    assert config.head_dim == 32 and config.tie_word_embeddings is False
+
+
+def test_gemma3_explicit_pattern_and_local_base(tmp_path):
+    def extra(w):
+        w.add_sliding_window_pattern([True, False, True])
+        w.add_rope_freq_base_swa(2e4)
+
+    tiny = write_tiny_gguf(tmp_path / "g.gguf", "gemma3", TinyDims(n_layers=3), extra_metadata=extra)
+    config = load_gguf_config(tiny.path)
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 2e4
+
+
+def test_header_matches_gguf_reader(tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "llama.gguf", "llama", types=MIXED_TYPES)
+    ours, reader = read_gguf_header(tiny.path), GGUFReader(tiny.path)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if key in ours.array_lengths:
+            assert ours.array_lengths[key] == len(field.data), key
+            if key in ours.metadata:  # numeric arrays
+                np.testing.assert_allclose(ours.metadata[key], field.contents(), rtol=1e-7, err_msg=key)
+        elif isinstance(field.contents(), float):
+            assert ours.metadata[key] == pytest.approx(field.contents(), rel=1e-7), key
+        else:
+            assert ours.metadata[key] == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in reader.tensors]
+    for mine, theirs in zip(ours.tensors, reader.tensors):
+        assert mine.ggml_type == theirs.tensor_type
+        assert mine.shape == tuple(reversed(theirs.shape.tolist()))
+        assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape
+        assert np.array_equal(mine.data, theirs.data), mine.name
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = write_tiny_gguf(tmp_path / "x.gguf", "gpt2").path
+    with pytest.raises(ValueError, match=r"'gpt2'.*supported.*gemma3.*llama.*qwen2.*qwen3"):
+        load_gguf_config(path)
+
+
+def test_missing_file_is_named(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_gguf_config(missing)
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        next(iter_gguf_weights(missing, LlamaConfig()))
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf_config(path)
+
+
+def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "q.gguf", "llama")
+    # rewrite with attn_v as Q8_1 (valid block size, but the gguf package has no dequantizer for it)
+    raw = np.zeros((32, 64 // 32 * 40), dtype=np.uint8)
+    path = _rewrite_tensor(tmp_path, tiny, "blk.0.attn_v.weight", raw, T.Q8_1)
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_v\.weight.*Q8_1"):
+        next(iter_gguf_weights(path, load_gguf_config(path)))
+
+
+def test_tensor_without_hf_parameter_is_an_error(tmp_path):
+    extra = {"blk.0.mystery.weight": np.zeros(4, dtype=np.float32)}
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", extra_tensors=extra).path
+    with pytest.raises(ValueError, match="blk.0.mystery.weight"):
+        next(iter_gguf_weights(path, load_gguf_config(path)))
+
+
+def _rewrite_tensor(tmp_path, tiny, name, raw, qtype):
+    """A copy of a tiny file with one tensor replaced by raw blocks of another type."""
+    reader = GGUFReader(tiny.path)
+    out = tmp_path / "rewritten.gguf"
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+        else:
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

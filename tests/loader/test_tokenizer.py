@@ -1,0 +1,142 @@
+"""Tokenizer loading (GGUF and HF directory), chat templates, and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gguf_builders import write_tiny_gguf
+
+from pagellm.loader.default_model import default_model_path
+from pagellm.loader.tokenizer import GEMMA_CHAT_TEMPLATE, IncrementalDetokenizer, load_tokenizer
+
+MULTI_BYTE = "héllo wörld 日本語 🙂 𝔘𝔫𝔦 ꙮ 𓀀 á"
+
+# a small SentencePiece vocabulary in llama.cpp's layout: specials, 256 byte tokens, pieces
+PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "▁he", "▁hel", "▁hell", "▁hello",
+          "▁w", "▁wo", "▁wor", "▁worl", "▁world"]
+TINY_VOCAB = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + PIECES
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("tok") / "tiny.gguf", "llama", vocab=TINY_VOCAB).path
+
+
+def test_gemma_known_ids_and_special_tokens(gemma):
+    # Gemma 3's ids for this prompt (as transformers' AutoTokenizer(gguf_file=...) also gives)
+    assert gemma.encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
+    assert gemma.encode("The capital of France is", add_special_tokens=False) == [818, 5279, 529, 7001, 563]
+    assert gemma.decode([2, 818, 5279, 529, 7001, 563]) == "The capital of France is"
+    assert gemma.decode([2, 818], skip_special_tokens=False) == "<bos>The"
+    assert gemma.bos_token_id == 2 and gemma.vocab_size == 262_144
+    # <eos> from the file, <end_of_turn> because an instruction-tuned Gemma ends its turn with it
+    assert gemma.eos_token_ids == frozenset({1, 106})
+    assert gemma.encode("<start_of_turn>user", add_special_tokens=False) == [105, 2364]  # kept whole
+
+
+def test_gemma_round_trips_text(gemma):
+    for text in ("  two  spaces\n\nand lines\t", MULTI_BYTE, "x = 3.14159; print(x)"):
+        assert gemma.decode(gemma.encode(text)) == text
+
+
+def test_gemma_chat_template_renders_a_turn(gemma):
+    # the embedded GGUF has no tokenizer.chat_template: Gemma's own format is the fallback
+    assert gemma.chat_template == GEMMA_CHAT_TEMPLATE
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Capital of France?"},
+    ]
+    prompt = gemma.apply_chat_template(messages)
+    assert prompt == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nCapital of France?<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    ids = gemma.encode(prompt)
+    assert ids[:3] == [2, 105, 2364] and ids.count(2) == 1  # one BOS, not two
+    assert not gemma.apply_chat_template(messages[1:2], add_generation_prompt=False).endswith("model\n")
+
+
+def test_chat_template_bad_input(gemma):
+    with pytest.raises(ValueError, match="non-empty"):
+        gemma.apply_chat_template([])
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        gemma.apply_chat_template([{"content": "no role"}])
+
+
+@pytest.mark.parametrize("prompt", ["", "Say:", "日本"])
+def test_incremental_detokenizer_matches_full_decode(gemma, prompt):
+    prompt_ids = gemma.encode(prompt)
+    ids = gemma.encode(MULTI_BYTE + " end", add_special_tokens=False)
+    pieces = gemma.hf_tokenizer.convert_ids_to_tokens(ids)
+    assert any(p.startswith("<0x") for p in pieces)  # byte-fallback tokens are exercised
+    detok = IncrementalDetokenizer(gemma, prompt_ids)
+    outputs = [detok.add(i) for i in ids]
+    assert not any("\ufffd" in out for out in outputs)
+    full = gemma.decode(prompt_ids + ids)
+    assert detok.text == "".join(outputs) == full[len(gemma.decode(prompt_ids)):]
+    assert detok.flush() == ""
+
+
+def test_incremental_detokenizer_holds_an_incomplete_character(gemma):
+    ids = gemma.encode("𝔘", add_special_tokens=False)  # four byte tokens
+    assert len(ids) == 4
+    detok = IncrementalDetokenizer(gemma, [2])
+    assert [detok.add(i) for i in ids[:3]] == ["", "", ""]
+    # a request cut short mid-character: flush gives what decode gives (one U+FFFD per byte)
+    assert detok.flush() == gemma.decode(ids[:3]) == "\ufffd" * 3
+
+
+def test_sentencepiece_leading_spaces(tiny_gguf):
+    # a Llama-style tokenizer strips the leading space when decoding from the start, but a
+    # streamed "▁world" after "hello" must still come out as " world"
+    tok = load_tokenizer(tiny_gguf)
+    assert tok.hf_tokenizer.convert_ids_to_tokens(tok.encode("hello world")) == ["<s>", "▁hello", "▁world"]
+    detok = IncrementalDetokenizer(tok, tok.encode("hello"))
+    assert [detok.add(i) for i in tok.encode("world hello", add_special_tokens=False)] == [" world", " hello"]
+    assert tok.decode(tok.encode("hello  wörld")) == "hello  wörld"  # bytes for ö
+
+
+def test_plain_fallback_and_gguf_eos(tiny_gguf):
+    tok = load_tokenizer(tiny_gguf)
+    assert tok.eos_token_ids == frozenset({2}) and tok.bos_token_id == 1
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == "system: S\nuser: hi\nassistant:"
+
+
+def test_gguf_chat_template_metadata_is_used(tmp_path):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    def add_template(writer):
+        writer.add_chat_template(template)
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", vocab=TINY_VOCAB, extra_metadata=add_template).path
+    assert load_tokenizer(path).apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"
+
+
+def test_hf_directory(tmp_path, tiny_gguf):
+    source = load_tokenizer(tiny_gguf)
+    source.hf_tokenizer.chat_template = "{{ messages[-1]['content'] }}?"
+    source.hf_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 9}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.encode("hello world") == source.encode("hello world")
+    assert tok.eos_token_ids == frozenset({2, 7, 9})
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi?"
+
+
+def test_missing_tokenizer_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_tokenizer(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        load_tokenizer(tmp_path / "empty")

@@ -1,0 +1,87 @@
+"""Tiny random-weight HF checkpoints, one per model family, written with save_pretrained.
+
+Each config is small enough to run in well under a second but keeps what makes
+its family different: grouped-query attention everywhere, a sliding window (8)
+shorter than the ~20-token test prompts, mixed sliding/full layers with their
+own RoPE bases, scaled RoPE, qkv bias, q/k norms, tied and untied embeddings.
+"""
+
+from __future__ import annotations
+
+import re
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                          PreTrainedModel, Qwen2Config, Qwen3Config)
+
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+               eos_token_id=None, pad_token_id=0)  # no EOS: greedy runs always produce every token
+
+
+def _llama() -> LlamaConfig:
+    return LlamaConfig(**_COMMON, num_hidden_layers=2, architectures=["LlamaForCausalLM"])
+
+
+def _llama3_scaled_rope_tied() -> LlamaConfig:
+    # original_max_position_embeddings=64 puts the head_dim=16 frequencies on both sides of the
+    # llama3 wavelength band (16..64), so kept, divided, and interpolated frequencies all occur.
+    rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=64)
+    return LlamaConfig(**_COMMON, num_hidden_layers=2, rope_parameters=rope, tie_word_embeddings=True,
+                       attention_bias=True, architectures=["LlamaForCausalLM"])
+
+
+def _mistral() -> MistralConfig:
+    return MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=8, architectures=["MistralForCausalLM"])
+
+
+def _qwen2() -> Qwen2Config:
+    # Layers >= max_window_layers slide: layer 0 full, layers 1-2 sliding.
+    return Qwen2Config(**_COMMON, num_hidden_layers=3, use_sliding_window=True, sliding_window=8,
+                       max_window_layers=1, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+
+
+def _qwen3_yarn() -> Qwen3Config:
+    # head_dim 32 != hidden / heads (16), as in real Qwen3 checkpoints; YaRN as Qwen3 uses for long
+    # contexts, with original_max_position_embeddings small enough that the ramp falls inside head_dim.
+    rope = dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=64)
+    return Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=32, rope_parameters=rope,
+                       architectures=["Qwen3ForCausalLM"])
+
+
+def _gemma3() -> Gemma3TextConfig:
+    rope = {"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=5000.0)}
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    return Gemma3TextConfig(**_COMMON, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24,
+                            sliding_window=8, layer_types=layer_types, rope_parameters=rope,
+                            final_logit_softcapping=0.5, architectures=["Gemma3ForCausalLM"])
+
+
+TINY_CONFIGS: dict[str, Callable[[], object]] = {
+    "llama": _llama,
+    "llama3-rope-tied": _llama3_scaled_rope_tied,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3-yarn": _qwen3_yarn,
+    "gemma3": _gemma3,
+}
+
+
+def write_tiny_checkpoint(family: str, directory: Path, seed: int = 0) -> PreTrainedModel:
+    """Build the family's tiny HF model (eager attention, fp32), save it to `directory`, return it."""
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(TINY_CONFIGS[family](), attn_implementation="eager")
+    with torch.no_grad():
+        # HF initialises norms to 1 (Gemma: 0) and biases to 0; jitter every weight so a
+        # norm weight or bias loaded into the wrong place (or not at all) changes the logits.
+        # Larger q/k weights sharpen attention, so a RoPE or masking mistake shows clearly.
+        for name, param in hf_model.named_parameters():
+            scale = 0.1 if param.ndim == 1 else 0.15 if re.search(r"[qk]_proj\.weight", name) else 0.02
+            param.add_(torch.randn_like(param) * scale)
+    hf_model.save_pretrained(directory)
+    return hf_model.eval()

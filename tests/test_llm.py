@@ -1,0 +1,157 @@
+"""End-to-end tests of LLM.generate on the embedded Gemma 3 270M (CPU, fp32)."""
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory=0.25)
+
+
+@pytest.fixture(scope="module")
+def reference_ids(llm):
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_output_shape_is_vllms(llm):
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+    assert len(out) == 1
+    first = out[0]
+    assert first.prompt == "The capital of France is"
+    assert first.prompt_token_ids[0] == llm.tokenizer.bos_token_id
+    completion = first.outputs[0]
+    assert len(completion.token_ids) == 5 and completion.finish_reason == "length"
+    assert completion.text == llm.tokenizer.decode(completion.token_ids)
+
+
+def test_greedy_matches_hf_transformers_on_the_same_gguf(llm, reference_ids):
+    """HF's Gemma3ForCausalLM, given the GGUF's weights (checked against transformers' own GGUF
+    conventions in tests/loader/test_default_model.py), generates the same greedy ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(llm.engine.hf_config, dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = hf.load_state_dict(llm.engine.model.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    hf.tie_weights()
+    for prompt, ours in zip(PROMPTS[:3], reference_ids):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, ids.shape[1]:].tolist() == ours
+
+
+def test_token_id_prompts_equal_string_prompts(llm, reference_ids):
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    out = llm.generate(ids, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == reference_ids[:2]
+    assert out[0].prompt is None and out[0].prompt_token_ids == ids[0]
+
+
+def test_batch_equals_one_at_a_time(llm, reference_ids):
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    assert alone == reference_ids
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"enable_prefix_caching": False},
+    {"block_size": 32},
+    {"max_num_batched_tokens": 64, "n_ubatch": 16},
+], ids=["prefix-cache-off", "block-32", "chunked-prefill-64"])
+def test_greedy_ids_identical_across_engine_settings(kwargs, reference_ids):
+    other = LLM(kv_cache_memory=0.25, **kwargs)
+    out = other.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == reference_ids
+
+
+def test_shared_prefix_is_computed_once_and_output_unchanged(llm):
+    system = "You are a helpful assistant that answers questions about geography concisely. " * 6
+    prompts = [system + q for q in ("Where is Peru?", "Where is Chad?", "Where is Laos?", "Where is Fiji?")]
+    before = llm.stats()
+    shared = llm.generate(prompts, GREEDY, use_tqdm=False)
+    after = llm.stats()
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in shared)
+    computed = after["computed_prefill_tokens"] - before["computed_prefill_tokens"]
+    hits = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+    ids = [o.prompt_token_ids for o in shared]
+    common = next(i for i in range(len(ids[0])) if len({tuple(x[: i + 1]) for x in ids}) > 1)
+    assert common >= 64
+    assert hits == 3 * (common // 16 * 16)  # the three followers reuse every full block of the shared prefix
+    assert computed == prompt_tokens - hits
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in shared] == alone
+
+
+def test_stop_strings_and_stop_token_ids(llm, reference_ids):
+    full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+    text = full.outputs[0].text
+    stop = text.strip().split()[1]  # the second word of the greedy continuation
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert stop not in c.text and text.startswith(c.text)
+    ids = reference_ids[0]
+    j = next(j for j in range(2, len(ids)) if ids[j] not in ids[:j])  # a token that first appears at j
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[ids[j]]),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ids[: j + 1] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == ids[j]
+
+
+def test_seed_reproducible_whatever_else_runs(llm):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234)
+    alone = llm.generate(PROMPTS[2], params, use_tqdm=False)[0].outputs[0].token_ids
+    busy = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[4]],
+                        [SamplingParams(max_tokens=15, temperature=0.8), params, GREEDY], use_tqdm=False)
+    assert busy[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=1.0, seed=99),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_logprobs(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, logprobs=3), use_tqdm=False)[0]
+    entries = out.outputs[0].logprobs
+    assert len(entries) == 3
+    for token, entry in zip(out.outputs[0].token_ids, entries):
+        assert entry.token_id == token and entry.rank == 1  # greedy picks the most likely
+        assert len(entry.top) == 3 and entry.top[0][0] == token
+        assert entry.top[0][1] == pytest.approx(entry.logprob)
+        assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
+
+
+def test_ignore_eos_and_max_tokens(llm):
+    out = llm.generate("Hi", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 40 and out.outputs[0].finish_reason == "length"
+
+
+def test_bad_input_is_a_clear_error(llm):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[10**9]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is"):
+        LLM(kv_cache_memory=0.25, max_model_len=8).generate("a " * 20, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_no_block_leaks_after_generate_and_abort(llm):
+    rid = llm.engine.add_request("abort me please", SamplingParams(max_tokens=50))
+    llm.engine.step()
+    assert llm.stats()["kv_blocks_used"] > 0
+    assert llm.engine.abort(rid)
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
