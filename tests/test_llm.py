@@ -155,3 +155,18 @@ def test_no_block_leaks_after_generate_and_abort(llm):
     assert llm.engine.abort(rid)
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
+
+
+def test_preemption_recomputes_and_keeps_greedy_ids(llm, reference_ids):
+    """A KV pool too small for every request at once: requests are preempted and resumed, output unchanged."""
+    import torch
+
+    from pagellm.runner.model_runner import kv_cache_bytes_per_block
+
+    per_block = kv_cache_bytes_per_block(llm.engine.model, 16, torch.float32)
+    small = LLM(kv_cache_memory=6 * per_block / 2**30)  # 6 blocks for 5 requests needing 2 each
+    assert small.stats()["kv_blocks_total"] == 6
+    out = small.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == reference_ids
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0
