@@ -19,41 +19,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.layers.attention import PagedAttention
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagellm.models.llama import LlamaForCausalLM, head_dim_of, sliding_window_of
+from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
+from pagellm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, head_dim_of
 from pagellm.runner.attention_metadata import AttentionMetadata
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        hidden, head_dim = config.hidden_size, head_dim_of(config)
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, head_dim)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=bias)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=True)
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=True)
-        # No attention soft-capping: HF's Gemma3Attention never passes attn_logit_softcapping
-        # to its attention function (Gemma 2 did), and released Gemma 3 configs set it to null.
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim,
-                                   scale=config.query_pre_attn_scalar**-0.5,
-                                   sliding_window=sliding_window_of(config, layer_idx))
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = h.shape[0]
-        q = self.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
-        v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v, meta))  # [T, H * D] -> [T, E]
+def gemma3_attention_options(config) -> AttentionOptions:
+    # No attention soft-capping: HF's Gemma3Attention never passes attn_logit_softcapping
+    # to its attention function (Gemma 2 did), and released Gemma 3 configs set it to null.
+    bias = config.attention_bias
+    return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True, norm_unit_offset=True,
+                            query_scale=config.query_pre_attn_scalar**-0.5)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -61,7 +39,7 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.layer_type = config.layer_types[layer_idx]
-        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.self_attn = LlamaAttention(config, layer_idx, gemma3_attention_options(config))
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
         self.input_layernorm = RMSNorm(hidden, eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=True)

@@ -41,7 +41,9 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
 class AttentionOptions:
     qkv_bias: bool
     o_bias: bool
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
+    norm_unit_offset: bool = False  # Gemma: norms scale by (1 + w)
+    query_scale: float | None = None  # None: head_dim ** -0.5 (Gemma 3 uses query_pre_attn_scalar ** -0.5)
 
 
 class LlamaAttention(nn.Module):
@@ -56,9 +58,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=options.o_bias)
         self.qk_norm = options.qk_norm
         if options.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, scale=head_dim**-0.5,
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=options.norm_unit_offset)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=options.norm_unit_offset)
+        scale = options.query_scale if options.query_scale is not None else head_dim**-0.5
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, scale=scale,
                                    sliding_window=sliding_window_of(config, layer_idx))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
