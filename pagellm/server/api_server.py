@@ -1,0 +1,371 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine, run by uvicorn.
+
+    POST /v1/completions, /v1/chat/completions   (stream or not; n completions per prompt)
+    GET  /v1/models, /health (503 until the model is loaded), /metrics (Prometheus text)
+    POST /tokenize, /detokenize
+
+State lives on app.state.server (a ServerState), never in module globals. Every error is an
+OpenAI-style body: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import signal
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagellm.config import EngineConfig
+from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from pagellm.server.metrics import ServerMetrics
+from pagellm.server.protocol import (APIError, ChatCompletionRequest, ChatFormatter, CompletionFormatter,
+                                     CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
+                                     parse_request, usage)
+
+logger = logging.getLogger("pagellm.server")
+DEFAULT_MODEL_NAME = "gemma-3-270m"
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    served_model_name: str
+    api_key: str | None
+    created: int
+
+
+def served_model_name(model: str | None) -> str:
+    return Path(model).name if model else DEFAULT_MODEL_NAME
+
+
+def build_app(config: EngineConfig, max_waiting: int = 1024, api_key: str | None = None,
+              model_name: str | None = None) -> FastAPI:
+    engine = AsyncEngine(config, max_waiting)
+    metrics = ServerMetrics(engine.stats)
+    engine.metrics = metrics
+    state = ServerState(engine, metrics, model_name or served_model_name(config.model.model), api_key,
+                        int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()  # loads the model on the engine thread; /health says 503 until it is ready
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="pagellm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    _add_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key)])
+    v1.add_api_route("/completions", _completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", _chat_completions, methods=["POST"])
+    v1.add_api_route("/models", _models, methods=["GET"])
+    app.include_router(v1)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/tokenize", _tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", _detokenize, methods=["POST"])
+    return app
+
+
+# ---- errors and auth ------------------------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = APIError._TYPES.get(exc.status_code, "invalid_request_error")
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {exc}", "internal_server_error"), status_code=500)
+
+
+async def _require_api_key(request: Request) -> None:
+    key = request.app.state.server.api_key
+    sent = request.headers.get("authorization", "")
+    if key is not None and not secrets.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+        raise APIError("invalid or missing API key: send 'Authorization: Bearer <key>'", status=401)
+
+
+def _ready_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    if not state.engine.is_ready:
+        raise APIError("the model is still loading; retry when /health answers 200", status=503)
+    return state
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.served_model_name:
+        raise APIError(f"the model {model!r} does not exist; this server serves {state.served_model_name!r}",
+                       "model")
+
+
+# ---- simple endpoints -----------------------------------------------------------------------------
+
+async def _health(request: Request) -> Response:
+    engine = request.app.state.server.engine
+    if engine.load_error is not None:
+        return JSONResponse(error_body(f"model load failed: {engine.load_error}", "service_unavailable_error"),
+                            status_code=503)
+    if not engine.is_ready:
+        return JSONResponse(error_body("loading", "service_unavailable_error"), status_code=503)
+    return Response(status_code=200)
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(request.app.state.server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _models(request: Request) -> dict:
+    state: ServerState = request.app.state.server
+    engine = state.engine.engine
+    card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pagellm",
+            "root": str(engine.model_path) if engine else None,
+            "max_model_len": engine.max_model_len if engine else None}
+    return {"object": "list", "data": [card]}
+
+
+async def _tokenize(request: Request) -> dict:
+    state = _ready_state(request)
+    body = parse_request(await request.body(), TokenizeRequest)
+    _check_model(state, body.model)
+    tokenizer = _tokenizer(state)
+    if body.messages is not None:
+        text = _render_chat(tokenizer, body.messages, body.add_generation_prompt)
+    else:
+        text = body.prompt
+    tokens = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": state.engine.engine.max_model_len, "tokens": tokens}
+
+
+async def _detokenize(request: Request) -> dict:
+    state = _ready_state(request)
+    body = parse_request(await request.body(), DetokenizeRequest)
+    _check_model(state, body.model)
+    _check_token_ids(state, body.tokens, "tokens")
+    return {"prompt": _tokenizer(state).decode(body.tokens)}
+
+
+def _tokenizer(state: ServerState):
+    tokenizer = state.engine.engine.tokenizer
+    if tokenizer is None:
+        raise APIError("this model has no tokenizer: send token ids", "prompt")
+    return tokenizer
+
+
+def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
+    vocab = state.engine.engine.hf_config.vocab_size
+    bad = [t for t in ids if t >= vocab]
+    if bad:
+        raise APIError(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param)
+
+
+def _render_chat(tokenizer, messages, add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt)
+    except (jinja2.TemplateError, ValueError) as exc:  # e.g. roles that do not alternate
+        raise APIError(f"messages: {exc}", "messages") from None
+
+
+# ---- generation -----------------------------------------------------------------------------------
+
+async def _completions(request: Request) -> Response:
+    arrival = time.monotonic()
+    state = _ready_state(request)
+    body = parse_request(await request.body(), CompletionRequest)
+    _check_model(state, body.model)
+    prompt_ids = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            prompt_ids.append(_tokenizer(state).encode(prompt))
+        else:
+            _check_token_ids(state, prompt, "prompt")
+            prompt_ids.append(list(prompt))
+    formatter = CompletionFormatter(state.served_model_name, body, state.engine.engine.tokenizer)
+    return await _generate(request, state, body, prompt_ids, body.max_tokens, body.logprobs, "prompt",
+                           formatter, arrival)
+
+
+async def _chat_completions(request: Request) -> Response:
+    arrival = time.monotonic()
+    state = _ready_state(request)
+    body = parse_request(await request.body(), ChatCompletionRequest)
+    _check_model(state, body.model)
+    tokenizer = _tokenizer(state)
+    text = _render_chat(tokenizer, body.messages, body.add_generation_prompt)
+    prompt_ids = [tokenizer.encode(text)]
+    formatter = ChatFormatter(state.served_model_name, body, tokenizer)
+    return await _generate(request, state, body, prompt_ids, body.requested_max_tokens, body.num_logprobs,
+                           "messages", formatter, arrival)
+
+
+def _max_tokens(state: ServerState, prompt_len: int, requested: int | None, prompt_param: str) -> int:
+    """vLLM's rule: the prompt must leave room, and a requested max_tokens must fit the context."""
+    limit = state.engine.engine.max_model_len
+    if prompt_len >= limit:
+        raise APIError(f"this model's maximum context length is {limit} tokens, and the {prompt_param} has "
+                       f"{prompt_len}; shorten it", prompt_param)
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise APIError(f"this model's maximum context length is {limit} tokens; {prompt_len} in the "
+                       f"{prompt_param} plus max_tokens {requested} is {prompt_len + requested}", "max_tokens")
+    return requested
+
+
+async def _generate(request: Request, state: ServerState, body, prompt_ids: list[list[int]],
+                    requested_max_tokens: int | None, num_logprobs: int | None, prompt_param: str,
+                    formatter, arrival: float) -> Response:
+    token_lists, params = [], []
+    for ids in prompt_ids:
+        max_tokens = _max_tokens(state, len(ids), requested_max_tokens, prompt_param)
+        for child in range(body.n):
+            token_lists.append(ids)
+            params.append(body.sampling_params(max_tokens, num_logprobs, child))
+    try:
+        stream = await state.engine.add(token_lists, params, arrival, formatter.request_id)
+    except ValueError as exc:
+        raise APIError(str(exc), prompt_param) from None
+    except QueueFullError as exc:
+        raise APIError(str(exc), status=429) from None
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status=503) from None
+    prompt_lens = [len(ids) for ids in prompt_ids]
+    if body.stream:
+        return _EventStream(_sse(stream, formatter, prompt_lens, body.n, body.include_usage), stream)
+    return await _collect(request, stream, formatter, prompt_lens, body.n)
+
+
+async def _collect(request: Request, stream: RequestStream, formatter, prompt_lens: list[int], n: int) -> Response:
+    watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
+    finals = {}
+    try:
+        async for index, output in stream:
+            if output.finished:
+                finals[index] = output
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status=503) from None
+    finally:
+        watcher.cancel()
+        stream.abort()
+    if len(finals) < len(stream.request_ids):  # the client went away: nobody reads this
+        return Response(status_code=499)
+    outputs = [finals[i] for i in range(len(finals))]
+    return JSONResponse(formatter.response(outputs, usage(prompt_lens, outputs, n)))
+
+
+async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            stream.abort()
+            return
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that aborts its requests however it ends, even before the first event is sent."""
+
+    def __init__(self, content, stream: RequestStream):
+        super().__init__(content, media_type="text/event-stream")
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.abort()
+
+
+async def _sse(stream: RequestStream, formatter, prompt_lens: list[int], n: int, include_usage: bool):
+    """Server-sent events; the client going away cancels this generator, which aborts the requests."""
+    finals = {}
+    try:
+        for chunk in formatter.first_chunks(len(stream.request_ids), include_usage):
+            yield _event(chunk)
+        async for index, output in stream:
+            if output.finished:
+                finals[index] = output
+            chunk = formatter.chunk(index, output, include_usage)
+            if chunk is not None:
+                yield _event(chunk)
+        if include_usage:
+            outputs = [finals[i] for i in range(len(finals))]
+            yield _event(formatter.usage_chunk(usage(prompt_lens, outputs, n)))
+    except EngineDeadError as exc:
+        yield _event(error_body(str(exc), "service_unavailable_error"))
+    finally:
+        stream.abort()
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# ---- running ----------------------------------------------------------------------------------------
+
+class _Server(uvicorn.Server):
+    """uvicorn, except that SIGINT / SIGTERM first stop the engine and then exit 0.
+
+    Stopping the engine ends every open stream with an error event, so uvicorn's graceful
+    shutdown (which waits for open responses) does not wait for generations to finish. uvicorn
+    re-raises a captured signal after shutting down, which would end the process with a
+    KeyboardInterrupt traceback or status 143; not recording the signal keeps the exit clean.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+        super().__init__(config)
+        self._engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
+        self.should_exit = True
+        self._engine.begin_shutdown()
+
+
+def run_server(args) -> int:
+    """`pagellm serve`: build the app from parsed CLI args and serve until SIGINT / SIGTERM."""
+    from pagellm.cli import engine_config_from_args
+    from pagellm.loader.model_loader import resolve_model_path
+
+    config = engine_config_from_args(args)
+    if config.model.model:
+        resolve_model_path(config.model.model)  # a wrong path fails now, not after the server is up
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app = build_app(config, max_waiting=args.max_waiting, api_key=args.api_key,
+                    model_name=args.served_model_name)
+    engine: AsyncEngine = app.state.server.engine
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
+    server = _Server(uv_config, engine)
+    engine.on_load_error = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if engine.load_error is not None:
+        print(f"pagellm: error: model load failed: {engine.load_error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,298 @@
+"""AsyncEngine: one LLMEngine stepped by one background thread, fed by asyncio callers.
+
+    event loop (HTTP)                            engine thread
+    ─────────────────                            ─────────────
+    await add(...)  ── inbox (deque + cond) ──►  drain inbox: add_request / abort
+    RequestStream   ◄── call_soon_threadsafe ──  step() -> outputs, put on each request's queue
+    abort(ids)      ── inbox ───────────────────►
+
+The LLMEngine is created and touched only on its thread, so it needs no locks. The thread
+steps while work exists and sleeps on the condition otherwise. Outputs go to unbounded
+asyncio queues, so the engine never waits for a slow client; the HTTP side only ever awaits
+its own queue, so it never blocks the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pagellm.config import EngineConfig
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm.server")
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds --max-waiting requests already (HTTP 429)."""
+
+
+class EngineDeadError(Exception):
+    """The engine stopped (shutdown or an internal error); the request cannot finish."""
+
+
+_CLOSED = object()  # queue item: the stream was aborted
+
+
+@dataclass
+class _Tracked:
+    """Per engine request, on the engine thread: where its outputs go and its timestamps."""
+
+    stream: RequestStream
+    index: int
+    request: object  # pagellm.request.Request, for first_scheduled_time
+    arrival: float
+    last_token: float | None = None
+
+
+class RequestStream:
+    """The outputs of one HTTP request's engine requests (n completions × prompts), as they come.
+
+    Iterating yields (index, RequestOutput). Leaving the iteration early (client gone,
+    cancellation) aborts whatever has not finished, which returns its KV blocks to the pool.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]):
+        self._engine = engine
+        self.request_ids = request_ids
+        self._unfinished = set(request_ids)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+
+    def put_threadsafe(self, item) -> None:
+        """Called on the engine thread: an (index, RequestOutput) or an exception."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            while self._unfinished:
+                item = await self._queue.get()
+                if item is _CLOSED:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                index, output = item
+                if output.finished:
+                    self._unfinished.discard(output.request_id)
+                yield index, output
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort what has not finished and end the iteration (call on the event loop)."""
+        if self._unfinished:
+            self._engine.abort(list(self._unfinished))
+            self._unfinished.clear()
+            self._queue.put_nowait(_CLOSED)  # wakes an iteration waiting for outputs that will not come
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, max_waiting: int):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.config = config
+        self.max_waiting = max_waiting
+        self.metrics = None  # ServerMetrics, set by the server before start()
+        self.engine = None  # the LLMEngine once loaded; read-only outside the engine thread
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[], None] | None = None  # called on the engine thread
+        self._inbox: collections.deque[tuple] = collections.deque()  # (fn(engine), loop, future)
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._tracked: dict[str, _Tracked] = {}
+        self._stats: dict = {}  # replaced (never mutated) by the engine thread after each step
+        self._counts = collections.Counter()  # engine-thread-only counters beyond engine.stats()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+
+    # ---- event-loop side ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self.engine is not None and not self._stopping
+
+    def stats(self) -> dict:
+        return self._stats
+
+    async def add(self, token_id_lists: list[list[int]], params: list[SamplingParams],
+                  arrival_time: float, request_id: str) -> RequestStream:
+        """Queue one engine request per (prompt, params); all are accepted or none is.
+
+        Raises ValueError (a prompt the engine rejects), QueueFullError, EngineDeadError.
+        """
+        ids = [f"{request_id}-{i}" for i in range(len(token_id_lists))]
+        stream = RequestStream(self, ids)
+        future = asyncio.get_running_loop().create_future()
+
+        def add_all(engine) -> None:
+            if engine.num_waiting + len(ids) > self.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+            added = []
+            try:
+                for i, (rid, tokens, p) in enumerate(zip(ids, token_id_lists, params)):
+                    engine.add_request(tokens, p, request_id=rid, arrival_time=arrival_time)
+                    added.append(rid)
+                    request = engine.scheduler.requests[rid]
+                    self._tracked[rid] = _Tracked(stream, i, request, arrival_time)
+            except ValueError:
+                for rid in added:
+                    engine.abort(rid)
+                    del self._tracked[rid]
+                raise
+
+        self._submit(add_all, future)
+        try:
+            await future
+        except asyncio.CancelledError:  # client gone while queued for the engine thread
+            stream.abort()
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (thread-safe, fire and forget); unknown or finished ids are ignored."""
+
+        def abort_all(engine) -> None:
+            for rid in request_ids:
+                if self._tracked.pop(rid, None) is not None:
+                    engine.abort(rid)
+                    self._counts["num_requests_aborted"] += 1
+
+        self._submit(abort_all, None)
+
+    def begin_shutdown(self) -> None:
+        """Tell the thread to stop; every open stream gets EngineDeadError. Safe from a signal handler
+        (the condition's lock is re-entrant) and safe to call twice."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """begin_shutdown(), then wait for the thread (not while it is still loading the model)."""
+        self.begin_shutdown()
+        if self.engine is not None and self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _submit(self, fn: Callable, future: asyncio.Future | None) -> None:
+        if self._stopping:
+            if future is None:
+                return  # an abort during shutdown: the engine is dropping everything anyway
+            raise EngineDeadError("the server is shutting down")
+        loop = asyncio.get_running_loop() if future is not None else None
+        with self._cond:
+            self._inbox.append((fn, loop, future))
+            self._cond.notify()
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            from pagellm.engine import LLMEngine
+
+            engine = LLMEngine(self.config)
+        except BaseException as exc:  # noqa: BLE001 - reported by /health and the log, not raised
+            self.load_error = exc
+            logger.error("model load failed: %s", exc)
+            self._ready.set()
+            if self.on_load_error is not None:
+                self.on_load_error()
+            return
+        self.engine = engine
+        self._publish_stats(engine)
+        self._ready.set()
+        logger.info("engine ready: max_model_len=%d", engine.max_model_len)
+        try:
+            self._loop(engine)
+        finally:
+            self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _loop(self, engine) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self._stopping and not engine.has_unfinished_requests():
+                    self._cond.wait()
+                commands, self._inbox = list(self._inbox), collections.deque()
+                if self._stopping:
+                    for _, loop, future in commands:
+                        _resolve(loop, future, None, EngineDeadError("the server is shutting down"))
+                    return
+            for fn, loop, future in commands:
+                try:
+                    result, error = fn(engine), None
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    result, error = None, exc
+                _resolve(loop, future, result, error)
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception:  # noqa: BLE001 - a bug must not hang every client
+                    logger.error("engine step failed:\n%s", traceback.format_exc())
+                    self._fail_all(EngineDeadError("internal engine error; the request was aborted"), engine)
+                    continue
+                self._deliver(outputs)
+            self._publish_stats(engine)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            if output.new_token_ids:
+                self._counts["generation_tokens"] += len(output.new_token_ids)
+                if metrics is not None:
+                    if tracked.last_token is None:
+                        metrics.time_to_first_token.observe(now - tracked.arrival)
+                        scheduled = tracked.request.first_scheduled_time or now
+                        metrics.request_queue_time.observe(max(scheduled - tracked.arrival, 0.0))
+                    else:
+                        metrics.inter_token_latency.observe(now - tracked.last_token)
+                tracked.last_token = now
+            if output.finished:
+                del self._tracked[output.request_id]
+                self._counts["num_requests_finished"] += 1
+                if metrics is not None:
+                    metrics.e2e_request_latency.observe(now - tracked.arrival)
+            tracked.stream.put_threadsafe((tracked.index, output))
+
+    def _fail_all(self, error: Exception, engine=None) -> None:
+        for rid, tracked in list(self._tracked.items()):
+            if engine is not None:
+                engine.abort(rid)
+            tracked.stream.put_threadsafe(error)
+        self._tracked.clear()
+
+    def _publish_stats(self, engine) -> None:
+        stats = engine.stats()
+        total = stats["kv_blocks_total"]
+        stats["kv_blocks_free"] = total - stats["kv_blocks_used"]
+        stats["kv_cache_usage_ratio"] = stats["kv_blocks_used"] / total if total else 0.0
+        stats.update(self._counts)
+        self._stats = stats
+
+
+def _resolve(loop, future, result, error) -> None:
+    if future is None:
+        if error is not None:
+            logger.error("engine command failed: %s", error)
+        return
+
+    def settle() -> None:
+        if future.done():  # the caller was cancelled (client gone) meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    loop.call_soon_threadsafe(settle)

@@ -1,0 +1,89 @@
+"""Prometheus metrics of one server, in its own CollectorRegistry (no process-wide state).
+
+Latency histograms are observed by the engine thread as outputs arrive. Counters and gauges
+are read at scrape time from the engine's latest stats snapshot (`AsyncEngine.stats()`), so a
+scrape never waits for the engine and the engine never does work for a scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "pagellm:"
+
+# vLLM's buckets, extended downwards for tiny models and upwards for slow CPUs.
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                          0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
+
+# (name, help, key in the stats snapshot)
+_COUNTERS = (
+    ("prompt_tokens", "Prompt tokens of accepted requests.", "prompt_tokens"),
+    ("generation_tokens", "Tokens generated.", "generation_tokens"),
+    ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queried_tokens"),
+    ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", "prefix_cache_hit_tokens"),
+    ("num_preemptions", "Requests preempted (KV freed, recomputed later).", "num_preemptions"),
+    ("request_success", "Requests that finished (stop or length).", "num_requests_finished"),
+    ("request_aborted", "Requests aborted (client gone, shutdown).", "num_requests_aborted"),
+)
+_GAUGES = (
+    ("num_requests_running", "Requests running (holding KV blocks and a slot).", "num_requests_running"),
+    ("num_requests_waiting", "Requests queued, not yet running.", "num_requests_waiting"),
+    ("kv_cache_usage_ratio", "Fraction of KV blocks in use (1 = full).", "kv_cache_usage_ratio"),
+    ("kv_blocks_free", "KV blocks free (cached-but-unreferenced blocks count as free).", "kv_blocks_free"),
+    ("kv_blocks_total", "KV blocks in the pool.", "kv_blocks_total"),
+    ("host_ms_per_step", "Mean host time per engine step (scheduling + input preparation), ms.",
+     "host_ms_per_step"),
+    ("model_ms_per_step", "Mean model forward time per engine step, ms.", "model_ms_per_step"),
+    ("sample_ms_per_step", "Mean sampling time per engine step, ms.", "sample_ms_per_step"),
+    ("host_syncs_per_step", "Mean blocking device-to-host reads per engine step.", "host_syncs_per_step"),
+    ("num_steps", "Engine steps run.", "num_steps"),
+)
+_GAUGE_KEYS = {key for _, _, key in _GAUGES}
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, read_stats: Callable[[], dict]):
+        self._read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read_stats()
+        if not stats:  # still loading: no engine numbers yet
+            return
+        for name, doc, key in _COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=stats.get(key, 0))
+        for name, doc, key in _GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=stats.get(key, 0))
+        # Step instrumentation the engine adds later (step reuse, input copies, ...) is exported as is.
+        for key in sorted(stats):
+            if key.endswith(("_per_step", "_rate")) and key not in _GAUGE_KEYS:
+                yield GaugeMetricFamily(PREFIX + key, f"Engine step instrumentation: {key}.", value=stats[key])
+
+
+class ServerMetrics:
+    """The histograms the engine thread observes, plus the snapshot-backed counters and gauges."""
+
+    def __init__(self, read_stats: Callable[[], dict]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        hist = dict(registry=self.registry)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Arrival to first generated token.",
+            buckets=_LATENCY_BUCKETS, **hist)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between successive tokens of a request.",
+            buckets=_TOKEN_LATENCY_BUCKETS, **hist)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival to last token of a finished request.",
+            buckets=_LATENCY_BUCKETS, **hist)
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.",
+            buckets=_LATENCY_BUCKETS, **hist)
+        self.registry.register(_SnapshotCollector(read_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

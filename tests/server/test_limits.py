@@ -1,0 +1,115 @@
+"""Health while loading, API keys, the bounded waiting queue (429), disconnects, and SIGTERM.
+
+The server runs one request at a time (--max-num-seqs 1) with room for one waiting request
+(--max-waiting 1), so which request runs, waits or is refused is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import openai
+import pytest
+from server_harness import BASE_ARGS, sse_events, start_server, stop_with
+
+KEY = "secret-key"
+NAME = "limits-test"
+LONG = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    args = [*BASE_ARGS, "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", NAME]
+    server = start_server(args, tmp_path_factory.mktemp("limits"), api_key=KEY)
+    yield server
+    server.kill()  # normally already stopped by the SIGTERM test
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, headers=server.headers(), timeout=60) as http:
+        yield http
+
+
+def first_event(lines):
+    """The first event of an SSE line iterator. Keep the iterator: dropping it closes the connection."""
+    for line in lines:
+        if line.startswith("data: "):
+            return json.loads(line[len("data: "):])
+    raise AssertionError("stream ended without an event")
+
+
+def idle(metrics) -> bool:
+    return (metrics["num_requests_running"] == 0 and metrics["num_requests_waiting"] == 0
+            and metrics["kv_blocks_free"] == metrics["kv_blocks_total"])
+
+
+def test_health_answers_503_while_loading_then_200(server):
+    assert 503 in server.health_statuses
+    assert server.health_statuses[-1] == 200
+    assert httpx.get(server.url + "/health").status_code == 200  # no API key needed
+
+
+def test_api_key_is_required_on_v1(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        response = httpx.get(server.url + "/v1/models", headers=headers)
+        assert response.status_code == 401
+        error = response.json()["error"]
+        assert error["type"] == "authentication_error" and error["message"] and error["code"] is None
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    models = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30).models.list()
+    assert [m.id for m in models.data] == [NAME]
+
+
+def test_full_waiting_queue_is_a_429_and_accepted_requests_finish(server, http):
+    before = server.metrics()
+    running = http.send(http.build_request("POST", "/v1/completions", json={**LONG, "stream": True}), stream=True)
+    try:
+        assert running.status_code == 200
+        running_lines = running.iter_lines()
+        assert first_event(running_lines)["choices"][0]["text"] is not None  # it runs, holding the only slot
+        queued = http.send(http.build_request("POST", "/v1/completions",
+                                              json={**LONG, "max_tokens": 3, "stream": True}), stream=True)
+        try:
+            assert queued.status_code == 200  # accepted: it waits
+            refused = http.post("/v1/completions", json={**LONG, "max_tokens": 3})
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            running.close()  # the client goes away: its request is aborted, the queued one runs
+            events = sse_events(queued.iter_lines())
+        finally:
+            queued.close()
+    finally:
+        running.close()
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    after = server.wait_for_metrics(idle)
+    assert idle(after), after  # the aborted request's blocks are back in the pool
+    assert after["request_aborted_total"] - before["request_aborted_total"] == 1
+    assert after["request_success_total"] - before["request_success_total"] == 1
+
+
+def test_non_streaming_client_that_goes_away_is_aborted(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=LONG, headers=server.headers(), timeout=2.0)
+    after = server.wait_for_metrics(lambda m: idle(m) and m["request_aborted_total"] > before["request_aborted_total"])
+    assert idle(after), after
+    assert after["request_aborted_total"] - before["request_aborted_total"] == 1
+    assert after["request_success_total"] == before["request_success_total"]  # it never ran to the end
+
+
+def test_sigterm_ends_open_streams_with_an_error_and_exits_zero(server, http):
+    with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
+        lines = response.iter_lines()
+        first_event(lines)
+        server.signal(signal.SIGTERM)
+        events = sse_events(lines)
+    assert events[-1] == "[DONE]"
+    assert "shutting down" in events[-2]["error"]["message"]
+    stop_with(server, signal.SIGTERM)

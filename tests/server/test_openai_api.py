@@ -1,0 +1,281 @@
+"""`pagellm serve` on the embedded Gemma 3 270M, through the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from server_harness import BASE_ARGS, start_server, stop_with
+
+MODEL = "gemma-3-270m"
+N = 4  # tokens per greedy completion: few, since a step takes 50-100 ms on a 2-core CPU
+PROMPT = "The capital of France is"
+# Long enough for two full 16-token KV blocks, and used by no other test (a cold prefix cache).
+SHARED_PROMPT = ("In a quiet harbour town, the lighthouse keeper kept a notebook of every ship that "
+                 "passed, the weather on each day, and the songs the sailors sang at night. One day")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_server(BASE_ARGS, tmp_path_factory.mktemp("serve"))
+    yield server
+    stop_with(server, signal.SIGINT)  # Ctrl-C: a clean exit, status 0, no traceback
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        yield http
+
+
+def greedy_completion(client, prompt=PROMPT, **kwargs):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0, **kwargs)
+
+
+def concurrently(*calls):
+    """Run the calls at once (they batch in the engine, which keeps the tests short); their results."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
+@pytest.fixture(scope="module")
+def expected(client):
+    """The greedy completion of PROMPT (N tokens)."""
+    return greedy_completion(client)
+
+
+def test_health_models_and_served_name(http):
+    assert http.get("/health").status_code == 200
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 256
+
+
+def test_completion_non_streaming(expected, http):
+    out = expected
+    assert out.object == "text_completion" and out.model == MODEL
+    (choice,) = out.choices
+    assert choice.finish_reason == "length" and choice.text
+    tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert out.usage.prompt_tokens == tokens["count"]
+    assert out.usage.completion_tokens == N
+    assert out.usage.total_tokens == tokens["count"] + N
+    assert out.usage.prompt_tokens_details.cached_tokens == 0  # shorter than one full block
+
+
+def test_streaming_completion_matches_non_streaming(client, expected):
+    expected = expected.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    *content, last = chunks
+    assert "".join(c.choices[0].text for c in content) == expected
+    assert content[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in content)
+    assert last.choices == [] and last.usage.completion_tokens == N
+
+
+def test_prompt_forms_give_the_same_greedy_text(client, http, expected):
+    expected = expected.choices[0].text
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    single, strings, id_lists = concurrently(
+        lambda: greedy_completion(client, prompt=ids),
+        lambda: greedy_completion(client, prompt=[PROMPT, "def fibonacci(n):"]),
+        lambda: greedy_completion(client, prompt=[ids, ids]))
+    assert single.choices[0].text == expected
+    assert [c.index for c in strings.choices] == [0, 1]
+    assert strings.choices[0].text == expected
+    assert [c.text for c in id_lists.choices] == [expected, expected]
+    assert id_lists.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_chat_streaming_and_non_streaming(client):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=N, temperature=0)
+    (choice,) = out.choices
+    assert out.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=N, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_stop_string_ends_the_text_before_it(client, expected):
+    text = expected.choices[0].text
+    words = text.split(" ")
+    assert len(words) >= 3, text
+    stop = " " + words[2]  # the second word, with its leading space
+    out = greedy_completion(client, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == text[: text.index(stop)]
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+
+
+def test_seeds_reproduce_and_n_children_use_seed_plus_i(client):
+    kwargs = dict(model=MODEL, prompt="My favourite animal is", max_tokens=5, temperature=1.0)
+    both, again, eight = concurrently(lambda: client.completions.create(n=2, seed=7, **kwargs),
+                                      lambda: client.completions.create(n=2, seed=7, **kwargs),
+                                      lambda: client.completions.create(seed=8, **kwargs))
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in again.choices] == [c.text for c in both.choices]
+    assert eight.choices[0].text == both.choices[1].text
+
+
+def test_n_completions_share_the_prompt_blocks(client, server):
+    before = server.metrics()
+    out = client.completions.create(model=MODEL, prompt=SHARED_PROMPT, n=3, max_tokens=4, temperature=1.0,
+                                    seed=1)
+    assert len(out.choices) == 3
+    assert out.usage.prompt_tokens >= 33  # two full blocks and more
+    full_blocks = (out.usage.prompt_tokens - 1) // 16 * 16  # the last prompt token is always computed
+    # Computed once by the first completion, read from the prefix cache by the other two.
+    assert out.usage.prompt_tokens_details.cached_tokens == full_blocks
+    after = server.metrics()
+    assert after["prefix_cache_hit_tokens_total"] - before["prefix_cache_hit_tokens_total"] == 2 * full_blocks
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 3 * out.usage.prompt_tokens
+
+
+def test_completion_logprobs(client):
+    out, streamed = concurrently(
+        lambda: greedy_completion(client, logprobs=2),
+        lambda: list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, logprobs=2,
+                                               stream=True)))
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == N
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and top[token] == logprob  # greedy: the sampled token is the top one
+        assert logprob == max(top.values()) <= 0
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(N)]
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+
+
+def test_ignore_eos_and_penalties_are_accepted(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.7, top_p=0.9,
+                                    presence_penalty=0.5, frequency_penalty=0.5, seed=3,
+                                    extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                                                "ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+
+
+def test_tokenize_and_detokenize(http):
+    tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > 3
+
+
+def test_concurrent_requests_all_complete(client):
+    outs = concurrently(*[lambda i=i: client.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=4,
+                                                                temperature=0) for i in range(N)])
+    assert all(o.usage.completion_tokens == 4 for o in outs)
+
+
+LONG_PROMPT = "hello " * 300  # over the 256-token context
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 255}, "max_tokens"),  # prompt + max_tokens > context
+    ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "seed": "7"}, "seed"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}, {"content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 2}, "messages"),  # alternation
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
+     "max_completion_tokens"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_REQUESTS, ids=[f"{p}:{param}-{i}" for i, (p, _, param)
+                                                              in enumerate(BAD_REQUESTS)])
+def test_bad_input_is_a_400_naming_the_field(http, path, body, param):
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
+    assert error["message"]
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe{not utf-8", b'{"prompt": "x",', b"[1, 2]", b"", b"null"])
+def test_undecodable_bodies_are_a_400(http, raw):
+    response = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_route_and_method_are_openai_errors(http):
+    assert http.get("/v1/nothing").json()["error"]["message"]
+    response = http.get("/v1/completions")
+    assert response.status_code == 405 and response.json()["error"]["message"]
+
+
+def test_the_server_still_works_after_the_errors(client):
+    assert greedy_completion(client).usage.completion_tokens == N
+
+
+def test_metrics_are_exported(server):
+    metrics = server.metrics()
+    for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count"):
+        assert metrics[name] > 0, name
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio",
+                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queried_tokens_total",
+                 "prefix_cache_hit_tokens_total", "num_preemptions_total", "host_ms_per_step",
+                 "model_ms_per_step", "sample_ms_per_step", "host_syncs_per_step", "kv_blocks_free",
+                 "kv_blocks_total"):
+        assert name in metrics, name
+    assert metrics["generation_tokens_total"] >= metrics["e2e_request_latency_seconds_count"]
+    assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]  # idle: every block back in the pool

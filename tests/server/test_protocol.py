@@ -1,0 +1,93 @@
+"""Request parsing and response shapes, without a server or a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm.core.types import TokenLogprobs
+from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.server.protocol import (APIError, ChatCompletionRequest, ChatFormatter, CompletionFormatter,
+                                     CompletionRequest, parse_request, usage)
+
+
+def parse(model, body: str):
+    return parse_request(body.encode(), model)
+
+
+@pytest.mark.parametrize("body,param", [
+    ('{"prompt": "x", "max_tokens": -1}', "max_tokens"),
+    ('{"prompt": "x", "temperature": "hot"}', "temperature"),
+    ('{"prompt": [[1], "a"]}', "prompt"),
+    ('{"prompt": "x", "stop": [""]}', None),  # caught when the SamplingParams are built
+    ('{"max_tokens": 3}', "prompt"),
+])
+def test_completion_errors_name_the_field(body, param):
+    if param is None:
+        request = parse(CompletionRequest, body)
+        with pytest.raises(APIError) as info:
+            request.sampling_params(4, None, 0)
+        assert info.value.param == "stop"
+        return
+    with pytest.raises(APIError) as info:
+        parse(CompletionRequest, body)
+    assert info.value.status == 400 and info.value.param == param
+    assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_nested_message_errors_name_messages_and_the_path():
+    with pytest.raises(APIError) as info:
+        parse(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}')
+    assert info.value.param == "messages" and "messages.1.role" in info.value.message
+
+
+def test_prompt_forms_and_child_seeds():
+    assert parse(CompletionRequest, '{"prompt": "a"}').prompts() == ["a"]
+    assert parse(CompletionRequest, '{"prompt": [1, 2]}').prompts() == [[1, 2]]
+    assert parse(CompletionRequest, '{"prompt": [[1], [2]]}').prompts() == [[1], [2]]
+    request = parse(CompletionRequest, '{"prompt": "a", "seed": 5, "n": 3, "temperature": 0.5}')
+    assert [request.sampling_params(4, None, i).seed for i in range(3)] == [5, 6, 7]
+    chat = parse(ChatCompletionRequest, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],'
+                                        ' "max_completion_tokens": 3, "max_tokens": 9, "logprobs": true}')
+    assert chat.requested_max_tokens == 3 and chat.num_logprobs == 0
+    assert chat.messages[0].as_template_dict() == {"role": "user", "content": "hi"}
+
+
+def _output(rid: str, text: str, ids: list[int], finished: bool, cached: int = 0, new_text: str = "",
+            logprobs=None) -> RequestOutput:
+    completion = CompletionOutput(0, text, ids, "length" if finished else None, logprobs)
+    return RequestOutput(rid, None, [1, 2, 3], [completion], finished, cached, ids[-1:], new_text)
+
+
+def test_usage_counts_each_prompt_once_and_its_shared_cached_prefix():
+    outputs = [_output("a", "", [5, 6], True, cached=0), _output("b", "", [7], True, cached=16),
+               _output("c", "", [8, 9, 10], True, cached=32), _output("d", "", [1], True, cached=0)]
+    assert usage([40, 20], outputs, n=2) == {
+        "prompt_tokens": 60, "completion_tokens": 7, "total_tokens": 67,
+        "prompt_tokens_details": {"cached_tokens": 16 + 32}}
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def test_stream_chunks_hold_logprobs_until_text_is_released():
+    request = parse(CompletionRequest, '{"prompt": "a", "logprobs": 1, "stream": true}')
+    formatter = CompletionFormatter("m", request, _Tokenizer())
+    lp = [TokenLogprobs(5, -0.5, 1, ((5, -0.5),)), TokenLogprobs(6, -1.0, 1, ((6, -1.0),))]
+    assert formatter.chunk(0, _output("a", "", [5], False, logprobs=lp[:1]), False) is None  # held back
+    chunk = formatter.chunk(0, _output("a", "xy", [5, 6], True, new_text="xy", logprobs=lp), True)
+    choice = chunk["choices"][0]
+    assert choice["text"] == "xy" and choice["finish_reason"] == "length" and chunk["usage"] is None
+    assert choice["logprobs"]["tokens"] == ["<5>", "<6>"] and choice["logprobs"]["text_offset"] == [0, 3]
+
+
+def test_chat_response_shape():
+    request = parse(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "hi"}], "n": 2}')
+    formatter = ChatFormatter("m", request, _Tokenizer())
+    assert [c["choices"][0]["delta"]["role"] for c in formatter.first_chunks(2, False)] == ["assistant"] * 2
+    outputs = [_output("a", "one", [5], True), _output("b", "two", [6], True)]
+    response = formatter.response(outputs, usage([3], outputs, 2))
+    assert response["object"] == "chat.completion" and response["id"].startswith("chatcmpl-")
+    assert [c["message"] for c in response["choices"]] == [{"role": "assistant", "content": "one"},
+                                                            {"role": "assistant", "content": "two"}]
