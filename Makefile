@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
-.PHONY: install test generate clean
+.PHONY: install test generate serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,10 @@ test: install
 
 generate: install
 	$(BIN)/pagellm generate --prompt "$(PROMPT)"
+
+# OpenAI-compatible server on 127.0.0.1:8000 (embedded model unless SERVE_ARGS has --model).
+serve: install
+	$(BIN)/pagellm serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""`pagellm generate ...` (and later serve / bench): flags derived from the config dataclasses."""
+"""`pagellm serve | generate ...` (and later bench): flags derived from the config dataclasses."""
 
 from __future__ import annotations
 
@@ -60,6 +60,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pagellm.server.api_server import run_server
+
+    return run_server(args)
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    serve.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    serve.add_argument("--api-key", default=None,
+                       help="When set, /v1 requests must send 'Authorization: Bearer <key>' (else 401).")
+    serve.add_argument("--max-waiting", type=int, default=1024,
+                       help="Most requests waiting to run; beyond it a request gets HTTP 429.")
+    serve.add_argument("--served-model-name", default=None,
+                       help="The model name clients send (default: the model file/dir name, or gemma-3-270m).")
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="LLM inference over a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    _add_serve_parser(sub)
+    from pagellm.bench.cli import add_bench_parser; add_bench_parser(sub)
     return parser
 
 

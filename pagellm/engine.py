@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import time
@@ -60,6 +61,10 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.counters = EngineStats()
+        # Loading leaves ~400k long-lived objects; without this a full GC pass rescans them every few
+        # steps (~200 ms stalls measured at B=32 prefill). vLLM freezes them the same way.
+        gc.collect()
+        gc.freeze()
 
     def _eos_ids(self) -> frozenset[int]:
         if self.tokenizer is not None:
@@ -135,6 +140,10 @@ class LLMEngine:
                 del self._states[request.request_id]
             results.append(state.make_output(status))
         return results
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefixes; False (and nothing done) while requests are unfinished."""
+        return not self.has_unfinished_requests() and self.kv_cache.reset_prefix_cache()
 
     def stats(self) -> dict:
         return self.counters.as_dict(self.kv_cache, self.scheduler)

@@ -11,10 +11,13 @@ class EngineStats:
     computed_prefill_tokens: int = 0
     decode_tokens: int = 0
     num_steps: int = 0
-    host_ms_total: float = 0.0  # scheduling + input preparation, before the model runs
+    host_ms_total: float = 0.0  # scheduling + input preparation before the model runs, copy excluded
+    input_copy_ms_total: float = 0.0  # building the step's input tensors
     model_ms_total: float = 0.0
     sample_ms_total: float = 0.0
     host_syncs_total: int = 0
+    step_reuse_hits: int = 0  # steps that ran a prepared step again (step reuse: issue 5)
+    step_reuse_misses: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_queried_tokens: int = 0
 
@@ -23,9 +26,14 @@ class EngineStats:
         self.decode_tokens += output.num_decode_tokens
         self.computed_prefill_tokens += output.num_prefill_tokens
         self.host_ms_total += schedule_ms + timings.host_ms
+        self.input_copy_ms_total += timings.input_copy_ms
         self.model_ms_total += timings.model_ms
         self.sample_ms_total += timings.sample_ms
         self.host_syncs_total += timings.host_syncs
+        if timings.reused_step:
+            self.step_reuse_hits += 1
+        else:
+            self.step_reuse_misses += 1
         for item in output.scheduled:
             if item.new is not None and not item.new.output_token_ids:  # first admission, not a resume
                 request = scheduler.requests.get(item.request_id)
@@ -48,9 +56,13 @@ class EngineStats:
             "num_steps": self.num_steps,
             "decode_tokens": self.decode_tokens,
             "host_ms_per_step": self.host_ms_total / steps,
+            "input_copy_ms_per_step": self.input_copy_ms_total / steps,
             "model_ms_per_step": self.model_ms_total / steps,
             "sample_ms_per_step": self.sample_ms_total / steps,
             "host_syncs_per_step": self.host_syncs_total / steps,
+            "step_reuse_hits": self.step_reuse_hits,
+            "step_reuse_misses": self.step_reuse_misses,
+            "step_reuse_rate": self.step_reuse_hits / steps,
             "num_requests_running": len(scheduler.running),
             "num_requests_waiting": len(scheduler.waiting),
         }

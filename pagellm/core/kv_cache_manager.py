@@ -112,6 +112,13 @@ class KVCacheManager:
         self._in_flight.subtract(request.block_hashes[i] for i in done)
         self._in_flight_of[request.request_id] = pending[len(done):]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (benchmarks, between runs). Refused (False) while a request holds blocks."""
+        if self.req_blocks:
+            return False
+        self.pool.reset_prefix_cache()
+        return True
+
     def free(self, request: Request) -> None:
         """Return a finished, aborted or preempted request's blocks, tail first."""
         blocks = self.req_blocks.pop(request.request_id, [])

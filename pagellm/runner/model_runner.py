@@ -19,10 +19,12 @@ from pagellm.runner.sampler import Sampler, SamplerOutput
 
 @dataclass
 class StepTimings:
-    host_ms: float = 0.0  # scheduling excluded: input preparation before the model runs
+    host_ms: float = 0.0  # scheduling excluded: input preparation before the model runs, minus the copy
+    input_copy_ms: float = 0.0  # building the step's input tensors (ids, positions, attention metadata)
     model_ms: float = 0.0  # forward + LM head
     sample_ms: float = 0.0  # sampler + the blocking read of its output
     host_syncs: int = 0
+    reused_step: bool = False  # a prepared decode step was reused (step reuse: not built yet, always False)
 
 
 def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -49,12 +51,15 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         t0 = time.perf_counter()
         states = self.input_batch.apply(output.released_request_ids, output.scheduled)
-        input_ids, positions, meta, logits_rows = self._prepare_inputs(output, states)
+        host_lists = self._gather_inputs(output, states)
+        t_copy = time.perf_counter()
+        input_ids, positions, meta, logits_rows = self._build_input_tensors(*host_lists)
         t1 = time.perf_counter()
+        host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
         sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
         if not sampled:
-            self.last_timings = StepTimings((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, 0.0, 0)
+            self.last_timings = StepTimings(host_ms, copy_ms, (time.perf_counter() - t1) * 1e3, 0.0, 0)
             return ModelOutput((), ())
         logits = self.model.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
         t2 = time.perf_counter()
@@ -65,10 +70,12 @@ class ModelRunner:
         t3 = time.perf_counter()
         for state, token in zip(sampled, token_ids):
             state.output_token_ids.append(token)
-        self.last_timings = StepTimings((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1)
+        self.last_timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1)
         return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs)
 
-    def _prepare_inputs(self, output: SchedulerOutput, states: list[SlotState]):
+    @staticmethod
+    def _gather_inputs(output: SchedulerOutput, states: list[SlotState]):
+        """Host lists of the step's packed tokens, positions, lengths, block tables and sampled rows."""
         tokens: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, logits_rows = [], [], [], []
@@ -81,6 +88,9 @@ class ModelRunner:
             tables.append(state.block_ids)
             if item.sample:
                 logits_rows.append(len(tokens) - 1)  # logits only where a token is sampled
+        return tokens, positions, query_lens, seq_lens, tables, logits_rows
+
+    def _build_input_tensors(self, tokens, positions, query_lens, seq_lens, tables, logits_rows):
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)

@@ -1,0 +1,158 @@
+"""`pagellm bench batched | compare | serve`: argument parsing and printing; the measuring lives beside it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or HF checkpoint directory (default: the embedded Gemma 3 270M Q4_K_M)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="pagellm compute dtype (default float32 on CPU)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=float, default=None,
+                        help="pagellm KV budget in GiB (default: a quarter of available RAM, at most 4)")
+
+
+def add_bench_parser(subparsers) -> None:
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: batched (llama-batched-bench), compare (vs peers), serve (vllm bench serve)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    batched = kinds.add_parser("batched", help="llama-batched-bench columns over a sweep of batch sizes")
+    _add_common(batched)
+    batched.add_argument("--npl", type=int_list, default=[1, 8, 32, 64], help="batch sizes B (default 1,8,32,64)")
+    batched.add_argument("--pp", type=int_list, default=[128], help="prompt tokens per sequence (default 128)")
+    batched.add_argument("--tg", type=int_list, default=[128], help="generated tokens per sequence (default 128)")
+    batched.add_argument("--shared-prompt", action="store_true",
+                         help="all B sequences share one prompt (the prefix cache computes it once)")
+    batched.add_argument("--max-num-batched-tokens", type=int, default=None,
+                         help="token budget per step (default max(npl)*max(pp): a row's prefill is one step)")
+    batched.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    batched.add_argument("--out", default=None, help="write the rows to FILE.json or FILE.csv")
+    batched.add_argument("--plot", default=None, metavar="FILE.png", help="plot S_PP and S_TG against B")
+    batched.set_defaults(func=_run_batched)
+
+    compare = kinds.add_parser("compare", help="the same workloads on pagellm and peers, plus the roofline")
+    _add_common(compare)
+    compare.add_argument("--npl", type=int_list, default=[1, 32],
+                         help="batch sizes; 1 is the single-stream workload (default 1,32)")
+    compare.add_argument("--pp", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    compare.add_argument("--tg", type=int, default=32, help="generated tokens per sequence (default 32)")
+    compare.add_argument("--repeats", type=int, default=3, help="measurements of each figure (median reported)")
+    compare.add_argument("--peers", default="hf,llama.cpp",
+                         help="comma-separated peers to try: hf, llama.cpp (default both)")
+    compare.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
+    compare.add_argument("--out", default=None, help="write figures, roofline and peers to FILE.json")
+    compare.add_argument("--quick-roofline", action="store_true",
+                         help="measure the roofline with small sizes (smoke tests: an order of magnitude only)")
+    compare.set_defaults(func=_run_compare)
+
+    serve = kinds.add_parser("serve", help="streaming clients against an OpenAI-compatible server (vllm bench serve)")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running server (default %(default)s)")
+    serve.add_argument("--start-server", action="store_true", help="start `pagellm serve` on a free port instead")
+    serve.add_argument("--model", default=None, help="with --start-server: the model to serve (default embedded)")
+    serve.add_argument("--serve-args", default="", help="with --start-server: more `pagellm serve` flags, one string")
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--num-prompts", type=int, default=64)
+    serve.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request (after the prefix)")
+    serve.add_argument("--output-len", type=int, default=32, help="tokens generated per request (ignore_eos)")
+    serve.add_argument("--shared-prefix-len", type=int, default=0,
+                       help="a system prompt of this many tokens shared by every request (default 0)")
+    serve.add_argument("--request-rate", type=float, default=float("inf"),
+                       help="Poisson arrival rate in requests/s (default inf: all at once)")
+    serve.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--out", default=None, help="write the summary and every request to FILE.json")
+    serve.add_argument("--plot", default=None, metavar="FILE.png", help="CDF of TTFT and end-to-end latency")
+    serve.set_defaults(func=_run_serve)
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _run_batched(args: argparse.Namespace) -> int:
+    from pagellm.bench import batched, report
+
+    report.check_out_path(args.out)
+    _set_threads(args.threads)
+    engine = batched.build_engine(args.model, args.dtype, max(args.npl), max(args.pp), max(args.tg),
+                                  block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_prefix_caching=args.enable_prefix_caching)
+    sched = engine.config.scheduler
+    print(report.describe_machine(report.machine_info(report.dtype_name(engine.dtype))))
+    print(f"model: {engine.model_path}\n"
+          f"engine: max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens}, "
+          f"block_size {engine.kv_cache.block_size}, KV blocks {engine.kv_cache.pool.num_blocks}, "
+          f"prefix caching {'on' if args.enable_prefix_caching else 'off'}, shared prompt {args.shared_prompt}\n")
+    columns = batched.COLUMNS + (batched.PREFIX_COLUMNS if args.shared_prompt else ())
+    rows, profiles = batched.run_sweep(engine, args.pp, args.tg, args.npl, args.shared_prompt, args.seed,
+                                       on_row=lambda row: print(f"  done B={row['B']}", file=sys.stderr))
+    print(report.format_table(rows, columns))
+    print("\nstep instrumentation per phase (ms per step; copy = building input tensors)")
+    print(report.format_table(profiles, batched.PROFILE_COLUMNS))
+    stats = engine.stats()
+    print("\nengine totals: " + ", ".join(
+        f"{k} {stats[k]:.2f}" if isinstance(stats[k], float) else f"{k} {stats[k]}"
+        for k in ("num_steps", "host_ms_per_step", "input_copy_ms_per_step", "model_ms_per_step",
+                  "sample_ms_per_step", "host_syncs_per_step", "step_reuse_hits", "step_reuse_misses",
+                  "step_reuse_rate")))
+    if args.out:
+        report.write_rows(args.out, rows)
+        print(f"wrote {args.out}")
+    if args.plot:
+        _plot_batched(args.plot, rows, args.shared_prompt, engine)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot_batched(path: str, rows: list[dict], shared: bool, engine) -> None:
+    import torch
+
+    from pagellm.bench import report
+
+    series: dict[str, list[float]] = {}
+    combos = sorted({(r["PP"], r["TG"]) for r in rows})
+    for pp, tg in combos:
+        these = [r for r in rows if (r["PP"], r["TG"]) == (pp, tg)]
+        suffix = f" (PP {pp}, TG {tg})" if len(combos) > 1 else ""
+        series["S_PP prefill" + suffix] = [r["S_PP"] for r in these]
+        series["S_TG decode" + suffix] = [r["S_TG"] for r in these]
+    npl = [r["B"] for r in rows if (r["PP"], r["TG"]) == combos[0]]
+    pp, tg = combos[0]
+    title = (f"pagellm bench batched: {engine.model_path.name}, PP {pp}, TG {tg}"
+             f"{', shared prompt' if shared else ''}\n{report.cpu_model()}, "
+             f"{torch.get_num_threads()} threads, {report.dtype_name(engine.dtype)}")
+    report.plot_series(path, npl, series, xlabel="B (parallel sequences)", ylabel="tokens / s", title=title)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pagellm.bench import serve
+
+    return serve.main(args)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from pagellm.bench import compare
+
+    _set_threads(args.threads)
+    return compare.main(args)

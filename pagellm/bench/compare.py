@@ -1,0 +1,158 @@
+"""`pagellm bench compare`: the same workloads on pagellm and its peers, in one run, alternating.
+
+For each batch size B in --npl (B = 1 is the single-stream workload) every
+engine runs B random prompts of PP tokens and TG decode steps, greedy; the
+engines take turns (pagellm, HF, llama.cpp, pagellm, ...) --repeats times, and
+the median of each figure is printed with the ratio pagellm / peer. The
+figures are llama-batched-bench's S_PP (prefill tokens/s) and S_TG (decode
+tokens/s). Each pagellm figure is also placed under the machine's roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from pagellm.bench import batched, peers, report, roofline
+from pagellm.bench.report import Column
+
+PAGELLM = "pagellm"
+
+
+def _pagellm_runner(engine):
+    def run(prompts, tg):
+        engine.reset_prefix_cache()  # repeats use fresh prompts, but never let a run read another's blocks
+        times = batched.run_phases(engine, prompts, tg)
+        return times.t_pp, times.t_tg
+
+    return run
+
+
+def make_runners(args: argparse.Namespace, engine) -> tuple[dict, dict[str, str], dict[str, str]]:
+    """name -> run(prompts, tg); name -> description of what ran; peer -> why it did not run."""
+    runners = {PAGELLM: _pagellm_runner(engine)}
+    described = {PAGELLM: f"LLMEngine, {report.dtype_name(engine.dtype)}, {torch.get_num_threads()} torch threads"}
+    skipped: dict[str, str] = {}
+    wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
+    unknown = wanted - {"hf", "llama.cpp"}
+    if unknown:
+        raise ValueError(f"--peers: unknown peer(s) {sorted(unknown)}; known: hf, llama.cpp")
+    if "hf" in wanted:
+        hf = peers.HFTransformersPeer(engine)
+        runners[hf.name] = hf.run
+        described[hf.name] = hf.description
+    if "llama.cpp" in wanted:
+        reason = peers.llama_cpp_available()
+        if reason is None and engine.model_path.suffix != ".gguf":
+            reason = f"{engine.model_path} is not a GGUF file"
+        if reason is not None:
+            skipped["llama.cpp"] = reason
+        else:
+            lc = peers.LlamaCppPeer(engine.model_path, threads=args.llama_threads)
+            for unified in (True, False):
+                name = f"llama.cpp[{'unified' if unified else 'per-seq'} KV]"
+                runners[name] = lambda prompts, tg, u=unified: lc.run(prompts, tg, kv_unified=u)
+            described["llama.cpp"] = lc.description + "; unified and per-sequence KV both run, the better reported"
+    return runners, described, skipped
+
+
+def measure_all(runners: dict, engine, npl: list[int], pp: int, tg: int, repeats: int, seed: int) -> dict:
+    """{(name, B): {"S_PP": [...], "S_TG": [...]}}, engines alternating within every repeat."""
+    rng = random.Random(seed)
+    vocab = engine.hf_config.vocab_size
+    for run in runners.values():  # warm-up: start-up costs stay out of the figures
+        run(batched.random_prompts(rng, 1, min(pp, 16), vocab, False), 2)
+    figures: dict = {}
+    for r in range(repeats):
+        for b in npl:
+            prompts = batched.random_prompts(rng, b, pp, vocab, False)
+            for name, run in runners.items():
+                t_pp, t_tg = run(prompts, tg)
+                row = batched.batched_row(pp, tg, b, t_pp, t_tg)
+                slot = figures.setdefault((name, b), {"S_PP": [], "S_TG": []})
+                slot["S_PP"].append(row["S_PP"])
+                slot["S_TG"].append(row["S_TG"])
+                print(f"  repeat {r + 1}/{repeats} B={b} {name}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}",
+                      file=sys.stderr)
+    return figures
+
+
+def summarize(figures: dict, engine, roof: roofline.Roofline, npl, pp: int, tg: int) -> list[dict]:
+    """One row per (B, figure): medians, ratios pagellm / peer, and pagellm against the roofline."""
+    weights = roofline.WeightCounts.of(engine.model)
+    names = list(dict.fromkeys(name for name, _ in figures))
+    rows = []
+    for b in npl:
+        for figure in ("S_PP", "S_TG"):
+            med = {n: statistics.median(figures[(n, b)][figure]) for n in names}
+            ours = med[PAGELLM]
+            row = {"B": b, "PP": pp, "TG": tg, "figure": figure, PAGELLM: ours}
+            lc = {n: v for n, v in med.items() if n.startswith("llama.cpp[")}
+            peer_meds = {n: v for n, v in med.items() if n != PAGELLM and n not in lc}
+            if lc:
+                best = max(lc, key=lc.get)
+                peer_meds["llama.cpp"] = lc[best]
+                row["llama.cpp_kv"] = best[len("llama.cpp["):-len(" KV]")]
+            for n, v in peer_meds.items():
+                row[n] = v
+                row[f"{PAGELLM}/{n}"] = ours / v
+            if figure == "S_PP":
+                seconds, flops = b * pp / ours, weights.prefill_flops(b * pp, b)
+            else:
+                seconds, flops = b / ours, weights.decode_flops(b)  # one decode step of B tokens
+            row["roofline_pct"], row["bound"] = roofline.percent_of_roofline(
+                roof, flops, weights.bytes_read_per_step, seconds)
+            rows.append(row)
+    return rows
+
+
+def table_columns(rows: list[dict]) -> list[Column]:
+    cols = [Column("B", "B"), Column("figure", "figure"), Column(PAGELLM, "pagellm t/s", "{:.1f}")]
+    for peer in ("hf-transformers", "llama.cpp"):
+        if rows and peer in rows[0]:
+            cols += [Column(peer, f"{peer} t/s", "{:.1f}"), Column(f"{PAGELLM}/{peer}", "ratio", "{:.2f}")]
+            if peer == "llama.cpp":
+                cols.append(Column("llama.cpp_kv", "llama.cpp KV"))
+    cols += [Column("roofline_pct", "pagellm % roofline", "{:.1f}"), Column("bound", "bound")]
+    return cols
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.out is not None and Path(args.out).suffix != ".json":
+        raise ValueError(f"--out {args.out}: compare writes JSON, the file name must end in .json")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    engine = batched.build_engine(args.model, args.dtype, max(args.npl), args.pp, args.tg,
+                                  block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+    machine = report.machine_info(report.dtype_name(engine.dtype))
+    print(report.describe_machine(machine))
+    print(f"model: {engine.model_path}")
+    roof = roofline.measure_roofline(engine.dtype, quick=args.quick_roofline)
+    print(roof.describe())
+    runners, described, skipped = make_runners(args, engine)
+    print("engines run: " + "; ".join(f"{n} ({d})" for n, d in described.items()))
+    for name, reason in skipped.items():
+        print(f"peer not run: {name}: {reason}")
+    print(f"workloads: B in {args.npl}, PP {args.pp}, TG {args.tg}, greedy; {args.repeats} repeats, "
+          f"engines alternating, medians shown\n")
+    figures = measure_all(runners, engine, args.npl, args.pp, args.tg, args.repeats, args.seed)
+    rows = summarize(figures, engine, roof, args.npl, args.pp, args.tg)
+    print(report.format_table(rows, table_columns(rows)))
+    print("\nratio = pagellm / peer (above 1: pagellm faster). roofline: weights only; bound = "
+          "max(weight bytes / bandwidth, 2 * params * tokens / peak GEMM) per step, attention excluded")
+    if args.out:
+        raw = {f"{name}|B={b}": v for (name, b), v in figures.items()}
+        Path(args.out).write_text(json.dumps({
+            "machine": machine, "model": str(engine.model_path), "roofline": asdict(roof),
+            "engines_run": list(described), "engine_descriptions": described, "peers_not_run": skipped,
+            "settings": {"npl": args.npl, "pp": args.pp, "tg": args.tg, "repeats": args.repeats},
+            "rows": rows, "measurements": raw}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0

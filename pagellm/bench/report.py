@@ -1,0 +1,117 @@
+"""Output shared by the benches: aligned tables, JSON / CSV rows, PNG plots, machine description."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str  # key in the row dict (and in JSON / CSV)
+    header: str  # printed header
+    fmt: str = "{}"  # format of one value
+
+    def render(self, row: dict[str, Any]) -> str:
+        value = row.get(self.key)
+        return "-" if value is None else self.fmt.format(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """A Markdown table (as llama-batched-bench prints), right-aligned, one line per row."""
+    cells = [[c.render(row) for c in columns] for row in rows]
+    widths = [max([len(c.header)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
+    header = "| " + " | ".join(c.header.rjust(w) for c, w in zip(columns, widths)) + " |"
+    rule = "|-" + "-|-".join("-" * w for w in widths) + "-|"
+    body = ["| " + " | ".join(v.rjust(w) for v, w in zip(line, widths)) + " |" for line in cells]
+    return "\n".join([header, rule, *body])
+
+
+def write_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Write rows as a JSON list of objects (.json) or as CSV with a header line (.csv)."""
+    path = Path(path)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(list(rows), indent=2) + "\n")
+    elif path.suffix == ".csv":
+        keys: list[str] = []
+        for row in rows:
+            keys += [k for k in row if k not in keys]
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        raise ValueError(f"--out {path}: the file name must end in .json or .csv")
+
+
+def check_out_path(path: str | None) -> None:
+    """Reject a bad --out before minutes of measuring, not after."""
+    if path is not None and Path(path).suffix not in (".json", ".csv"):
+        raise ValueError(f"--out {path}: the file name must end in .json or .csv")
+
+
+def pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ValueError("--plot needs matplotlib: pip install 'pagellm[bench]'") from exc
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_series(path: str | Path, x: Sequence[float], series: dict[str, Sequence[float]], *,
+                xlabel: str, ylabel: str, title: str) -> None:
+    """One PNG: each named series against x, log2 x axis (batch sizes double)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, ys in series.items():
+        ax.plot(x, ys, marker="o", label=name)
+    if len(set(x)) > 1 and min(x) > 0:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(list(x), [str(v) for v in x])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(dtype: str) -> dict[str, Any]:
+    import torch
+
+    return {
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "dtype": dtype,
+    }
+
+
+def describe_machine(info: dict[str, Any]) -> str:
+    return (f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads, "
+            f"torch {info['torch']}, dtype {info['dtype']}")

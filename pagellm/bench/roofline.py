@@ -1,0 +1,90 @@
+"""The machine's roofline, measured with torch, and where a measured figure sits under it.
+
+    peak GEMM  : FLOP/s of a large square matmul in the compute dtype (best of a few)
+    bandwidth  : bytes/s of a sum over a tensor far larger than the caches (best of a few)
+
+A step that runs N tokens through the model's weights needs at least
+    max(weight_bytes / bandwidth, 2 * matmul_params * N / peak)
+seconds (attention and the KV reads are left out: small next to the weights at
+these context lengths). Single-stream decode sits on the bandwidth side, large
+batches and prefill on the GEMM side; a figure's "% of roofline" is that bound
+divided by the time the step actually took.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Roofline:
+    gemm_flops: float  # FLOP/s
+    read_bytes_per_s: float
+    dtype: str
+
+    def describe(self) -> str:
+        return (f"roofline: peak GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s ({self.dtype}, torch.matmul), "
+                f"memory read bandwidth {self.read_bytes_per_s / 1e9:.1f} GB/s (torch.sum)")
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: thread pool start-up, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_gemm_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_seconds(lambda: torch.matmul(a, b), repeats)
+
+
+def measure_read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)  # written once, so every page is resident
+    return num_bytes / _best_seconds(lambda: data.sum(), repeats)
+
+
+def measure_roofline(dtype: torch.dtype, quick: bool = False) -> Roofline:
+    """`quick` uses small sizes (tests); the figures are then only an order of magnitude."""
+    gemm = measure_gemm_flops(dtype, n=256 if quick else 2048)
+    bandwidth = measure_read_bandwidth(num_bytes=(8 << 20) if quick else (512 << 20))
+    return Roofline(gemm, bandwidth, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class WeightCounts:
+    matmul_params: int  # every token: all linear layers (embedding lookup excluded)
+    lm_head_params: int  # only tokens whose logits are computed
+    bytes_read_per_step: int  # weights a step reads once, whatever its batch: linears + LM head + norms
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "WeightCounts":
+        embed = model.model.embed_tokens.weight
+        tied = getattr(model, "tie_word_embeddings", False)
+        head = embed if tied else model.lm_head.weight
+        linears = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and m.weight is not head]
+        read = sum(p.numel() * p.element_size() for p in model.parameters())
+        if not tied:
+            read -= embed.numel() * embed.element_size()  # the lookup reads a few rows, not the table
+        return cls(sum(w.numel() for w in linears), head.numel(), read)
+
+    def decode_flops(self, tokens: int) -> float:
+        return 2.0 * (self.matmul_params + self.lm_head_params) * tokens
+
+    def prefill_flops(self, tokens: int, sequences: int) -> float:
+        return 2.0 * self.matmul_params * tokens + 2.0 * self.lm_head_params * sequences
+
+
+def percent_of_roofline(roof: Roofline, flops: float, bytes_read: float, seconds: float) -> tuple[float, str]:
+    """(percent of the bound reached, which bound applies: 'bandwidth' or 'GEMM')."""
+    t_bw, t_gemm = bytes_read / roof.read_bytes_per_s, flops / roof.gemm_flops
+    bound, name = (t_bw, "bandwidth") if t_bw >= t_gemm else (t_gemm, "GEMM")
+    return 100.0 * bound / seconds, name

@@ -1,0 +1,285 @@
+"""`pagellm bench serve`: streaming clients against an OpenAI-compatible server, as `vllm bench serve`.
+
+Requests go to /v1/completions with token-id prompts (random ids drawn from
+what the server's /tokenize returns for a fixed text, so every id is valid),
+`ignore_eos` so each produces exactly --output-len tokens, and stream=true.
+They are sent at a Poisson --request-rate (default: all at once), at most
+--concurrency in flight. Per request:
+
+    TTFT  send -> first streamed chunk        E2E  send -> end of stream
+    ITL   gaps between successive chunks      TPOT (E2E - TTFT) / (output tokens - 1)
+
+The server's prefix-cache hit ratio and preemptions are the change of its
+/metrics counters over the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pagellm.bench.report import Column
+
+SEED_TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches; "
+             "meanwhile, a curious engineer measures latency, throughput and memory on two small cores. ") * 8
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def _httpx():
+    try:
+        import httpx
+    except ImportError as exc:
+        raise ValueError("bench serve needs httpx: pip install 'pagellm[bench]'") from exc
+    return httpx
+
+
+def build_prompts(token_pool: list[int], n: int, input_len: int, shared_prefix_len: int, seed: int) -> list[list[int]]:
+    """n prompts of shared_prefix_len + input_len random ids; the prefix is one and the same for all."""
+    rng = random.Random(seed)
+    prefix = [rng.choice(token_pool) for _ in range(shared_prefix_len)]
+    return [prefix + [rng.choice(token_pool) for _ in range(input_len)] for _ in range(n)]
+
+
+async def _one_request(client, url: str, model: str, prompt: list[int], output_len: int, headers) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(ok=False, prompt_len=len(prompt))
+    t0 = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - t0
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+    except Exception as exc:  # a transport error fails this request, not the run
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = time.perf_counter() - t0
+    result.ok = result.ttft > 0
+    return result
+
+
+async def _run_clients(url, model, prompts, output_len, rate: float, concurrency: int | None, headers, seed):
+    httpx = _httpx()
+    rng = random.Random(seed + 1)
+    limit = asyncio.Semaphore(concurrency or len(prompts))
+    timeout = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+        async def limited(prompt):
+            async with limit:
+                return await _one_request(client, url, model, prompt, output_len, headers)
+
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
+        return await asyncio.gather(*tasks)
+
+
+def scrape_metrics(url: str, headers) -> dict[str, float]:
+    """The un-labelled pagellm: samples of /metrics ('_total' dropped from counters)."""
+    text = _httpx().get(url + "/metrics", headers=headers, timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("pagellm:") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name.removeprefix("pagellm:").removesuffix("_total")] = float(value)
+    return values
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pct(p):
+        return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p90": pct(90), "p99": pct(99)}
+
+
+def summarize(results: list[RequestResult], duration: float, before: dict, after: dict) -> dict:
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    queried = after.get("prefix_cache_queried_tokens", 0) - before.get("prefix_cache_queried_tokens", 0)
+    hits = after.get("prefix_cache_hit_tokens", 0) - before.get("prefix_cache_hit_tokens", 0)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    summary = {
+        "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
+        "request_throughput": len(done) / duration, "output_token_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_len for r in done)) / duration,
+        "prefix_cache_hit_ratio": hits / queried if queried else 0.0,
+        "preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
+    }
+    for name, values in (("ttft_ms", [r.ttft for r in done]), ("tpot_ms", tpots),
+                         ("itl_ms", [x for r in done for x in r.itls]), ("e2e_ms", [r.e2e for r in done])):
+        for stat, value in _percentiles(values).items():
+            summary[f"{stat}_{name}"] = value * 1e3
+    return summary
+
+
+LATENCY_COLUMNS = (Column("metric", "metric"), Column("mean", "mean ms", "{:.1f}"),
+                   Column("median", "median ms", "{:.1f}"), Column("p90", "p90 ms", "{:.1f}"),
+                   Column("p99", "p99 ms", "{:.1f}"))
+
+
+def latency_rows(summary: dict) -> list[dict]:
+    return [{"metric": m.upper(), **{s: summary[f"{s}_{m}_ms"] for s in ("mean", "median", "p90", "p99")}}
+            for m in ("ttft", "tpot", "itl", "e2e")]
+
+
+class StartedServer:
+    """`pagellm serve` in a subprocess on a free port, stopped (by its own pid) on exit."""
+
+    def __init__(self, serve_args: list[str], startup_timeout: float = 600.0):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagellm.cli", "serve", "--port", str(self.port), *serve_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.timeout = startup_timeout
+
+    def wait_ready(self) -> None:
+        httpx = _httpx()
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pagellm serve exited with {self.proc.returncode}:\n"
+                                   f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"pagellm serve not healthy after {self.timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run(url: str, args, headers: dict) -> tuple[dict, list[RequestResult], str]:
+    httpx = _httpx()
+    model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    resp = httpx.post(url + "/tokenize", json={"model": model, "prompt": SEED_TEXT}, headers=headers, timeout=60)
+    if resp.status_code != 200:
+        raise ValueError(f"bench serve draws prompt ids from the server's /tokenize, which answered {resp.status_code}")
+    pool = sorted(set(resp.json()["tokens"]))
+    prompts = build_prompts(pool, args.num_prompts, args.input_len, args.shared_prefix_len, args.seed)
+    before = scrape_metrics(url, headers)
+    t0 = time.perf_counter()
+    results = asyncio.run(_run_clients(url, model, prompts, args.output_len, args.request_rate,
+                                       args.concurrency, headers, args.seed))
+    duration = time.perf_counter() - t0
+    after = scrape_metrics(url, headers)
+    return summarize(results, duration, before, after), results, model
+
+
+def print_and_save(summary: dict, results: list[RequestResult], args, settings: dict) -> None:
+    from pagellm.bench import report
+
+    print(f"completed {summary['completed']}, failed {summary['failed']} in {summary['duration_s']:.2f} s")
+    print(f"request throughput {summary['request_throughput']:.3f} req/s, output token throughput "
+          f"{summary['output_token_throughput']:.2f} tok/s, total token throughput "
+          f"{summary['total_token_throughput']:.2f} tok/s")
+    print(f"server: prefix cache hit ratio {summary['prefix_cache_hit_ratio']:.3f}, "
+          f"preemptions {summary['preemptions']:.0f}")
+    print(report.format_table(latency_rows(summary), LATENCY_COLUMNS))
+    errors = sorted({r.error for r in results if r.error})
+    for error in errors[:5]:
+        print(f"error: {error}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"settings": settings, "summary": summary,
+                                              "requests": [asdict(r) for r in results]}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    if args.plot:
+        _plot(args.plot, results, settings)
+        print(f"wrote {args.plot}")
+
+
+def _plot(path: str, results: list[RequestResult], settings: dict) -> None:
+    from pagellm.bench.report import pyplot
+
+    plt = pyplot()
+    done = [r for r in results if r.ok]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, values in (("TTFT", [r.ttft for r in done]), ("E2E", [r.e2e for r in done])):
+        ordered = sorted(values)
+        ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=name)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"pagellm bench serve: {settings['num_prompts']} requests, in {settings['input_len']}"
+                 f" (+{settings['shared_prefix_len']} shared), out {settings['output_len']}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    if args.out is not None and Path(args.out).suffix != ".json":
+        raise ValueError(f"--out {args.out}: bench serve writes JSON, the file name must end in .json")
+    if args.request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0 (inf = all at once), got {args.request_rate}")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    settings = {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "shared_prefix_len",
+                                              "request_rate", "concurrency", "seed")}
+    server = None
+    url = args.base_url.rstrip("/")
+    if args.start_server:
+        serve_args = ["--model", args.model] if args.model else []
+        serve_args += args.serve_args.split() if args.serve_args else []
+        server = StartedServer(serve_args)
+        url = server.url
+    try:
+        if server is not None:
+            server.wait_ready()
+        summary, results, model = run(url, args, headers)
+    finally:
+        if server is not None:
+            server.stop()
+    settings.update(url=url, model=model, request_rate=str(args.request_rate))
+    print(f"server {url}, model {model}; " + ", ".join(
+        f"{k} {v}" for k, v in settings.items() if k not in ("url", "model")))
+    print_and_save(summary, results, args, settings)
+    return 0

@@ -1,0 +1,42 @@
+"""`pagellm bench serve` end to end: a real `pagellm serve` of a tiny GGUF, streaming clients, /metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+
+def test_serve_bench_reports_latencies_throughput_and_prefix_hits(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
+    from gguf_builders import write_tiny_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, "llama")
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    text = run_cli(capsys, "serve", "--start-server", "--model", str(model),
+                   "--serve-args", "--kv-cache-memory 0.01 --max-model-len 128",
+                   "--num-prompts", "6", "--input-len", "8", "--output-len", "4", "--shared-prefix-len", "48",
+                   "--concurrency", "3", "--out", str(out), "--plot", str(png))
+    assert "completed 6, failed 0" in text
+    for metric in ("TTFT", "TPOT", "ITL", "E2E"):
+        assert re.search(rf"\|\s*{metric} \|", text), metric
+    assert "prefix cache hit ratio" in text and "preemptions" in text
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["output_token_throughput"] > 0 and summary["request_throughput"] > 0
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        for stat in ("mean", "median", "p90", "p99"):
+            assert summary[f"{stat}_{metric}_ms"] >= 0
+    assert 0 < summary["median_ttft_ms"] <= summary["median_e2e_ms"]
+    # 48 shared tokens = 3 full blocks: every request after the first ones finds them cached.
+    assert summary["prefix_cache_hit_ratio"] > 0
+    assert summary["preemptions"] == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
