@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import dataclasses
 import sys
 import types
@@ -106,5 +108,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """Console entry point: run a command, then leave without interpreter teardown.
+
+    transformers' config classes import torch._dynamo, which loads triton; at teardown
+    triton's nanobind bindings print hundreds of "leaked function" lines to stderr. The
+    command's work is complete and flushed by then, so skipping teardown loses nothing.
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
