@@ -76,6 +76,11 @@ def plot_series(path: str | Path, x: Sequence[float], series: dict[str, Sequence
     if len(set(x)) > 1 and min(x) > 0:
         ax.set_xscale("log", base=2)
     ax.set_xticks(list(x), [str(v) for v in x])
+    finish_plot(plt, fig, ax, path, xlabel, ylabel, title)
+
+
+def finish_plot(plt, fig, ax, path: str | Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Labels, grid and legend shared by every bench plot; writes the PNG and frees the figure."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)

@@ -237,7 +237,7 @@ def print_and_save(summary: dict, results: list[RequestResult], args, settings: 
 
 
 def _plot(path: str, results: list[RequestResult], settings: dict) -> None:
-    from pagellm.bench.report import pyplot
+    from pagellm.bench.report import finish_plot, pyplot
 
     plt = pyplot()
     done = [r for r in results if r.ok]
@@ -245,15 +245,9 @@ def _plot(path: str, results: list[RequestResult], settings: dict) -> None:
     for name, values in (("TTFT", [r.ttft for r in done]), ("E2E", [r.e2e for r in done])):
         ordered = sorted(values)
         ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=name)
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"pagellm bench serve: {settings['num_prompts']} requests, in {settings['input_len']}"
-                 f" (+{settings['shared_prefix_len']} shared), out {settings['output_len']}", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    title = (f"pagellm bench serve: {settings['num_prompts']} requests, in {settings['input_len']}"
+             f" (+{settings['shared_prefix_len']} shared), out {settings['output_len']}")
+    finish_plot(plt, fig, ax, path, "seconds", "fraction of requests", title)
 
 
 def main(args) -> int:
