@@ -16,8 +16,8 @@ class EngineStats:
     model_ms_total: float = 0.0
     sample_ms_total: float = 0.0
     host_syncs_total: int = 0
-    step_reuse_hits: int = 0  # steps that ran a prepared step again (step reuse: issue 5)
-    step_reuse_misses: int = 0
+    step_reuse_hits: int = 0  # pure-decode steps prepared by diff from the previous one
+    step_reuse_misses: int = 0  # pure-decode steps whose inputs were rebuilt
     prefix_cache_hit_tokens: int = 0
     prefix_cache_queried_tokens: int = 0
 
@@ -30,10 +30,11 @@ class EngineStats:
         self.model_ms_total += timings.model_ms
         self.sample_ms_total += timings.sample_ms
         self.host_syncs_total += timings.host_syncs
-        if timings.reused_step:
-            self.step_reuse_hits += 1
-        else:
-            self.step_reuse_misses += 1
+        if output.num_prefill_tokens == 0:  # step reuse applies to pure-decode steps
+            if timings.reused_step:
+                self.step_reuse_hits += 1
+            else:
+                self.step_reuse_misses += 1
         for item in output.scheduled:
             if item.new is not None and not item.new.output_token_ids:  # first admission, not a resume
                 request = scheduler.requests.get(item.request_id)
@@ -62,7 +63,7 @@ class EngineStats:
             "host_syncs_per_step": self.host_syncs_total / steps,
             "step_reuse_hits": self.step_reuse_hits,
             "step_reuse_misses": self.step_reuse_misses,
-            "step_reuse_rate": self.step_reuse_hits / steps,
+            "step_reuse_rate": self.step_reuse_hits / max(self.step_reuse_hits + self.step_reuse_misses, 1),
             "num_requests_running": len(scheduler.running),
             "num_requests_waiting": len(scheduler.waiting),
         }

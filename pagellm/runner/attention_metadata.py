@@ -29,6 +29,15 @@ class AttentionMetadata:
     block_size: int
     query_start_loc_host: tuple[int, ...]  # same as query_start_loc, on the host
     seq_lens_host: tuple[int, ...]  # same as seq_lens, on the host
+    # Hybrid models: request b's recurrent state lives in slot state_slots[b] of each
+    # linear-attention layer's state tensors; None for models without recurrent state.
+    state_slots: torch.Tensor | None = None  # [B] int64
+    state_slots_host: tuple[int, ...] | None = None
+
+    @property
+    def query_lens_host(self) -> tuple[int, ...]:
+        starts = self.query_start_loc_host
+        return tuple(hi - lo for lo, hi in zip(starts, starts[1:]))
 
     @property
     def num_seqs(self) -> int:
@@ -47,8 +56,9 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        state_slots: list[int] | None = None,
     ) -> "AttentionMetadata":
-        """Build from per-request host lists (query length, context length, block ids)."""
+        """Build from per-request host lists (query length, context length, block ids, state slot)."""
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -66,4 +76,6 @@ class AttentionMetadata:
             block_size=block_size,
             query_start_loc_host=tuple(starts),
             seq_lens_host=tuple(seq_lens),
+            state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
+            state_slots_host=None if state_slots is None else tuple(state_slots),
         )

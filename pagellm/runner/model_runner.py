@@ -13,6 +13,7 @@ import torch
 
 from pagellm.core.types import ModelOutput, SchedulerOutput, TokenLogprobs
 from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.runner.decode_inputs import DecodeInputs
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.sampler import Sampler, SamplerOutput
 
@@ -24,7 +25,7 @@ class StepTimings:
     model_ms: float = 0.0  # forward + LM head
     sample_ms: float = 0.0  # sampler + the blocking read of its output
     host_syncs: int = 0
-    reused_step: bool = False  # a prepared decode step was reused (step reuse: not built yet, always False)
+    reused_step: bool = False  # a pure-decode step prepared by diff from the previous one (decode_inputs.py)
 
 
 def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -34,11 +35,12 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype, device: torch.device, seed: int | None = None):
+                 dtype: torch.dtype, device: torch.device, seed: int | None = None, step_reuse: bool = True):
         self.model = model
         self.block_size = block_size
         self.device = device
         self.input_batch = InputBatch(max_num_seqs, device)
+        self.decode_inputs = DecodeInputs(max_num_seqs, block_size, device) if step_reuse else None
         self.sampler = Sampler(seed)
         self.last_timings = StepTimings()
         for layer in model.attention_layers():
@@ -51,15 +53,22 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         t0 = time.perf_counter()
         states = self.input_batch.apply(output.released_request_ids, output.scheduled)
-        host_lists = self._gather_inputs(output, states)
-        t_copy = time.perf_counter()
-        input_ids, positions, meta, logits_rows = self._build_input_tensors(*host_lists)
+        reused = False
+        if self.decode_inputs is not None and _is_pure_decode(output):
+            t_copy = t0
+            input_ids, positions, meta, logits_rows, reused = self.decode_inputs.prepare(output.scheduled, states)
+        else:
+            if self.decode_inputs is not None:
+                self.decode_inputs.invalidate()
+            host_lists = self._gather_inputs(output, states)
+            t_copy = time.perf_counter()
+            input_ids, positions, meta, logits_rows = self._build_input_tensors(*host_lists)
         t1 = time.perf_counter()
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
         sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
         if not sampled:
-            self.last_timings = StepTimings(host_ms, copy_ms, (time.perf_counter() - t1) * 1e3, 0.0, 0)
+            self.last_timings = StepTimings(host_ms, copy_ms, (time.perf_counter() - t1) * 1e3, 0.0, 0, reused)
             return ModelOutput((), ())
         logits = self.model.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
         t2 = time.perf_counter()
@@ -70,7 +79,7 @@ class ModelRunner:
         t3 = time.perf_counter()
         for state, token in zip(sampled, token_ids):
             state.output_token_ids.append(token)
-        self.last_timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1)
+        self.last_timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1, reused)
         return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs)
 
     @staticmethod
@@ -79,6 +88,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, logits_rows = [], [], [], []
+        slots = [item.slot for item in output.scheduled]
         for item, state in zip(output.scheduled, states):
             n = len(item.token_ids)
             tokens.extend(item.token_ids)
@@ -88,10 +98,10 @@ class ModelRunner:
             tables.append(state.block_ids)
             if item.sample:
                 logits_rows.append(len(tokens) - 1)  # logits only where a token is sampled
-        return tokens, positions, query_lens, seq_lens, tables, logits_rows
+        return tokens, positions, query_lens, seq_lens, tables, logits_rows, slots
 
-    def _build_input_tensors(self, tokens, positions, query_lens, seq_lens, tables, logits_rows):
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+    def _build_input_tensors(self, tokens, positions, query_lens, seq_lens, tables, logits_rows, slots):
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, slots)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
@@ -117,3 +127,9 @@ class ModelRunner:
             top = tuple((int(i), v) for i, v in zip(row[3 : 3 + n], row[3 + k : 3 + k + n]))
             entries.append(TokenLogprobs(token, row[1], int(row[2]), top))
         return token_ids, tuple(entries)
+
+
+def _is_pure_decode(output: SchedulerOutput) -> bool:
+    """Every request feeds one token of a running decode (none is new or resuming)."""
+    return output.num_prefill_tokens == 0 and all(
+        item.new is None and len(item.token_ids) == 1 and item.sample for item in output.scheduled)

@@ -1,0 +1,117 @@
+"""Persistent input buffers for pure-decode steps, reused while the batch layout holds.
+
+The seeds' graph-reuse idea on our eager path: a steady decode step feeds the
+same requests in the same rows as the previous one, so instead of rebuilding
+every input tensor from host lists, the step is prepared by diff:
+
+    positions, seq_lens  += 1                      (in place)
+    block_tables[row, n:] = appended block ids      (only rows that got a block)
+    slot_mapping          = table[pos // bs] * bs + pos % bs   (computed on the device)
+    input_ids             = the tokens sampled last step (one B-long copy)
+
+A step is "reused" when it is pure decode and its slot order equals the
+previous decode step's; anything else (an arrival, a finish, a prefill chunk)
+rebuilds the layout. Rows are not padded to bucket sizes: on CPU eager each
+padded row costs a full row of compute and there is no captured graph whose
+shape must stay fixed. The buffers are allocated once at their largest size
+(max_num_seqs rows) and steps use views of the first B rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.core.types import ScheduledRequest
+from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.runner.input_batch import SlotState
+
+
+class DecodeInputs:
+    def __init__(self, max_num_seqs: int, block_size: int, device: torch.device):
+        self.block_size, self.device = block_size, device
+        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.state_slots = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_num_seqs, 16, dtype=torch.int64, device=device)  # widened on demand
+        self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=device)
+        self._layout: tuple[int, ...] = ()  # slots of the previous decode step, row by row
+        self._table_lens: list[int] = []  # block ids already written to each row's table
+        self._seq_lens_host: tuple[int, ...] = ()
+        self.hits = 0
+        self.misses = 0
+
+    def invalidate(self) -> None:
+        """The next decode step rebuilds (the runner saw a step that was not pure decode)."""
+        self._layout = ()
+
+    def prepare(self, items: tuple[ScheduledRequest, ...], states: list[SlotState]):
+        """Inputs of a pure-decode step: (input_ids, positions, meta, logits_rows, reused)."""
+        num_seqs = len(items)
+        layout = tuple(item.slot for item in items)
+        tokens = torch.tensor([item.token_ids[0] for item in items], dtype=torch.int64)
+        seq_lens_host = tuple(item.start_position + 1 for item in items)
+        self._ensure_width(-(-max(seq_lens_host) // self.block_size))
+        # Same rows, each one token further: anything else (e.g. a slot handed to another request
+        # that happens to sit in the same row) rebuilds.
+        reused = layout == self._layout and all(
+            new == old + 1 for new, old in zip(seq_lens_host, self._seq_lens_host))
+        self._seq_lens_host = seq_lens_host
+        if reused:
+            self._advance(states)
+            self.hits += 1
+        else:
+            self._rebuild(items, states, layout)
+            self.misses += 1
+        self.input_ids[:num_seqs].copy_(tokens, non_blocking=True)
+        rows = slice(0, num_seqs)
+        positions = self.positions[rows]
+        width = -(-max(seq_lens_host) // self.block_size)
+        tables = self.block_tables[rows, :width]
+        block = tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
+        meta = AttentionMetadata(
+            slot_mapping=block * self.block_size + positions % self.block_size,
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            seq_lens=self.seq_lens[rows],
+            block_tables=tables,
+            block_size=self.block_size,
+            query_start_loc_host=tuple(range(num_seqs + 1)),
+            seq_lens_host=seq_lens_host,
+            state_slots=self.state_slots[rows],
+            state_slots_host=layout,
+        )
+        logits_rows = self.query_start_loc[:num_seqs]  # every decode row samples
+        return self.input_ids[rows], positions, meta, logits_rows, reused
+
+    def _ensure_width(self, num_blocks: int) -> None:
+        width = self.block_tables.shape[1]
+        if num_blocks > width:  # doubling: a run widens O(log context) times
+            wider = torch.zeros(self.block_tables.shape[0], max(num_blocks, 2 * width),
+                                dtype=torch.int64, device=self.device)
+            wider[:, :width] = self.block_tables
+            self.block_tables = wider
+
+    def _advance(self, states: list[SlotState]) -> None:
+        num_seqs = len(states)
+        self.positions[:num_seqs].add_(1)
+        self.seq_lens[:num_seqs].add_(1)
+        for row, state in enumerate(states):
+            written = self._table_lens[row]
+            if len(state.block_ids) > written:  # a block was appended: write only the new ids
+                new_ids = state.block_ids[written:]
+                self.block_tables[row, written : written + len(new_ids)] = torch.tensor(new_ids)
+                self._table_lens[row] = len(state.block_ids)
+
+    def _rebuild(self, items, states: list[SlotState], layout: tuple[int, ...]) -> None:
+        num_seqs = len(items)
+        positions = [item.start_position for item in items]
+        width = max(len(s.block_ids) for s in states)
+        table = torch.zeros(num_seqs, width, dtype=torch.int64)
+        for row, state in enumerate(states):
+            table[row, : len(state.block_ids)] = torch.tensor(state.block_ids)
+        self.positions[:num_seqs].copy_(torch.tensor(positions))
+        self.seq_lens[:num_seqs].copy_(torch.tensor(positions) + 1)
+        self.state_slots[:num_seqs].copy_(torch.tensor(layout))
+        self.block_tables[:num_seqs, :width].copy_(table)
+        self._table_lens = [len(s.block_ids) for s in states]
+        self._layout = layout
