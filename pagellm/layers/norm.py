@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.kernels.elementwise import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
@@ -20,8 +22,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
+        self._fp32_weight: tuple[int, torch.Tensor] | None = None  # (data_ptr of the weight it came from, copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        out = rms_norm(x, self._kernel_weight() if self.unit_offset else self.weight, self.eps, self.unit_offset)
+        return out if out is not None else self.reference(x)
+
+    def _kernel_weight(self) -> torch.Tensor:
+        """The Gemma flavour adds 1 in fp32: keep an fp32 copy, redone if the weight was replaced."""
+        source = self.weight.data_ptr()
+        if self._fp32_weight is None or self._fp32_weight[0] != source:
+            self._fp32_weight = (source, self.weight.detach().float().contiguous())
+        return self._fp32_weight[1]
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:

@@ -1,0 +1,64 @@
+"""The fused C++ RMSNorm against the torch reference (pagellm/layers/norm.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.kernels import elementwise as native_norm
+from pagellm.layers.norm import RMSNorm
+
+pytestmark = pytest.mark.skipif(native_norm._kernel("rms_norm") is None, reason="native rms_norm could not be built here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("shape", [(1, 640), (7, 64), (3, 4, 256), (300, 640), (2, 24)])
+def test_native_matches_reference(dtype, unit_offset, shape):
+    torch.manual_seed(0)
+    layer = RMSNorm(shape[-1], 1e-6, unit_offset=unit_offset)
+    layer.weight.data = (torch.randn(shape[-1]) * 0.5 + (0 if unit_offset else 1)).to(dtype)
+    x = (torch.randn(shape) * 3).to(dtype)
+    with torch.inference_mode():
+        fast = layer(x)
+        reference = layer.reference(x)
+    assert fast.dtype == dtype and fast.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+    else:  # one bf16 rounding step apart at most: the fp32 sums differ in order only
+        torch.testing.assert_close(fast.float(), reference.float(), atol=0, rtol=2 ** -7)
+
+
+def test_falls_back_where_the_kernel_does_not_apply():
+    layer = RMSNorm(16, 1e-6)
+    x = torch.randn(4, 32)[:, ::2]  # not contiguous
+    assert native_norm.rms_norm(x, layer.weight, 1e-6, False) is None
+    torch.testing.assert_close(layer(x), layer.reference(x))
+    half = torch.randn(4, 16, dtype=torch.float16)
+    assert native_norm.rms_norm(half, layer.weight.half(), 1e-6, False) is None
+
+
+def test_refreshes_the_fp32_weight_copy_when_the_weight_is_replaced():
+    layer = RMSNorm(8, 1e-6, unit_offset=True)
+    layer.weight = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        before = layer(x)
+        layer.weight = torch.nn.Parameter(torch.full((8,), 2.0), requires_grad=False)
+        after = layer(x)
+    torch.testing.assert_close(after, before * 3.0)  # (1 + 2) instead of (1 + 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4, 256), (9, 2, 64), (200, 8, 128)])
+def test_native_rotary_matches_reference_exactly(dtype, shape):
+    from pagellm.layers.rotary import apply_rotary, apply_rotary_reference
+
+    torch.manual_seed(1)
+    tokens, _, dim = shape
+    x = (torch.randn(shape) * 2).to(dtype)
+    angles = torch.rand(tokens, dim // 2) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    assert native_norm.rotary(x, cos, sin) is not None  # the native path runs here
+    # The same per-op rounding as torch: bit-identical results in fp32 and bf16.
+    assert torch.equal(apply_rotary(x, cos, sin), apply_rotary_reference(x, cos, sin))
