@@ -58,6 +58,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
         self.slot: int | None = None  # row in the runner's persistent buffers while running
+        self.state_slot: int | None = None  # hybrid models: its recurrent-state slot while running
         self.first_scheduled_time: float | None = None
         self.generator: torch.Generator | None = None  # set by the engine when params.seed is given
         self._block_size = block_size

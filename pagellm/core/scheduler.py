@@ -18,14 +18,17 @@ from collections import deque
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.state_pool import StatePool
 from pagellm.core.types import ModelOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 state_pool: StatePool | None = None):
         self.config = config
         self.kv_cache = kv_cache
+        self.state_pool = state_pool  # hybrid models: one recurrent-state slot per running request
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -137,6 +140,8 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         used, skipped = 0, []
         while self.waiting and budget - used > 0 and len(self.running) < self.config.max_num_seqs:
+            if self.state_pool is not None and self.state_pool.num_free == 0:
+                break  # every state slot is taken: wait for a running request to leave
             request = self.waiting.popleft()
             hits, num_hit_tokens = self.kv_cache.find_cached_prefix(request)
             if self.kv_cache.is_prefix_in_flight(request, len(hits)):
@@ -153,6 +158,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             request.slot = self._free_slots.pop()
+            if self.state_pool is not None:
+                request.state_slot = self.state_pool.allocate()
             self.running.append(request)
             scheduled.append(self._make_item(request, num_new, new_blocks, is_new=True))
             used += num_new
@@ -190,6 +197,9 @@ class Scheduler:
         if request.slot is not None:
             self._free_slots.append(request.slot)
             request.slot = None
+        if request.state_slot is not None:
+            self.state_pool.free(request.state_slot)
+            request.state_slot = None
         self._released.append(request.request_id)
 
     def _make_item(self, request: Request, num_new: int, new_blocks, is_new: bool = False) -> ScheduledRequest:
@@ -201,6 +211,7 @@ class Scheduler:
         return ScheduledRequest(
             request_id=request.request_id,
             slot=request.slot,
+            state_slot=request.state_slot,
             token_ids=tuple(request.all_token_ids[start : start + num_new]),
             start_position=start,
             new_block_ids=tuple(b.block_id for b in new_blocks),

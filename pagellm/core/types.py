@@ -25,6 +25,7 @@ class ScheduledRequest:
     new_block_ids: tuple[int, ...]  # appended to the slot's block table this step (the whole table when new)
     sample: bool  # this chunk reaches the last known token, so a next token is sampled
     new: NewRequestData | None = None  # set on first schedule / resume; the slot is (re)initialised
+    state_slot: int | None = None  # hybrid models: slot of its recurrent state (core/state_pool.py)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class DecodeInputs:
         """Inputs of a pure-decode step: (input_ids, positions, meta, logits_rows, reused)."""
         num_seqs = len(items)
         layout = tuple(item.slot for item in items)
+        state_slots_host = state_slots_of(items)
         tokens = torch.tensor([item.token_ids[0] for item in items], dtype=torch.int64)
         seq_lens_host = tuple(item.start_position + 1 for item in items)
         self._ensure_width(-(-max(seq_lens_host) // self.block_size))
@@ -61,7 +62,7 @@ class DecodeInputs:
             self._advance(states)
             self.hits += 1
         else:
-            self._rebuild(items, states, layout)
+            self._rebuild(items, states, layout, state_slots_host)
             self.misses += 1
         self.input_ids[:num_seqs].copy_(tokens, non_blocking=True)
         rows = slice(0, num_seqs)
@@ -77,8 +78,8 @@ class DecodeInputs:
             block_size=self.block_size,
             query_start_loc_host=tuple(range(num_seqs + 1)),
             seq_lens_host=seq_lens_host,
-            state_slots=self.state_slots[rows],
-            state_slots_host=layout,
+            state_slots=None if state_slots_host is None else self.state_slots[rows],
+            state_slots_host=state_slots_host,
         )
         logits_rows = self.query_start_loc[:num_seqs]  # every decode row samples
         return self.input_ids[rows], positions, meta, logits_rows, reused
@@ -102,7 +103,7 @@ class DecodeInputs:
                 self.block_tables[row, written : written + len(new_ids)] = torch.tensor(new_ids)
                 self._table_lens[row] = len(state.block_ids)
 
-    def _rebuild(self, items, states: list[SlotState], layout: tuple[int, ...]) -> None:
+    def _rebuild(self, items, states: list[SlotState], layout: tuple[int, ...], state_slots_host) -> None:
         num_seqs = len(items)
         positions = [item.start_position for item in items]
         width = max(len(s.block_ids) for s in states)
@@ -111,7 +112,15 @@ class DecodeInputs:
             table[row, : len(state.block_ids)] = torch.tensor(state.block_ids)
         self.positions[:num_seqs].copy_(torch.tensor(positions))
         self.seq_lens[:num_seqs].copy_(torch.tensor(positions) + 1)
-        self.state_slots[:num_seqs].copy_(torch.tensor(layout))
+        if state_slots_host is not None:
+            self.state_slots[:num_seqs].copy_(torch.tensor(state_slots_host))
         self.block_tables[:num_seqs, :width].copy_(table)
         self._table_lens = [len(s.block_ids) for s in states]
         self._layout = layout
+
+
+def state_slots_of(items: tuple[ScheduledRequest, ...]) -> tuple[int, ...] | None:
+    """Recurrent-state slots of the step's requests; None for a model without recurrent state."""
+    if not items or items[0].state_slot is None:
+        return None
+    return tuple(item.state_slot for item in items)

@@ -13,7 +13,7 @@ import torch
 
 from pagellm.core.types import ModelOutput, SchedulerOutput, TokenLogprobs
 from pagellm.runner.attention_metadata import AttentionMetadata
-from pagellm.runner.decode_inputs import DecodeInputs
+from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.sampler import Sampler, SamplerOutput
 
@@ -88,7 +88,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, logits_rows = [], [], [], []
-        slots = [item.slot for item in output.scheduled]
+        slots = state_slots_of(output.scheduled)
         for item, state in zip(output.scheduled, states):
             n = len(item.token_ids)
             tokens.extend(item.token_ids)

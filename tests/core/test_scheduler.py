@@ -139,3 +139,42 @@ def test_max_num_seqs_caps_running_requests():
         sched.add_request(make_request(str(i), range(i * 10, i * 10 + 3), max_tokens=5))
     out = run_step(sched)
     assert len(out.scheduled) == 2 and len(sched.waiting) == 2
+
+
+def _state_scheduler(num_state_slots, num_blocks=64):
+    from pagellm.core.state_pool import StatePool
+
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, n_ubatch=4)
+    return Scheduler(cfg, KVCacheManager(num_blocks, 4), 256, StatePool(num_state_slots))
+
+
+def test_state_slots_cap_running_requests_and_the_rest_wait():
+    sched = _state_scheduler(2)
+    for i in range(4):
+        sched.add_request(make_request(str(i), range(i * 10, i * 10 + 3), max_tokens=4))
+    out = run_step(sched)
+    assert [item.request_id for item in out.scheduled] == ["0", "1"]
+    assert sorted(item.state_slot for item in out.scheduled) == [0, 1]
+    assert len(sched.waiting) == 2 and sched.state_pool.num_free == 0
+    seen = set()
+    while sched.has_unfinished():
+        out = run_step(sched)
+        seen |= {item.request_id for item in out.scheduled}
+        running_slots = [r.state_slot for r in sched.running]
+        assert len(running_slots) == len(set(running_slots))  # never two requests in one slot
+    assert seen == {"0", "1", "2", "3"} and sched.state_pool.num_free == 2
+
+
+def test_state_slot_returns_on_abort_and_preemption():
+    sched = _state_scheduler(4, num_blocks=6)
+    sched.add_request(make_request("old", range(8), max_tokens=12))
+    sched.add_request(make_request("new", range(100, 108), max_tokens=12))
+    run_step(sched)
+    assert sched.state_pool.num_used == 2
+    while sched.num_preemptions == 0:
+        run_step(sched)
+    # The preempted request gave its slot back; it takes one again when it resumes.
+    assert sched.state_pool.num_used == len(sched.running)
+    sched.finish("old", RequestStatus.FINISHED_ABORTED)
+    sched.finish("new", RequestStatus.FINISHED_ABORTED)
+    assert sched.state_pool.num_free == 4
