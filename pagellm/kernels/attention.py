@@ -1,10 +1,12 @@
-"""Paged attention: torch reference implementation.
+"""Paged attention: the native CPU kernel, and the torch reference it is checked against.
 
-The interface is the one a native kernel implements: queries for the packed
-tokens of a step, the layer's whole KV cache, and the block tables. K/V are
-addressed through the block table; this reference gathers the blocks of one
-batch with an index (a kernel reads them in place), and it is the oracle the
-fast paths are compared with.
+The interface: queries for the packed tokens of a step, the layer's whole KV
+cache, and the block tables. K/V are addressed through the block table; the
+reference gathers the blocks of one batch with an index, the native kernel
+(`csrc/paged_attention.cpp`) reads them in place. `paged_attention` uses the
+native kernel for CPU float32/bfloat16 tensors with a head size that is a
+multiple of 16, when it could be built (see `native.load`), and the reference
+otherwise; the reference is the oracle the native path is tested against.
 
 Masking follows HF transformers: token at position p sees keys at positions
 k <= p, and with a sliding window W only those with p - k < W.
@@ -12,8 +14,12 @@ k <= p, and with a sliding window W only those with p - k < W.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 
+from pagellm.kernels import native
 from pagellm.runner.attention_metadata import AttentionMetadata
 
 
@@ -63,7 +69,7 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tens
     return gathered.flatten(1, 2)
 
 
-def paged_attention(
+def paged_attention_reference(
     query: torch.Tensor,  # [T, H_q, D]
     key_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
     value_cache: torch.Tensor,
@@ -72,7 +78,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [T, H_q, D]
-    """Causal attention of each request's new tokens over its whole paged context."""
+    """Causal attention of each request's new tokens over its whole paged context (torch ops)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -99,3 +105,87 @@ def paged_attention(
                     query_pos, meta.seq_lens[b : b + 1], scale, sliding_window, logits_soft_cap)
         out[lo:hi] = o.reshape(hi - lo, num_heads, head_dim)
     return out
+
+
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
+
+
+@functools.cache
+def _native_kernel():
+    """The C++ entry point with its ctypes signature, or None when the library is unavailable."""
+    lib = native.load("paged_attention")
+    return None if lib is None else bind_native(lib)
+
+
+def bind_native(lib: ctypes.CDLL):
+    """`lib`'s pagellm_paged_attention, typed for ctypes (tests bind other builds of the same source)."""
+    fn = lib.pagellm_paged_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = ([ptr] * 7  # out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens
+                   + [i64] * 14  # sizes and strides, in the order of the call below
+                   + [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _native_supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    # (cheap attribute checks only: this runs for every layer of every step)
+    dtype = query.dtype
+    return (dtype in _NATIVE_DTYPES and key_cache.dtype == dtype and value_cache.dtype == dtype
+            and query.is_cpu and key_cache.is_cpu and value_cache.is_cpu
+            and query.shape[-1] % 16 == 0  # the AVX-512 loops step 16 lanes
+            and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1  # a copy of the cache would cost more
+            and not (query.requires_grad and torch.is_grad_enabled()))
+
+
+def _int64_rows(t: torch.Tensor) -> torch.Tensor:
+    """t as int64 with unit stride along its last dim (as the runner builds it: no copy)."""
+    return t if t.dtype == torch.int64 and t.stride(-1) == 1 else t.to(torch.int64).contiguous()
+
+
+def paged_attention_native(
+    query: torch.Tensor,  # [T, H_q, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:  # [T, H_q, D]
+    """The C++ kernel; the caller checked `_native_supported` and that `_native_kernel()` is not None."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    tables, starts, lens = _int64_rows(meta.block_tables), _int64_rows(meta.query_start_loc), _int64_rows(meta.seq_lens)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+    if num_tokens == 0:
+        return out
+    status = _native_kernel()(
+        native.ptr(out), native.ptr(query), native.ptr(key_cache), native.ptr(value_cache),
+        native.ptr(tables), native.ptr(starts), native.ptr(lens),
+        meta.num_seqs, num_heads, num_kv_heads, head_dim, meta.block_size, tables.stride(0),
+        query.stride(0), query.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
+        scale, sliding_window or 0, logits_soft_cap or 0.0, _NATIVE_DTYPES[query.dtype], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"pagellm_paged_attention failed with status {status}")
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H_q, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:  # [T, H_q, D]
+    """Causal attention of each request's new tokens over its whole paged context.
+
+    The native kernel when it applies (see the module docstring), else the torch reference.
+    """
+    if (not native.native_disabled() and _native_supported(query, key_cache, value_cache)
+            and _native_kernel() is not None):
+        return paged_attention_native(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
+    return paged_attention_reference(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)

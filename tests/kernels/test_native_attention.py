@@ -1,0 +1,203 @@
+"""The native paged attention kernel (csrc/paged_attention.cpp) against the torch reference.
+
+Every cache here starts filled with NaN and sequences live in shuffled physical blocks with
+unused blocks in between: a kernel that read past seq_len, or ignored the block table,
+would produce NaN or wrong values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import pytest
+import torch
+
+from pagellm.kernels import attention, native
+from pagellm.runner.attention_metadata import AttentionMetadata
+
+requires_native = pytest.mark.skipif(
+    native.load("paged_attention") is None,
+    reason="native paged_attention kernel unavailable (no C++ compiler, failed build, or PAGELLM_NATIVE=0)")
+
+
+@dataclasses.dataclass
+class Case:
+    query: torch.Tensor  # [T, H_q, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, H_kv, D]
+    value_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+
+def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+              seed=0, placement_seed=None) -> Case:
+    """Random K/V for every token of every context, in shuffled physical blocks; the rest NaN.
+
+    The logical content depends on `seed` only, the physical placement on `placement_seed`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 3  # spare blocks that no table uses, left NaN
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(
+        seed + 1 if placement_seed is None else placement_seed)).tolist()
+    tables, start = [], 0
+    for n in needed:
+        tables.append(order[start : start + n])
+        start += n
+    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, block_size)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for seq_len, table in zip(seq_lens, tables):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)])
+        key_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        value_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return Case(query, key_cache, value_cache, meta, head_dim**-0.5)
+
+
+def run_both(case: Case, window=None, cap=None):
+    args = (case.query, case.key_cache, case.value_cache, case.meta, case.scale, window, cap)
+    return attention.paged_attention_native(*args), attention.paged_attention_reference(*args)
+
+
+def assert_close(native_out, reference, dtype):
+    assert native_out.dtype == reference.dtype == dtype
+    assert torch.isfinite(native_out).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(native_out, reference, atol=1e-5, rtol=1e-5)
+    else:  # outputs round to bf16 (8 bits of mantissa) after fp32 accumulation in a different order
+        torch.testing.assert_close(native_out.float(), reference.float(), atol=1e-2, rtol=1e-2)
+
+
+SCENARIOS = {  # name: (query_lens, seq_lens)
+    "decode": ([1, 1, 1, 1, 1], [1, 17, 40, 64, 100]),
+    "prefill": ([37, 20], [37, 20]),
+    "chunked": ([10, 19], [50, 83]),
+    "mixed": ([1, 13, 1, 30], [70, 13, 5, 61]),
+}
+CONFIGS = [  # (H_q, H_kv, D, block_size, sliding_window, soft_cap): G = 1, 2, 3, 4
+    (4, 1, 256, 16, None, None),
+    (4, 1, 256, 16, 24, None),
+    (2, 2, 64, 32, None, 30.0),
+    (4, 2, 128, 16, 24, 50.0),
+    (8, 2, 64, 32, 7, None),
+    (6, 2, 256, 32, None, 5.0),
+    (3, 3, 128, 16, 33, None),
+]
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hq{}-hkv{}-d{}-bs{}-w{}-cap{}".format(*c))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_matches_reference(scenario, config, dtype):
+    num_heads, num_kv_heads, head_dim, block_size, window, cap = config
+    query_lens, seq_lens = SCENARIOS[scenario]
+    case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    assert_close(*run_both(case, window, cap), dtype)
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [None, 512])
+def test_long_decode_with_key_splits(dtype, threads, window):
+    """One long decode: with 2 threads the kernel splits the keys and merges the partials."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        case = make_case([1], [3001], 4, 1, 256, 16, dtype)
+        assert_close(*run_both(case, window), dtype)
+        case = make_case([1, 1], [2500, 40], 8, 2, 64, 32, dtype)  # uneven pair: the long one splits
+        assert_close(*run_both(case, window, 20.0), dtype)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@requires_native
+def test_long_chunk_over_long_context():
+    """A few query rows over a long context: tiles and splits in the same call."""
+    case = make_case([40, 1], [2000, 700], 4, 1, 128, 16, torch.float32)
+    assert_close(*run_both(case, 300), torch.float32)
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nan_beyond_context_never_read(dtype):
+    """Partially filled last blocks and unused blocks hold NaN; the output stays finite and exact."""
+    case = make_case([1, 5, 1], [33, 21, 1], 4, 2, 64, 16, dtype)
+    assert torch.isnan(case.key_cache).any() and torch.isnan(case.value_cache).any()
+    native_out, reference = run_both(case)
+    assert_close(native_out, reference, dtype)
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_physical_placement_does_not_change_the_result(dtype):
+    args = ([1, 7, 1], [300, 40, 77], 4, 1, 128, 16, dtype)
+    first = make_case(*args, seed=3, placement_seed=10)
+    second = make_case(*args, seed=3, placement_seed=11)
+    assert not torch.equal(first.meta.block_tables, second.meta.block_tables)
+    for window in (None, 50):
+        a, _ = run_both(first, window)
+        b, _ = run_both(second, window)
+        assert torch.equal(a, b)
+
+
+@requires_native
+def test_strided_query():
+    """A query that is a view into a fused projection (row stride larger than H_q * D)."""
+    case = make_case([3, 1], [9, 30], 4, 2, 64, 16, torch.float32)
+    fused = torch.randn(case.query.shape[0], 8, 64)
+    fused[:, 2:6] = case.query
+    strided = dataclasses.replace(case, query=fused[:, 2:6])
+    assert not strided.query.is_contiguous()
+    torch.testing.assert_close(run_both(strided)[0], run_both(case)[1], atol=1e-5, rtol=1e-5)
+
+
+@requires_native
+def test_scalar_fallback_build_matches_reference(tmp_path, monkeypatch):
+    """The same source built without AVX-512 (the plain C++ loops) gives the same answers."""
+    compiler = native._compiler()
+    flags = tuple("-march=x86-64-v2" if f == "-march=native" else f for f in native.CXX_FLAGS)
+    monkeypatch.setattr(native, "CXX_FLAGS", flags)
+    monkeypatch.setenv("PAGELLM_KERNEL_CACHE", str(tmp_path))
+    scalar = attention.bind_native(ctypes.CDLL(str(native._build(
+        "paged_attention", native.CSRC / "paged_attention.cpp", compiler))))
+    monkeypatch.setattr(attention, "_native_kernel", lambda: scalar)
+    for dtype in (torch.float32, torch.bfloat16):
+        case = make_case([1, 6, 1], [300, 6, 50], 4, 2, 64, 16, dtype)
+        assert_close(*run_both(case, 100, 30.0), dtype)
+
+
+def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch):
+    case = make_case([1, 3], [5, 3], 4, 2, 64, 16, torch.float32)
+    calls = []
+    reference, native_path = attention.paged_attention_reference, attention.paged_attention_native
+    monkeypatch.setattr(attention, "paged_attention_reference",
+                        lambda *a: calls.append("reference") or reference(*a))
+    monkeypatch.setattr(attention, "paged_attention_native", lambda *a: calls.append("native") or native_path(*a))
+
+    def dispatched(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache):
+        calls.clear()
+        attention.paged_attention(query, key_cache, value_cache, case.meta, case.scale)
+        return calls[0]
+
+    if native.load("paged_attention") is not None:
+        assert dispatched() == "native"
+        assert dispatched(case.query.to(torch.bfloat16), case.key_cache.to(torch.bfloat16),
+                          case.value_cache.to(torch.bfloat16)) == "native"
+    # not covered by the kernel: float16, a head size that is not a multiple of 16, mixed dtypes
+    assert dispatched(case.query.half(), case.key_cache.half(), case.value_cache.half()) == "reference"
+    assert dispatched(case.query[..., :24], case.key_cache[..., :24].contiguous(),
+                      case.value_cache[..., :24].contiguous()) == "reference"
+    assert dispatched(case.query.to(torch.bfloat16)) == "reference"
+    monkeypatch.setenv("PAGELLM_NATIVE", "0")
+    assert dispatched() == "reference"
+    monkeypatch.delenv("PAGELLM_NATIVE")
+    monkeypatch.setattr(attention, "_native_kernel", lambda: None)  # the library could not be built
+    assert dispatched() == "reference"
