@@ -11,6 +11,9 @@ from pagellm.models.gemma3 import Gemma3ForCausalLM
 from pagellm.models.llama import LlamaForCausalLM
 from pagellm.models.qwen2 import Qwen2ForCausalLM
 from pagellm.models.qwen3 import Qwen3ForCausalLM
+from pagellm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from pagellm.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagellm.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +21,11 @@ MODEL_CLASSES = MappingProxyType({
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Hybrid Gated DeltaNet / attention models: also expose state_layers() (runner-bound recurrent state).
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
 })
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(MODEL_CLASSES)
 

@@ -2,6 +2,10 @@
 
 Blocks come from a shuffled free list, so a sequence's blocks are neither
 contiguous nor in order: attention that ignored the block table would fail.
+
+Hybrid models (`model.state_layers()`, Gated DeltaNet) also get recurrent-state
+tensors, one slot per sequence name, slots drawn from a shuffled list too. The
+state starts as NaN: a fresh sequence must never read its slot, only write it.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from pagellm.runner.attention_metadata import AttentionMetadata
 
 
 class PagedHarness:
-    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0, num_state_slots: int = 8):
         self.model, self.block_size = model, block_size
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
@@ -20,9 +24,19 @@ class PagedHarness:
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
             layer.bind_kv_cache(torch.zeros(shape, dtype=self.dtype, device=self.device),
                                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.has_state = bool(getattr(model, "state_layers", list)())
+        for layer in getattr(model, "state_layers", list)():
+            shapes = layer.state_shapes()
+            layer.bind_state(
+                torch.full((num_state_slots, *shapes.conv_state), float("nan"), dtype=shapes.conv_dtype,
+                           device=self.device),
+                torch.full((num_state_slots, *shapes.recurrent_state), float("nan"), dtype=shapes.recurrent_dtype,
+                           device=self.device))
         generator = torch.Generator().manual_seed(seed)
         self.free_blocks: list[int] = torch.randperm(num_blocks, generator=generator).tolist()
+        self.free_slots: list[int] = torch.randperm(num_state_slots, generator=generator).tolist()
         self.block_tables: dict[str, list[int]] = {}
+        self.state_slots: dict[str, int] = {}
         self.num_computed: dict[str, int] = {}
 
     def step(self, chunks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
@@ -40,7 +54,10 @@ class PagedHarness:
             seq_lens.append(end)
             tables.append(table)
             self.num_computed[seq] = end
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+            if seq not in self.state_slots:
+                self.state_slots[seq] = self.free_slots.pop()
+        slots = [self.state_slots[seq] for seq in chunks] if self.has_state else None
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, state_slots=slots)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(input_ids, device=self.device),
                                 torch.tensor(positions, device=self.device), meta)  # [T, E]

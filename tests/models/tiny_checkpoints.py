@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                          PreTrainedModel, Qwen2Config, Qwen3Config)
+                          PreTrainedModel, Qwen2Config, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
+                          Qwen3MoeConfig, Qwen3NextConfig)
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
@@ -83,5 +84,69 @@ def write_tiny_checkpoint(family: str, directory: Path, seed: int = 0) -> PreTra
         for name, param in hf_model.named_parameters():
             scale = 0.1 if param.ndim == 1 else 0.15 if re.search(r"[qk]_proj\.weight", name) else 0.02
             param.add_(torch.randn_like(param) * scale)
+    hf_model.save_pretrained(directory)
+    return hf_model.eval()
+
+
+# Hybrid / MoE families (tests/models/test_hybrid_parity.py). 8 experts, top-2; Gated
+# DeltaNet with 2 key heads shared by 4 value heads (r = 2, so the per-group interleave of
+# Qwen3-Next's fused projections matters); head_dim 32 with partial RoPE 0.25 (8 rotary dims).
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention", "linear_attention"])
+_HYBRID_COMMON = {k: v for k, v in _COMMON.items() if k != "intermediate_size"}
+
+
+def _qwen3_moe() -> Qwen3MoeConfig:
+    # Layer 1 dense (mlp_only_layers); transformers' default norm_topk_prob=False (no renormalisation).
+    return Qwen3MoeConfig(**_COMMON, **_MOE, num_hidden_layers=3, head_dim=32, mlp_only_layers=[1],
+                          architectures=["Qwen3MoeForCausalLM"])
+
+
+def _qwen3_next() -> Qwen3NextConfig:
+    # Layer 2 dense (mlp_only_layers), layers 0-1 MoE with a shared expert, renormalised top-k.
+    return Qwen3NextConfig(**_COMMON, **_MOE, **_LINEAR, num_hidden_layers=3, head_dim=32,
+                           shared_expert_intermediate_size=48, mlp_only_layers=[2],
+                           architectures=["Qwen3NextForCausalLM"])
+
+
+def _qwen3_5() -> Qwen3_5TextConfig:
+    return Qwen3_5TextConfig(**_COMMON, **_LINEAR, num_hidden_layers=3, head_dim=32, tie_word_embeddings=True,
+                             architectures=["Qwen3_5ForCausalLM"])
+
+
+def _qwen3_5_moe() -> Qwen3_5MoeTextConfig:
+    return Qwen3_5MoeTextConfig(**_HYBRID_COMMON, **_MOE, **_LINEAR, num_hidden_layers=3, head_dim=32,
+                                shared_expert_intermediate_size=48, architectures=["Qwen3_5MoeForCausalLM"])
+
+
+HYBRID_CONFIGS: dict[str, Callable[[], object]] = {
+    "qwen3-moe": _qwen3_moe,
+    "qwen3-next": _qwen3_next,
+    "qwen3.5": _qwen3_5,
+    "qwen3.5-moe": _qwen3_5_moe,
+}
+
+
+def write_hybrid_checkpoint(family: str, directory: Path, seed: int = 0) -> PreTrainedModel:
+    """Like write_tiny_checkpoint for HYBRID_CONFIGS, eager attention and eager (per-expert loop) MoE.
+
+    Matrices are redrawn with std 0.1 (default init gives near-uniform logits, so greedy
+    tokens would hinge on rounding); 1-d weights get N(0, 0.1) added to their init (ones
+    or, for zero-centred norms, zeros). A_log / dt_bias keep HF's init: they set the decay
+    rates, which HF draws over a realistic range (A in [0.01, 16]).
+    """
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(HYBRID_CONFIGS[family](), attn_implementation="eager",
+                                                experts_implementation="eager")
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+            else:
+                param.normal_(0.0, 0.1)
     hf_model.save_pretrained(directory)
     return hf_model.eval()

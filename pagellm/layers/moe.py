@@ -1,0 +1,205 @@
+"""Sparse mixture-of-experts block (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE).
+
+Legend: T = tokens in the step, E = hidden size, X = number of experts,
+k = experts per token, I = expert (moe) intermediate size.
+
+Router: logits = x W_gᵀ in the model dtype, softmax in fp32, top-k, renormalised
+over the k picks iff `normalize` (the config's norm_topk_prob; Qwen3.5-MoE always
+renormalises), then cast back to the model dtype, exactly as HF does.
+
+Experts are stored stacked, as HF 5.x holds them in memory: `experts.gate_up_proj`
+[X, 2I, E] (gate rows first) and `experts.down_proj` [X, E, I]. Checkpoints
+(HF 5.x save_pretrained and the released Qwen checkpoints alike) store them per
+expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`; `stack_expert_weights`
+converts that stream at load time. A checkpoint that already holds the stacked
+names loads by plain name match.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.layers.mlp import _ACTIVATIONS, GatedMLP
+
+# Dispatch, measured on this 2-core EPYC (torch 2.15, 2 threads, hidden 2048, top-8, random
+# routing; min of 3 rounds on a shared machine), ms per expert forward (router excluded),
+# loop over active experts / per-token / torch._grouped_mm over the sorted rows:
+#
+#   X=128 I=768 fp32  T=1: 13 / 12 / 11     T=8: 89 / 89 / 88      T=64: 321 / 699 / 289   T=512: 516 / 5522 / 481
+#   X=128 I=768 bf16  T=1: 35* / 8 / 14*    T=8: 244* / 115 / 48   T=64: 323 / 1027 / 242  T=512: 529 / 8519 / 215
+#   X=64  I=512 fp32  T=1: 7.8 / 7.6 / 7.6  T=8: 49 / 58 / 45      T=64: 111 / 491 / 99    T=512: 262 / 4345 / 275
+#   X=64  I=512 bf16  T=1: 3.2 / 2.9 / 3.0  T=8: 19 / 21 / 14      T=64: 52 / 189 / 36     T=512: 124 / 1765 / 128
+#   (* contended by other jobs: at T=1 all three run the same 8 matrix-vector products)
+#
+# Everything is bound by reading expert weights. At T=1 the paths read the same k experts
+# and tie (per-token skips the sort). From T=8 on, per-token re-reads an expert for every
+# token routed to it and loses up to 40x; the grouped forms read each active expert once.
+# torch._grouped_mm (one call, no host sync for counts) matches or beats the Python loop,
+# clearly in bf16, so it is used on CPU when present (it is a private API: the loop stays
+# as the fallback). Decision: per-token for T <= 1, grouped otherwise.
+PER_TOKEN_MAX_TOKENS = 1
+
+
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, X] logits -> (weights [T, k] in the logits dtype, expert ids [T, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, X]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k] each
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+class MoeExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unsupported expert activation {activation!r}; supported: {sorted(_ACTIVATIONS)}")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                         requires_grad=False)  # [X, 2I, E]
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                                      requires_grad=False)  # [X, E, I]
+        self.act_fn = _ACTIVATIONS[activation]
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [n, E] -> [n, E] through expert e
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(self.act_fn(gate) * up, self.down_proj[e])
+
+    def dispatch(self, x: torch.Tensor) -> str:
+        """Which path runs this batch (see the measurements above)."""
+        if x.shape[0] <= PER_TOKEN_MAX_TOKENS:
+            return "per_token"
+        return "grouped_mm" if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") else "grouped_loop"
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, E], routing weights / ids [T, k] -> Σ_k w_k · expert_k(x)  [T, E]."""
+        path = self.dispatch(x)
+        if path == "per_token":
+            return self._per_token(x, weights, ids)
+        return self._grouped(x, weights, ids, use_grouped_mm=path == "grouped_mm")
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 use_grouped_mm: bool = False) -> torch.Tensor:
+        """Sort the (token, expert) pairs by expert; each active expert runs once over all its tokens."""
+        top_k = ids.shape[1]
+        flat_ids = ids.flatten()  # [T*k]
+        order = flat_ids.argsort(stable=True)  # pairs grouped by expert, token order kept inside a group
+        token_of = order // top_k  # [T*k] token row of each sorted pair
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)  # [X] pairs per expert
+        rows = x[token_of]  # [T*k, E] gathered inputs, grouped by expert
+        out_rows = self._grouped_mm(rows, counts) if use_grouped_mm else self._grouped_loop(rows, counts.tolist())
+        out_rows *= weights.flatten()[order, None]
+        # index_add_ walks the pairs in expert order, so each token sums its experts in
+        # ascending expert id, the order HF's eager loop uses.
+        return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+
+    def _grouped_loop(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:  # inactive experts are skipped: their weights are never read
+                out_rows[start : start + n] = self.expert(rows[start : start + n], e)
+                start += n
+        return out_rows
+
+    def _grouped_mm(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """All groups in one call: group e is rows offs[e-1]:offs[e] times expert e's weights."""
+        offs = counts.cumsum(0).to(torch.int32)  # [X] end row of each group
+        gate, up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm((self.act_fn(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offs)
+
+    def _per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for t, (token_ids, token_weights) in enumerate(zip(ids.tolist(), weights)):
+            for e in sorted(range(len(token_ids)), key=token_ids.__getitem__):  # ascending expert id, as HF
+                out[t] += self.expert(x[t : t + 1], token_ids[e])[0] * token_weights[e]
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts, plus (Qwen3-Next, Qwen3.5-MoE) a shared expert scaled by sigmoid(x · w_sg)."""
+
+    def __init__(self, config, *, normalize: bool, shared_expert: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        self.top_k, self.normalize = config.num_experts_per_tok, normalize
+        self.gate = nn.Linear(hidden, config.num_experts, bias=False)  # router, [X, E]
+        self.experts = MoeExperts(config.num_experts, hidden, config.moe_intermediate_size, config.hidden_act)
+        self.has_shared_expert = shared_expert
+        if shared_expert:
+            self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+        weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+        out = self.experts(x, weights, ids)
+        if self.has_shared_expert:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class _ExpertStack:
+    """One layer's stacked expert tensors, filled in place as per-expert weights stream in."""
+
+    def __init__(self, experts: MoeExperts, device: torch.device):
+        dtype = experts.gate_up_proj.dtype
+        self.experts = experts
+        self.gate_up = torch.empty(experts.gate_up_proj.shape, dtype=dtype, device=device)
+        self.down = torch.empty(experts.down_proj.shape, dtype=dtype, device=device)
+        self.seen: dict[str, set[int]] = {"gate_proj": set(), "up_proj": set(), "down_proj": set()}
+
+    def put(self, name: str, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        num, inter, hidden = self.experts.num_experts, self.experts.intermediate_size, self.experts.hidden_size
+        if expert >= num or expert in self.seen[proj]:
+            raise ValueError(f"unexpected weight {name!r}: expert {expert} out of range ({num}) or repeated")
+        shape = (hidden, inter) if proj == "down_proj" else (inter, hidden)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {shape}")
+        if proj == "down_proj":
+            self.down[expert].copy_(tensor)
+        else:  # gate rows first, then up rows, as HF's fused gate_up_proj
+            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            self.gate_up[expert, rows].copy_(tensor)
+        self.seen[proj].add(expert)
+
+    def gate_up_done(self) -> bool:
+        num = self.experts.num_experts
+        return len(self.seen["gate_proj"]) == num and len(self.seen["up_proj"]) == num
+
+    def down_done(self) -> bool:
+        return len(self.seen["down_proj"]) == self.experts.num_experts
+
+
+def stack_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn per-expert checkpoint keys into the stacked `experts.gate_up_proj` / `experts.down_proj`.
+
+    Every other (name, tensor) passes through unchanged. Each stacked tensor is
+    allocated once, in the parameter's dtype on `device`, filled expert by expert,
+    and yielded as soon as complete, so no second copy of a layer's experts is
+    held. Keys of experts the model lacks are left for the strict loader to reject.
+    """
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, MoeExperts)}
+    pending: dict[str, _ExpertStack] = {}
+    for name, tensor in weights:
+        match = _EXPERT_KEY.match(name)
+        if match is None or match["prefix"] not in modules:
+            yield name, tensor
+            continue
+        prefix = match["prefix"]
+        stack = pending.setdefault(prefix, _ExpertStack(modules[prefix], device))
+        stack.put(name, int(match["expert"]), match["proj"], tensor)
+        if stack.gate_up_done() and stack.gate_up is not None:
+            yield f"{prefix}.gate_up_proj", stack.gate_up
+            stack.gate_up = None
+        if stack.down_done() and stack.down is not None:
+            yield f"{prefix}.down_proj", stack.down
+            stack.down = None
