@@ -64,6 +64,8 @@ class EngineStats:
             "step_reuse_hits": self.step_reuse_hits,
             "step_reuse_misses": self.step_reuse_misses,
             "step_reuse_rate": self.step_reuse_hits / max(self.step_reuse_hits + self.step_reuse_misses, 1),
+            "state_slots_total": scheduler.state_pool.num_slots if scheduler.state_pool else 0,
+            "state_slots_used": scheduler.state_pool.num_used if scheduler.state_pool else 0,
             "num_requests_running": len(scheduler.running),
             "num_requests_waiting": len(scheduler.waiting),
         }

@@ -28,6 +28,21 @@ class StepTimings:
     reused_step: bool = False  # a pure-decode step prepared by diff from the previous one (decode_inputs.py)
 
 
+def state_layers_of(model) -> list:
+    """Layers with recurrent state (Gated DeltaNet); empty for attention-only models."""
+    return list(getattr(model, "state_layers", list)())
+
+
+def state_bytes_per_slot(model) -> int:
+    """Conv + recurrent state of every linear-attention layer for one request."""
+    total = 0
+    for layer in state_layers_of(model):
+        shapes = layer.state_shapes()
+        for shape, dtype in ((shapes.conv_state, shapes.conv_dtype), (shapes.recurrent_state, shapes.recurrent_dtype)):
+            total += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
 def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     per_token = sum(2 * layer.num_kv_heads * layer.head_dim for layer in model.attention_layers())
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
@@ -35,7 +50,8 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype, device: torch.device, seed: int | None = None, step_reuse: bool = True):
+                 dtype: torch.dtype, device: torch.device, seed: int | None = None, step_reuse: bool = True,
+                 num_state_slots: int = 0):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -48,6 +64,12 @@ class ModelRunner:
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
             layer.bind_kv_cache(torch.empty(shape, dtype=dtype, device=device),
                                 torch.empty(shape, dtype=dtype, device=device))
+        for layer in state_layers_of(model):
+            # Uninitialised too: a request's first chunk starts from zero state without reading its slot.
+            shapes = layer.state_shapes()
+            layer.bind_state(torch.empty((num_state_slots, *shapes.conv_state), dtype=shapes.conv_dtype, device=device),
+                             torch.empty((num_state_slots, *shapes.recurrent_state), dtype=shapes.recurrent_dtype,
+                                         device=device))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
