@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+QUANTIZATION_SCHEMES = ("none", "int8", "int4", "auto")
+
 
 def _help(text: str, **kwargs) -> Any:
     return field(metadata={"help": text}, **kwargs)
@@ -34,8 +36,16 @@ class ModelConfig(_FromDict):
     dtype: str | None = _help("Compute dtype: float32, bfloat16 or float16 (default float32 on CPU).", default=None)
     max_model_len: int | None = _help("Longest sequence served (default: the model's context length).", default=None)
     device: str = _help("torch device to run on.", default="cpu")
+    quantization: str = _help(
+        "Weights kept quantized in memory: none | int8 (per-row) | int4 (group 32) | auto (GGUF: each tensor "
+        "keeps its file's precision, <= 5.5 bits -> int4, Q6_K/Q8_0 -> int8, floats dense; HF checkpoint: none). "
+        "Linear layers and the token table / LM head; CPU only.",
+        default="none",
+    )
 
     def __post_init__(self):
+        if self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {self.quantization!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -51,8 +61,23 @@ class CacheConfig(_FromDict):
         default=None,
     )
     enable_prefix_caching: bool = _help("Share KV blocks of identical prefixes across requests.", default=True)
+    state_cache_memory: float | None = _help(
+        "Hybrid models: GiB for recurrent-state slots, one per running request, apart from the KV budget "
+        "(default: enough for max_num_seqs requests).",
+        default=None,
+    )
+    state_snapshot_memory: float = _help(
+        "Hybrid models: GiB for recurrent-state snapshots taken at KV block boundaries during prefill, which "
+        "prefix caching restores on a hit (LRU-evicted like KV blocks; at most one per KV block). "
+        "0 turns prefix caching off for these models.",
+        default=1.0,
+    )
 
     def __post_init__(self):
+        if self.state_cache_memory is not None and self.state_cache_memory <= 0:
+            raise ValueError(f"state_cache_memory must be > 0 GiB, got {self.state_cache_memory}")
+        if self.state_snapshot_memory < 0:
+            raise ValueError(f"state_snapshot_memory must be >= 0 GiB, got {self.state_snapshot_memory}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -16,12 +16,14 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
+from pagellm.core.snapshot_pool import SnapshotPool
+from pagellm.core.state_pool import StatePool
 from pagellm.engine_stats import EngineStats
 from pagellm.loader.model_loader import load_model
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
 from pagellm.request import Request, RequestStatus
-from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +45,8 @@ class LLMEngine:
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype or "float32"]
-        loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init)
+        loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
+                            quantization=mc.quantization)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         self.model_path = loaded.path
         context = getattr(self.hf_config, "max_position_embeddings", None) or 4096
@@ -53,10 +56,17 @@ class LLMEngine:
         num_blocks = int(budget * _GIB // per_block)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {budget} GiB holds no block of {per_block} bytes")
-        self.kv_cache = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.state_pool = self._make_state_pool()
+        # Hybrid models: a prefix hit must also restore the recurrent state after the prefix, so their
+        # prefix cache needs state snapshots at block boundaries (none budgeted: the cache stays off).
+        snapshots = self._make_snapshot_pool(num_blocks) if cc.enable_prefix_caching else None
+        prefix_caching = cc.enable_prefix_caching and (self.state_pool is None or snapshots is not None)
+        self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.state_pool)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, config.scheduler.max_num_seqs,
-                                  self.dtype, self.device)
+                                  self.dtype, self.device,
+                                  num_state_slots=self.state_pool.num_slots if self.state_pool else 0,
+                                  num_snapshot_slots=snapshots.num_rows if snapshots else 0)
         self.eos_token_ids = self._eos_ids()
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -65,6 +75,26 @@ class LLMEngine:
         # steps (~200 ms stalls measured at B=32 prefill). vLLM freezes them the same way.
         gc.collect()
         gc.freeze()
+
+    def _make_state_pool(self) -> StatePool | None:
+        """One recurrent-state slot per running request, budgeted apart from the KV blocks."""
+        per_slot = state_bytes_per_slot(self.model)
+        if per_slot == 0:
+            return None
+        max_seqs = self.config.scheduler.max_num_seqs
+        budget = self.config.cache.state_cache_memory
+        num_slots = max_seqs if budget is None else min(max_seqs, int(budget * _GIB // per_slot))
+        if num_slots < 1:
+            raise ValueError(f"state_cache_memory {budget} GiB holds no state slot of {per_slot} bytes")
+        return StatePool(num_slots)
+
+    def _make_snapshot_pool(self, num_blocks: int) -> SnapshotPool | None:
+        """Hybrid models: state snapshot rows after the running slots, at most one per KV block."""
+        if self.state_pool is None:
+            return None
+        budget = self.config.cache.state_snapshot_memory
+        num_rows = min(num_blocks, int(budget * _GIB // state_bytes_per_slot(self.model)))
+        return SnapshotPool(num_rows, first_row=self.state_pool.num_slots) if num_rows > 0 else None
 
     def _eos_ids(self) -> frozenset[int]:
         if self.tokenizer is not None:

@@ -31,11 +31,16 @@ class LLM:
         decode_stable_interval: int = 0,
         device: str = "cpu",
         skip_tokenizer_init: bool = False,
+        quantization: str = "none",
+        state_cache_memory: float | None = None,
+        state_snapshot_memory: float = 1.0,
     ):
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device),
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device,
+                              quantization=quantization),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, state_cache_memory=state_cache_memory,
+                              state_snapshot_memory=state_snapshot_memory),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       n_ubatch=n_ubatch, decode_stable_interval=decode_stable_interval),
         )

@@ -59,12 +59,12 @@ def batched_row(pp: int, tg: int, b: int, t_pp: float, t_tg: float, shared_promp
 
 
 def build_engine(model: str | None, dtype: str | None, max_batch: int, max_prompt: int, max_new: int, *,
-                 block_size: int = 16, kv_cache_memory: float | None = None,
+                 block_size: int = 16, kv_cache_memory: float | None = None, quantization: str = "none",
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True) -> LLMEngine:
     """An engine (no tokenizer: benches feed token ids) that holds `max_batch` sequences at once."""
     batched_tokens = max_num_batched_tokens or max(max_batch * max_prompt, 64)
     config = EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype),
+        model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=batched_tokens,

@@ -21,6 +21,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="GGUF file or HF checkpoint directory (default: the embedded Gemma 3 270M Q4_K_M)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="pagellm compute dtype (default float32 on CPU)")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"],
+                        help="pagellm weights kept quantized (see `pagellm serve --help`; default none)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     parser.add_argument("--block-size", type=int, default=16)
@@ -96,6 +98,7 @@ def _run_batched(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), max(args.pp), max(args.tg),
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                                  quantization=args.quantization,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_prefix_caching=args.enable_prefix_caching)
     sched = engine.config.scheduler

@@ -38,13 +38,17 @@ def _pagellm_runner(engine):
 def make_runners(args: argparse.Namespace, engine) -> tuple[dict, dict[str, str], dict[str, str]]:
     """name -> run(prompts, tg); name -> description of what ran; peer -> why it did not run."""
     runners = {PAGELLM: _pagellm_runner(engine)}
-    described = {PAGELLM: f"LLMEngine, {report.dtype_name(engine.dtype)}, {torch.get_num_threads()} torch threads"}
+    quantized = engine.config.model.quantization
+    described = {PAGELLM: f"LLMEngine, {report.dtype_name(engine.dtype)}, weights {quantized}, "
+                          f"{torch.get_num_threads()} torch threads"}
     skipped: dict[str, str] = {}
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
     unknown = wanted - {"hf", "llama.cpp"}
     if unknown:
         raise ValueError(f"--peers: unknown peer(s) {sorted(unknown)}; known: hf, llama.cpp")
-    if "hf" in wanted:
+    if "hf" in wanted and quantized != "none":
+        skipped["hf"] = f"pagellm runs quantized weights ({quantized}); HF would need dense ones"
+    elif "hf" in wanted:
         hf = peers.HFTransformersPeer(engine)
         runners[hf.name] = hf.run
         described[hf.name] = hf.description
@@ -130,7 +134,8 @@ def main(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), args.pp, args.tg,
-                                  block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+                                  block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                                  quantization=args.quantization)
     machine = report.machine_info(report.dtype_name(engine.dtype))
     print(report.describe_machine(machine))
     print(f"model: {engine.model_path}")

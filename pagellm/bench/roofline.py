@@ -67,14 +67,26 @@ class WeightCounts:
 
     @classmethod
     def of(cls, model: nn.Module) -> "WeightCounts":
-        embed = model.model.embed_tokens.weight
+        from pagellm.layers.quantized import QuantizedEmbedding, QuantizedLinear
+        from pagellm.loader.quantization import weight_bytes
+
+        def params(module: nn.Module) -> int:  # a dense or quantized linear / embedding
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                return module.weight.numel()
+            if isinstance(module, QuantizedEmbedding):
+                return module.num_embeddings * module.embedding_dim
+            return module.out_features * module.in_features
+
+        embed = model.model.embed_tokens
         tied = getattr(model, "tie_word_embeddings", False)
-        head = embed if tied else model.lm_head.weight
-        linears = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and m.weight is not head]
-        read = sum(p.numel() * p.element_size() for p in model.parameters())
+        head = embed if tied else model.lm_head
+        head_tables = {id(head), id(getattr(head, "table", None))}
+        linears = [m for m in model.modules()
+                   if isinstance(m, (nn.Linear, QuantizedLinear)) and id(m) not in head_tables]
+        read = weight_bytes(model)  # resident bytes, quantized or not, tied storage once
         if not tied:
-            read -= embed.numel() * embed.element_size()  # the lookup reads a few rows, not the table
-        return cls(sum(w.numel() for w in linears), head.numel(), read)
+            read -= weight_bytes(embed)  # the lookup reads a few rows, not the table
+        return cls(sum(params(m) for m in linears), params(head), read)
 
     def decode_flops(self, tokens: int) -> float:
         return 2.0 * (self.matmul_params + self.lm_head_params) * tokens

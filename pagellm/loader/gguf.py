@@ -9,7 +9,8 @@ We parse the header ourselves instead of with gguf.GGUFReader: the reader builds
 several numpy views for every element of every metadata array, which takes ~10 s
 for Gemma 3's 262,144-token vocabulary, against ~50 ms here (tested equal to the
 reader's output in tests/loader). Tensor data stays in one read-only memory map;
-each tensor is dequantized with gguf.quants.dequantize only when it is yielded.
+each tensor is dequantized with gguf.quants.dequantize only when it is yielded
+(weights bound for quantized layers are read by row slices, or as int4 codes: gguf_quant.py).
 
 llama.cpp's converter changes some weights on the way to GGUF; we undo each:
 - `llama` arch: q_proj/k_proj rows are permuted for its interleaved rotary layout;
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from pagellm.layers.quantized import GroupAffine
+from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
 
 # gguf general.architecture -> (HF config class, HF architecture name)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
@@ -146,25 +150,45 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
 
 
 def iter_gguf_weights(
-    path: str | Path, config: PretrainedConfig, progress: bool | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
+    path: str | Path, config: PretrainedConfig, progress: bool | None = None,
+    quantized: Mapping[str, str] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
 
     progress: show a tqdm bar; by default only when stderr is a terminal.
+    quantized: {HF name: "int8" | "int4"} of the weights quantized layers will take. Those come as a GroupAffine
+    (int4 codes, scale and offset per 32 weights) when bound for int4 and stored as Q4_0, Q4_1 or Q4_K, the
+    formats that are exactly that; otherwise as LazyRows, dequantized a row slice at a time (gguf_quant.py).
     """
     header = read_gguf_header(path)
     arch = header.architecture
     hf_names = _gguf_to_hf_names(header, config)  # checks every tensor has an HF name, up front
     _check_dequantizable(header)
     show = sys.stderr.isatty() if progress is None else progress
+    quantized = quantized or {}
     for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
-        weight = _dequantize(tensor)  # [*shape] float32
-        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
+        scheme = quantized.get(hf_names[tensor.name])
+        if scheme == "int4" and tensor.ggml_type in EXACT_INT4_TYPES:
+            weight = group_affine_of(tensor.data, tensor.ggml_type, tensor.shape)
+        elif scheme is not None and not permuted and len(tensor.shape) == 2:
+            weight = LazyRows(tensor.data, tensor.ggml_type, tensor.shape)
+        else:
+            weight = _dequantize(tensor)  # [*shape] float32
+        if permuted:
             n_heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
-            weight = unpermute_qk_rows(weight, n_heads)
+            unpermute = lambda rows: unpermute_qk_rows(rows, n_heads)  # noqa: E731
+            weight = weight.map_rows(unpermute) if isinstance(weight, GroupAffine) else unpermute(weight)
         elif arch == "gemma3" and tensor.name.endswith("norm.weight"):
             weight = weight - 1.0  # llama.cpp stores Gemma's RMSNorm weight as w + 1
         yield hf_names[tensor.name], weight
+
+
+def gguf_weight_types(path: str | Path, config: PretrainedConfig) -> dict[str, gguf.GGMLQuantizationType]:
+    """{HF name: ggml type the file stores it in}, from the header alone."""
+    header = read_gguf_header(path)
+    hf_names = _gguf_to_hf_names(header, config)
+    return {hf_names[t.name]: t.ggml_type for t in header.tensors}
 
 
 def unpermute_qk_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config
+from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
+from pagellm.loader.quantization import load_quantized, plan_quantization
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.loader.tokenizer import Tokenizer, load_tokenizer
 from pagellm.models.registry import build_model
@@ -19,6 +20,7 @@ class LoadedModel:
     hf_config: object  # transformers PretrainedConfig
     tokenizer: Tokenizer | None
     path: Path
+    quantization: dict[str, str] = field(default_factory=dict)  # {module path: "int8" | "int4"}
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -35,16 +37,22 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               with_tokenizer: bool = True) -> LoadedModel:
+               with_tokenizer: bool = True, quantization: str = "none") -> LoadedModel:
+    """quantization: none | int8 | int4 | auto (see loader/quantization.py), applied as weights stream in."""
     path = resolve_model_path(model)
-    if path.is_file():
-        hf_config = load_gguf_config(path)
-        weights = iter_gguf_weights(path, hf_config)
-    else:
-        hf_config = load_hf_config(path)
-        weights = iter_safetensors_weights(path)
+    is_gguf = path.is_file()
+    hf_config = load_gguf_config(path) if is_gguf else load_hf_config(path)
     net = build_model(hf_config, dtype, device)
-    net.load_weights(weights)
+    types = gguf_weight_types(path, hf_config) if is_gguf and quantization == "auto" else None
+    plan = plan_quantization(net, quantization, types)
+    if plan and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
+                         f"not on device {str(device)!r}")
+    if is_gguf:
+        weights = iter_gguf_weights(path, hf_config, quantized={f"{p}.weight": s for p, s in plan.items()})
+    else:
+        weights = iter_safetensors_weights(path)
+    load_quantized(net, weights, plan)
     net.eval()
     tokenizer = load_tokenizer(path) if with_tokenizer else None
-    return LoadedModel(net, hf_config, tokenizer, path)
+    return LoadedModel(net, hf_config, tokenizer, path, plan)

@@ -68,8 +68,8 @@ class Gemma3Model(nn.Module):
         })
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        weight = self.embed_tokens.weight
-        h = self.embed_tokens(input_ids) * self.embed_scale.to(weight.dtype)  # [T, E]; sqrt(E) rounded to dtype
+        h = self.embed_tokens(input_ids)  # [T, E] in the model dtype, also from a QuantizedEmbedding
+        h = h * self.embed_scale.to(h.dtype)  # sqrt(E) rounded to the dtype, as HF does
         rope = {layer_type: emb(positions, h.dtype) for layer_type, emb in self.rotary_emb.items()}
         for layer in self.layers:
             cos, sin = rope[layer.layer_type]  # [T, D/2] each

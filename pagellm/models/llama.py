@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.attention import PagedAttention
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
+from pagellm.layers.quantized import lm_head_logits
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagellm.runner.attention_metadata import AttentionMetadata
 
@@ -171,8 +171,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)  # [T] ids and positions -> [T, E]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight)  # [N, V]
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        logits = lm_head_logits(head, hidden)  # [N, V]; dense, or quantized (layers/quantized.py)
         if self.final_logit_softcap is not None:  # Gemma; in the model dtype, as HF does
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits.float()

@@ -1,0 +1,315 @@
+"""Int8 / int4 weight-only layers (layers/quantized.py), GGUF 4-bit formats read exactly (loader/gguf_quant.py),
+quantization at load (loader/quantization.py), and tiny models end to end against dense references.
+
+References: a quantized layer is compared with the dense matmul of its own dequantized weights in fp32, with
+the activations rounded as the path rounds them (the int kernels take bf16 and return bf16).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
+
+from gguf_builders import random_k_quant_blocks, write_tiny_gguf  # noqa: E402
+from paged_harness import PagedHarness  # noqa: E402
+from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.config import ModelConfig  # noqa: E402
+from pagellm.layers.quantized import (  # noqa: E402
+    DENSE_FROM_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear, detect_int4_layout,
+    int4_row_codes)
+from pagellm.loader.gguf_quant import group_affine_of  # noqa: E402
+from pagellm.loader.model_loader import load_model  # noqa: E402
+from pagellm.loader.quantization import auto_scheme, quantize_model, weight_bytes  # noqa: E402
+from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config  # noqa: E402
+from pagellm.models.registry import build_model  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+KERNEL, DENSE = 10**9, 1  # dense_from_rows forcing the int-kernel path / the dense-tile path
+CLASSES = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def exact_int4(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w, q, scale, zero): w = (q - 8) * scale + zero with dyadic bf16 scale/zero and every group using 0 and 15."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, cols // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    scale = torch.randint(1, 64, (rows, cols // 32, 1), generator=g) * 2.0**-10
+    zero = torch.randint(-64, 64, (rows, cols // 32, 1), generator=g) * 2.0**-8
+    w = ((q - 8) * scale + zero).view(rows, cols)
+    return w, q.view(rows, cols), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def reference(layer: QuantizedLinear, x: torch.Tensor, via_kernel: bool) -> torch.Tensor:
+    x = x.to(torch.bfloat16) if via_kernel else x
+    return x.double() @ layer.dequantize().double().T
+
+
+def assert_close_to(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, via_kernel: bool) -> None:
+    if dtype == torch.float32 and not via_kernel:  # fp32 dequantized tile, fp32 matmul
+        torch.testing.assert_close(y.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+    else:  # a bf16 result: one rounding (2^-9 relative) plus the accumulation order
+        torch.testing.assert_close(y.double(), ref, atol=4e-3 * ref.abs().max().item(), rtol=8e-3)
+
+
+# ---- layers ---------------------------------------------------------------------------------
+
+
+def test_config_validates_quantization():
+    with pytest.raises(ValueError, match="quantization"):
+        ModelConfig(quantization="int3")
+    assert ModelConfig(quantization="auto").quantization == "auto"
+
+
+def test_int8_round_trip_of_representable_weights_is_exact():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=g)
+    q[:, 0] = 127
+    scale = torch.randint(1, 255, (48,), generator=g) * 2.0**-12
+    layer = Int8Linear.from_float(q.float() * scale[:, None])
+    assert torch.equal(layer.qweight, q) and torch.equal(layer.scale.float(), scale)
+    assert torch.equal(layer.dequantize(), q.float() * scale[:, None])
+
+
+def test_int4_round_trip_of_representable_weights_is_exact():
+    w, q, scale, zero = exact_int4(176, 96)  # 2 full blocks of 64 rows + a partial one of 48
+    layer = Int4Linear.from_float(w)
+    ids = torch.arange(176)
+    assert torch.equal(int4_row_codes(layer.packed, layer.layout, ids), q.to(torch.uint8))
+    assert torch.equal(layer.scales_and_zeros[..., 0].float().T, scale)
+    assert torch.equal(layer.scales_and_zeros[..., 1].float().T, zero)
+    assert torch.equal(layer.dequantize(), w) and torch.equal(layer.rows(ids), w)
+
+
+def test_int4_layout_is_recognised():
+    layout = detect_int4_layout()  # raises if torch packs in a layout we cannot read
+    assert layout.block_n in (32, 64)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 37])
+def test_both_paths_match_the_dequantized_reference(scheme, dtype, rows, monkeypatch):
+    monkeypatch.setattr("pagellm.layers.quantized.TILE_ROWS", 128)  # several tiles, the last one partial
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(304, generator=g).to(dtype)
+    layer = CLASSES[scheme].from_float(torch.randn(304, 96, generator=g) * 0.05, bias)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    outputs = {}
+    for via_kernel, threshold in ((True, KERNEL), (False, DENSE)):
+        layer.dense_from_rows = threshold
+        y = outputs[via_kernel] = layer(x)
+        assert y.dtype == dtype and y.shape == (rows, 304)
+        assert_close_to(y, reference(layer, x, via_kernel) + bias.double(), dtype, via_kernel)
+    scale = outputs[False].abs().max().item()  # the paths agree to a bf16 rounding or two of the largest output
+    torch.testing.assert_close(outputs[True].float(), outputs[False].float(), atol=8e-3 * scale, rtol=1e-2)
+
+
+def test_kernel_input_is_realigned(monkeypatch):
+    """_weight_int8pack_mm loads activation rows with aligned AVX loads: a view at an odd offset segfaults it."""
+    layer = Int8Linear.from_float(torch.randn(64, 64), dense_from_rows=KERNEL)
+    storage = torch.randn(4 * 64 + 3, dtype=torch.bfloat16)
+    x = storage[3:].view(4, 64)
+    assert x.data_ptr() % 32
+    assert_close_to(layer(x), reference(layer, x, True), torch.bfloat16, True)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype,head", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
+def test_dispatch_follows_the_measured_crossover(scheme, dtype, head, monkeypatch):
+    monkeypatch.setattr("pagellm.layers.quantized._HEAD_ROWS", 100 if head else 10**6)
+    layer = CLASSES[scheme].from_float(torch.randn(128, 64))
+    threshold = DENSE_FROM_ROWS[(scheme, head, dtype == torch.bfloat16)]
+    dense_calls = []
+    dense_matmul = layer._dense_matmul
+    monkeypatch.setattr(layer, "_dense_matmul", lambda x: dense_calls.append(len(x)) or dense_matmul(x))
+    for rows in (1, threshold - 1, threshold):
+        layer(torch.randn(rows, 64).to(dtype))
+    assert dense_calls == [threshold]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_embedding_reads_dequantized_rows_and_is_the_lm_head(scheme):
+    table = CLASSES[scheme].from_float(torch.randn(320, 64) * 0.1)
+    embedding = QuantizedEmbedding(table, torch.bfloat16)
+    ids = torch.tensor([[0, 319, 7], [256, 255, 7]])
+    dense = table.dequantize()
+    assert torch.equal(embedding(ids), dense[ids].to(torch.bfloat16))
+    hidden = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(embedding.logits(hidden), table(hidden))
+
+
+# ---- GGUF 4-bit formats -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K])
+def test_gguf_4bit_formats_read_exactly(qtype):
+    rng = np.random.default_rng(0)
+    rows, cols = 48, 512
+    if qtype == T.Q4_K:
+        raw = random_k_quant_blocks(rng, rows, cols, qtype)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    affine = group_affine_of(raw, qtype, (rows, cols))
+    assert torch.equal(affine.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype)))  # bit for bit
+    layer = Int4Linear.from_float(affine)
+    assert torch.equal(int4_row_codes(layer.packed, layer.layout, torch.arange(rows)), affine.q)  # codes exact
+    # only the scale and zero are rounded, to bf16 (the kernel's dtype): w = (q - 8) * bf16(s) + bf16(offset + 8s)
+    s = affine.scale.to(torch.bfloat16).float()
+    z = (affine.offset + 8 * affine.scale).to(torch.bfloat16).float()
+    expected = (affine.q.view(rows, -1, 32).float() - 8) * s[..., None] + z[..., None]
+    assert torch.equal(layer.dequantize(), expected.view(rows, cols))
+
+
+def test_q4_k_with_bf16_exact_scales_round_trips_exactly():
+    """d = 2^-8 and dmin = 2^-4 make d*sc and 8*d*sc - dmin*m bf16-exact: then nothing at all is lost."""
+    rng = np.random.default_rng(1)
+    raw = random_k_quant_blocks(rng, 16, 256, T.Q4_K).reshape(-1, 144)
+    raw[:, 0:4] = np.array([2.0**-8, 2.0**-4], dtype=np.float16).view(np.uint8)
+    affine = group_affine_of(raw, T.Q4_K, (16, 256))
+    assert torch.equal(Int4Linear.from_float(affine).dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)).view(16, 256))
+
+
+def test_auto_scheme_follows_bits_per_weight():
+    assert [auto_scheme(t) for t in (T.Q4_K, T.Q4_0, T.Q5_0, T.Q5_K, T.Q6_K, T.Q8_0, T.F16, T.F32, None)] == \
+        ["int4", "int4", "int4", "int4", "int8", "int8", None, None, None]
+
+
+def test_gguf_auto_load_follows_each_tensor_type(tmp_path):
+    """A llama GGUF (q/k rows permuted by llama.cpp) with mixed types: each layer gets its scheme; the int4
+    layers hold the stored codes exactly (Q4_0 attn_q through the row unpermutation, Q4_K ffn_down)."""
+    types = {"blk.0.attn_q.weight": T.Q4_0, "blk.1.attn_q.weight": T.Q4_1, "blk.0.attn_k.weight": T.Q8_0,
+             "blk.0.ffn_down.weight": T.Q4_K, "blk.1.ffn_down.weight": T.Q6_K, "blk.0.ffn_gate.weight": T.Q5_0,
+             "blk.0.ffn_up.weight": T.F16, "token_embd.weight": T.Q8_0}
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", types=types)
+    loaded = load_model(str(tiny.path), torch.float32, torch.device("cpu"), with_tokenizer=False, quantization="auto")
+    plan = loaded.quantization
+    assert plan["model.layers.0.self_attn.q_proj"] == "int4" and plan["model.layers.1.self_attn.q_proj"] == "int4"
+    assert plan["model.layers.0.self_attn.k_proj"] == "int8" and plan["model.embed_tokens"] == "int8"
+    assert plan["model.layers.0.mlp.down_proj"] == "int4" and plan["model.layers.0.mlp.gate_proj"] == "int4"
+    assert plan["model.layers.1.mlp.down_proj"] == "int8"
+    assert "model.layers.0.mlp.up_proj" not in plan and "lm_head" not in plan  # F16 / F32: dense
+    model = loaded.model
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+        layer, expected = model.get_submodule(name), torch.from_numpy(tiny.expected[f"{name}.weight"])
+        bound = layer.scales_and_zeros.float().abs().amax((0, 1)) @ torch.tensor([8.0, 1.0]) * 2**-8
+        torch.testing.assert_close(layer.dequantize(), expected, atol=bound.item(), rtol=0)  # bf16 scale/zero
+    dense = load_model(str(tiny.path), torch.float32, torch.device("cpu"), with_tokenizer=False)
+    assert not dense.quantization and weight_bytes(model) < weight_bytes(dense.model)
+
+
+def test_hf_checkpoint_auto_is_none_and_device_is_checked(tmp_path):
+    write_tiny_checkpoint("llama", tmp_path)
+    assert load_model(str(tmp_path), torch.float32, torch.device("cpu"), False, "auto").quantization == {}
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model(str(tmp_path), torch.float32, torch.device("meta"), False, "int8")
+
+
+# ---- tiny models end to end ---------------------------------------------------------------------
+
+
+def dequantized_checkpoint(model, source: Path, target: Path) -> Path:
+    """An HF checkpoint of `model` with every quantized layer replaced by its dequantized weight."""
+    state = {}
+    for path, module in model.named_modules():
+        if isinstance(module, QuantizedEmbedding):
+            state[f"{path}.weight"] = module.table.dequantize()
+        elif isinstance(module, QuantizedLinear) and not path.endswith(".table"):
+            state[f"{path}.weight"] = module.dequantize()
+    for name, param in model.named_parameters():
+        if not name.endswith(".table.bias"):
+            state[name] = param.detach().float()
+    target.mkdir()
+    shutil.copy(source / "config.json", target / "config.json")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(target / "model.safetensors"))
+    return target
+
+
+@pytest.mark.parametrize("family,scheme", [("llama", "int8"), ("gemma3", "int4"), ("llama3-rope-tied", "int4"),
+                                           ("qwen2", "int8")])
+def test_tiny_model_logits_close_to_the_dequantized_model(tmp_path, family, scheme):
+    write_tiny_checkpoint(family, tmp_path / "hf")
+    config = load_hf_config(tmp_path / "hf")
+    model = build_model(config, torch.float32)
+    model.load_weights(iter_safetensors_weights(tmp_path / "hf"))
+    plan = quantize_model(model, scheme)
+    assert "model.embed_tokens" in plan and all(not isinstance(m, torch.nn.Embedding) for m in model.modules())
+    reference = build_model(config, torch.float32)
+    reference.load_weights(iter_safetensors_weights(dequantized_checkpoint(model, tmp_path / "hf", tmp_path / "deq")))
+    prompt = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours, ref = PagedHarness(model).prefill("a", prompt), PagedHarness(reference).prefill("a", prompt)
+    error, size = (ours - ref).abs(), ref.abs().max()
+    assert error.max() <= 0.05 * size and error.mean() <= 0.005 * size  # bf16 activations in the int kernels
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("family,scheme", [("llama", "int8"), ("gemma3", "int4"), ("qwen2", "int4")])
+def test_llm_greedy_equals_the_dense_model_on_dequantized_weights(tmp_path, family, scheme):
+    """Through the whole engine (streaming quantization at load, tied head, embedding lookup), with the
+    quantized layers on their dense-tile path: fp32 tiles of exactly the dequantized weights, so the greedy ids
+    must be identical. (The int-kernel path rounds activations and outputs to bf16; its closeness is checked by
+    the logit tests above, as bit-identical greedy ids against an fp32 model cannot be promised there.)"""
+    write_tiny_checkpoint(family, tmp_path / "hf")
+    kwargs = dict(skip_tokenizer_init=True, kv_cache_memory=0.01)
+    quantized = LLM(model=str(tmp_path / "hf"), quantization=scheme, **kwargs)
+    assert isinstance(quantized.engine.model.model.embed_tokens, QuantizedEmbedding)
+    layers = [m for m in quantized.engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert {type(m).__name__ for m in layers} == {CLASSES[scheme].__name__}
+    for layer in layers:
+        layer.dense_from_rows = DENSE
+    dense = LLM(model=str(dequantized_checkpoint(quantized.engine.model, tmp_path / "hf", tmp_path / "deq")), **kwargs)
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 20, 33)]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    ids = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for llm in (quantized, dense)]
+    assert ids[0] == ids[1]
+
+
+# ---- the default model ----------------------------------------------------------------------------
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a wooden screw press. Within fifty years, presses in more than "
+        "two hundred European cities had printed millions of books, and the price of a book fell so far that "
+        "ordinary merchants could afford to own a small library of their own.")
+# TEXT's first 64 ids from the GGUF's own tokenizer (loading that tokenizer takes ~7 s, a third of the test)
+TEXT_IDS = [2, 818, 4083, 529, 506, 16386, 2686, 12502, 528, 506, 135461, 7691, 236764, 1056, 47660, 180558, 9292,
+            79305, 6211, 1722, 236764, 4446, 236772, 5140, 19764, 532, 496, 7116, 21792, 2686, 236761, 25298, 25454,
+            1518, 236764, 63581, 528, 919, 1082, 1156, 7549, 6693, 9979, 1053, 13762, 13889, 529, 6249, 236764, 532,
+            506, 3385, 529, 496, 2260, 11561, 834, 2793, 600, 12822, 48197, 1451, 9546, 531]
+# (min greedy agreement, max mean KL(dense || quantized)); measured on both paths (pytest -s prints them):
+# int8 0.91 / 0.006, int4 0.81 / 0.17, auto 0.84-0.86 / 0.076 (over 256 positions of 4 texts: int8 0.94 /
+# 0.006, int4 0.83 / 0.17, auto 0.84 / 0.078)
+LIMITS = {"int8": (0.85, 0.02), "int4": (0.75, 0.25), "auto": (0.78, 0.12)}
+
+
+def test_default_model_accuracy_against_the_dense_gguf_model():
+    """Greedy agreement (next-token argmax at 64 positions) and logit error of each scheme against the dense
+    fp32 model of the same GGUF, on the prefill path (dense tiles) and the decode path (int kernels, bf16)."""
+    dense = load_model(None, torch.float32, torch.device("cpu"), with_tokenizer=False).model
+    tokens = TEXT_IDS
+    ref = PagedHarness(dense, num_blocks=32).prefill("a", tokens)
+    del dense
+    for scheme, (min_agreement, max_kl) in LIMITS.items():
+        model = load_model(None, torch.float32, torch.device("cpu"), False, scheme).model
+        for path in ("dense", "kernel"):
+            for layer in model.modules():
+                if isinstance(layer, QuantizedLinear):
+                    layer.dense_from_rows = DENSE if path == "dense" else KERNEL
+            logits = PagedHarness(model, num_blocks=32).prefill("a", tokens)
+            agreement = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            error = (logits - ref).abs()
+            kl = F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+            print(f"\n{scheme:>5} {path:>6} path: greedy agreement {agreement:.3f}, logit error max "
+                  f"{error.max():.3f} mean {error.mean():.4f} (logit std {ref.std():.2f}), KL {kl.mean():.4f}", end="")
+            assert agreement >= min_agreement and kl.mean() <= max_kl
