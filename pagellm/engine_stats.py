@@ -44,7 +44,7 @@ class EngineStats:
 
     def as_dict(self, kv_cache, scheduler) -> dict:
         steps = max(self.num_steps, 1)
-        pool = kv_cache.pool
+        pool, snapshots = kv_cache.pool, kv_cache.snapshots
         return {
             "prompt_tokens": self.prompt_tokens,
             "computed_prefill_tokens": self.computed_prefill_tokens,
@@ -66,6 +66,9 @@ class EngineStats:
             "step_reuse_rate": self.step_reuse_hits / max(self.step_reuse_hits + self.step_reuse_misses, 1),
             "state_slots_total": scheduler.state_pool.num_slots if scheduler.state_pool else 0,
             "state_slots_used": scheduler.state_pool.num_used if scheduler.state_pool else 0,
+            "state_snapshots_total": snapshots.num_rows if snapshots else 0,
+            "state_snapshots_used": snapshots.num_used if snapshots else 0,  # pinned by a step; 0 between steps
+            "state_snapshots_cached": snapshots.num_cached if snapshots else 0,
             "num_requests_running": len(scheduler.running),
             "num_requests_waiting": len(scheduler.waiting),
         }

@@ -14,7 +14,7 @@ collections.deque.remove is O(n) and OrderedDict cannot insert at the front.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 class KVBlock:
@@ -75,7 +75,8 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[int], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -83,6 +84,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # block hash -> block holding that content
+        # Told the hash of each evicted cached block (hybrid models drop the state snapshot keyed by it).
+        self.on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,6 +115,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash = block.token_ids = None
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:

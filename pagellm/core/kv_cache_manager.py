@@ -9,6 +9,13 @@ Blocks are hashed when they become full *as of the end of the step that
 computes them*. Because every layer writes the whole step's K/V before any of
 its attention reads, a second request scheduled in the same step may already
 hit those blocks: N requests arriving together compute their shared prefix once.
+
+Hybrid models (recurrent state) also need the state after the prefix: with a
+SnapshotPool a prefix hit ends at the last cached block that has a committed
+state snapshot, and each prefill chunk asks for snapshots at the block
+boundaries it passes (`plan_snapshots`). A snapshot is written while its step
+runs, so unlike a KV block it cannot be shared within that step: a newcomer
+whose prefix has a snapshot pending waits one step (`is_prefix_in_flight`).
 """
 
 from __future__ import annotations
@@ -16,14 +23,18 @@ from __future__ import annotations
 from collections import Counter
 
 from pagellm.core.block_pool import BlockPool, KVBlock
+from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 snapshots: SnapshotPool | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.snapshots = snapshots if enable_caching else None  # hybrid models: state at block boundaries
+        on_evict = self.snapshots.discard if self.snapshots is not None else None
+        self.pool = BlockPool(num_blocks, enable_caching, on_evict)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # blocks of each request already registered in the cache
         # Hashes of full prompt blocks that a running request will compute in a later step:
@@ -42,7 +53,9 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of the request, and the tokens they hold.
 
         When all tokens hit the cache we must still recompute the last one to get
-        its logits, so the hit is capped at num_tokens - 1.
+        its logits, so the hit is capped at num_tokens - 1 (rounded down to a block).
+        With snapshots (hybrid models) the run is cut back to its last block that
+        has a committed state snapshot: the state cannot resume anywhere else.
         """
         if not self.enable_caching:
             return [], 0
@@ -53,13 +66,54 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.snapshots is not None:
+            while hits and self.restore_row(request, len(hits)) is None:
+                hits.pop()
         return hits, len(hits) * self.block_size
 
+    def restore_row(self, request: Request, num_cached_blocks: int) -> int | None:
+        """Hybrid models: the snapshot row holding the state after the request's first blocks, if any."""
+        if self.snapshots is None or num_cached_blocks == 0:
+            return None
+        return self.snapshots.lookup(request.block_hashes[num_cached_blocks - 1],
+                                     num_cached_blocks * self.block_size)
+
     def is_prefix_in_flight(self, request: Request, num_cached_blocks: int) -> bool:
-        """Whether the request's next uncached block is being computed by another running request."""
+        """Whether another running request is computing the prefix beyond the request's cache hit.
+
+        That is: its next uncached block is computed in a later step, or (hybrid models) a
+        snapshot further along its prefix is being written in this step.
+        """
         if not self.enable_caching or num_cached_blocks >= len(request.block_hashes):
             return False
-        return self._in_flight[request.block_hashes[num_cached_blocks]] > 0
+        if self._in_flight[request.block_hashes[num_cached_blocks]] > 0:
+            return True
+        if self.snapshots is None:
+            return False
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return any(self.snapshots.is_pending(h) for h in request.block_hashes[num_cached_blocks:max_blocks])
+
+    def plan_snapshots(self, request: Request, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """Pending snapshot rows for the block boundaries p, start < p <= end, of the request's prompt.
+
+        Returns ((p, row), ...) ascending. Boundaries that already have a snapshot are
+        skipped. When rows run short the deepest boundaries win: they give the longest
+        hits, and a chunked prompt then keeps its last boundaries.
+        """
+        if self.snapshots is None:
+            return ()
+        bs = self.block_size
+        last = min(end, request.num_prompt_tokens) // bs * bs  # generated tokens get no snapshots
+        writes = []
+        for p in range(last, start, -bs):
+            block_hash = request.block_hashes[p // bs - 1]
+            if self.snapshots.contains(block_hash):
+                continue
+            row = self.snapshots.allocate(block_hash, p)
+            if row is None:
+                break
+            writes.append((p, row))
+        return tuple(reversed(writes))
 
     def allocate(
         self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()
@@ -114,7 +168,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (benchmarks, between runs). Refused (False) while a request holds blocks."""
-        if self.req_blocks:
+        if self.req_blocks or (self.snapshots is not None and not self.snapshots.reset()):
             return False
         self.pool.reset_prefix_cache()
         return True

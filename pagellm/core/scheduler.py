@@ -88,6 +88,7 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens; return the requests that got a token."""
+        self._settle_snapshots(output.scheduled, commit=True)
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is not None:
@@ -153,6 +154,9 @@ class Scheduler:
                 self.waiting.appendleft(request)  # no room: wait for blocks; FCFS keeps it first
                 break
             request.num_computed_tokens = num_hit_tokens
+            restore = self.kv_cache.restore_row(request, len(hits))
+            if restore is not None:
+                self.kv_cache.snapshots.acquire(restore)  # pinned until the step has copied it
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.monotonic()
@@ -161,7 +165,7 @@ class Scheduler:
             if self.state_pool is not None:
                 request.state_slot = self.state_pool.allocate()
             self.running.append(request)
-            scheduled.append(self._make_item(request, num_new, new_blocks, is_new=True))
+            scheduled.append(self._make_item(request, num_new, new_blocks, is_new=True, restore=restore))
             used += num_new
         self.waiting.extendleft(reversed(skipped))
         return used
@@ -179,6 +183,8 @@ class Scheduler:
                 return new_blocks
             victim = self.running[-1]
             self._preempt(victim)
+            self._settle_snapshots([item for item in scheduled if item.request_id == victim.request_id],
+                                   commit=False)
             scheduled[:] = [item for item in scheduled if item.request_id != victim.request_id]
             if victim is request:
                 return None
@@ -202,7 +208,25 @@ class Scheduler:
             request.state_slot = None
         self._released.append(request.request_id)
 
-    def _make_item(self, request: Request, num_new: int, new_blocks, is_new: bool = False) -> ScheduledRequest:
+    def _settle_snapshots(self, items, commit: bool) -> None:
+        """After a step (commit): its snapshots become restorable and restore sources are unpinned.
+
+        Without commit (a request dropped from the step being scheduled) its pending rows are freed.
+        """
+        snapshots = self.kv_cache.snapshots
+        if snapshots is None:
+            return
+        for item in items:
+            for _, row in item.snapshot_writes:
+                if commit:
+                    snapshots.commit(row)
+                else:
+                    snapshots.cancel(row)
+            if item.restore_snapshot is not None:
+                snapshots.release(item.restore_snapshot)
+
+    def _make_item(self, request: Request, num_new: int, new_blocks, is_new: bool = False,
+                   restore: int | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
         new = None
         if is_new:
@@ -217,4 +241,6 @@ class Scheduler:
             new_block_ids=tuple(b.block_id for b in new_blocks),
             sample=start + num_new == request.num_tokens,
             new=new,
+            restore_snapshot=restore,
+            snapshot_writes=self.kv_cache.plan_snapshots(request, start, start + num_new),
         )

@@ -26,6 +26,11 @@ class ScheduledRequest:
     sample: bool  # this chunk reaches the last known token, so a next token is sampled
     new: NewRequestData | None = None  # set on first schedule / resume; the slot is (re)initialised
     state_slot: int | None = None  # hybrid models: slot of its recurrent state (core/state_pool.py)
+    # Hybrid models with prefix caching (core/snapshot_pool.py): the state row copied into state_slot
+    # before the step (a prefix hit), and the (position, state row) pairs to which the state after
+    # `position` tokens is copied while the step runs (block boundaries of the prompt).
+    restore_snapshot: int | None = None
+    snapshot_writes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,12 @@ State lives outside the layer, one slot per request, bound by the runner
 Request b uses slot meta.state_slots[b]. Its context before the step is
 seq_lens[b] - query_len[b]; 0 means a fresh request: it starts from zero state
 and its slot is only written, never read.
+
+Prefix caching (meta.snapshot_writes): the state after given block boundaries
+of a chunk is copied into snapshot rows of the same tensors. The rule then runs
+the chunk in pieces split at those boundaries (a piece's final state is the
+boundary's state); the conv state there is the K-1 inputs before the boundary,
+read from the conv window, which also holds the previous chunk's tail.
 """
 
 from __future__ import annotations
@@ -123,6 +129,12 @@ class GatedDeltaNet(nn.Module):
             raise ValueError("recurrent_state must be float32")
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
 
+    def copy_state(self, sources: list[int], targets: list[int]) -> None:
+        """Copy whole state rows (conv and recurrent), e.g. a prefix-cache snapshot into a request's slot."""
+        for src, dst in zip(sources, targets):
+            self.conv_state[dst].copy_(self.conv_state[src])
+            self.recurrent_state[dst].copy_(self.recurrent_state[src])
+
     def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """h [T, E] -> mixed qkv [T, C] (pre-conv, channels [Q | K | V]), z [T, Hv, dv], b, a [T, Hv]."""
         num_tokens = h.shape[0]
@@ -155,11 +167,17 @@ class GatedDeltaNet(nn.Module):
         elif decode:
             rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=h.device)
             core[rows] = self._decode(mixed[rows], g[rows], beta[rows], [slots[i] for i in decode])
+        writes = meta.snapshot_writes_by_request()  # {b: [(p, row), ...]}: prefix-cache snapshots
+        if writes:
+            for i in decode:  # one token can only end on its boundary: copy the updated slot
+                for _, row in writes.get(i, ()):
+                    self.copy_state([slots[i]], [row])
         for i in sorted(set(range(meta.num_seqs)) - set(decode)):
             lo, hi = starts[i], starts[i + 1]
             if hi > lo:
-                fresh = meta.seq_lens_host[i] == hi - lo
-                core[lo:hi] = self._sequence(mixed[lo:hi], g[lo:hi], beta[lo:hi], slots[i], fresh)
+                before = meta.seq_lens_host[i] - (hi - lo)  # context before the step; 0 = fresh
+                pieces = [(p - before, row) for p, row in writes.get(i, ())]
+                core[lo:hi] = self._sequence(mixed[lo:hi], g[lo:hi], beta[lo:hi], slots[i], before == 0, pieces)
         out = self.norm(core, z)  # [T, Hv, dv]
         return self.out_proj(out.flatten(1))
 
@@ -171,8 +189,12 @@ class GatedDeltaNet(nn.Module):
                           self.num_v_heads)
         return q, k, v.reshape(n, self.num_v_heads, self.head_v_dim).float()
 
-    def _sequence(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, fresh: bool) -> torch.Tensor:
-        """One request's L tokens (prefill chunk): x [L, C] pre-conv -> core output [L, Hv, dv]."""
+    def _sequence(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, fresh: bool,
+                  snapshots=()) -> torch.Tensor:
+        """One request's L tokens (prefill chunk): x [L, C] pre-conv -> core output [L, Hv, dv].
+
+        snapshots: ascending (r, row) pairs: the state after the chunk's first r tokens is copied to `row`.
+        """
         kernel = self.kernel_size
         conv_slot, state_slot = self.conv_state[slot], self.recurrent_state[slot]  # views into the bound state
         history = x.new_zeros(self.conv_dim, kernel - 1) if fresh else conv_slot.to(x.dtype)  # [C, K-1]
@@ -180,15 +202,29 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight
         conv_out = F.silu(F.conv1d(window[None].to(weight.dtype), weight, groups=self.conv_dim)[0])  # [C, L]
         conv_slot.copy_(window[:, -(kernel - 1):])
+        for r, row in snapshots:
+            self.conv_state[row].copy_(window[:, r : r + kernel - 1])  # window column j + K-1 is token j
         q, k, v = self._split_heads(conv_out.t().to(x.dtype))
         if fresh:
             state_slot.zero_()
-        if x.shape[0] >= CHUNKED_MIN_TOKENS:
-            out, final = chunked_gated_delta(q, k, v, g, beta.float(), state_slot)
-            state_slot.copy_(final)
-        else:
-            out = recurrent_gated_delta_(q, k, v, g, beta.float(), state_slot)  # in place on the slot's view
-        return out.to(x.dtype)
+        beta = beta.float()
+        outs, lo = [], 0
+        for hi, row in (*snapshots, (x.shape[0], None)):
+            if hi > lo:
+                outs.append(self._rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state_slot))
+            if row is not None:
+                self.recurrent_state[row].copy_(state_slot)
+            lo = hi
+        return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(x.dtype)
+
+    @staticmethod
+    def _rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+        """The gated delta rule over L tokens from `state` [Hv, dk, dv] (updated in place) -> [L, Hv, dv] fp32."""
+        if q.shape[0] >= CHUNKED_MIN_TOKENS:
+            out, final = chunked_gated_delta(q, k, v, g, beta, state)
+            state.copy_(final)
+            return out
+        return recurrent_gated_delta_(q, k, v, g, beta, state)  # in place on the slot's view
 
     def _decode(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: list[int],
                 slot_index: torch.Tensor | None = None) -> torch.Tensor:

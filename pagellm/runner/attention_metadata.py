@@ -33,6 +33,9 @@ class AttentionMetadata:
     # linear-attention layer's state tensors; None for models without recurrent state.
     state_slots: torch.Tensor | None = None  # [B] int64
     state_slots_host: tuple[int, ...] | None = None
+    # Hybrid models with prefix caching: (b, p, row) = copy request b's state after its first p
+    # tokens (a block boundary inside this step's chunk) into state row `row` (a snapshot row).
+    snapshot_writes: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def query_lens_host(self) -> tuple[int, ...]:
@@ -57,6 +60,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         state_slots: list[int] | None = None,
+        snapshot_writes: tuple[tuple[int, int, int], ...] = (),
     ) -> "AttentionMetadata":
         """Build from per-request host lists (query length, context length, block ids, state slot)."""
         starts = [0]
@@ -78,4 +82,12 @@ class AttentionMetadata:
             seq_lens_host=tuple(seq_lens),
             state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
             state_slots_host=None if state_slots is None else tuple(state_slots),
+            snapshot_writes=tuple(snapshot_writes),
         )
+
+    def snapshot_writes_by_request(self) -> dict[int, list[tuple[int, int]]]:
+        """Request b -> its snapshot writes as (p, row) pairs, ascending in p; empty without any."""
+        grouped: dict[int, list[tuple[int, int]]] = {}
+        for b, p, row in sorted(self.snapshot_writes):
+            grouped.setdefault(b, []).append((p, row))
+        return grouped

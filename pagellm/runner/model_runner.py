@@ -51,7 +51,7 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
                  dtype: torch.dtype, device: torch.device, seed: int | None = None, step_reuse: bool = True,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, num_snapshot_slots: int = 0):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -64,11 +64,15 @@ class ModelRunner:
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
             layer.bind_kv_cache(torch.empty(shape, dtype=dtype, device=device),
                                 torch.empty(shape, dtype=dtype, device=device))
-        for layer in state_layers_of(model):
-            # Uninitialised too: a request's first chunk starts from zero state without reading its slot.
+        self.state_layers = state_layers_of(model)
+        # Rows [0, num_state_slots) are running requests' slots, the rest prefix-cache snapshots
+        # (core/snapshot_pool.py). Uninitialised too: a request's first chunk starts from zero state
+        # without reading its slot, and a snapshot row is read only after a step has written it.
+        rows = num_state_slots + num_snapshot_slots
+        for layer in self.state_layers:
             shapes = layer.state_shapes()
-            layer.bind_state(torch.empty((num_state_slots, *shapes.conv_state), dtype=shapes.conv_dtype, device=device),
-                             torch.empty((num_state_slots, *shapes.recurrent_state), dtype=shapes.recurrent_dtype,
+            layer.bind_state(torch.empty((rows, *shapes.conv_state), dtype=shapes.conv_dtype, device=device),
+                             torch.empty((rows, *shapes.recurrent_state), dtype=shapes.recurrent_dtype,
                                          device=device))
 
     @torch.inference_mode()
@@ -87,6 +91,7 @@ class ModelRunner:
             input_ids, positions, meta, logits_rows = self._build_input_tensors(*host_lists)
         t1 = time.perf_counter()
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
+        self._restore_snapshots(output)
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
         sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
         if not sampled:
@@ -104,13 +109,25 @@ class ModelRunner:
         self.last_timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1, reused)
         return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs)
 
+    def _restore_snapshots(self, output: SchedulerOutput) -> None:
+        """Prefix hits of hybrid models: the request's state slot starts as the snapshot of its prefix."""
+        if not self.state_layers:
+            return
+        pairs = [(item.restore_snapshot, item.state_slot) for item in output.scheduled
+                 if item.restore_snapshot is not None]
+        if pairs:
+            sources, slots = (list(rows) for rows in zip(*pairs))
+            for layer in self.state_layers:
+                layer.copy_state(sources, slots)
+
     @staticmethod
     def _gather_inputs(output: SchedulerOutput, states: list[SlotState]):
-        """Host lists of the step's packed tokens, positions, lengths, block tables and sampled rows."""
+        """Host lists of the step's packed tokens, positions, lengths, block tables, sampled rows, state rows."""
         tokens: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, logits_rows = [], [], [], []
         slots = state_slots_of(output.scheduled)
+        writes = tuple((b, p, row) for b, item in enumerate(output.scheduled) for p, row in item.snapshot_writes)
         for item, state in zip(output.scheduled, states):
             n = len(item.token_ids)
             tokens.extend(item.token_ids)
@@ -120,10 +137,10 @@ class ModelRunner:
             tables.append(state.block_ids)
             if item.sample:
                 logits_rows.append(len(tokens) - 1)  # logits only where a token is sampled
-        return tokens, positions, query_lens, seq_lens, tables, logits_rows, slots
+        return tokens, positions, query_lens, seq_lens, tables, logits_rows, slots, writes
 
-    def _build_input_tensors(self, tokens, positions, query_lens, seq_lens, tables, logits_rows, slots):
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, slots)
+    def _build_input_tensors(self, tokens, positions, query_lens, seq_lens, tables, logits_rows, slots, writes):
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, slots, writes)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
@@ -152,6 +169,11 @@ class ModelRunner:
 
 
 def _is_pure_decode(output: SchedulerOutput) -> bool:
-    """Every request feeds one token of a running decode (none is new or resuming)."""
+    """Every request feeds one token of a running decode (none is new or resuming, none snapshots its state).
+
+    (A snapshot write in a one-token step happens once per request at most: its block-aligned
+    prompt's last token fed alone.)
+    """
     return output.num_prefill_tokens == 0 and all(
-        item.new is None and len(item.token_ids) == 1 and item.sample for item in output.scheduled)
+        item.new is None and len(item.token_ids) == 1 and item.sample and not item.snapshot_writes
+        for item in output.scheduled)
