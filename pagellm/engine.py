@@ -39,12 +39,36 @@ def default_kv_cache_gib() -> float:
     return min(4.0, available / 4 / _GIB)
 
 
+def physical_cores() -> int:
+    """Cores (not SMT siblings) among the CPUs this process may run on."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        try:
+            topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+            with open(topology + "physical_package_id") as pkg, open(topology + "core_id") as core:
+                cores.add((pkg.read().strip(), core.read().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
+def limit_threads_to_cores() -> None:
+    """Intra-op threads = physical cores: SMT siblings share the FMA units and only add barrier waits.
+
+    Left alone when the user chose (OMP_NUM_THREADS, or torch.set_num_threads below the core count).
+    """
+    if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > physical_cores():
+        torch.set_num_threads(physical_cores())
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
         self.config = config
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype or "float32"]
+        limit_threads_to_cores()
         loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
                             quantization=mc.quantization)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
