@@ -100,3 +100,18 @@ def test_stats_expose_input_copy_and_step_reuse(tiny_model_dir):
     assert stats["num_steps"] == 3
     assert stats["step_reuse_misses"] == 1 and stats["step_reuse_hits"] == 1
     assert stats["step_reuse_rate"] == 0.5
+
+
+def test_batched_runs_on_a_hybrid_moe_model(tmp_path, capsys):
+    """Gated DeltaNet + MoE (Qwen3-Next): state slots and snapshots under the batched bench, shared prompt."""
+    from tiny_checkpoints import write_hybrid_checkpoint
+
+    write_hybrid_checkpoint("qwen3-next", tmp_path / "ckpt")
+    out = tmp_path / "rows.json"
+    run_cli(capsys, "batched", "--model", str(tmp_path / "ckpt"), "--npl", "1,3", "--pp", "40", "--tg", "4",
+            "--shared-prompt", "--out", str(out))
+    rows = json.loads(out.read_text())
+    for row in rows:
+        check_row(row, shared=True)
+    # The shared prompt's 2 full blocks (and their state snapshots) serve the 2 later sequences.
+    assert [r["prefix_cache_hit_tokens"] for r in rows] == [0, 2 * 32]
