@@ -24,13 +24,16 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=list(HYBRID_CONFIGS))
-def hf_and_ours(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model = write_hybrid_checkpoint(request.param, path)
+def _hf_and_ours(family: str, path):
+    hf_model = write_hybrid_checkpoint(family, path)
     model = build_model(load_hf_config(path), torch.float32)
     model.load_weights(iter_safetensors_weights(path))
     return hf_model, model
+
+
+@pytest.fixture(scope="module", params=list(HYBRID_CONFIGS))
+def hf_and_ours(request, tmp_path_factory):
+    return _hf_and_ours(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
@@ -93,12 +96,11 @@ def test_mixed_batch_matches_each_sequence_alone(hf_and_ours):
         torch.testing.assert_close(got, alone[name], **TOL)
 
 
-def test_vision_language_wrapper_keys_load(hf_and_ours, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5", "qwen3.5-moe"])  # Qwen3-MoE has no wrapper
+def test_vision_language_wrapper_keys_load(family, tmp_path):
     """Weights saved from the multimodal wrapper: `model.language_model.` prefix, plus `mtp.*` and
     `model.visual.*` tensors that the text model ignores (as HF's CausalLM classes do)."""
-    hf_model, model = hf_and_ours
-    if not model.state_layers():
-        pytest.skip("Qwen3-MoE checkpoints have no wrapper")
+    hf_model, model = _hf_and_ours(family, tmp_path / "orig")
     path = tmp_path / "ckpt"
     hf_model.save_pretrained(path)
     weights = [(name.replace("model.", "model.language_model.", 1), tensor)
@@ -111,12 +113,11 @@ def test_vision_language_wrapper_keys_load(hf_and_ours, tmp_path):
                                atol=0, rtol=0)
 
 
-def test_stacked_expert_keys_load(hf_and_ours, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-next", "qwen3.5-moe"])  # the MoE families
+def test_stacked_expert_keys_load(family, tmp_path):
     """A checkpoint holding HF 5.x's in-memory layout (experts.gate_up_proj / experts.down_proj) loads too."""
-    hf_model, model = hf_and_ours
+    hf_model, model = _hf_and_ours(family, tmp_path / "orig")
     stacked = {name: p.detach() for name, p in hf_model.state_dict().items() if ".experts." in name}
-    if not stacked:
-        pytest.skip("dense model")
     assert any(name.endswith("experts.gate_up_proj") for name in stacked)
     hf_model.save_pretrained(tmp_path)
     weights = [(n, t) for n, t in iter_safetensors_weights(tmp_path) if ".experts." not in n] + list(stacked.items())
