@@ -1,0 +1,268 @@
+// Gated DeltaNet decode step for CPU, in place on the bound state tensors by slot index.
+//
+// Why: torch can only read state[slots] for scattered slots by gathering them into a
+// batch copy ([B, Hv, dk, dv] fp32, 2 MiB per request-layer at Hv=32, dk=dv=128) and
+// writing it back with index_copy_. Here each (request, head) reads and writes its own
+// slot's matrix through a pointer, so the state is touched exactly twice (one read
+// pass, one read-modify-write pass) and nothing is copied.
+//
+// Two entry points, each one call per layer per decode step:
+//   pagellm_gdn_conv_decode:  causal depthwise conv + SiLU over [conv_state[s] | x], then
+//                             x shifted into conv_state[s] (fp32 or bf16, as the layer).
+//   pagellm_gdn_rule_decode:  the gated delta rule on recurrent_state[s, h] (fp32).
+//
+// The rule follows pagellm/kernels/gated_delta.py:gated_delta_step_ operation by operation
+// (so the two agree to fp32 rounding):
+//   read_k = Sᵀk, read_q = Sᵀq                (old S, one pass)
+//   delta  = beta * (v - e^g read_k)
+//   o      = e^g read_q + (k·q) delta         (= S'ᵀq without a third pass)
+//   S'     = e^g S + k ⊗ delta                (second pass)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+}
+
+template <int IS_BF16>
+inline float load(const void* p, int64_t i) {
+    return IS_BF16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+template <int IS_BF16>
+inline float round_to(float v) { return IS_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+template <int IS_BF16>
+inline void store(void* p, int64_t i, float v) {
+    if (IS_BF16)
+        static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+    else
+        static_cast<float*>(p)[i] = v;
+}
+
+// ---- conv -------------------------------------------------------------------------
+
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+#ifdef __AVX512F__
+// e^x to ~1 ulp (Cephes' expf polynomial, the scale by 2^n done by scalef): std::exp per
+// channel was ~3/4 of the conv's time at decode (8192 channels, one call each).
+inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));  // 0 / inf past these
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 split in two
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// silu over n values in place.
+void silu_inplace(float* x, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        _mm512_storeu_ps(x + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+    }
+#endif
+    for (; i < n; ++i) x[i] = silu(x[i]);
+}
+
+constexpr int64_t CONV_BLOCK = 512;  // channels per work item: small enough to split 8192 channels
+
+// Channels [lo, hi) of one request: pre = sum_j w[c, j] window[c, j] over window = [state
+// (K-1) | x], rounded to the model dtype before and after the SiLU as the torch path does;
+// then x is shifted into the state.
+template <int IS_BF16>
+void conv_block(void* state, int64_t state_base, const void* x, const void* w, void* out, int64_t out_base,
+                int64_t lo, int64_t hi, int64_t taps) {
+    float pre[CONV_BLOCK];
+    const int64_t hist = taps - 1;
+    for (int64_t c = lo; c < hi; ++c) {
+        const int64_t s = state_base + c * hist;
+        float acc = 0.f;
+        for (int64_t j = 0; j < hist; ++j) acc += load<IS_BF16>(state, s + j) * load<IS_BF16>(w, c * taps + j);
+        const float xc = load<IS_BF16>(x, out_base + c);
+        pre[c - lo] = round_to<IS_BF16>(acc + xc * load<IS_BF16>(w, c * taps + hist));
+        for (int64_t j = 0; j + 1 < hist; ++j) store<IS_BF16>(state, s + j, load<IS_BF16>(state, s + j + 1));
+        if (hist > 0) store<IS_BF16>(state, s + hist - 1, xc);
+    }
+    silu_inplace(pre, hi - lo);
+    for (int64_t c = lo; c < hi; ++c) store<IS_BF16>(out, out_base + c, pre[c - lo]);
+}
+
+template <int IS_BF16>
+void conv_decode(void* conv_state, const int64_t* slots, const void* x, const void* weight, void* out,
+                 int64_t batch, int64_t channels, int64_t taps) {
+    const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
+#pragma omp parallel for schedule(static) if (batch * channels >= 4096)
+    for (int64_t i = 0; i < batch * blocks; ++i) {
+        const int64_t b = i / blocks, lo = (i % blocks) * CONV_BLOCK, hi = std::min(lo + CONV_BLOCK, channels);
+        conv_block<IS_BF16>(conv_state, slots[b] * channels * (taps - 1), x, weight, out, b * channels, lo, hi,
+                            taps);
+    }
+}
+
+// ---- rule -------------------------------------------------------------------------
+
+// read_k[j] = sum_i k[i] S[i, j], read_q likewise, for columns [lo, dv).
+void read_scalar(const float* S, const float* k, const float* q, int64_t dk, int64_t dv, int64_t lo,
+                 float* read_k, float* read_q) {
+    for (int64_t j = lo; j < dv; ++j) read_k[j] = read_q[j] = 0.f;
+    for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = lo; j < dv; ++j) {
+            read_k[j] += k[i] * S[i * dv + j];
+            read_q[j] += q[i] * S[i * dv + j];
+        }
+}
+
+void update_scalar(float* S, const float* k, const float* delta, float decay, int64_t dk, int64_t dv,
+                   int64_t lo) {
+    for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = lo; j < dv; ++j) S[i * dv + j] = S[i * dv + j] * decay + k[i] * delta[j];
+}
+
+#ifdef __AVX512F__
+// Columns in tiles of 64: 4 + 4 zmm accumulators give 8 independent FMA chains (enough
+// to hide the FMA latency on both ports) while streaming the tile's rows of S once.
+constexpr int64_t TILE = 64;
+
+int64_t read_avx512(const float* S, const float* k, const float* q, int64_t dk, int64_t dv, float* read_k,
+                    float* read_q) {
+    int64_t lo = 0;
+    for (; lo + TILE <= dv; lo += TILE) {
+        __m512 ak[4], aq[4];
+        for (int t = 0; t < 4; ++t) ak[t] = aq[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dk; ++i) {
+            const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+            const float* row = S + i * dv + lo;
+            for (int t = 0; t < 4; ++t) {
+                const __m512 s = _mm512_loadu_ps(row + 16 * t);
+                ak[t] = _mm512_fmadd_ps(ki, s, ak[t]);
+                aq[t] = _mm512_fmadd_ps(qi, s, aq[t]);
+            }
+        }
+        for (int t = 0; t < 4; ++t) {
+            _mm512_storeu_ps(read_k + lo + 16 * t, ak[t]);
+            _mm512_storeu_ps(read_q + lo + 16 * t, aq[t]);
+        }
+    }
+    return lo;  // columns [lo, dv) are left to the scalar loop
+}
+
+int64_t update_avx512(float* S, const float* k, const float* delta, float decay, int64_t dk, int64_t dv) {
+    const int64_t whole = dv - dv % 16;
+    const __m512 d = _mm512_set1_ps(decay);
+    for (int64_t i = 0; i < dk; ++i) {
+        const __m512 ki = _mm512_set1_ps(k[i]);
+        float* row = S + i * dv;
+        for (int64_t j = 0; j < whole; j += 16) {
+            const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(row + j), d);
+            _mm512_storeu_ps(row + j, _mm512_fmadd_ps(ki, _mm512_loadu_ps(delta + j), s));
+        }
+    }
+    return whole;
+}
+#endif
+
+void read_state(const float* S, const float* k, const float* q, int64_t dk, int64_t dv, float* read_k,
+                float* read_q) {
+    int64_t lo = 0;
+#ifdef __AVX512F__
+    lo = read_avx512(S, k, q, dk, dv, read_k, read_q);
+#endif
+    if (lo < dv) read_scalar(S, k, q, dk, dv, lo, read_k, read_q);
+}
+
+void update_state(float* S, const float* k, const float* delta, float decay, int64_t dk, int64_t dv) {
+    int64_t lo = 0;
+#ifdef __AVX512F__
+    lo = update_avx512(S, k, delta, decay, dk, dv);
+#endif
+    if (lo < dv) update_scalar(S, k, delta, decay, dk, dv, lo);
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+    float total = 0.f;
+    for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
+    return total;
+}
+
+// One (request, value head): S [dk, dv] in place; q, k [dk]; v, o [dv]; scratch [3 * dv].
+void rule_head(float* S, const float* q, const float* k, const float* v, float g, float beta, float* o,
+               int64_t dk, int64_t dv, float* scratch) {
+    float *read_k = scratch, *read_q = scratch + dv, *delta = scratch + 2 * dv;
+    read_state(S, k, q, dk, dv, read_k, read_q);
+    const float decay = std::exp(g), kq = dot(k, q, dk);
+    for (int64_t j = 0; j < dv; ++j) {
+        delta[j] = beta * (v[j] - decay * read_k[j]);
+        o[j] = decay * read_q[j] + kq * delta[j];
+    }
+    update_state(S, k, delta, decay, dk, dv);
+}
+
+}  // namespace
+
+extern "C" {
+
+// conv_state [S, C, K-1] (updated in place for the given slots only), x / out [B, C],
+// weight [C, K], all in the model dtype (fp32 or bf16) and contiguous.
+void pagellm_gdn_conv_decode(void* conv_state, const int64_t* slots, const void* x, const void* weight, void* out,
+                             int64_t batch, int64_t channels, int64_t taps, int is_bf16) {
+    if (is_bf16)
+        conv_decode<1>(conv_state, slots, x, weight, out, batch, channels, taps);
+    else
+        conv_decode<0>(conv_state, slots, x, weight, out, batch, channels, taps);
+}
+
+// state [S, Hv, dk, dv] fp32 (updated in place for the given slots only); q, k [B, Hk, dk]
+// fp32 (normalised / scaled; value head h reads key head h / (Hv / Hk)); v, out [B, Hv, dv];
+// g, beta [B, Hv]; all fp32 and contiguous.
+void pagellm_gdn_rule_decode(float* state, const int64_t* slots, const float* q, const float* k, const float* v,
+                             const float* g, const float* beta, float* out, int64_t batch, int64_t k_heads,
+                             int64_t v_heads, int64_t dk, int64_t dv) {
+    const int64_t ratio = v_heads / k_heads;
+    // One head is ~dk*dv*2 FMAs; fork only when there is more than a couple of heads' work.
+#pragma omp parallel if (batch * v_heads > 1)
+    {
+        float* scratch = new float[3 * dv];
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < batch * v_heads; ++i) {
+            const int64_t b = i / v_heads, h = i % v_heads, kh = b * k_heads + h / ratio;
+            float* S = state + (slots[b] * v_heads + h) * dk * dv;
+            rule_head(S, q + kh * dk, k + kh * dk, v + i * dv, g[i], beta[i], out + i * dv, dk, dv, scratch);
+        }
+        delete[] scratch;
+    }
+}
+
+}  // extern "C"
