@@ -62,8 +62,9 @@ def _compiler() -> str | None:
 
 def _build(name: str, source: Path, compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # shared includes (bf16.h)
     key = hashlib.sha256(
-        "\0".join([source.read_text(), " ".join(CXX_FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+        "\0".join([source.read_text(), *headers, " ".join(CXX_FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.is_file():
         return target

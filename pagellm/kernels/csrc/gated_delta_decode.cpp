@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include "bf16.h"
 #include <cstring>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -28,20 +29,6 @@
 
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return uint16_t(u >> 16);
-}
 
 template <int IS_BF16>
 inline float load(const void* p, int64_t i) {

@@ -5,24 +5,11 @@
 //   out[:half] = x1 * cos - x2 * sin;   out[half:] = x2 * cos + x1 * sin
 
 #include <cstdint>
+#include "bf16.h"
 #include <cstring>
 
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return uint16_t(u >> 16);
-}
 
 inline float r(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
