@@ -1,14 +1,7 @@
 """Read a GGUF file: an HF config from its metadata, and its tensors under HF names.
 
-    header  magic "GGUF" | version u32 | tensor count u64 | kv count u64
-    kv      key string | value type u32 | value            (kv count times)
-    tensors name string | n_dims u32 | dims u64[n_dims] | ggml type u32 | offset u64
-    data    aligned to general.alignment (32); each tensor at data_start + offset
-
-We parse the header ourselves instead of with gguf.GGUFReader: the reader builds
-several numpy views for every element of every metadata array, which takes ~10 s
-for Gemma 3's 262,144-token vocabulary, against ~50 ms here (tested equal to the
-reader's output in tests/loader). Tensor data stays in one read-only memory map;
+The container itself (header, metadata, tensor table) is parsed in gguf_file.py.
+Tensor data stays in one read-only memory map;
 each tensor is dequantized with gguf.quants.dequantize only when it is yielded
 (weights bound for quantized layers are read by row slices, or as int4 codes: gguf_quant.py).
 
@@ -19,10 +12,8 @@ llama.cpp's converter changes some weights on the way to GGUF; we undo each:
 
 from __future__ import annotations
 
-import struct
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +31,11 @@ from transformers import (
 )
 
 from pagellm.layers.quantized import GroupAffine
+from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, read_gguf_header
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
+
+__all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header", "load_gguf_config", "iter_gguf_weights",
+           "gguf_weight_types", "unpermute_qk_rows", "SUPPORTED_ARCHITECTURES"]
 
 # gguf general.architecture -> (HF config class, HF architecture name)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
@@ -50,82 +45,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
 }
 
-_GGUF_VERSIONS = (2, 3)  # v1 counted with 32-bit integers and is long gone
-_DEFAULT_ALIGNMENT = 32
-# metadata value types: fixed-size scalars by struct format; 8 = string, 9 = array
-_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_FLOAT32, _STRING, _ARRAY = 6, 8, 9
-# the ggml types the file holds as plain numbers, viewed with their numpy dtype (as GGUFReader does);
-# every other type (BF16 included) is viewed as uint8 rows of blocks
-_PLAIN_DTYPES = {
-    gguf.GGMLQuantizationType.F32: np.float32,
-    gguf.GGMLQuantizationType.F16: np.float16,
-    gguf.GGMLQuantizationType.F64: np.float64,
-    gguf.GGMLQuantizationType.I8: np.int8,
-    gguf.GGMLQuantizationType.I16: np.int16,
-    gguf.GGMLQuantizationType.I32: np.int32,
-    gguf.GGMLQuantizationType.I64: np.int64,
-}
 # llama.cpp's default base of Gemma 3's sliding-window layers when the file does not state one
 _GEMMA3_LOCAL_ROPE_BASE = 10_000.0
 # llama.cpp's Gemma 3: every 6th layer attends globally, the other five use the sliding window
 _GEMMA3_SLIDING_WINDOW_PATTERN = 6
 
 
-@dataclass(frozen=True)
-class GGUFTensor:
-    name: str
-    ggml_type: gguf.GGMLQuantizationType
-    shape: tuple[int, ...]  # torch order: the reverse of the file's dims
-    data: np.ndarray = field(repr=False)  # read-only memmap view: typed for plain types, else uint8 blocks
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    path: Path
-    metadata: dict[str, Any]  # scalars, strings, and numeric arrays as lists
-    array_lengths: dict[str, int]  # every array's length; string arrays' contents are not read
-    tensors: tuple[GGUFTensor, ...]
-
-    @property
-    def architecture(self) -> str:
-        return self.metadata["general.architecture"]
-
-    def tensor(self, name: str) -> GGUFTensor | None:
-        return next((t for t in self.tensors if t.name == name), None)
-
-
 # ---------------------------------------------------------------------------------------------
 # Public API
-
-
-def read_gguf_header(path: str | Path) -> GGUFHeader:
-    """Metadata and tensor table of a GGUF file; tensor data is only memory-mapped, not read."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {str(path)!r}")
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
-    if bytes(blob[:4]) != b"GGUF":
-        raise ValueError(f"{str(path)!r} is not a GGUF file (no GGUF magic bytes)")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
-    if version not in _GGUF_VERSIONS:
-        hint = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
-        raise ValueError(f"{str(path)!r} is GGUF version {version}{hint}; supported versions: {_GGUF_VERSIONS}")
-    pos, metadata, lengths = 24, {}, {}
-    for _ in range(n_kv):
-        key, pos = _read_string(blob, pos)
-        (value_type,) = struct.unpack_from("<I", blob, pos)
-        metadata[key], length, pos = _read_value(blob, pos + 4, value_type, key)
-        if length is not None:
-            lengths[key] = length
-    if "general.architecture" not in metadata:
-        raise ValueError(f"{str(path)!r} has no general.architecture in its metadata")
-    table, pos = _read_tensor_table(blob, n_tensors, pos, path)
-    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-    data_start = (pos + alignment - 1) // alignment * alignment
-    tensors = tuple(_tensor_view(blob, data_start, *entry) for entry in table)
-    metadata = {k: v for k, v in metadata.items() if v is not None}  # string arrays: lengths only
-    return GGUFHeader(path, metadata, lengths, tensors)
 
 
 def load_gguf_config(path: str | Path) -> PretrainedConfig:
@@ -323,8 +250,8 @@ def _check_dequantizable(header: GGUFHeader) -> None:
     """Fail before loading anything when a tensor's type has no dequantizer in the gguf package."""
     for ggml_type in {t.ggml_type for t in header.tensors}:
         _, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-        plain = ggml_type in _PLAIN_DTYPES
-        probe = np.zeros((1,), _PLAIN_DTYPES[ggml_type]) if plain else np.zeros((1, type_size), np.uint8)
+        plain = ggml_type in PLAIN_DTYPES
+        probe = np.zeros((1,), PLAIN_DTYPES[ggml_type]) if plain else np.zeros((1, type_size), np.uint8)
         try:
             gguf.quants.dequantize(probe, ggml_type)
         except NotImplementedError:
@@ -342,67 +269,3 @@ def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(values).reshape(tensor.shape)
 
 
-# ---------------------------------------------------------------------------------------------
-# Header parsing
-
-
-def _read_string(blob: np.ndarray, pos: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", blob, pos)
-    return bytes(blob[pos + 8 : pos + 8 + length]).decode("utf-8"), pos + 8 + length
-
-
-def _read_value(blob: np.ndarray, pos: int, value_type: int, key: str) -> tuple[Any, int | None, int]:
-    """(value, array length or None, position after it). String arrays come back as None."""
-    if value_type in _SCALAR_FORMATS:
-        fmt = "<" + _SCALAR_FORMATS[value_type]
-        value = struct.unpack_from(fmt, blob, pos)[0]
-        if value_type == _FLOAT32:  # shortest decimal of the float32: 1e-06, not 9.999999974752427e-07
-            value = float(str(np.float32(value)))
-        return value, None, pos + struct.calcsize(fmt)
-    if value_type == _STRING:
-        value, pos = _read_string(blob, pos)
-        return value, None, pos
-    if value_type != _ARRAY:
-        raise ValueError(f"GGUF metadata key {key!r} has unknown value type {value_type}")
-    item_type, count = struct.unpack_from("<IQ", blob, pos)
-    pos += 12
-    if item_type in _SCALAR_FORMATS:
-        fmt = f"<{count}{_SCALAR_FORMATS[item_type]}"
-        return list(struct.unpack_from(fmt, blob, pos)), count, pos + struct.calcsize(fmt)
-    if item_type != _STRING:
-        raise ValueError(f"GGUF metadata key {key!r} is an array of type {item_type}, which is not supported")
-    for _ in range(count):  # vocabularies and merges: walk over them, the tokenizer reads them itself
-        (length,) = struct.unpack_from("<Q", blob, pos)
-        pos += 8 + length
-    return None, count, pos
-
-
-def _read_tensor_table(blob: np.ndarray, count: int, pos: int, path: Path) -> tuple[list[tuple], int]:
-    table = []
-    for _ in range(count):
-        name, pos = _read_string(blob, pos)
-        (n_dims,) = struct.unpack_from("<I", blob, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
-        raw_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        try:
-            ggml_type = gguf.GGMLQuantizationType(raw_type)
-        except ValueError:
-            raise ValueError(f"{str(path)!r}: tensor {name!r} has unknown ggml type id {raw_type}") from None
-        table.append((name, ggml_type, tuple(reversed(dims)), offset))  # GGUF dims run fastest first
-    return table, pos
-
-
-def _tensor_view(blob: np.ndarray, data_start: int, name: str, ggml_type, shape: tuple, offset: int) -> GGUFTensor:
-    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-    n_elements = int(np.prod(shape, dtype=np.int64))
-    n_bytes = n_elements // block_size * type_size
-    start = data_start + offset
-    if start + n_bytes > blob.size:
-        raise ValueError(f"GGUF file is truncated: tensor {name!r} ends past the end of the file")
-    raw = blob[start : start + n_bytes]
-    if ggml_type in _PLAIN_DTYPES:
-        data = raw.view(_PLAIN_DTYPES[ggml_type]).reshape(shape)
-    else:
-        data = raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, ggml_type))
-    return GGUFTensor(name, ggml_type, shape, data)

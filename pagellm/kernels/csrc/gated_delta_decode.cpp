@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include "bf16.h"
+#include "exp512.h"
 #include <cstring>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -49,26 +50,6 @@ inline void store(void* p, int64_t i, float v) {
 // ---- conv -------------------------------------------------------------------------
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-
-#ifdef __AVX512F__
-// e^x to ~1 ulp (Cephes' expf polynomial, the scale by 2^n done by scalef): std::exp per
-// channel was ~3/4 of the conv's time at decode (8192 channels, one call each).
-inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));  // 0 / inf past these
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 split in two
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // silu over n values in place.
 void silu_inplace(float* x, int64_t n) {

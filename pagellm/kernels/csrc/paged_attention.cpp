@@ -32,6 +32,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "exp512.h"
 
 namespace {
 
@@ -125,23 +126,6 @@ inline void store16(bf16* p, __m512 x) {  // round to nearest even (outputs are 
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
-// exp for x <= ~88: 2^n * e^r with |r| <= ln2 / 2, degree-6 polynomial for e^r (~1 ulp).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // e^-104 is 0 in fp32; keeps n finite
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // ln 2 in two parts so n * hi is exact
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // tanh: odd Taylor series below |x| = 0.4 (where 1 - 2/(e^2x + 1) would cancel), that form above.
 inline __m512 tanh512(__m512 x) {
