@@ -10,9 +10,10 @@ import sys
 import types
 import typing
 
-from pagellm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
-_ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+_ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                    ("parallel", ParallelConfig))
 
 
 def _field_type(cls, f: dataclasses.Field):
@@ -82,6 +83,27 @@ def _add_serve_parser(sub) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from pagellm.distributed.worker import run_worker
+
+    return run_worker(args.master_addr, args.master_port, args.rank, args.world_size, args.distributed_timeout,
+                      args.join_timeout)
+
+
+def _add_worker_parser(sub) -> None:
+    worker = sub.add_parser("worker", help="join a tensor/expert-parallel head as one rank (the head sends the "
+                                           "model and engine settings; the model path must exist here too)")
+    worker.add_argument("--master-addr", required=True, help="The head's address (its --master-addr).")
+    worker.add_argument("--master-port", type=int, required=True, help="The head's --master-port.")
+    worker.add_argument("--rank", type=int, required=True, help="This worker's rank, 1 .. world-size - 1.")
+    worker.add_argument("--world-size", type=int, required=True, help="The head's --tensor-parallel-size.")
+    worker.add_argument("--distributed-timeout", type=float, default=60.0,
+                        help="Seconds a collective may wait (use the head's value).")
+    worker.add_argument("--join-timeout", type=float, default=600.0,
+                        help="Seconds to reach the head and to wait for its settings.")
+    worker.set_defaults(func=_worker)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="LLM inference over a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
     _add_serve_parser(sub)
+    _add_worker_parser(sub)
     from pagellm.bench.cli import add_bench_parser; add_bench_parser(sub)
     return parser
 
@@ -103,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"pagellm: error: {exc}", file=sys.stderr)
         return 2
 

@@ -105,7 +105,35 @@ class SchedulerConfig(_FromDict):
 
 
 @dataclass(frozen=True)
+class ParallelConfig(_FromDict):
+    tensor_parallel_size: int = _help(
+        "Ranks the model is split over (torch.distributed; Gloo on CPU). 1 = one process.", default=1)
+    enable_expert_parallel: bool = _help(
+        "MoE models: shard whole experts over the ranks instead of splitting every expert's matrices.",
+        default=False)
+    spawn_workers: bool = _help(
+        "Start the worker ranks as local processes; with --no-spawn-workers the head waits for "
+        "`pagellm worker` processes (e.g. on other hosts) to join master-addr:master-port.", default=True)
+    master_addr: str = _help("Address the head listens on for its workers.", default="127.0.0.1")
+    master_port: int = _help("Port the head listens on (0: a free port; needs spawn_workers).", default=0)
+    distributed_timeout: float = _help(
+        "Seconds a collective may wait before a rank is declared dead or hung.", default=60.0)
+    join_timeout: float = _help("Seconds to wait for workers to join and load the model.", default=600.0)
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout <= 0 or self.join_timeout <= 0:
+            raise ValueError("distributed_timeout and join_timeout must be > 0 seconds")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if self.master_port == 0 and not self.spawn_workers and self.tensor_parallel_size > 1:
+            raise ValueError("master_port must be set when workers join from elsewhere (spawn_workers=False)")
+
+
+@dataclass(frozen=True)
 class EngineConfig(_FromDict):
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

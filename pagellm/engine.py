@@ -18,6 +18,9 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.core.state_pool import StatePool
+from pagellm.distributed.executor import HeadExecutor, LocalExecutor
+from pagellm.distributed.sharding import ShardSpec, install_all_reduce
+from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_stats import EngineStats
 from pagellm.loader.model_loader import load_model
 from pagellm.output_processor import RequestState
@@ -26,7 +29,7 @@ from pagellm.request import Request, RequestStatus
 from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GIB = 1 << 30
 
 
@@ -67,10 +70,37 @@ class LLMEngine:
         self.config = config
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device)
-        self.dtype = _DTYPES[mc.dtype or "float32"]
+        self.dtype = DTYPES[mc.dtype or "float32"]
         limit_threads_to_cores()
+        parallel, workers, shard = None, None, None
+        if config.parallel.tensor_parallel_size > 1:
+            parallel, workers = start_head(config, self.device)
+            shard = ShardSpec(0, parallel.world_size, config.parallel.enable_expert_parallel)
+        try:
+            self._build(config, skip_tokenizer_init, shard)
+            if parallel is not None:
+                install_all_reduce(self.model, parallel.all_reduce_)
+                setup = RunnerSetup(self.num_blocks, self.runner_state_slots, self.runner_snapshot_slots)
+                publish_runner_setup(parallel, setup, workers, config.parallel.join_timeout)
+        except BaseException:
+            if workers is not None:
+                workers.stop(grace=0)
+            raise
+        self.executor = HeadExecutor(self.runner, parallel, workers) if parallel else LocalExecutor(self.runner)
+        self.eos_token_ids = self._eos_ids()
+        self._states: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self.counters = EngineStats()
+        # Loading leaves ~400k long-lived objects; without this a full GC pass rescans them every few
+        # steps (~200 ms stalls measured at B=32 prefill). vLLM freezes them the same way.
+        gc.collect()
+        gc.freeze()
+
+    def _build(self, config: EngineConfig, skip_tokenizer_init: bool, shard: ShardSpec | None) -> None:
+        """Load the model (this rank's shard of it when parallel) and size the KV cache and state slots."""
+        mc, cc = config.model, config.cache
         loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
-                            quantization=mc.quantization)
+                            quantization=mc.quantization, shard=shard)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         self.model_path = loaded.path
         context = getattr(self.hf_config, "max_position_embeddings", None) or 4096
@@ -85,20 +115,14 @@ class LLMEngine:
         # prefix cache needs state snapshots at block boundaries (none budgeted: the cache stays off).
         snapshots = self._make_snapshot_pool(num_blocks) if cc.enable_prefix_caching else None
         prefix_caching = cc.enable_prefix_caching and (self.state_pool is None or snapshots is not None)
+        self.num_blocks = num_blocks
         self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.state_pool)
+        self.runner_state_slots = self.state_pool.num_slots if self.state_pool else 0
+        self.runner_snapshot_slots = snapshots.num_rows if snapshots else 0
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, config.scheduler.max_num_seqs,
-                                  self.dtype, self.device,
-                                  num_state_slots=self.state_pool.num_slots if self.state_pool else 0,
-                                  num_snapshot_slots=snapshots.num_rows if snapshots else 0)
-        self.eos_token_ids = self._eos_ids()
-        self._states: dict[str, RequestState] = {}
-        self._ids = itertools.count()
-        self.counters = EngineStats()
-        # Loading leaves ~400k long-lived objects; without this a full GC pass rescans them every few
-        # steps (~200 ms stalls measured at B=32 prefill). vLLM freezes them the same way.
-        gc.collect()
-        gc.freeze()
+                                  self.dtype, self.device, num_state_slots=self.runner_state_slots,
+                                  num_snapshot_slots=self.runner_snapshot_slots)
 
     def _make_state_pool(self) -> StatePool | None:
         """One recurrent-state slot per running request, budgeted apart from the KV blocks."""
@@ -180,9 +204,10 @@ class LLMEngine:
         schedule_ms = (time.perf_counter() - t0) * 1e3
         if output.is_empty:
             return []
-        model_output = self.runner.execute(output)
+        model_output = self.executor.execute(output)
         updated = self.scheduler.update(output, model_output)
-        self.counters.record_step(output, schedule_ms, self.runner.last_timings, self.scheduler)
+        self.counters.record_step(output, schedule_ms, self.runner.last_timings, self.scheduler,
+                                  self.executor.last_message_bytes)
         logprobs = dict(zip(model_output.request_ids, model_output.logprobs or ()))
         results = []
         for request in updated:
@@ -195,9 +220,15 @@ class LLMEngine:
             results.append(state.make_output(status))
         return results
 
+    def shutdown(self) -> None:
+        """Stop the worker ranks of a parallel engine (nothing to do for one process); safe to call twice."""
+        self.executor.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes; False (and nothing done) while requests are unfinished."""
         return not self.has_unfinished_requests() and self.kv_cache.reset_prefix_cache()
 
     def stats(self) -> dict:
-        return self.counters.as_dict(self.kv_cache, self.scheduler)
+        stats = self.counters.as_dict(self.kv_cache, self.scheduler)
+        stats["tensor_parallel_size"] = self.executor.world_size
+        return stats

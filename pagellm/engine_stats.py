@@ -20,9 +20,14 @@ class EngineStats:
     step_reuse_misses: int = 0  # pure-decode steps whose inputs were rebuilt
     prefix_cache_hit_tokens: int = 0
     prefix_cache_queried_tokens: int = 0
+    # Tensor parallel: bytes of the head -> workers step messages (0 in one process)
+    step_message_bytes_total: int = 0
+    step_message_bytes_last: int = 0
 
-    def record_step(self, output, schedule_ms: float, timings, scheduler) -> None:
+    def record_step(self, output, schedule_ms: float, timings, scheduler, message_bytes: int = 0) -> None:
         self.num_steps += 1
+        self.step_message_bytes_total += message_bytes
+        self.step_message_bytes_last = message_bytes
         self.decode_tokens += output.num_decode_tokens
         self.computed_prefill_tokens += output.num_prefill_tokens
         self.host_ms_total += schedule_ms + timings.host_ms
@@ -69,6 +74,8 @@ class EngineStats:
             "state_snapshots_total": snapshots.num_rows if snapshots else 0,
             "state_snapshots_used": snapshots.num_used if snapshots else 0,  # pinned by a step; 0 between steps
             "state_snapshots_cached": snapshots.num_cached if snapshots else 0,
+            "step_message_bytes_per_step": self.step_message_bytes_total / steps,
+            "step_message_bytes_last": self.step_message_bytes_last,
             "num_requests_running": len(scheduler.running),
             "num_requests_waiting": len(scheduler.waiting),
         }

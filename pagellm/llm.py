@@ -6,7 +6,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from pagellm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagellm.engine import LLMEngine
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -34,6 +34,9 @@ class LLM:
         quantization: str = "none",
         state_cache_memory: float | None = None,
         state_snapshot_memory: float = 1.0,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        distributed_timeout: float = 60.0,
     ):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device,
@@ -43,6 +46,9 @@ class LLM:
                               state_snapshot_memory=state_snapshot_memory),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       n_ubatch=n_ubatch, decode_stable_interval=decode_stable_interval),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    enable_expert_parallel=enable_expert_parallel,
+                                    distributed_timeout=distributed_timeout),
         )
         self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
 
@@ -88,6 +94,16 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel LLM (they also stop when this process exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -79,24 +79,39 @@ class MoeExperts(nn.Module):
             return "per_token"
         return "grouped_mm" if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") else "grouped_loop"
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, E], routing weights / ids [T, k] -> Σ_k w_k · expert_k(x)  [T, E]."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                first_expert: int | None = None) -> torch.Tensor:
+        """x [T, E], routing weights / ids [T, k] -> Σ_k w_k · expert_k(x)  [T, E].
+
+        `first_expert` (expert parallel): this module holds experts [first, first + X) of a larger
+        set; (token, expert) pairs routed elsewhere are skipped (their rank adds them).
+        """
+        if first_expert is not None:
+            ids = ids - first_expert  # local ids; out of [0, X) means another rank's expert
         path = self.dispatch(x)
         if path == "per_token":
             return self._per_token(x, weights, ids)
-        return self._grouped(x, weights, ids, use_grouped_mm=path == "grouped_mm")
+        return self._grouped(x, weights, ids, use_grouped_mm=path == "grouped_mm",
+                             filter_pairs=first_expert is not None)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                 use_grouped_mm: bool = False) -> torch.Tensor:
+                 use_grouped_mm: bool = False, filter_pairs: bool = False) -> torch.Tensor:
         """Sort the (token, expert) pairs by expert; each active expert runs once over all its tokens."""
         top_k = ids.shape[1]
         flat_ids = ids.flatten()  # [T*k]
+        pairs = torch.arange(flat_ids.numel(), device=x.device)  # [P] pair index = token * k + slot
+        if filter_pairs:  # only pairs routed to the experts held here (one host sync for the count)
+            pairs = ((flat_ids >= 0) & (flat_ids < self.num_experts)).nonzero().squeeze(1)
+            flat_ids = flat_ids[pairs]
+            if flat_ids.numel() == 0:
+                return torch.zeros_like(x)
         order = flat_ids.argsort(stable=True)  # pairs grouped by expert, token order kept inside a group
-        token_of = order // top_k  # [T*k] token row of each sorted pair
+        pairs = pairs[order]
+        token_of = pairs // top_k  # [P] token row of each sorted pair
         counts = torch.bincount(flat_ids, minlength=self.num_experts)  # [X] pairs per expert
-        rows = x[token_of]  # [T*k, E] gathered inputs, grouped by expert
+        rows = x[token_of]  # [P, E] gathered inputs, grouped by expert
         out_rows = self._grouped_mm(rows, counts) if use_grouped_mm else self._grouped_loop(rows, counts.tolist())
-        out_rows *= weights.flatten()[order, None]
+        out_rows *= weights.flatten()[pairs, None]
         # index_add_ walks the pairs in expert order, so each token sums its experts in
         # ascending expert id, the order HF's eager loop uses.
         return torch.zeros_like(x).index_add_(0, token_of, out_rows)
@@ -120,6 +135,8 @@ class MoeExperts(nn.Module):
         out = torch.zeros_like(x)
         for t, (token_ids, token_weights) in enumerate(zip(ids.tolist(), weights)):
             for e in sorted(range(len(token_ids)), key=token_ids.__getitem__):  # ascending expert id, as HF
+                if not 0 <= token_ids[e] < self.num_experts:
+                    continue  # expert parallel: held by another rank
                 out[t] += self.expert(x[t : t + 1], token_ids[e])[0] * token_weights[e]
         return out
 
@@ -137,10 +154,11 @@ class SparseMoeBlock(nn.Module):
         if shared_expert:
             self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.first_expert: int | None = None  # expert parallel: global id of experts[0] (distributed/sharding.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
         weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
-        out = self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids, self.first_expert)
         if self.has_shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from pagellm.distributed.sharding import ShardSpec, install_expert_parallel, local_config, shard_weights
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
 from pagellm.loader.quantization import load_quantized, plan_quantization
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
@@ -37,12 +38,19 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               with_tokenizer: bool = True, quantization: str = "none") -> LoadedModel:
-    """quantization: none | int8 | int4 | auto (see loader/quantization.py), applied as weights stream in."""
+               with_tokenizer: bool = True, quantization: str = "none", shard: ShardSpec | None = None) -> LoadedModel:
+    """quantization: none | int8 | int4 | auto (see loader/quantization.py), applied as weights stream in.
+
+    shard: tensor / expert parallel rank (distributed/sharding.py): the model is built with this
+    rank's shapes and only its slice of each weight is kept; `hf_config` stays the full model's.
+    """
     path = resolve_model_path(model)
     is_gguf = path.is_file()
     hf_config = load_gguf_config(path) if is_gguf else load_hf_config(path)
-    net = build_model(hf_config, dtype, device)
+    shard = shard if shard is not None and shard.world_size > 1 else None
+    net = build_model(local_config(hf_config, shard) if shard else hf_config, dtype, device)
+    if shard and shard.expert_parallel:
+        install_expert_parallel(net, hf_config, shard)
     types = gguf_weight_types(path, hf_config) if is_gguf and quantization == "auto" else None
     plan = plan_quantization(net, quantization, types)
     if plan and torch.device(device).type != "cpu":
@@ -52,6 +60,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         weights = iter_gguf_weights(path, hf_config, quantized={f"{p}.weight": s for p, s in plan.items()})
     else:
         weights = iter_safetensors_weights(path)
+    if shard:
+        weights = shard_weights(weights, hf_config, shard)
     load_quantized(net, weights, plan)
     net.eval()
     tokenizer = load_tokenizer(path) if with_tokenizer else None

@@ -51,8 +51,9 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
                  dtype: torch.dtype, device: torch.device, seed: int | None = None, step_reuse: bool = True,
-                 num_state_slots: int = 0, num_snapshot_slots: int = 0):
+                 num_state_slots: int = 0, num_snapshot_slots: int = 0, samples: bool = True):
         self.model = model
+        self.samples = samples  # False on a tensor-parallel worker: the head alone computes logits and samples
         self.block_size = block_size
         self.device = device
         self.input_batch = InputBatch(max_num_seqs, device)
@@ -93,7 +94,7 @@ class ModelRunner:
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
         self._restore_snapshots(output)
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
-        sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
+        sampled = [s for item, s in zip(output.scheduled, states) if item.sample] if self.samples else []
         if not sampled:
             self.last_timings = StepTimings(host_ms, copy_ms, (time.perf_counter() - t1) * 1e3, 0.0, 0, reused)
             return ModelOutput((), ())

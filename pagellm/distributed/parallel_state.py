@@ -1,0 +1,141 @@
+"""ParallelState: one object per process holding its rank, the process group and the rendezvous store.
+
+Never a global: the engine (head, rank 0) and each worker own theirs and pass it
+to what needs it (the all-reduce hooks, the step broadcaster). The process group
+is torch.distributed's Gloo backend on CPU (NCCL on CUDA: untested, we have no
+GPU), built directly on a TCPStore instead of `init_process_group`, so a process
+may hold several engines (tests do) and nothing lives in torch's global registry.
+
+Start-up (all bounded by `join_timeout`):
+    head    TCPStore master on (addr, port); writes the world size; waits until
+            every rank has written `joined/<rank>`, polling for errors a worker
+            wrote and for spawned workers that died; then builds the group.
+    worker  connects to the store (unreachable head -> ConnectionError), checks
+            the world size against its own (mismatch -> ValueError, also written
+            to the store so the head reports it), writes `joined/<rank>`, builds
+            the group.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_WORLD_KEY = "pagellm/world_size"
+_ERRORS_KEY = "pagellm/errors"
+_REDUCE_TAG = 1
+
+
+class DistributedError(RuntimeError):
+    """A rank failed, hung past the timeout, or could not join: the parallel engine cannot go on."""
+
+
+class ParallelState:
+    def __init__(self, rank: int, world_size: int, store: dist.Store, timeout: float, device: torch.device):
+        self.rank, self.world_size, self.store, self.timeout = rank, world_size, store, timeout
+        self.device = device
+        self.group = _make_group(store, rank, world_size, timeout, device)
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over ranks in place (every rank calls this in the same order).
+
+        Gloo's allreduce costs 1.3 ms for a [1, 1024] fp32 tensor between two processes on this
+        machine's loopback, and 1.2-7.6 ms at [64, 1024]; a pairwise exchange (send and receive at
+        once, then add) costs 0.22 / 0.50 ms. So for a power-of-two world on CPU we sum by recursive
+        doubling over such exchanges: log2(W) rounds, still Gloo's transport. Every rank adds the
+        same two partial sums (a + b == b + a exactly), so all ranks hold bitwise-equal results.
+        """
+        if self.device.type != "cpu" or self.world_size & (self.world_size - 1):
+            self.group.allreduce([tensor]).wait()
+            return tensor
+        received = torch.empty_like(tensor)
+        mask = 1
+        while mask < self.world_size:
+            peer = self.rank ^ mask
+            sent = self.group.send([tensor], peer, _REDUCE_TAG)
+            got = self.group.recv([received], peer, _REDUCE_TAG)
+            sent.wait()
+            got.wait()
+            tensor += received
+            mask <<= 1
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's (same shape and dtype on all ranks)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([tensor], opts).wait()
+        return tensor
+
+
+def _make_group(store: dist.Store, rank: int, world_size: int, timeout: float, device: torch.device):
+    prefixed = dist.PrefixStore("pagellm/group", store)
+    if device.type == "cuda":  # untested: no GPU on our machines
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout)
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout))
+
+
+def _use_loopback_if_local(addr: str) -> None:
+    """Gloo picks its interface from the hostname; for a loopback master use lo, which always resolves."""
+    if addr in ("127.0.0.1", "localhost", "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def init_head(addr: str, port: int, world_size: int, timeout: float, join_timeout: float,
+              device: torch.device, check_workers: Callable[[], None] = lambda: None) -> ParallelState:
+    """Rank 0: serve the rendezvous store and wait for every worker to join."""
+    _use_loopback_if_local(addr)
+    try:
+        store = dist.TCPStore(addr, port, None, True, timedelta(seconds=join_timeout), wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise DistributedError(f"cannot listen on {addr}:{port} for workers: {exc}") from exc
+    store.set(_WORLD_KEY, str(world_size))
+    store.add(_ERRORS_KEY, 0)
+    joined = [f"pagellm/joined/{rank}" for rank in range(1, world_size)]
+    deadline = time.monotonic() + join_timeout
+    while not store.check(joined):
+        _raise_worker_errors(store)
+        check_workers()
+        if time.monotonic() > deadline:
+            missing = [key.rsplit("/", 1)[1] for key in joined if not store.check([key])]
+            raise DistributedError(f"worker rank(s) {', '.join(missing)} did not join {addr}:{port} within "
+                                   f"{join_timeout:.0f} s (world size {world_size})")
+        time.sleep(0.05)
+    return ParallelState(0, world_size, store, timeout, device)
+
+
+def _raise_worker_errors(store: dist.Store) -> None:
+    count = store.add(_ERRORS_KEY, 0)
+    if count:
+        messages = [store.get(f"pagellm/error/{i}").decode() for i in range(1, count + 1)]
+        raise DistributedError("a worker could not join: " + "; ".join(messages))
+
+
+def init_worker(addr: str, port: int, rank: int, world_size: int, timeout: float, join_timeout: float,
+                device: torch.device) -> ParallelState:
+    """Rank >= 1: join the head's store, check the world size, build the group."""
+    if not 1 <= rank < world_size:
+        raise ValueError(f"rank must be in [1, world_size={world_size}) for a worker, got {rank}")
+    _use_loopback_if_local(addr)
+    try:
+        store = dist.TCPStore(addr, port, None, False, timedelta(seconds=join_timeout))
+    except (RuntimeError, OSError) as exc:
+        raise ConnectionError(f"cannot reach the head at {addr}:{port} within {join_timeout:.0f} s: {exc}") from exc
+    expected = int(store.get(_WORLD_KEY))
+    if expected != world_size:
+        message = f"rank {rank} was started with world size {world_size}, the head has {expected}"
+        store.set(f"pagellm/error/{store.add(_ERRORS_KEY, 1)}", message)
+        raise ValueError(message)
+    store.set(f"pagellm/joined/{rank}", "1")
+    return ParallelState(rank, world_size, store, timeout, device)

@@ -1,0 +1,103 @@
+"""The head -> worker step message: a SchedulerOutput packed in fixed-width fields.
+
+Workers keep per-slot state (block tables, recurrent-state slots) between steps,
+so a step carries only what changed: per scheduled request its slot, state slot,
+start position, the tokens fed, the block ids appended this step, and (once, when
+it starts or resumes) its sampling parameters; plus the ids of requests that left.
+A steady decode step is therefore O(batch) bytes whatever the context length.
+Positions and ids are fixed-width int32 (not pickled varints) so that holds
+exactly, byte for byte. Prompt token ids of new requests are not sent: workers
+never sample, and the tokens they compute on arrive in `token_ids` chunks.
+Pickle is used only for the rare sampling parameters.
+
+Layout (little-endian):
+    header   u32 n_scheduled, u32 n_decode_tokens, u32 n_prefill_tokens, u32 n_released
+    released n_released x (u16 length, utf-8 request id)
+    request  i32 slot, i32 start, i32 state_slot (-1 none), i32 restore_snapshot (-1 none),
+             u32 n_tokens, u32 n_new_blocks, u16 n_snapshot_writes, u16 id length, u8 flags
+             (1 sample, 2 new), id, n_tokens x i32, n_new_blocks x i32, writes x (i32, i32),
+             if new: u32 length, pickled SamplingParams
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from array import array
+
+from pagellm.core.types import NewRequestData, ScheduledRequest, SchedulerOutput
+
+_HEADER = struct.Struct("<IIII")
+_REQUEST = struct.Struct("<iiiiIIHHB")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_SAMPLE, _NEW = 1, 2
+
+
+def encode_step(output: SchedulerOutput) -> bytes:
+    parts = [_HEADER.pack(len(output.scheduled), output.num_decode_tokens, output.num_prefill_tokens,
+                          len(output.released_request_ids))]
+    for request_id in output.released_request_ids:
+        raw = request_id.encode()
+        parts += [_U16.pack(len(raw)), raw]
+    for item in output.scheduled:
+        raw = item.request_id.encode()
+        flags = (_SAMPLE if item.sample else 0) | (_NEW if item.new is not None else 0)
+        parts.append(_REQUEST.pack(item.slot, item.start_position, _or_minus_one(item.state_slot),
+                                   _or_minus_one(item.restore_snapshot), len(item.token_ids),
+                                   len(item.new_block_ids), len(item.snapshot_writes), len(raw), flags))
+        parts += [raw, array("i", item.token_ids).tobytes(), array("i", item.new_block_ids).tobytes(),
+                  array("i", [v for pair in item.snapshot_writes for v in pair]).tobytes()]
+        if item.new is not None:
+            params = pickle.dumps(item.new.sampling_params, protocol=pickle.HIGHEST_PROTOCOL)
+            parts += [_U32.pack(len(params)), params]
+    return b"".join(parts)
+
+
+def decode_step(data: bytes) -> SchedulerOutput:
+    view = memoryview(data)
+    n_scheduled, n_decode, n_prefill, n_released = _HEADER.unpack_from(view, 0)
+    offset = _HEADER.size
+    released = []
+    for _ in range(n_released):
+        request_id, offset = _read_str(view, offset)
+        released.append(request_id)
+    scheduled = []
+    for _ in range(n_scheduled):
+        slot, start, state_slot, restore, n_tokens, n_blocks, n_writes, id_len, flags = _REQUEST.unpack_from(view, offset)
+        offset += _REQUEST.size
+        request_id = bytes(view[offset : offset + id_len]).decode()
+        offset += id_len
+        tokens, offset = _read_ints(view, offset, n_tokens)
+        blocks, offset = _read_ints(view, offset, n_blocks)
+        flat_writes, offset = _read_ints(view, offset, 2 * n_writes)
+        new = None
+        if flags & _NEW:
+            (length,) = _U32.unpack_from(view, offset)
+            params = pickle.loads(view[offset + 4 : offset + 4 + length])
+            offset += 4 + length
+            new = NewRequestData((), (), params)
+        scheduled.append(ScheduledRequest(
+            request_id, slot, tokens, start, blocks, bool(flags & _SAMPLE), new,
+            None if state_slot < 0 else state_slot, None if restore < 0 else restore,
+            tuple(zip(flat_writes[::2], flat_writes[1::2]))))
+    if offset != len(data):
+        raise ValueError(f"step message has {len(data) - offset} trailing bytes")
+    return SchedulerOutput(tuple(scheduled), tuple(released), n_decode, n_prefill)
+
+
+def _or_minus_one(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+def _read_str(view: memoryview, offset: int) -> tuple[str, int]:
+    (length,) = _U16.unpack_from(view, offset)
+    start = offset + _U16.size
+    return bytes(view[start : start + length]).decode(), start + length
+
+
+def _read_ints(view: memoryview, offset: int, count: int) -> tuple[tuple[int, ...], int]:
+    end = offset + 4 * count
+    values = array("i")  # 4-byte ints on every platform we build for
+    values.frombytes(view[offset:end])
+    return tuple(values), end
