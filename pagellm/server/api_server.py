@@ -114,6 +114,8 @@ async def _require_api_key(request: Request) -> None:
 
 def _ready_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.server
+    if state.engine.failure is not None:
+        raise APIError(f"engine failed: {state.engine.failure}", status=503)
     if not state.engine.is_ready:
         raise APIError("the model is still loading; retry when /health answers 200", status=503)
     return state
@@ -131,6 +133,9 @@ async def _health(request: Request) -> Response:
     engine = request.app.state.server.engine
     if engine.load_error is not None:
         return JSONResponse(error_body(f"model load failed: {engine.load_error}", "service_unavailable_error"),
+                            status_code=503)
+    if engine.failure is not None:
+        return JSONResponse(error_body(f"engine failed: {engine.failure}", "service_unavailable_error"),
                             status_code=503)
     if not engine.is_ready:
         return JSONResponse(error_body("loading", "service_unavailable_error"), status_code=503)

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
+from pagellm.distributed.parallel_state import DistributedError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -119,7 +120,12 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self.engine is not None and not self._stopping
+        return self._ready.is_set() and self.engine is not None and not self._stopping and self.failure is None
+
+    @property
+    def failure(self) -> Exception | None:
+        """Why a parallel engine can no longer step (a worker rank died or hung), else None."""
+        return self.engine.executor.failure if self.engine is not None else None
 
     def stats(self) -> dict:
         return self._stats
@@ -135,6 +141,8 @@ class AsyncEngine:
         future = asyncio.get_running_loop().create_future()
 
         def add_all(engine) -> None:
+            if self.failure is not None:
+                raise EngineDeadError(str(self.failure))
             if engine.num_waiting + len(ids) > self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
             added = []
@@ -214,6 +222,7 @@ class AsyncEngine:
             self._loop(engine)
         finally:
             self._fail_all(EngineDeadError("the server is shutting down"))
+            engine.shutdown()  # a parallel engine's workers stop with it
 
     def _loop(self, engine) -> None:
         while True:
@@ -234,6 +243,9 @@ class AsyncEngine:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
+                except DistributedError as exc:  # a worker rank is gone: fail what runs, refuse what comes
+                    self._fail_all(EngineDeadError(str(exc)), engine)
+                    continue
                 except Exception:  # noqa: BLE001 - a bug must not hang every client
                     logger.error("engine step failed:\n%s", traceback.format_exc())
                     self._fail_all(EngineDeadError("internal engine error; the request was aborted"), engine)

@@ -1,0 +1,86 @@
+"""A worker that dies is found within the timeout: the step fails with a clear error, nothing hangs,
+no process is left behind, and a server turns unhealthy and fails its in-flight requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagellm import SamplingParams
+from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagellm.distributed.parallel_state import DistributedError
+from pagellm.engine import LLMEngine
+from server_harness import start_server
+
+TIMEOUT = 5.0  # distributed_timeout of these engines: the detection bound under test
+
+
+def _engine(path) -> LLMEngine:
+    config = EngineConfig(model=ModelConfig(model=str(path)), cache=CacheConfig(kv_cache_memory=0.01),
+                          parallel=ParallelConfig(tensor_parallel_size=2, distributed_timeout=TIMEOUT))
+    return LLMEngine(config, skip_tokenizer_init=True)
+
+
+def test_worker_killed_mid_run_fails_the_step_within_the_timeout(checkpoint):
+    engine = _engine(checkpoint("llama"))
+    worker = engine.executor.workers.procs[1]
+    try:
+        engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=200, temperature=0.0))
+        for _ in range(3):
+            engine.step()
+        worker.kill()
+        start = time.monotonic()
+        with pytest.raises(DistributedError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < TIMEOUT + 2
+        with pytest.raises(DistributedError):  # and stays failed: no step runs on a partial model
+            engine.step()
+    finally:
+        engine.shutdown()
+    assert worker.poll() is not None
+
+
+def test_worker_killed_while_idle_is_noticed_without_a_step(checkpoint):
+    engine = _engine(checkpoint("llama"))
+    try:
+        engine.executor.workers.procs[1].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + TIMEOUT + 2
+        while engine.executor.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "worker rank 1" in str(engine.executor.failure)
+    finally:
+        engine.shutdown()
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of pid, whichever of its threads started them (the engine thread spawns workers)."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def test_server_turns_unhealthy_and_fails_requests_when_a_worker_dies(tmp_path):
+    server = start_server(["--kv-cache-memory", "0.05", "--max-model-len", "256", "--tensor-parallel-size", "2",
+                           "--distributed-timeout", str(TIMEOUT)], tmp_path)
+    try:
+        body = {"model": "gemma-3-270m", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        (worker,) = _children(server.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + TIMEOUT + 5
+        health = httpx.get(server.url + "/health", timeout=10)
+        while health.status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 503 and "worker rank 1" in health.json()["error"]["message"]
+        refused = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert refused.status_code == 503 and "worker rank 1" in refused.json()["error"]["message"]
+        server.signal(signal.SIGTERM)  # and it still shuts down cleanly
+        assert server.wait_exit(60) == 0
+    finally:
+        server.kill()

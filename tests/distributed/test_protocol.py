@@ -1,0 +1,45 @@
+"""The head -> worker step message: exact round trip, and O(batch) bytes whatever the context length."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm.core.types import NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.distributed.protocol import decode_step, encode_step
+from pagellm.sampling_params import SamplingParams
+
+
+def _decode_step(batch: int, context: int) -> SchedulerOutput:
+    items = tuple(ScheduledRequest(f"req-{i:04d}", i, (1000 + i,), context + i, (), True, state_slot=i)
+                  for i in range(batch))
+    return SchedulerOutput(items, num_decode_tokens=batch)
+
+
+def test_round_trip_keeps_every_field_workers_use():
+    params = SamplingParams(temperature=0.7, top_k=5, seed=11, max_tokens=9)
+    output = SchedulerOutput(
+        (ScheduledRequest("a", 3, (5, 6, 7), 0, (4, 9), True, NewRequestData((5, 6, 7), (), params), 2, None,
+                          ((16, 70),)),
+         ScheduledRequest("b", 0, (1,), 300, (12,), True, None, 1, 40),
+         ScheduledRequest("chunk", 1, tuple(range(64)), 64, (), False)),
+        released_request_ids=("gone", "also-gone"), num_decode_tokens=1, num_prefill_tokens=67)
+    decoded = decode_step(encode_step(output))
+    # Workers never sample, so prompt ids are not sent; everything else arrives unchanged.
+    first = output.scheduled[0]
+    expected = SchedulerOutput((ScheduledRequest(first.request_id, 3, (5, 6, 7), 0, (4, 9), True,
+                                                 NewRequestData((), (), params), 2, None, ((16, 70),)),
+                                *output.scheduled[1:]), output.released_request_ids, 1, 67)
+    assert decoded == expected
+
+
+def test_steady_decode_bytes_do_not_grow_with_context():
+    short = len(encode_step(_decode_step(32, context=20)))
+    long = len(encode_step(_decode_step(32, context=100_000)))
+    assert short == long
+    # and grow linearly with the batch: a fixed cost per request, nothing per context token
+    assert len(encode_step(_decode_step(64, 20))) - short == short - len(encode_step(_decode_step(0, 20)))
+
+
+def test_trailing_garbage_is_rejected():
+    with pytest.raises(ValueError, match="trailing bytes"):
+        decode_step(encode_step(_decode_step(2, 5)) + b"x")
