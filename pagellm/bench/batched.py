@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from pagellm.bench.report import Column
-from pagellm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagellm.engine import LLMEngine
 from pagellm.sampling_params import SamplingParams
 
@@ -60,7 +60,8 @@ def batched_row(pp: int, tg: int, b: int, t_pp: float, t_tg: float, shared_promp
 
 def build_engine(model: str | None, dtype: str | None, max_batch: int, max_prompt: int, max_new: int, *,
                  block_size: int = 16, kv_cache_memory: float | None = None, quantization: str = "none",
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True) -> LLMEngine:
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 parallel: ParallelConfig | None = None) -> LLMEngine:
     """An engine (no tokenizer: benches feed token ids) that holds `max_batch` sequences at once."""
     batched_tokens = max_num_batched_tokens or max(max_batch * max_prompt, 64)
     config = EngineConfig(
@@ -69,6 +70,7 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=batched_tokens,
                                   n_ubatch=min(64, batched_tokens)),
+        parallel=parallel or ParallelConfig(),
     )
     engine = LLMEngine(config, skip_tokenizer_init=True)
     check_capacity(engine, max_batch, max_prompt + max_new)

@@ -45,6 +45,9 @@ def add_bench_parser(subparsers) -> None:
     batched.add_argument("--max-num-batched-tokens", type=int, default=None,
                          help="token budget per step (default max(npl)*max(pp): a row's prefill is one step)")
     batched.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    batched.add_argument("--tensor-parallel-size", type=int, default=1,
+                         help="ranks the model is split over (local worker processes share this host's cores)")
+    batched.add_argument("--enable-expert-parallel", action="store_true", help="MoE: shard whole experts")
     batched.add_argument("--out", default=None, help="write the rows to FILE.json or FILE.csv")
     batched.add_argument("--plot", default=None, metavar="FILE.png", help="plot S_PP and S_TG against B")
     batched.set_defaults(func=_run_batched)
@@ -63,6 +66,12 @@ def add_bench_parser(subparsers) -> None:
     compare.add_argument("--quick-roofline", action="store_true",
                          help="measure the roofline with small sizes (smoke tests: an order of magnitude only)")
     compare.set_defaults(func=_run_compare)
+
+    collectives = kinds.add_parser("collectives", help="combining partial [N, E] outputs over ranks: our "
+                                   "all-reduce vs Gloo's vs all-to-all (the MoE expert-parallel choice)")
+    from pagellm.bench.collectives import add_arguments
+    add_arguments(collectives)
+    collectives.set_defaults(func=_run_collectives)
 
     serve = kinds.add_parser("serve", help="streaming clients against an OpenAI-compatible server (vllm bench serve)")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running server (default %(default)s)")
@@ -93,6 +102,7 @@ def _set_threads(threads: int | None) -> None:
 
 def _run_batched(args: argparse.Namespace) -> int:
     from pagellm.bench import batched, report
+    from pagellm.config import ParallelConfig
 
     report.check_out_path(args.out)
     _set_threads(args.threads)
@@ -100,13 +110,25 @@ def _run_batched(args: argparse.Namespace) -> int:
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                                   quantization=args.quantization,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_prefix_caching=args.enable_prefix_caching)
+                                  enable_prefix_caching=args.enable_prefix_caching,
+                                  parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                                          enable_expert_parallel=args.enable_expert_parallel))
+    try:
+        return _report_batched(args, engine)
+    finally:
+        engine.shutdown()
+
+
+def _report_batched(args: argparse.Namespace, engine) -> int:
+    from pagellm.bench import batched, report
+
     sched = engine.config.scheduler
     print(report.describe_machine(report.machine_info(report.dtype_name(engine.dtype))))
     print(f"model: {engine.model_path}\n"
           f"engine: max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens}, "
           f"block_size {engine.kv_cache.block_size}, KV blocks {engine.kv_cache.pool.num_blocks}, "
-          f"prefix caching {'on' if args.enable_prefix_caching else 'off'}, shared prompt {args.shared_prompt}\n")
+          f"prefix caching {'on' if args.enable_prefix_caching else 'off'}, shared prompt {args.shared_prompt}, "
+          f"tensor parallel {engine.executor.world_size}\n")
     columns = batched.COLUMNS + (batched.PREFIX_COLUMNS if args.shared_prompt else ())
     rows, profiles = batched.run_sweep(engine, args.pp, args.tg, args.npl, args.shared_prompt, args.seed,
                                        on_row=lambda row: print(f"  done B={row['B']}", file=sys.stderr))
@@ -118,7 +140,7 @@ def _run_batched(args: argparse.Namespace) -> int:
         f"{k} {stats[k]:.2f}" if isinstance(stats[k], float) else f"{k} {stats[k]}"
         for k in ("num_steps", "host_ms_per_step", "input_copy_ms_per_step", "model_ms_per_step",
                   "sample_ms_per_step", "host_syncs_per_step", "step_reuse_hits", "step_reuse_misses",
-                  "step_reuse_rate")))
+                  "step_reuse_rate", "step_message_bytes_per_step")))
     if args.out:
         report.write_rows(args.out, rows)
         print(f"wrote {args.out}")
@@ -146,6 +168,17 @@ def _plot_batched(path: str, rows: list[dict], shared: bool, engine) -> None:
              f"{', shared prompt' if shared else ''}\n{report.cpu_model()}, "
              f"{torch.get_num_threads()} threads, {report.dtype_name(engine.dtype)}")
     report.plot_series(path, npl, series, xlabel="B (parallel sequences)", ylabel="tokens / s", title=title)
+
+
+def _run_collectives(args: argparse.Namespace) -> int:
+    from pagellm.bench import collectives
+
+    rows = collectives.run(args.world_size, args.rows, args.hidden, args.dtype, args.rounds)
+    print(f"ms per combine of [N, {args.hidden}] {args.dtype} over {args.world_size} ranks (min of {args.rounds} x 10)")
+    print(f"{'N':>6} {'exchange':>10} {'allreduce':>10} {'all-to-all':>11}")
+    for row in rows:
+        print(f"{row['N']:>6} {row['exchange']:>10.3f} {row['allreduce']:>10.3f} {row['all-to-all']:>11.3f}")
+    return 0
 
 
 def _run_serve(args: argparse.Namespace) -> int:
