@@ -43,3 +43,34 @@ def test_steady_decode_bytes_do_not_grow_with_context():
 def test_trailing_garbage_is_rejected():
     with pytest.raises(ValueError, match="trailing bytes"):
         decode_step(encode_step(_decode_step(2, 5)) + b"x")
+
+
+def test_a_worker_runner_fed_decoded_messages_reuses_steps_like_the_head(checkpoint):
+    """Workers run the same ModelRunner on the decoded diffs: the same steps are prepared by diff."""
+    from pagellm.config import CacheConfig, EngineConfig, ModelConfig
+    from pagellm.engine import LLMEngine
+    from pagellm.loader.model_loader import load_model
+    from pagellm.runner.model_runner import ModelRunner
+    from pagellm.sampling_params import SamplingParams
+
+    config = EngineConfig(model=ModelConfig(model=str(checkpoint("llama"))), cache=CacheConfig(kv_cache_memory=0.01))
+    engine = LLMEngine(config, skip_tokenizer_init=True)
+    worker = ModelRunner(load_model(config.model.model, engine.dtype, engine.device, with_tokenizer=False).model,
+                         engine.num_blocks, 16, config.scheduler.max_num_seqs, engine.dtype, engine.device,
+                         samples=False)
+    head_reused, worker_reused = [], []
+    run_step = engine.executor.execute
+
+    def mirrored(output):
+        result = run_step(output)
+        worker.execute(decode_step(encode_step(output)))
+        head_reused.append(engine.runner.last_timings.reused_step)
+        worker_reused.append(worker.last_timings.reused_step)
+        return result
+
+    engine.executor.execute = mirrored
+    for i, n in enumerate((6, 9, 12)):
+        engine.add_request(list(range(3 + i, 30 + i)), SamplingParams(max_tokens=n, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert worker_reused == head_reused and sum(head_reused) >= 8
