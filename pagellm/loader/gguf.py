@@ -8,6 +8,8 @@ each tensor is dequantized with gguf.quants.dequantize only when it is yielded
 llama.cpp's converter changes some weights on the way to GGUF; we undo each:
 - `llama` arch: q_proj/k_proj rows are permuted for its interleaved rotary layout;
 - `gemma3`: every RMSNorm weight is stored as `w + 1` (Gemma's norm computes x * (1 + w)).
+The MoE and hybrid families (qwen3moe, qwen3next, qwen35, qwen35moe) have their own metadata and many more
+such transforms: gguf_hybrid.py.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from transformers import (
 )
 
 from pagellm.layers.quantized import GroupAffine
-from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, read_gguf_header
+from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, read_gguf_header
+from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_config_fields, hybrid_recipes,
+                                        read_recipe, recipe_weight_type)
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
 
 __all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header", "load_gguf_config", "iter_gguf_weights",
@@ -43,6 +47,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
     "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
+    **HYBRID_ARCHITECTURES,
 }
 
 # llama.cpp's default base of Gemma 3's sliding-window layers when the file does not state one
@@ -69,6 +74,10 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
         raise ValueError(f"{str(path)!r}: rope_freqs.weight (llama3-style rope scaling) is not supported yet")
     config_class, hf_architecture = SUPPORTED_ARCHITECTURES[arch]
     fields = _common_fields(header)
+    if arch in HYBRID_ARCHITECTURES:
+        fields.update(hybrid_config_fields(header, fields, _rope_parameters(header)))
+        return config_class(architectures=[hf_architecture], **fields)
+    fields["intermediate_size"] = header.required(f"{arch}.feed_forward_length")
     if arch == "gemma3":
         fields.update(_gemma3_fields(header, fields))
     else:
@@ -89,10 +98,13 @@ def iter_gguf_weights(
     """
     header = read_gguf_header(path)
     arch = header.architecture
-    hf_names = _gguf_to_hf_names(header, config)  # checks every tensor has an HF name, up front
-    _check_dequantizable(header)
     show = sys.stderr.isatty() if progress is None else progress
     quantized = quantized or {}
+    if arch in HYBRID_ARCHITECTURES:
+        yield from _iter_recipes(header, hybrid_recipes(header, config), show, quantized)
+        return
+    hf_names = _gguf_to_hf_names(header, config)  # checks every tensor has an HF name, up front
+    _check_dequantizable(header)
     for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
         permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
         scheme = quantized.get(hf_names[tensor.name])
@@ -101,7 +113,7 @@ def iter_gguf_weights(
         elif scheme is not None and not permuted and len(tensor.shape) == 2:
             weight = LazyRows(tensor.data, tensor.ggml_type, tensor.shape)
         else:
-            weight = _dequantize(tensor)  # [*shape] float32
+            weight = dequantize(tensor)  # [*shape] float32
         if permuted:
             n_heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
             unpermute = lambda rows: unpermute_qk_rows(rows, n_heads)  # noqa: E731
@@ -114,6 +126,8 @@ def iter_gguf_weights(
 def gguf_weight_types(path: str | Path, config: PretrainedConfig) -> dict[str, gguf.GGMLQuantizationType]:
     """{HF name: ggml type the file stores it in}, from the header alone."""
     header = read_gguf_header(path)
+    if header.architecture in HYBRID_ARCHITECTURES:
+        return {r.hf_name: recipe_weight_type(r) for r in hybrid_recipes(header, config)}
     hf_names = _gguf_to_hf_names(header, config)
     return {hf_names[t.name]: t.ggml_type for t in header.tensors}
 
@@ -138,7 +152,7 @@ def _common_fields(header: GGUFHeader) -> dict[str, Any]:
     md, arch = header.metadata, header.architecture
 
     def key(name: str, default: Any = None) -> Any:
-        return md.get(f"{arch}.{name}", default) if default is not None else _required(header, f"{arch}.{name}")
+        return md.get(f"{arch}.{name}", default) if default is not None else header.required(f"{arch}.{name}")
 
     embedding = header.tensor("token_embd.weight")
     if embedding is None:
@@ -148,7 +162,6 @@ def _common_fields(header: GGUFHeader) -> dict[str, Any]:
         # the embedding's row count is what the weights need; metadata vocab_size may be absent
         "vocab_size": embedding.shape[0],
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": key("attention.head_count_kv", n_heads),
@@ -204,7 +217,7 @@ def _gemma3_fields(header: GGUFHeader, common: dict[str, Any]) -> dict[str, Any]
         scalar = common["hidden_size"] // common["num_attention_heads"]
     fields = {
         "rope_parameters": {"full_attention": full, "sliding_attention": local},
-        "sliding_window": _required(header, "gemma3.attention.sliding_window"),
+        "sliding_window": header.required("gemma3.attention.sliding_window"),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "query_pre_attn_scalar": scalar,
     }
@@ -212,12 +225,6 @@ def _gemma3_fields(header: GGUFHeader, common: dict[str, Any]) -> dict[str, Any]
         if f"gemma3.{hf_key}" in md:
             fields[hf_key] = md[f"gemma3.{hf_key}"]
     return fields
-
-
-def _required(header: GGUFHeader, key: str) -> Any:
-    if key not in header.metadata:
-        raise ValueError(f"{str(header.path)!r}: metadata key {key} is missing")
-    return header.metadata[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,10 +269,10 @@ def _check_dequantizable(header: GGUFHeader) -> None:
             ) from None
 
 
-def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
-    values = gguf.quants.dequantize(tensor.data, tensor.ggml_type)  # float32, torch order
-    if not values.flags.writeable:  # F32 comes back as a view of the read-only map
-        values = values.copy()
-    return torch.from_numpy(values).reshape(tensor.shape)
+def _iter_recipes(header: GGUFHeader, recipes: list[TensorRecipe], show: bool,
+                  quantized: Mapping[str, str]) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
+    _check_dequantizable(header)
+    for recipe in tqdm(recipes, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
+        yield recipe.hf_name, read_recipe(recipe, quantized.get(recipe.hf_name))
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import torch
 
 _GGUF_VERSIONS = (2, 3)  # v1 counted with 32-bit integers and is long gone
 _DEFAULT_ALIGNMENT = 32
@@ -37,6 +38,7 @@ PLAIN_DTYPES = {
     gguf.GGMLQuantizationType.I32: np.int32,
     gguf.GGMLQuantizationType.I64: np.int64,
 }
+
 
 @dataclass(frozen=True)
 class GGUFTensor:
@@ -59,6 +61,12 @@ class GGUFHeader:
 
     def tensor(self, name: str) -> GGUFTensor | None:
         return next((t for t in self.tensors if t.name == name), None)
+
+    def required(self, key: str) -> Any:
+        """The metadata value of `key`; a ValueError naming the file and the key when it is absent."""
+        if key not in self.metadata:
+            raise ValueError(f"{str(self.path)!r}: metadata key {key} is missing")
+        return self.metadata[key]
 
 
 def read_gguf_header(path: str | Path) -> GGUFHeader:
@@ -88,6 +96,14 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     tensors = tuple(_tensor_view(blob, data_start, *entry) for entry in table)
     metadata = {k: v for k, v in metadata.items() if v is not None}  # string arrays: lengths only
     return GGUFHeader(path, metadata, lengths, tensors)
+
+
+def dequantize(tensor: GGUFTensor) -> torch.Tensor:
+    """The tensor's values as a writable float32 torch tensor of its torch-order shape."""
+    values = gguf.quants.dequantize(tensor.data, tensor.ggml_type)
+    if not values.flags.writeable:  # F32 comes back as a view of the read-only map
+        values = values.copy()
+    return torch.from_numpy(values).reshape(tensor.shape)
 
 
 def _read_string(blob: np.ndarray, pos: int) -> tuple[str, int]:

@@ -8,13 +8,17 @@
            Q5_0/Q5_1/Q5_K, IQ4...) -> int4, other quantized types (Q6_K, Q8_0...) -> int8, float types stay
            dense. An HF checkpoint stores floats, so `auto` is `none` there.
 
-A layer the kernels cannot take (K not a multiple of 32; for int4, N not a multiple of 16) stays dense.
+A layer the kernels cannot take (K not a multiple of 32; for int4, N not a multiple of 16) stays dense, and so
+do MoE routers (`mlp.gate`, `shared_expert_gate`): they are tiny, and their top-k choice is discrete, so a small
+weight error can send a token to other experts.
 
 Streaming: before loading, each layer to quantize is swapped for a placeholder that has its bias parameter
 (loaded as usual) but no weight; when the weight arrives it is quantized and the placeholder replaced. From a
 GGUF such a weight arrives as LazyRows (dequantized 1024 rows at a time as the quantizer reads it) or as int4
 codes (gguf_quant.py), so its float copy never exists whole; from safetensors, one tensor at a time. Measured
 peak RSS of loading Gemma 3 270M (fp32 model, process total): none 2.32 GB, int8 / int4 / auto 1.27-1.30 GB.
+Weight names are matched to layers after the model's own renames (`model.checkpoint_renames`, if it has them:
+e.g. Qwen3.5 weights saved under its vision-language wrapper's `model.language_model.` prefix).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from torch import nn
 
 from pagellm.config import QUANTIZATION_SCHEMES
+from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.quantized import GroupAffine, QuantizedLinear, can_quantize, quantized_module
 
 _FLOAT_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
@@ -48,14 +53,20 @@ def plan_quantization(model: nn.Module, scheme: str,
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {scheme!r}")
     if scheme == "none" or (scheme == "auto" and weight_types is None):
         return {}
-    plan = {}
+    plan, routers = {}, router_paths(model)
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or path in routers:
             continue
         chosen = scheme if scheme != "auto" else auto_scheme(weight_types.get(f"{path}.weight"))
         if chosen is not None and can_quantize(chosen, *module.weight.shape):
             plan[path] = chosen
     return plan
+
+
+def router_paths(model: nn.Module) -> set[str]:
+    """Module paths of the MoE routers: each SparseMoeBlock's `gate` and, if it has one, `shared_expert_gate`."""
+    return {f"{path}.{router}" for path, module in model.named_modules() if isinstance(module, SparseMoeBlock)
+            for router in ("gate", "shared_expert_gate") if hasattr(module, router)}
 
 
 class _PendingWeight(nn.Module):
@@ -78,6 +89,9 @@ def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor |
     for path, scheme in plan.items():
         pending[path] = _PendingWeight(model.get_submodule(path), scheme)
         replace_module(model, path, pending[path])
+    renames = getattr(model, "checkpoint_renames", None)
+    if renames is not None:  # match names as load_weights will see them (it renames again: a no-op then)
+        weights = renames(weights)
     model.load_weights(_quantize_as_loaded(model, pending, weights))
     if pending:
         missing = sorted(f"{path}.weight" for path in pending)

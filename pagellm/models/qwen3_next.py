@@ -153,6 +153,8 @@ class HybridForCausalLM(LlamaForCausalLM):
 
     fused_projections = True
     mlp_factory: MlpFactory = staticmethod(qwen3_next_mlp)
+    # loader/quantization.py renames with it too, to match incoming names to the layers it quantizes
+    checkpoint_renames = staticmethod(checkpoint_renames)
 
     def build_backbone(self, config) -> nn.Module:  # an instance method here: reads the class's choices
         return HybridModel(config, self.fused_projections, type(self).mlp_factory)

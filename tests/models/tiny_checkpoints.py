@@ -129,7 +129,7 @@ HYBRID_CONFIGS: dict[str, Callable[[], object]] = {
 }
 
 
-def write_hybrid_checkpoint(family: str, directory: Path, seed: int = 0) -> PreTrainedModel:
+def write_hybrid_checkpoint(family: str, directory: Path, seed: int = 0, config=None) -> PreTrainedModel:
     """Like write_tiny_checkpoint for HYBRID_CONFIGS, eager attention and eager (per-expert loop) MoE.
 
     Matrices are redrawn with std 0.1 (default init gives near-uniform logits, so greedy
@@ -138,8 +138,8 @@ def write_hybrid_checkpoint(family: str, directory: Path, seed: int = 0) -> PreT
     rates, which HF draws over a realistic range (A in [0.01, 16]).
     """
     torch.manual_seed(seed)
-    hf_model = AutoModelForCausalLM.from_config(HYBRID_CONFIGS[family](), attn_implementation="eager",
-                                                experts_implementation="eager")
+    config = config if config is not None else HYBRID_CONFIGS[family]()  # a variant of the family's config
+    hf_model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
             if name.endswith(("A_log", "dt_bias")):

@@ -1,0 +1,159 @@
+"""GGUF loading of Qwen3-MoE, Qwen3-Next, Qwen3.5 and Qwen3.5-MoE against the same model loaded from HF.
+
+Each case is a tiny random HF checkpoint converted in the test (gguf_hybrid_builders.convert_to_gguf, llama.cpp's
+transforms as we read them) and loaded back through pagellm: config, every weight, logits and greedy tokens must
+match the HF-loaded model (itself checked against transformers in tests/models/test_hybrid_parity.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf_hybrid_builders import Conversion, convert_to_gguf, write_hf_checkpoint
+
+from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header
+from pagellm.loader.gguf_quant import group_affine_of
+from pagellm.loader.model_loader import load_model
+from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
+from pagellm.models.registry import build_model
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+
+from paged_harness import PagedHarness, greedy_generate  # noqa: E402
+
+# case id -> (family, how the file is written): between them every converter variant the loader reads
+CASES = {
+    "qwen3-moe": ("qwen3-moe", Conversion()),
+    "qwen3-next": ("qwen3-next", Conversion(recurrent_layers_array=True)),
+    "qwen3-next-ssm_in-fused": ("qwen3-next", Conversion(legacy_qkvz=True, fused_experts=True)),
+    "qwen3.5-mtp": ("qwen3.5", Conversion(mtp_layers=1)),
+    "qwen3.5-moe-mtp-fused": ("qwen3.5-moe", Conversion(mtp_layers=1, fused_experts=True)),
+}
+# (w + 1) - 1 and log(-(-exp(x))) in float32 are within an ulp or two of w; everything else is bit-exact
+ROUNDED = ("norm.weight", "A_log")
+LOGITS_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@dataclass
+class Converted:
+    hf_dir: Path
+    gguf: Path
+    stored: dict[str, np.ndarray]  # GGUF name -> values as stored
+
+
+def convert(directory: Path, family: str, conversion: Conversion) -> Converted:
+    write_hf_checkpoint(family, directory / "hf")
+    stored = convert_to_gguf(directory / "hf", directory / "model.gguf", conversion)
+    return Converted(directory / "hf", directory / "model.gguf", stored)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory) -> Converted:
+    family, conversion = CASES[request.param]
+    return convert(tmp_path_factory.mktemp(request.param), family, conversion)
+
+
+def load_pair(case: Converted):
+    """(model from the GGUF, model from the HF checkpoint), float32."""
+    config = load_gguf_config(case.gguf)
+    from_gguf = build_model(config, torch.float32)
+    from_gguf.load_weights(iter_gguf_weights(case.gguf, config, progress=False))
+    from_hf = build_model(load_hf_config(case.hf_dir), torch.float32)
+    from_hf.load_weights(iter_safetensors_weights(case.hf_dir, progress=False))
+    return from_gguf, from_hf
+
+
+def test_config_matches_the_hf_config(case):
+    ours, hf = load_gguf_config(case.gguf), load_hf_config(case.hf_dir)
+    assert type(ours) is type(hf) and ours.architectures == hf.architectures
+    fields = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "hidden_act",
+              "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+              "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "layer_types", "linear_conv_kernel_dim",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"]
+    for field in fields:
+        if hasattr(hf, field):
+            assert getattr(ours, field) == getattr(hf, field), field
+    for key in ("rope_theta", "partial_rotary_factor"):
+        assert ours.rope_parameters.get(key) == hf.rope_parameters.get(key), key
+    if hasattr(hf, "intermediate_size"):  # the dense MLP size: Qwen3.5-MoE's config has none
+        assert ours.intermediate_size == hf.intermediate_size
+
+
+def test_every_weight_comes_back_as_the_checkpoint_holds_it(case):
+    """Per-expert names included (the model stacks them), MTP layers left out."""
+    ours = dict(iter_gguf_weights(case.gguf, load_gguf_config(case.gguf), progress=False))
+    theirs = dict(iter_safetensors_weights(case.hf_dir, progress=False))
+    assert sorted(ours) == sorted(theirs)
+    for name, expected in theirs.items():
+        assert ours[name].dtype == torch.float32, name
+        if name.endswith(ROUNDED):
+            torch.testing.assert_close(ours[name], expected, atol=2e-7, rtol=1e-6, msg=name)
+        else:
+            assert torch.equal(ours[name], expected), name
+
+
+def test_logits_and_greedy_tokens_match_the_hf_loaded_model(case):
+    from_gguf, from_hf = load_pair(case)
+    prompt = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    torch.testing.assert_close(PagedHarness(from_gguf).prefill("a", prompt), PagedHarness(from_hf).prefill("a", prompt),
+                               **LOGITS_TOL)
+    assert greedy_generate(from_gguf, prompt, max_new_tokens=16) == greedy_generate(from_hf, prompt, max_new_tokens=16)
+
+
+def test_the_converter_moved_what_the_loader_must_move_back(case):
+    """Guards the fixture: if it stored these tensors in HF layout, the tests above would prove nothing."""
+    theirs = dict(iter_safetensors_weights(case.hf_dir, progress=False))
+    stored = case.stored
+    hf_layout = {"blk.0.attn_norm.weight": theirs["model.layers.0.input_layernorm.weight"]}
+    if "blk.0.attn_gate.weight" in stored and "model.layers.0.linear_attn.in_proj_z.weight" in theirs:
+        hf_layout["blk.0.attn_gate.weight"] = theirs["model.layers.0.linear_attn.in_proj_z.weight"]  # tiled
+    if "blk.0.attn_qkv.weight" in stored and "model.layers.0.linear_attn.in_proj_qkvz.weight" in theirs:
+        hf_layout["blk.0.attn_qkv.weight"] = theirs["model.layers.0.linear_attn.in_proj_qkvz.weight"][:128]  # split
+    if "blk.0.ssm_a" in stored:
+        hf_layout["blk.0.ssm_a"] = theirs["model.layers.0.linear_attn.A_log"]
+    moved = {name: not np.array_equal(stored[name], w.numpy()) for name, w in hf_layout.items()}
+    hybrid = "blk.0.ssm_a" in stored
+    assert moved == {name: hybrid for name in hf_layout}  # Qwen3-MoE norms are stored as they are
+
+
+@pytest.mark.parametrize("family,key", [("qwen3-next", "qwen3next.ssm.state_size"),
+                                        ("qwen3-moe", "qwen3moe.expert_feed_forward_length"),
+                                        ("qwen3.5-moe", "qwen35moe.expert_shared_feed_forward_length")])
+def test_missing_required_metadata_is_named(tmp_path, family, key):
+    converted = convert(tmp_path, family, Conversion(drop_metadata=(key,)))
+    with pytest.raises(ValueError, match=rf"model\.gguf.*metadata key {key} is missing"):
+        load_gguf_config(converted.gguf)
+
+
+def test_unknown_tensor_is_named_before_anything_is_read(tmp_path):
+    extra = {"blk.0.ssm_mystery.weight": np.zeros(4, dtype=np.float32)}
+    converted = convert(tmp_path, "qwen3.5", Conversion(extra_tensors=extra))
+    with pytest.raises(ValueError, match=r"blk\.0\.ssm_mystery\.weight"):
+        next(iter_gguf_weights(converted.gguf, load_gguf_config(converted.gguf), progress=False))
+
+
+@pytest.mark.parametrize("family,int4_layers", [("qwen3.5", ["in_proj_qkv", "in_proj_z"]),
+                                                ("qwen3-next", ["in_proj_qkvz"])])
+def test_auto_quantization_keeps_exact_int4_codes_through_reorder_and_merge(tmp_path, family, int4_layers):
+    """attn_qkv / attn_gate stored Q4_0: Qwen3.5's in_proj_qkv and in_proj_z (value rows reordered) and Qwen3-Next's
+    in_proj_qkvz (two tensors merged, rows interleaved) take the stored codes as they are; Q8_0 ssm_out -> int8."""
+    types = {"blk.0.attn_qkv.weight": T.Q4_0, "blk.0.attn_gate.weight": T.Q4_0, "blk.0.ssm_out.weight": T.Q8_0}
+    converted = convert(tmp_path, family, Conversion(types=types))
+    dense = load_model(str(converted.gguf), torch.float32, torch.device("cpu"), with_tokenizer=False)
+    loaded = load_model(str(converted.gguf), torch.float32, torch.device("cpu"), with_tokenizer=False,
+                        quantization="auto")
+    names = [f"model.layers.0.linear_attn.{layer}" for layer in int4_layers]
+    assert loaded.quantization == {**dict.fromkeys(names, "int4"), "model.layers.0.linear_attn.out_proj": "int8"}
+    # Q4_0: w = d * (q - 8); the int4 layer keeps q and rounds d to bf16, so its error is at most 8 |d| 2^-8
+    bound = max(8 * group_affine_of(t.data, t.ggml_type, t.shape).scale.abs().max().item() * 2**-8
+                for t in read_gguf_header(converted.gguf).tensors if t.ggml_type == T.Q4_0)
+    for name in names:
+        layer, expected = loaded.model.get_submodule(name), dense.model.get_submodule(name).weight
+        torch.testing.assert_close(layer.dequantize(), expected, atol=bound, rtol=0)
