@@ -90,8 +90,8 @@ class HeadExecutor:
             try:
                 send_frame(self.state, STEP, payload)
                 result = self.runner.execute(output)
-            except RuntimeError as exc:  # Gloo: peer closed, timeout
-                raise self._fail(exc) from exc
+            except Exception as exc:  # Gloo (peer closed, timeout), or any error that leaves the ranks
+                raise self._fail(exc) from exc  # mid-step: their collectives are out of step for good
             self._last_frame = time.monotonic()
         self.last_message_bytes = HEADER_BYTES + len(payload)
         return result
