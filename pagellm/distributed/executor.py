@@ -116,8 +116,10 @@ class HeadExecutor:
 
     def _fail(self, cause: Exception) -> DistributedError:
         if self.failure is None:
-            detail = (self.workers.exited() if self.workers is not None else None) or str(cause).splitlines()[0]
-            self.failure = DistributedError(f"tensor-parallel worker lost: {detail}")
+            dead = self.workers.exited() if self.workers is not None else None
+            first_line = (str(cause).splitlines() or [type(cause).__name__])[0]
+            self.failure = DistributedError(f"tensor-parallel worker lost: {dead}" if dead
+                                            else f"tensor-parallel step failed: {first_line}")
             logger.error("%s", self.failure)
         return self.failure
 
