@@ -116,7 +116,8 @@ class HeadExecutor:
 
     def _fail(self, cause: Exception) -> DistributedError:
         if self.failure is None:
-            dead = self.workers.exited() if self.workers is not None else None
+            dead = self.workers.exited(wait=1.0) if self.workers is not None else None  # a closed peer is
+            # usually a worker that just died: give the OS a moment to report its exit, to name it
             first_line = (str(cause).splitlines() or [type(cause).__name__])[0]
             self.failure = DistributedError(f"tensor-parallel worker lost: {dead}" if dead
                                             else f"tensor-parallel step failed: {first_line}")

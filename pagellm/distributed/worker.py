@@ -71,13 +71,17 @@ class LocalWorkers:
              "--rank", str(rank), "--world-size", str(world_size), "--distributed-timeout", str(timeout)],
             env=env, preexec_fn=_die_with_parent) for rank in range(1, world_size)}
 
-    def exited(self) -> str | None:
-        """A description of the first worker that has exited, else None."""
-        for rank, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
-                return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
-        return None
+    def exited(self, wait: float = 0.0) -> str | None:
+        """A description of the first worker that has exited (within `wait` seconds), else None."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None:
+                    return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def check(self) -> None:
         dead = self.exited()
