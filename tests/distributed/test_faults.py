@@ -46,6 +46,24 @@ def test_worker_killed_mid_run_fails_the_step_within_the_timeout(checkpoint):
     assert worker.poll() is not None
 
 
+def test_hung_worker_fails_the_step_after_the_timeout(checkpoint):
+    engine = _engine(checkpoint("llama"))
+    worker = engine.executor.workers.procs[1]
+    try:
+        engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=200, temperature=0.0))
+        engine.step()
+        worker.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(DistributedError, match="Timed out"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert TIMEOUT - 1 < time.monotonic() - start < TIMEOUT + 3
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        engine.shutdown()
+    assert worker.wait(timeout=TIMEOUT + 5) == 1  # it finds the head gone too, and exits
+
+
 def test_worker_killed_while_idle_is_noticed_without_a_step(checkpoint):
     engine = _engine(checkpoint("llama"))
     try:
