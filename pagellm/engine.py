@@ -19,7 +19,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.core.state_pool import StatePool
 from pagellm.distributed.executor import HeadExecutor, LocalExecutor
-from pagellm.distributed.sharding import ShardSpec, install_all_reduce
+from pagellm.distributed.sharding import ShardSpec, install_all_reduce, install_vocab_parallel_head
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_stats import EngineStats
 from pagellm.loader.model_loader import load_model
@@ -80,6 +80,7 @@ class LLMEngine:
             self._build(config, skip_tokenizer_init, shard)
             if parallel is not None:
                 install_all_reduce(self.model, parallel.all_reduce_)
+                install_vocab_parallel_head(self.model, parallel)
                 setup = RunnerSetup(self.num_blocks, self.runner_state_slots, self.runner_snapshot_slots)
                 publish_runner_setup(parallel, setup, workers, config.parallel.join_timeout)
         except BaseException:

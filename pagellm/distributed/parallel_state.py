@@ -69,6 +69,17 @@ class ParallelState:
             mask <<= 1
         return tensor
 
+    def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0 gets every rank's [N, C] side by side ([N, W·C], in rank order); others get theirs back."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank != 0:
+            self.group.gather([], [tensor], opts).wait()
+            return tensor
+        pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.group.gather([pieces], [tensor], opts).wait()
+        return torch.cat(pieces, dim=1)
+
     def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tensor` into every rank's (same shape and dtype on all ranks)."""
         opts = dist.BroadcastOptions()

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.moe import MoeExperts, SparseMoeBlock
@@ -96,6 +97,34 @@ def install_all_reduce(model: nn.Module, all_reduce_) -> None:
             block = getattr(layer, name, None)
             if block is not None:
                 block.register_forward_hook(hook)
+
+
+def install_vocab_parallel_head(model: nn.Module, state) -> bool:
+    """Split the LM head's rows (the vocabulary) over ranks; the head rank gathers the logits.
+
+    The head weight stays replicated (the embedding lookup needs all rows; tied models share the
+    table), but each rank multiplies only by its V/W rows, so the LM head's time, the largest single
+    matmul of a small model, is split like every other layer's. Logits [N, V/W] per rank are gathered
+    to rank 0 in fp32: N·V·4 bytes per step. Dense heads only (a quantized head stays whole on rank 0);
+    returns whether it was installed. Every rank then calls compute_logits in every sampling step.
+    """
+    head = model.model.embed_tokens if model.tie_word_embeddings else model.lm_head
+    vocab = head.weight.shape[0] if isinstance(head, (nn.Linear, nn.Embedding)) else 0
+    if not vocab or vocab % state.world_size:
+        return False
+    rows = vocab // state.world_size
+    softcap = model.final_logit_softcap
+
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        weight = head.weight[state.rank * rows : (state.rank + 1) * rows]  # a view: no copy
+        logits = F.linear(hidden, weight)  # [N, V/W]
+        if softcap is not None:  # elementwise: the same on a slice
+            logits = torch.tanh(logits / softcap) * softcap
+        return state.gather_columns(logits.float().contiguous())  # rank 0: [N, V]; others: their slice
+
+    model.compute_logits = compute_logits
+    model.vocab_parallel_head = True
+    return True
 
 
 # ---- slicing the checkpoint stream ------------------------------------------------------------

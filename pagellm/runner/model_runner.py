@@ -94,7 +94,12 @@ class ModelRunner:
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
         self._restore_snapshots(output)
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
-        sampled = [s for item, s in zip(output.scheduled, states) if item.sample] if self.samples else []
+        if not self.samples:  # a tensor-parallel worker: only its share of a vocab-parallel LM head
+            if getattr(self.model, "vocab_parallel_head", False) and any(item.sample for item in output.scheduled):
+                self.model.compute_logits(hidden[logits_rows])
+            sampled = []
+        else:
+            sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
         if not sampled:
             self.last_timings = StepTimings(host_ms, copy_ms, (time.perf_counter() - t1) * 1e3, 0.0, 0, reused)
             return ModelOutput((), ())

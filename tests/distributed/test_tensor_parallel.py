@@ -69,6 +69,7 @@ def test_joined_worker_serves_arrivals_and_completions_with_o_batch_messages(che
     worker = _start_remote_worker(port, 2)
     engine = _remote_head(path, port)
     try:
+        assert engine.model.vocab_parallel_head  # each rank multiplies by half the LM head's rows
         long_prompt, short_prompt = list(range(3, 200)), [9, 8, 7]
         plan = {0: ("a", long_prompt, 12), 3: ("b", short_prompt, 4), 5: ("c", list(range(50, 90)), 9)}
         finished, step, steady_bytes = {}, 0, {}
