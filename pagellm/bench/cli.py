@@ -67,8 +67,8 @@ def add_bench_parser(subparsers) -> None:
                          help="measure the roofline with small sizes (smoke tests: an order of magnitude only)")
     compare.set_defaults(func=_run_compare)
 
-    collectives = kinds.add_parser("collectives", help="combining partial [N, E] outputs over ranks: our "
-                                   "all-reduce vs Gloo's vs all-to-all (the MoE expert-parallel choice)")
+    collectives = kinds.add_parser("collectives", help="combining partial [N, E] outputs over ranks: "
+                                   "all-reduce vs all-to-all (the MoE expert-parallel choice)")
     from pagellm.bench.collectives import add_arguments
     add_arguments(collectives)
     collectives.set_defaults(func=_run_collectives)
@@ -175,9 +175,9 @@ def _run_collectives(args: argparse.Namespace) -> int:
 
     rows = collectives.run(args.world_size, args.rows, args.hidden, args.dtype, args.rounds)
     print(f"ms per combine of [N, {args.hidden}] {args.dtype} over {args.world_size} ranks (min of {args.rounds} x 10)")
-    print(f"{'N':>6} {'exchange':>10} {'allreduce':>10} {'all-to-all':>11}")
+    print(f"{'N':>6} {'allreduce':>10} {'all-to-all':>11}")
     for row in rows:
-        print(f"{row['N']:>6} {row['exchange']:>10.3f} {row['allreduce']:>10.3f} {row['all-to-all']:>11.3f}")
+        print(f"{row['N']:>6} {row['allreduce']:>10.3f} {row['all-to-all']:>11.3f}")
     return 0
 
 

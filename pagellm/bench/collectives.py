@@ -2,9 +2,8 @@
 
 After a tensor- or expert-parallel block every rank holds a partial [N, E] output and
 every rank needs the sum (attention is split by heads, so all ranks work on all
-tokens). Three ways to get it, timed on the same Gloo group:
-    exchange    our all-reduce (parallel_state.all_reduce_): pairwise send+recv, add
-    allreduce   Gloo's own allreduce
+tokens). Two ways to get it, timed on the same Gloo group:
+    allreduce   Gloo's allreduce (what the engine uses, parallel_state.all_reduce_)
     all-to-all  the expert-parallel pattern: all-to-all of row blocks (each rank sums
                 the rows it owns: a reduce-scatter), then an all-gather to replicate
 Rank 0 prints ms per combine (min over rounds); workers are local processes.
@@ -51,8 +50,7 @@ def measure(state: ParallelState, rows_list: list[int], hidden: int, dtype: torc
     for rows in rows_list:
         rows = -(-rows // state.world_size) * state.world_size  # the all-to-all splits rows evenly
         partial = torch.randn(rows, hidden, dtype=dtype)
-        cases = {"exchange": lambda: state.all_reduce_(partial.clone()),
-                 "allreduce": lambda: state.group.allreduce([partial.clone()]).wait(),
+        cases = {"allreduce": lambda: state.all_reduce_(partial.clone()),
                  "all-to-all": lambda: _all_to_all_combine(state, partial)}
         results.append({"N": rows, **{name: _time(fn, rounds) for name, fn in cases.items()}})
     return results
