@@ -2,7 +2,9 @@
 quantization at load (loader/quantization.py), and tiny models end to end against dense references.
 
 References: a quantized layer is compared with the dense matmul of its own dequantized weights in fp32, with
-the activations rounded as the path rounds them (the int kernels take bf16 and return bf16).
+the activations rounded as the path rounds them (the int kernels take bf16; torch's return bf16, the native
+ones the activation dtype). Layers are tested with torch's kernels and layouts and, where they build, the
+native ones (tests/kernels/test_quant_gemv.py tests those kernels on their own).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.config import ModelConfig  # noqa: E402
+from pagellm.kernels import quant_gemv  # noqa: E402
+from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_scale_zero  # noqa: E402
 from pagellm.layers.quantized import (  # noqa: E402
-    DENSE_FROM_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear, detect_int4_layout,
-    int4_row_codes)
+    DENSE_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear)
 from pagellm.loader.gguf_quant import group_affine_of  # noqa: E402
 from pagellm.loader.model_loader import load_model  # noqa: E402
 from pagellm.loader.quantization import auto_scheme, quantize_model, weight_bytes  # noqa: E402
@@ -39,6 +42,8 @@ from pagellm.models.registry import build_model  # noqa: E402
 T = gguf.GGMLQuantizationType
 KERNEL, DENSE = 10**9, 1  # dense_from_rows forcing the int-kernel path / the dense-tile path
 CLASSES = {"int8": Int8Linear, "int4": Int4Linear}
+# torch's kernels and layouts always; the native ones (kernels/quant_gemv.py) where they build
+NATIVE = [False] + ([True] if quant_gemv.available() else [])
 
 
 def exact_int4(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,14 +88,18 @@ def test_int8_round_trip_of_representable_weights_is_exact():
     assert torch.equal(layer.dequantize(), q.float() * scale[:, None])
 
 
-def test_int4_round_trip_of_representable_weights_is_exact():
-    w, q, scale, zero = exact_int4(176, 96)  # 2 full blocks of 64 rows + a partial one of 48
-    layer = Int4Linear.from_float(w)
+@pytest.mark.parametrize("native", NATIVE)
+def test_int4_round_trip_of_representable_weights_is_exact(native):
+    w, q, scale, zero = exact_int4(176, 96)  # torch's layout: 2 full blocks of 64 rows + a partial one of 48
+    layer = Int4Linear.from_float(w, native=native)
+    assert layer.layout.native == native and layer.packed.shape == (176, 48)
     ids = torch.arange(176)
     assert torch.equal(int4_row_codes(layer.packed, layer.layout, ids), q.to(torch.uint8))
-    assert torch.equal(layer.scales_and_zeros[..., 0].float().T, scale)
-    assert torch.equal(layer.scales_and_zeros[..., 1].float().T, zero)
+    got_scale, got_zero = int4_scale_zero(layer.scales_and_zeros, layer.layout)
+    assert torch.equal(got_scale, scale) and torch.equal(got_zero, zero)
     assert torch.equal(layer.dequantize(), w) and torch.equal(layer.rows(ids), w)
+    some = torch.tensor([[175, 0], [17, 17]])
+    assert torch.equal(layer.rows(some, torch.bfloat16), w[some.reshape(-1)].to(torch.bfloat16))
 
 
 def test_int4_layout_is_recognised():
@@ -98,14 +107,15 @@ def test_int4_layout_is_recognised():
     assert layout.block_n in (32, 64)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 37])
-def test_both_paths_match_the_dequantized_reference(scheme, dtype, rows, monkeypatch):
+def test_both_paths_match_the_dequantized_reference(scheme, dtype, rows, native, monkeypatch):
     monkeypatch.setattr("pagellm.layers.quantized.TILE_ROWS", 128)  # several tiles, the last one partial
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(304, generator=g).to(dtype)
-    layer = CLASSES[scheme].from_float(torch.randn(304, 96, generator=g) * 0.05, bias)
+    layer = CLASSES[scheme].from_float(torch.randn(304, 96, generator=g) * 0.05, bias, native=native)
     x = torch.randn(rows, 96, generator=g).to(dtype)
     outputs = {}
     for via_kernel, threshold in ((True, KERNEL), (False, DENSE)):
@@ -119,25 +129,33 @@ def test_both_paths_match_the_dequantized_reference(scheme, dtype, rows, monkeyp
 
 def test_kernel_input_is_realigned(monkeypatch):
     """_weight_int8pack_mm loads activation rows with aligned AVX loads: a view at an odd offset segfaults it."""
-    layer = Int8Linear.from_float(torch.randn(64, 64), dense_from_rows=KERNEL)
+    layer = Int8Linear.from_float(torch.randn(64, 64), dense_from_rows=KERNEL, native=False)
     storage = torch.randn(4 * 64 + 3, dtype=torch.bfloat16)
     x = storage[3:].view(4, 64)
     assert x.data_ptr() % 32
     assert_close_to(layer(x), reference(layer, x, True), torch.bfloat16, True)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype,head", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
-def test_dispatch_follows_the_measured_crossover(scheme, dtype, head, monkeypatch):
+def test_dispatch_follows_the_measured_crossovers(scheme, dtype, head, native, monkeypatch):
     monkeypatch.setattr("pagellm.layers.quantized._HEAD_ROWS", 100 if head else 10**6)
-    layer = CLASSES[scheme].from_float(torch.randn(128, 64))
-    threshold = DENSE_FROM_ROWS[(scheme, head, dtype == torch.bfloat16)]
-    dense_calls = []
-    dense_matmul = layer._dense_matmul
-    monkeypatch.setattr(layer, "_dense_matmul", lambda x: dense_calls.append(len(x)) or dense_matmul(x))
-    for rows in (1, threshold - 1, threshold):
+    layer = CLASSES[scheme].from_float(torch.randn(128, 64), native=native)
+    key = (scheme, head, dtype == torch.bfloat16)
+    dense_from = DENSE_FROM_ROWS[key]
+    native_below = 0 if not native else min(NATIVE_BELOW_ROWS[key], dense_from)
+    if native and scheme == "int4":  # its layout has no torch kernel: native, then dense tiles
+        native_below = dense_from = NATIVE_BELOW_ROWS[key]
+    calls = []
+    for path in ("_bound_matmul", "_torch_kernel", "_dense_matmul"):
+        monkeypatch.setattr(layer, path, lambda *a, path=path, f=getattr(layer, path): calls.append(path) or f(*a))
+    sizes = sorted({1, native_below - 1, native_below, dense_from - 1, dense_from} & set(range(1, 600)))
+    for rows in sizes:
+        calls.clear()
         layer(torch.randn(rows, 64).to(dtype))
-    assert dense_calls == [threshold]
+        expected = "_bound_matmul" if rows < native_below else "_torch_kernel" if rows < dense_from else "_dense_matmul"
+        assert calls == [expected], rows
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -204,7 +222,8 @@ def test_gguf_auto_load_follows_each_tensor_type(tmp_path):
     model = loaded.model
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
         layer, expected = model.get_submodule(name), torch.from_numpy(tiny.expected[f"{name}.weight"])
-        bound = layer.scales_and_zeros.float().abs().amax((0, 1)) @ torch.tensor([8.0, 1.0]) * 2**-8
+        scale, zero = int4_scale_zero(layer.scales_and_zeros, layer.layout)
+        bound = (8 * scale.abs().max() + zero.abs().max()) * 2**-8
         torch.testing.assert_close(layer.dequantize(), expected, atol=bound.item(), rtol=0)  # bf16 scale/zero
     dense = load_model(str(tiny.path), torch.float32, torch.device("cpu"), with_tokenizer=False)
     assert not dense.quantization and weight_bytes(model) < weight_bytes(dense.model)

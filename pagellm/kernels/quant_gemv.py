@@ -1,0 +1,169 @@
+"""Weight-only int4 / int8 matmuls for decode-sized batches, through csrc/quant_gemv.cpp.
+
+A decode step reads every weight once per token, so its matmuls are bound by memory bandwidth; torch's
+_weight_int4pack_mm_for_cpu / _weight_int8pack_mm ran at 10-15 GB/s there (M = 1..8). The C++ kernels
+compute what torch's do (activations rounded to bf16, exact weights, fp32 sums) near the bandwidth.
+
+int4 codes are kept in the kernel's own layout (blocks of 16 rows; see the .cpp header):
+
+    codes [N, K/2] uint8    = [N/16][K/4][16 rows][2]: byte b of row r in chunk t holds k = 4t + b (low
+                              nibble) and k = 4t + 2 + b (high nibble)
+    sz    [N/16, G, 2, 16]  bf16: per block and 32-column group, the 16 rows' scales, then their zeros
+    w[n, k] = (q - 8) * scale[n, k // 32] + zero[n, k // 32]
+
+the same bytes as torch's int4pack layout (N*K/2 codes, 4 bytes of scale and zero per group). int8 weights
+keep Int8Linear's [N, K] layout.
+
+`available()` is False with PAGELLM_NATIVE=0, without a compiler or without AVX-512 BF16: layers then keep
+torch's layouts and kernels (layers/quantized.py), which stay the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pagellm.kernels import native
+
+BLOCK_ROWS = 16  # int4 rows per block of the layout
+GROUP_SIZE = 32
+_CHUNK_ROWS = 1024  # rows packed at a time at load (a multiple of BLOCK_ROWS)
+_DTYPE_FLAG = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "pagellm_int4_matmul": [_P, _INT, _I64, _I64, _P, _P, _I64, _P, _P, _INT],
+    "pagellm_int8_matmul": [_P, _INT, _I64, _I64, _P, _P, _I64, _P, _P, _INT],
+    "pagellm_int4_rows": [_P, _P, _I64, _I64, _P, _I64, _P, _INT],
+    "pagellm_int4_tile_t": [_P, _P, _I64, _I64, _I64, _P, _I64, _INT],
+}
+_RETURNS = {"pagellm_int4_rows": _I64}
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    lib = native.load("quant_gemv")
+    if lib is None or not lib.pagellm_quant_gemv_vectorized():  # a scalar build would be slower than torch
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+# ---- int4 layout ----------------------------------------------------------------------------------
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [N, K/2] uint8, sz [N/16, G, 2, 16] bf16) of codes q [N, K] (0..15) with scale and zero [N, G]
+    (w = (q - 8) * scale + zero). N must be a multiple of 16 and K of 32."""
+    rows, cols = q.shape
+    groups = cols // GROUP_SIZE
+    codes = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    for start in range(0, rows, _CHUNK_ROWS):  # temporaries stay small
+        part = q[start:start + _CHUNK_ROWS].reshape(-1, BLOCK_ROWS, cols // 4, 2, 2).permute(0, 2, 1, 4, 3)
+        codes[start:start + _CHUNK_ROWS] = (part[..., 0] | (part[..., 1] << 4)).reshape(-1, cols // 2)  # [nb, t, r, b]
+    pair = torch.stack([scale.to(torch.bfloat16), zero.to(torch.bfloat16)], dim=1)  # [N, 2, G]
+    sz = pair.view(rows // BLOCK_ROWS, BLOCK_ROWS, 2, groups).permute(0, 3, 2, 1).contiguous()  # [nb, G, 2, 16]
+    return codes, sz
+
+
+def int4_codes(codes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The codes [len(ids), K] of rows `ids`, in torch ops (the reference for the layout)."""
+    rows, half_k = codes.shape
+    ids = ids.reshape(-1).long()
+    blocks = codes.view(rows // BLOCK_ROWS, half_k // 2, BLOCK_ROWS, 2)  # [nb, t, r, b]
+    picked = blocks[ids // BLOCK_ROWS, :, ids % BLOCK_ROWS]  # [T, t, b]
+    return torch.stack([picked & 15, picked >> 4], dim=2).view(len(ids), 2 * half_k)  # [T, t, h, b] -> [T, K]
+
+
+def int4_scale_zero(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero), each [N, G] float32, of a packed sz [N/16, G, 2, 16]."""
+    by_row = sz.permute(0, 3, 2, 1).reshape(-1, 2, sz.shape[1]).float()  # [N, 2, G]
+    return by_row[:, 0], by_row[:, 1]
+
+
+# ---- kernels --------------------------------------------------------------------------------------
+
+
+def _matmul(fn, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+            cols: int) -> torch.Tensor:
+    if x.shape[-1] != cols or not x.is_cpu:  # the kernel reads raw memory: K must match
+        raise ValueError(f"expected a CPU input of {cols} features, got {tuple(x.shape)} on {x.device}")
+    if x.dtype not in _DTYPE_FLAG:  # torch's kernels too see only bf16 activations
+        return _matmul(fn, x.to(torch.bfloat16), weight, scales, bias, cols).to(x.dtype)
+    x = x.contiguous()
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    flag = _DTYPE_FLAG[x.dtype]
+    fn(x.data_ptr(), flag, x.numel() // cols, cols, weight.data_ptr(), scales.data_ptr(), weight.shape[0],
+       None if bias is None else bias.data_ptr(), out.data_ptr(), flag)
+    return out
+
+
+def int4_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype."""
+    return _matmul(_lib().pagellm_int4_matmul, x, codes, sz, bias, 2 * codes.shape[1])
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (qweight [N, K] int8 * scale [N] bf16)^T (+ bias) -> [..., N] in x's dtype."""
+    return _matmul(_lib().pagellm_int8_matmul, x, qweight, scale, bias, qweight.shape[1])
+
+
+class BoundMatmul:
+    """int4_matmul / int8_matmul bound to one layer's tensors, so a decode call is one allocation and one
+    ctypes call: resolving a module's buffers and checking every argument per call cost ~6 us more, 0.75 ms
+    of an 11 ms Gemma 3 270M decode step (127 calls). The owner checks `binds` before each use."""
+
+    def __init__(self, scheme: str, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        self.tensors = (weight, scales, bias)
+        self._fn = getattr(_lib(), f"pagellm_{scheme}_matmul")
+        self._rows, self._cols = weight.shape[0], weight.shape[1] * (2 if scheme == "int4" else 1)  # N, K
+        self._pointers = (weight.data_ptr(), scales.data_ptr())
+
+    def binds(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return self.tensors[0] is weight and self.tensors[1] is scales and self.tensors[2] is bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype, bias added."""
+        bias, flag = self.tensors[2], _DTYPE_FLAG.get(x.dtype)
+        if (flag is None or not x.is_contiguous() or not x.is_cpu or x.shape[-1] != self._cols
+                or (bias is not None and bias.dtype != x.dtype)):
+            return _matmul(self._fn, x, *self.tensors, self._cols)  # the general path: checks and converts
+        out = torch.empty((x.shape[0], self._rows) if x.dim() == 2 else (*x.shape[:-1], self._rows), dtype=x.dtype)
+        self._fn(x.data_ptr(), flag, x.numel() // self._cols, self._cols, *self._pointers, self._rows,
+                 None if bias is None else bias.data_ptr(), out.data_ptr(), flag)
+        return out
+
+
+def int4_rows(codes: torch.Tensor, sz: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The dequantized rows `ids` into out [len(ids), K] (fp32 or bf16): exactly the weights the kernel uses."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    target = out if out.dtype in _DTYPE_FLAG and out.is_contiguous() else torch.empty(out.shape)
+    bad = _lib().pagellm_int4_rows(codes.data_ptr(), sz.data_ptr(), codes.shape[0], 2 * codes.shape[1],
+                                   ids.data_ptr(), ids.numel(), target.data_ptr(), _DTYPE_FLAG[target.dtype])
+    if bad:  # checked in the kernel: a reduction and a host read here cost more than the lookup
+        raise IndexError(f"{bad} row index(es) out of range for {codes.shape[0]} rows")
+    return out if target is out else out.copy_(target)
+
+
+def int4_tile_t(codes: torch.Tensor, sz: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows [start, stop) (multiples of 16) dequantized and transposed into out [K, stop - start] (fp32 or bf16;
+    a column slice of a wider buffer is fine): the dense path's weight tile, as tile.t()."""
+    rows, cols = stop - start, 2 * codes.shape[1]
+    if start % BLOCK_ROWS or rows % BLOCK_ROWS or not 0 <= start < stop <= codes.shape[0]:
+        raise IndexError(f"rows [{start}, {stop}) of {codes.shape[0]} are not whole blocks of {BLOCK_ROWS}")
+    if out.dtype not in _DTYPE_FLAG or out.stride(1) != 1:
+        return out.copy_(int4_tile_t(codes, sz, start, stop, torch.empty(cols, rows)))
+    _lib().pagellm_int4_tile_t(codes.data_ptr(), sz.data_ptr(), cols, start, rows, out.data_ptr(), out.stride(0),
+                               _DTYPE_FLAG[out.dtype])
+    return out
