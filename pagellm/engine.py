@@ -74,15 +74,14 @@ class LLMEngine:
         limit_threads_to_cores()
         parallel, workers, shard = None, None, None
         if config.parallel.tensor_parallel_size > 1:
-            parallel, workers = start_head(config, self.device)
+            parallel, workers = start_head(config)
             shard = ShardSpec(0, parallel.world_size, config.parallel.enable_expert_parallel)
         try:
             self._build(config, skip_tokenizer_init, shard)
             if parallel is not None:
                 install_all_reduce(self.model, parallel.all_reduce_)
                 install_vocab_parallel_head(self.model, parallel)
-                setup = RunnerSetup(self.num_blocks, self.runner_state_slots, self.runner_snapshot_slots)
-                publish_runner_setup(parallel, setup, workers, config.parallel.join_timeout)
+                publish_runner_setup(parallel, self._runner_setup(), workers, config.parallel.join_timeout)
         except BaseException:
             if workers is not None:
                 workers.stop(grace=0)
@@ -116,14 +115,18 @@ class LLMEngine:
         # prefix cache needs state snapshots at block boundaries (none budgeted: the cache stays off).
         snapshots = self._make_snapshot_pool(num_blocks) if cc.enable_prefix_caching else None
         prefix_caching = cc.enable_prefix_caching and (self.state_pool is None or snapshots is not None)
-        self.num_blocks = num_blocks
         self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.state_pool)
-        self.runner_state_slots = self.state_pool.num_slots if self.state_pool else 0
-        self.runner_snapshot_slots = snapshots.num_rows if snapshots else 0
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, config.scheduler.max_num_seqs,
-                                  self.dtype, self.device, num_state_slots=self.runner_state_slots,
-                                  num_snapshot_slots=self.runner_snapshot_slots)
+        setup = self._runner_setup()
+        self.runner = ModelRunner(self.model, setup.num_blocks, cc.block_size, config.scheduler.max_num_seqs,
+                                  self.dtype, self.device, num_state_slots=setup.num_state_slots,
+                                  num_snapshot_slots=setup.num_snapshot_slots)
+
+    def _runner_setup(self) -> RunnerSetup:
+        """The cache sizes every runner (and, when parallel, every rank's) is built with."""
+        snapshots = self.kv_cache.snapshots
+        return RunnerSetup(self.kv_cache.pool.num_blocks, self.state_pool.num_slots if self.state_pool else 0,
+                           snapshots.num_rows if snapshots else 0)
 
     def _make_state_pool(self) -> StatePool | None:
         """One recurrent-state slot per running request, budgeted apart from the KV blocks."""

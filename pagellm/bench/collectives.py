@@ -59,9 +59,8 @@ def measure(state: ParallelState, rows_list: list[int], hidden: int, dtype: torc
 def run(world_size: int, rows_list: list[int], hidden: int, dtype_name: str, rounds: int,
         rank: int = 0, port: int = 0) -> list[dict] | None:
     dtype = getattr(torch, dtype_name)
-    cpu = torch.device("cpu")
     if rank:
-        state = init_worker("127.0.0.1", port, rank, world_size, _TIMEOUT, _TIMEOUT, cpu)
+        state = init_worker("127.0.0.1", port, rank, world_size, _TIMEOUT, _TIMEOUT)
         measure(state, rows_list, hidden, dtype, rounds)
         return None
     port = free_port("127.0.0.1")
@@ -71,7 +70,7 @@ def run(world_size: int, rows_list: list[int], hidden: int, dtype_name: str, rou
     workers = [subprocess.Popen([sys.executable, "-m", "pagellm.bench.collectives", "--rank", str(r), *args])
                for r in range(1, world_size)]
     try:
-        state = init_head("127.0.0.1", port, world_size, _TIMEOUT, _TIMEOUT, cpu)
+        state = init_head("127.0.0.1", port, world_size, _TIMEOUT, _TIMEOUT)
         return measure(state, rows_list, hidden, dtype, rounds)
     finally:
         for proc in workers:

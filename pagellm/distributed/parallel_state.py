@@ -2,9 +2,10 @@
 
 Never a global: the engine (head, rank 0) and each worker own theirs and pass it
 to what needs it (the all-reduce hooks, the step broadcaster). The process group
-is torch.distributed's Gloo backend on CPU (NCCL on CUDA: untested, we have no
-GPU), built directly on a TCPStore instead of `init_process_group`, so a process
-may hold several engines (tests do) and nothing lives in torch's global registry.
+is torch.distributed's Gloo backend on every rank (NCCL is not wired; nothing here
+has run on a GPU), built directly on a TCPStore instead of `init_process_group`,
+so a process may hold several engines (tests do) and nothing lives in torch's
+global registry.
 
 Start-up (all bounded by `join_timeout`):
     head    TCPStore master on (addr, port); writes the world size; waits until
@@ -35,10 +36,10 @@ class DistributedError(RuntimeError):
 
 
 class ParallelState:
-    def __init__(self, rank: int, world_size: int, store: dist.Store, timeout: float, device: torch.device):
+    def __init__(self, rank: int, world_size: int, store: dist.Store, timeout: float):
         self.rank, self.world_size, self.store, self.timeout = rank, world_size, store, timeout
-        self.device = device
-        self.group = _make_group(store, rank, world_size, timeout, device)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("pagellm/group", store), rank, world_size,
+                                           timedelta(seconds=timeout))
 
     @property
     def is_head(self) -> bool:
@@ -73,15 +74,6 @@ class ParallelState:
         return tensor
 
 
-def _make_group(store: dist.Store, rank: int, world_size: int, timeout: float, device: torch.device):
-    prefixed = dist.PrefixStore("pagellm/group", store)
-    if device.type == "cuda":  # untested: no GPU on our machines
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timedelta(seconds=timeout)
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout))
-
-
 def _use_loopback_if_local(addr: str) -> None:
     """Gloo picks its interface from the hostname; for a loopback master use lo, which always resolves."""
     if addr in ("127.0.0.1", "localhost", "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -89,7 +81,7 @@ def _use_loopback_if_local(addr: str) -> None:
 
 
 def init_head(addr: str, port: int, world_size: int, timeout: float, join_timeout: float,
-              device: torch.device, check_workers: Callable[[], None] = lambda: None) -> ParallelState:
+              check_workers: Callable[[], None] = lambda: None) -> ParallelState:
     """Rank 0: serve the rendezvous store and wait for every worker to join."""
     _use_loopback_if_local(addr)
     try:
@@ -108,7 +100,7 @@ def init_head(addr: str, port: int, world_size: int, timeout: float, join_timeou
             raise DistributedError(f"worker rank(s) {', '.join(missing)} did not join {addr}:{port} within "
                                    f"{join_timeout:.0f} s (world size {world_size})")
         time.sleep(0.05)
-    return ParallelState(0, world_size, store, timeout, device)
+    return ParallelState(0, world_size, store, timeout)
 
 
 def _raise_worker_errors(store: dist.Store) -> None:
@@ -118,8 +110,8 @@ def _raise_worker_errors(store: dist.Store) -> None:
         raise DistributedError("a worker could not join: " + "; ".join(messages))
 
 
-def init_worker(addr: str, port: int, rank: int, world_size: int, timeout: float, join_timeout: float,
-                device: torch.device) -> ParallelState:
+def init_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
+                join_timeout: float) -> ParallelState:
     """Rank >= 1: join the head's store, check the world size, build the group."""
     if not 1 <= rank < world_size:
         raise ValueError(f"rank must be in [1, world_size={world_size}) for a worker, got {rank}")
@@ -134,4 +126,4 @@ def init_worker(addr: str, port: int, rank: int, world_size: int, timeout: float
         store.set(f"pagellm/error/{store.add(_ERRORS_KEY, 1)}", message)
         raise ValueError(message)
     store.set(f"pagellm/joined/{rank}", "1")
-    return ParallelState(rank, world_size, store, timeout, device)
+    return ParallelState(rank, world_size, store, timeout)

@@ -28,7 +28,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.moe import MoeExperts, SparseMoeBlock
@@ -113,14 +112,11 @@ def install_vocab_parallel_head(model: nn.Module, state) -> bool:
     if not vocab or vocab % state.world_size:
         return False
     rows = vocab // state.world_size
-    softcap = model.final_logit_softcap
+    own_rows = slice(state.rank * rows, (state.rank + 1) * rows)
+    full_logits = model.compute_logits
 
-    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
-        weight = head.weight[state.rank * rows : (state.rank + 1) * rows]  # a view: no copy
-        logits = F.linear(hidden, weight)  # [N, V/W]
-        if softcap is not None:  # elementwise: the same on a slice
-            logits = torch.tanh(logits / softcap) * softcap
-        return state.gather_columns(logits.float().contiguous())  # rank 0: [N, V]; others: their slice
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:  # rank 0: [N, V]; others: their [N, V/W]
+        return state.gather_columns(full_logits(hidden, own_rows).contiguous())
 
     model.compute_logits = compute_logits
     model.vocab_parallel_head = True

@@ -98,7 +98,7 @@ class LocalWorkers:
                 proc.wait()
 
 
-def start_head(config: EngineConfig, device: torch.device) -> tuple[ParallelState, LocalWorkers | None]:
+def start_head(config: EngineConfig) -> tuple[ParallelState, LocalWorkers | None]:
     """Rank 0: spawn local workers (or wait for remote ones), then publish the engine config."""
     pc = config.parallel
     world = pc.tensor_parallel_size
@@ -109,7 +109,7 @@ def start_head(config: EngineConfig, device: torch.device) -> tuple[ParallelStat
         torch.set_num_threads(threads)  # the ranks share this host's cores
         workers = LocalWorkers(pc.master_addr, port, world, pc.distributed_timeout, threads)
     try:
-        state = init_head(pc.master_addr, port, world, pc.distributed_timeout, pc.join_timeout, device,
+        state = init_head(pc.master_addr, port, world, pc.distributed_timeout, pc.join_timeout,
                           workers.check if workers else lambda: None)
     except BaseException:
         if workers is not None:
@@ -139,13 +139,11 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     from pagellm.runner.model_runner import ModelRunner
 
     limit_threads_to_cores()
-    state = init_worker(addr, port, rank, world_size, timeout, join_timeout, torch.device("cpu"))
+    state = init_worker(addr, port, rank, world_size, timeout, join_timeout)
     state.store.set_timeout(timedelta(seconds=join_timeout))
     config: EngineConfig = pickle.loads(state.store.get(_SETUP_KEY))
     mc = config.model
     device, dtype = torch.device(mc.device), DTYPES[mc.dtype or "float32"]
-    if device != state.device:
-        state = ParallelState(rank, world_size, state.store, timeout, device)  # NCCL on CUDA (untested)
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
     model = load_model(mc.model, dtype, device, with_tokenizer=False, quantization=mc.quantization,
                        shard=shard).model

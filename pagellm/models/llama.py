@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.attention import PagedAttention
@@ -170,9 +171,13 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)  # [T] ids and positions -> [T, E]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, vocab_rows: slice | None = None) -> torch.Tensor:
+        """[N, E] -> [N, V] fp32; `vocab_rows` (a dense head only): just those vocabulary rows' logits."""
         head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
-        logits = lm_head_logits(head, hidden)  # [N, V]; dense, or quantized (layers/quantized.py)
+        if vocab_rows is not None:  # tensor parallel: this rank's share of the head (distributed/sharding.py)
+            logits = F.linear(hidden, head.weight[vocab_rows])  # a view of the rows: no copy
+        else:
+            logits = lm_head_logits(head, hidden)  # [N, V]; dense, or quantized (layers/quantized.py)
         if self.final_logit_softcap is not None:  # Gemma; in the model dtype, as HF does
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits.float()

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import hf_greedy, hf_logits, load_ours, random_tokens
 from paged_harness import PagedHarness, greedy_generate
 from tiny_checkpoints import TINY_CONFIGS, write_tiny_checkpoint
 
-from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
-from pagellm.models.registry import build_model
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 PROMPT_LEN = 20  # longer than the sliding window (8) and spanning 5 blocks of 4
-
-
-def random_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
@@ -28,14 +23,7 @@ def hf_and_ours(request, tmp_path_factory):
     """(HF model, pagellm model) with the same weights, one pair per family."""
     path = tmp_path_factory.mktemp(request.param)
     hf_model = write_tiny_checkpoint(request.param, path)
-    model = build_model(load_hf_config(path), torch.float32)
-    model.load_weights(iter_safetensors_weights(path))
-    return hf_model, model
-
-
-def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf_model(torch.tensor([tokens])).logits[0].float()  # [L, V]
+    return hf_model, load_ours(path)
 
 
 def test_prompt_logits_match_hf(hf_and_ours):
@@ -47,9 +35,7 @@ def test_prompt_logits_match_hf(hf_and_ours):
 def test_greedy_continuation_matches_hf_generate(hf_and_ours):
     hf_model, model = hf_and_ours
     prompt = random_tokens(PROMPT_LEN, seed=1)
-    with torch.inference_mode():
-        expected = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, PROMPT_LEN, dtype=torch.long),
-                                     max_new_tokens=8, do_sample=False)[0, PROMPT_LEN:].tolist()
+    expected = hf_greedy(hf_model, prompt, 8)
     assert len(expected) == 8
     assert greedy_generate(model, prompt, max_new_tokens=8) == expected
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import hf_greedy, hf_logits, load_ours, random_tokens
 from paged_harness import PagedHarness, greedy_generate
 from tiny_checkpoints import HYBRID_CONFIGS, write_hybrid_checkpoint
 
@@ -20,25 +21,14 @@ PROMPT_LEN = 30
 NEW_TOKENS = 16
 
 
-def random_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _hf_and_ours(family: str, path):
     hf_model = write_hybrid_checkpoint(family, path)
-    model = build_model(load_hf_config(path), torch.float32)
-    model.load_weights(iter_safetensors_weights(path))
-    return hf_model, model
+    return hf_model, load_ours(path)
 
 
 @pytest.fixture(scope="module", params=list(HYBRID_CONFIGS))
 def hf_and_ours(request, tmp_path_factory):
     return _hf_and_ours(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf_model(torch.tensor([tokens])).logits[0].float()  # [L, V]
 
 
 def test_layers_exposed_to_the_runner(hf_and_ours):
@@ -57,9 +47,7 @@ def test_prompt_logits_match_hf(hf_and_ours):
 def test_greedy_continuation_matches_hf_generate(hf_and_ours):
     hf_model, model = hf_and_ours
     prompt = random_tokens(PROMPT_LEN, seed=1)
-    with torch.inference_mode():
-        expected = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, PROMPT_LEN, dtype=torch.long),
-                                     max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_LEN:].tolist()
+    expected = hf_greedy(hf_model, prompt, NEW_TOKENS)
     assert len(expected) == NEW_TOKENS
     assert greedy_generate(model, prompt, max_new_tokens=NEW_TOKENS) == expected
 

@@ -73,19 +73,29 @@ TINY_CONFIGS: dict[str, Callable[[], object]] = {
 }
 
 
-def write_tiny_checkpoint(family: str, directory: Path, seed: int = 0) -> PreTrainedModel:
-    """Build the family's tiny HF model (eager attention, fp32), save it to `directory`, return it."""
+def _save_jittered(config, directory: Path, seed: int, jitter: Callable[[str, torch.Tensor], None],
+                   **from_config) -> PreTrainedModel:
+    """Build the HF model of `config` (fp32, eager), perturb each parameter in place, save, return it."""
     torch.manual_seed(seed)
-    hf_model = AutoModelForCausalLM.from_config(TINY_CONFIGS[family](), attn_implementation="eager")
+    hf_model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", **from_config)
     with torch.no_grad():
-        # HF initialises norms to 1 (Gemma: 0) and biases to 0; jitter every weight so a
-        # norm weight or bias loaded into the wrong place (or not at all) changes the logits.
-        # Larger q/k weights sharpen attention, so a RoPE or masking mistake shows clearly.
         for name, param in hf_model.named_parameters():
-            scale = 0.1 if param.ndim == 1 else 0.15 if re.search(r"[qk]_proj\.weight", name) else 0.02
-            param.add_(torch.randn_like(param) * scale)
+            jitter(name, param)
     hf_model.save_pretrained(directory)
     return hf_model.eval()
+
+
+def _jitter_dense(name: str, param: torch.Tensor) -> None:
+    # HF initialises norms to 1 (Gemma: 0) and biases to 0; jitter every weight so a
+    # norm weight or bias loaded into the wrong place (or not at all) changes the logits.
+    # Larger q/k weights sharpen attention, so a RoPE or masking mistake shows clearly.
+    scale = 0.1 if param.ndim == 1 else 0.15 if re.search(r"[qk]_proj\.weight", name) else 0.02
+    param.add_(torch.randn_like(param) * scale)
+
+
+def write_tiny_checkpoint(family: str, directory: Path, seed: int = 0) -> PreTrainedModel:
+    """Build the family's tiny HF model (eager attention, fp32), save it to `directory`, return it."""
+    return _save_jittered(TINY_CONFIGS[family](), directory, seed, _jitter_dense)
 
 
 # Hybrid / MoE families (tests/models/test_hybrid_parity.py). 8 experts, top-2; Gated
@@ -137,16 +147,14 @@ def write_hybrid_checkpoint(family: str, directory: Path, seed: int = 0, config=
     or, for zero-centred norms, zeros). A_log / dt_bias keep HF's init: they set the decay
     rates, which HF draws over a realistic range (A in [0.01, 16]).
     """
-    torch.manual_seed(seed)
     config = config if config is not None else HYBRID_CONFIGS[family]()  # a variant of the family's config
-    hf_model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue
-            if param.ndim == 1:
-                param.add_(torch.randn_like(param) * 0.1)
-            else:
-                param.normal_(0.0, 0.1)
-    hf_model.save_pretrained(directory)
-    return hf_model.eval()
+    return _save_jittered(config, directory, seed, _jitter_hybrid, experts_implementation="eager")
+
+
+def _jitter_hybrid(name: str, param: torch.Tensor) -> None:
+    if name.endswith(("A_log", "dt_bias")):
+        return
+    if param.ndim == 1:
+        param.add_(torch.randn_like(param) * 0.1)
+    else:
+        param.normal_(0.0, 0.1)
