@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagellm.loader.model_loader import checkpoint_state_dict
+
 
 class HFTransformersPeer:
     name = "hf-transformers"
@@ -31,7 +33,7 @@ class HFTransformersPeer:
 
         model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype, attn_implementation="sdpa")
         # assign=True: HF's parameters become pagellm's tensors, so the weights are not held twice.
-        missing, unexpected = model.load_state_dict(engine.model.state_dict(), strict=False, assign=True)
+        missing, unexpected = model.load_state_dict(checkpoint_state_dict(engine.model), strict=False, assign=True)
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(f"HF model does not match pagellm's weights: missing {missing}, unexpected {unexpected}")
         model.tie_weights()

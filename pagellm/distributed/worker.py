@@ -134,7 +134,7 @@ def publish_runner_setup(state: ParallelState, setup: RunnerSetup, workers: Loca
 
 
 def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float, join_timeout: float) -> int:
-    from pagellm.engine import DTYPES, limit_threads_to_cores
+    from pagellm.engine import DTYPES, keep_step_buffers_in_heap, limit_threads_to_cores
     from pagellm.loader.model_loader import load_model
     from pagellm.runner.model_runner import ModelRunner
 
@@ -153,6 +153,7 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     runner = ModelRunner(model, setup.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
                          dtype, device, num_state_slots=setup.num_state_slots,
                          num_snapshot_slots=setup.num_snapshot_slots, samples=False)
+    keep_step_buffers_in_heap()
     state.store.set(f"pagellm/ready/{rank}", "1")
     return _serve_steps(state, runner)
 

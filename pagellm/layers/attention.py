@@ -44,6 +44,10 @@ class PagedAttention(nn.Module):
         if self.key_cache is None:
             raise RuntimeError("PagedAttention used before the runner bound its KV cache")
         write_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
+        return self.attend(query, meta)
+
+    def attend(self, query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, H_q, D] -> [T, H_q * D]
+        """Attention over the cache alone: this step's K/V must already be in it."""
         out = paged_attention(query, self.key_cache, self.value_cache, meta, self.scale,
                               self.sliding_window, self.logits_soft_cap)
         return out.flatten(1)  # [T, H_q * D]

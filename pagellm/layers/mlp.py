@@ -1,4 +1,9 @@
-"""Gated MLP shared by every family here: down(act(gate(x)) * up(x))."""
+"""Gated MLP shared by every family here: down(act(gate(x)) * up(x)).
+
+After loading, `join_projections` replaces gate_proj and up_proj with one gate_up_proj (where the layer
+types allow, see layers/quantized.concat_linears); act * up then runs as one fused kernel call
+(kernels/layer_ops.act_mul) where it applies.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels.layer_ops import act_mul
+from pagellm.layers.quantized import concat_linears
+
 # HF `hidden_act` names -> the function HF's ACT2FN maps them to.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -15,6 +23,17 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+_FUSED_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # act_mul's native ones
+
+
+def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """[..., 2 I] (gate, then up) -> act(gate) * up [..., I]: one fused kernel call where it applies."""
+    fused = _FUSED_NAMES.get(activation)
+    out = act_mul(gate_up, fused) if fused else None
+    if out is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = _ACTIVATIONS[activation](gate) * up
+    return out
 
 
 class GatedMLP(nn.Module):
@@ -25,7 +44,17 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = _ACTIVATIONS[activation]
+        self.activation, self.act_fn = activation, _ACTIVATIONS[activation]
+        self.gate_up_proj: nn.Module | None = None  # set by join_projections
+
+    def join_projections(self) -> bool:
+        joined = concat_linears([self.gate_proj, self.up_proj])
+        if joined is not None:
+            del self.gate_proj, self.up_proj
+            self.gate_up_proj = joined
+        return joined is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated_act(self.gate_up_proj(x), self.activation))  # [T, 2 I] -> [T, I] -> [T, hidden]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.layers.mlp import _ACTIVATIONS, GatedMLP
+from pagellm.layers.mlp import _ACTIVATIONS, GatedMLP, gated_act
 
 # Dispatch, measured on this 2-core EPYC (torch 2.15, 2 threads, hidden 2048, top-8, random
 # routing; min of 3 rounds on a shared machine), ms per expert forward (router excluded),
@@ -67,11 +67,10 @@ class MoeExperts(nn.Module):
                                          requires_grad=False)  # [X, 2I, E]
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                       requires_grad=False)  # [X, E, I]
-        self.act_fn = _ACTIVATIONS[activation]
+        self.activation = activation
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [n, E] -> [n, E] through expert e
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        return F.linear(gated_act(F.linear(x, self.gate_up_proj[e]), self.activation), self.down_proj[e])
 
     def dispatch(self, x: torch.Tensor) -> str:
         """Which path runs this batch (see the measurements above)."""
@@ -128,8 +127,9 @@ class MoeExperts(nn.Module):
     def _grouped_mm(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """All groups in one call: group e is rows offs[e-1]:offs[e] times expert e's weights."""
         offs = counts.cumsum(0).to(torch.int32)  # [X] end row of each group
-        gate, up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm((self.act_fn(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offs)
+        gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs)  # [n, 2I]
+        return torch._grouped_mm(gated_act(gate_up, self.activation).contiguous(), self.down_proj.transpose(1, 2),
+                                 offs=offs)
 
     def _per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)

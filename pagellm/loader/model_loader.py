@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pagellm.distributed.sharding import ShardSpec, install_expert_parallel, local_config, shard_weights
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
@@ -22,6 +23,31 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: Path
     quantization: dict[str, str] = field(default_factory=dict)  # {module path: "int8" | "int4"}
+
+
+def join_projections(model: nn.Module) -> int:
+    """Join each attention's q/k/v and each MLP's gate/up projections into one matmul (after sharding and
+    quantization, which work per checkpoint name); returns how many were joined."""
+    return sum(module.join_projections() for module in list(model.modules()) if hasattr(module, "join_projections"))
+
+
+def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() under the checkpoint's names: joined projections split back into q/k/v_proj and
+    gate/up_proj (as views, no copies), for handing the weights to HF transformers or writing a checkpoint."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        path, _, leaf = name.rpartition(".")
+        owner, _, attr = path.rpartition(".")
+        module = model.get_submodule(owner) if attr in ("qkv_proj", "gate_up_proj") else None
+        if attr == "qkv_proj" and hasattr(module, "num_kv_heads"):
+            sizes = [module.num_heads * module.head_dim] + [module.num_kv_heads * module.head_dim] * 2
+            state.update({f"{owner}.{part}.{leaf}": t for part, t in zip(("q_proj", "k_proj", "v_proj"),
+                                                                         tensor.split(sizes))})
+        elif attr == "gate_up_proj" and hasattr(module, "join_projections"):
+            state.update({f"{owner}.{part}.{leaf}": t for part, t in zip(("gate_proj", "up_proj"), tensor.chunk(2))})
+        else:
+            state[name] = tensor
+    return state
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -63,6 +89,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if shard:
         weights = shard_weights(weights, hf_config, shard)
     load_quantized(net, weights, plan)
+    join_projections(net)
     net.eval()
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     return LoadedModel(net, hf_config, tokenizer, path, plan)

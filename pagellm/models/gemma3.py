@@ -22,7 +22,7 @@ from torch import nn
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
-from pagellm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, head_dim_of
+from pagellm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, Pending, head_dim_of
 from pagellm.runner.attention_metadata import AttentionMetadata
 
 
@@ -46,9 +46,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, meta))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))  # [T, E]
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                pending: Pending = (None, None)) -> tuple[torch.Tensor, Pending]:
+        """As LlamaDecoderLayer.forward; the MLP output is left pending with its post-norm."""
+        h, x = self.input_layernorm.residual(h, *pending)
+        h, x = self.pre_feedforward_layernorm.residual(h, self.self_attn(x, cos, sin, meta),
+                                                       self.post_attention_layernorm)
+        return h, (self.mlp(x), self.post_feedforward_layernorm)  # [T, E] each
 
 
 class Gemma3Model(nn.Module):
@@ -71,10 +75,11 @@ class Gemma3Model(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, E] in the model dtype, also from a QuantizedEmbedding
         h = h * self.embed_scale.to(h.dtype)  # sqrt(E) rounded to the dtype, as HF does
         rope = {layer_type: emb(positions, h.dtype) for layer_type, emb in self.rotary_emb.items()}
+        pending = (None, None)
         for layer in self.layers:
             cos, sin = rope[layer.layer_type]  # [T, D/2] each
-            h = layer(h, cos, sin, meta)
-        return self.norm(h)  # [T, E]
+            h, pending = layer(h, cos, sin, meta, pending)
+        return self.norm.residual(h, *pending)[1]  # [T, E]
 
     def materialize_buffers(self, device: torch.device) -> None:
         self.embed_scale = torch.tensor(self.hidden_size**0.5, device=device)

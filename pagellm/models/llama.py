@@ -20,7 +20,8 @@ from torch import nn
 from pagellm.layers.attention import PagedAttention
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.quantized import lm_head_logits
+from pagellm.kernels.layer_ops import qkv_prepare
+from pagellm.layers.quantized import concat_linears, lm_head_logits
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagellm.runner.attention_metadata import AttentionMetadata
 
@@ -36,6 +37,10 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
     if layer_types is None:  # Mistral: one window (or none) for every layer
         return window
     return window if layer_types[layer_idx] == "sliding_attention" else None
+
+
+# A block's output not yet added to the residual stream, and the norm it takes first (Gemma's post-norms).
+Pending = tuple[torch.Tensor | None, RMSNorm | None]
 
 
 @dataclass(frozen=True)
@@ -64,16 +69,46 @@ class LlamaAttention(nn.Module):
         scale = options.query_scale if options.query_scale is not None else head_dim**-0.5
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, scale=scale,
                                    sliding_window=sliding_window_of(config, layer_idx))
+        self.qkv_proj: nn.Module | None = None  # set by join_projections
+
+    def join_projections(self) -> bool:
+        """Replace q/k/v_proj with one qkv_proj (where their types allow; layers/quantized.concat_linears)."""
+        joined = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        if joined is not None:
+            del self.q_proj, self.k_proj, self.v_proj
+            self.qkv_proj = joined
+        return joined is not None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        else:
+            qkv = self.qkv_proj(h)  # [T, (H + 2K) * D]
+            query = self._prepare_in_place(qkv, cos, sin, meta)
+            if query is not None:  # k and v are already in the cache
+                return self.o_proj(self.attn.attend(query, meta))  # [T, H * D] -> [T, E]
+            q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                 self.num_kv_heads * self.head_dim], dim=-1)
         num_tokens = h.shape[0]
-        q = self.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
-        v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, meta))  # [T, H * D] -> [T, E]
+
+    def _prepare_in_place(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor | None:
+        """q [T, H, D] normed and rotated, with k and v written to the cache, in one kernel call; None: not
+        handled (nothing written)."""
+        if self.attn.key_cache is None:
+            return None
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        return qkv_prepare(qkv, self.num_heads, self.num_kv_heads,
+                           norms[0].flavour_weight() if norms else None, norms[1].flavour_weight() if norms else None,
+                           norms[0].eps if norms else 0.0, bool(norms and norms[0].unit_offset), cos, sin,
+                           self.attn.key_cache, self.attn.value_cache, meta.slot_mapping)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -85,9 +120,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, E]
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                pending: Pending = (None, None)) -> tuple[torch.Tensor, Pending]:
+        """h [T, E]: the residual stream; `pending`: the previous layer's MLP output, not yet added. Returns
+        h and this layer's own pending output: each add is fused with the norm that follows it."""
+        h, x = self.input_layernorm.residual(h, *pending)
+        h, x = self.post_attention_layernorm.residual(h, self.self_attn(x, cos, sin, meta))
+        return h, (self.mlp(x), None)  # [T, E] each
 
 
 class LlamaModel(nn.Module):
@@ -103,9 +142,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary_emb(positions, h.dtype)  # [T, D/2] each
+        pending = (None, None)
         for layer in self.layers:
-            h = layer(h, cos, sin, meta)
-        return self.norm(h)  # [T, E]
+            h, pending = layer(h, cos, sin, meta, pending)
+        return self.norm.residual(h, *pending)[1]  # [T, E]
 
     def materialize_buffers(self, device: torch.device) -> None:
         self.rotary_emb.materialize(device)

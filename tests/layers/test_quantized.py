@@ -9,6 +9,7 @@ native ones (tests/kernels/test_quant_gemv.py tests those kernels on their own).
 
 from __future__ import annotations
 
+import copy
 import shutil
 import sys
 from pathlib import Path
@@ -34,7 +35,7 @@ from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_
 from pagellm.layers.quantized import (  # noqa: E402
     DENSE_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear)
 from pagellm.loader.gguf_quant import group_affine_of  # noqa: E402
-from pagellm.loader.model_loader import load_model  # noqa: E402
+from pagellm.loader.model_loader import checkpoint_state_dict, load_model  # noqa: E402
 from pagellm.loader.quantization import auto_scheme, quantize_model, weight_bytes  # noqa: E402
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config  # noqa: E402
 from pagellm.models.registry import build_model  # noqa: E402
@@ -241,18 +242,21 @@ def test_hf_checkpoint_auto_is_none_and_device_is_checked(tmp_path):
 
 def dequantized_checkpoint(model, source: Path, target: Path) -> Path:
     """An HF checkpoint of `model` with every quantized layer replaced by its dequantized weight."""
-    state = {}
-    for path, module in model.named_modules():
+    dense = copy.deepcopy(model)
+    for path, module in list(dense.named_modules()):
+        owner, _, attr = path.rpartition(".")
         if isinstance(module, QuantizedEmbedding):
-            state[f"{path}.weight"] = module.table.dequantize()
+            dense.get_submodule(owner).register_module(attr, torch.nn.Embedding.from_pretrained(module.table.dequantize()))
         elif isinstance(module, QuantizedLinear) and not path.endswith(".table"):
-            state[f"{path}.weight"] = module.dequantize()
-    for name, param in model.named_parameters():
-        if not name.endswith(".table.bias"):
-            state[name] = param.detach().float()
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            linear.weight.data = module.dequantize()
+            if module.bias is not None:
+                linear.bias.data = module.bias.detach().float()
+            dense.get_submodule(owner).register_module(attr, linear)
     target.mkdir()
     shutil.copy(source / "config.json", target / "config.json")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(target / "model.safetensors"))
+    state = {k: v.float().contiguous() for k, v in checkpoint_state_dict(dense).items() if v.is_floating_point()}
+    save_file(state, str(target / "model.safetensors"))
     return target
 
 

@@ -1,0 +1,173 @@
+// Fused per-layer ops for the Llama-family decoder layers: each replaces 3-6 torch ops (and their
+// allocations and dispatch, ~5-10 us each at decode on this machine, ~20 of them per Gemma layer) with
+// one call. Every op does the same arithmetic, with the same roundings, as the torch ops it replaces.
+//
+//   qkv_prepare   the fused q/k/v projection's output -> q (per-head RMSNorm, rotary) for attention,
+//                 k (norm, rotary) and v written straight into the paged KV cache
+//   add_rms_norm  residual += [post-norm](x); out = norm(residual)   (the residual stream between blocks)
+//   act_mul       act(gate) * up over the fused gate/up projection's output (silu or gelu-tanh)
+//
+// dtype is fp32 (is_bf16 = 0) or bf16 (is_bf16 = 1); norms as in norm.h, rotary as in rope.h.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "exp512.h"
+#include "norm.h"
+#include "rope.h"
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 1024;
+
+template <typename T, int UNIT_OFFSET>
+void norm_rotate(const T* x, const void* weight, float eps, const T* cos, const T* sin, T* out, int64_t dim) {
+    if (weight == nullptr) return rotate_row<T>(x, cos, sin, out, dim / 2);
+    T normed[kMaxHeadDim];  // the norm's output rounded to the dtype, as the unfused ops hand it on
+    norm_row<sizeof(T) == 2, UNIT_OFFSET>(x, weight, normed, dim, eps);
+    rotate_row<T>(normed, cos, sin, out, dim / 2);
+}
+
+template <typename T, int UNIT_OFFSET>
+void prepare_token(const T* qkv, int64_t H, int64_t Hk, int64_t D, const void* q_weight, const void* k_weight,
+                   float eps, const T* cos, const T* sin, T* key_cache, T* value_cache, int64_t slot, T* q_out) {
+    for (int64_t h = 0; h < H; ++h)
+        norm_rotate<T, UNIT_OFFSET>(qkv + h * D, q_weight, eps, cos, sin, q_out + h * D, D);
+    const T* k = qkv + H * D;
+    for (int64_t h = 0; h < Hk; ++h)
+        norm_rotate<T, UNIT_OFFSET>(k + h * D, k_weight, eps, cos, sin, key_cache + (slot * Hk + h) * D, D);
+    std::memcpy(value_cache + slot * Hk * D, k + Hk * D, Hk * D * sizeof(T));
+}
+
+template <typename T, int UNIT_OFFSET>
+void prepare(const T* qkv, int64_t tokens, int64_t H, int64_t Hk, int64_t D, const void* q_weight,
+             const void* k_weight, float eps, const T* cos, const T* sin, T* key_cache, T* value_cache,
+             const int64_t* slots, T* q_out) {
+    const int64_t width = (H + 2 * Hk) * D;
+#pragma omp parallel for schedule(static) if (tokens * width >= (1 << 16))
+    for (int64_t t = 0; t < tokens; ++t)
+        prepare_token<T, UNIT_OFFSET>(qkv + t * width, H, Hk, D, q_weight, k_weight, eps, cos + t * D / 2,
+                                      sin + t * D / 2, key_cache, value_cache, slots[t], q_out + t * H * D);
+}
+
+template <int IS_BF16, int UNIT_OFFSET>
+void add_norm_rows(const char* residual, const char* x, const void* post_weight, const void* weight, char* residual_out,
+                   char* out, int64_t rows, int64_t dim, float eps) {
+    const int64_t stride = dim * (IS_BF16 ? 2 : 4);
+#pragma omp parallel for schedule(static) if (rows * dim >= (1 << 16))
+    for (int64_t r = 0; r < rows; ++r) {
+        const char* xr = x + r * stride;
+        char* hr = residual_out + r * stride;
+        if (post_weight != nullptr) {  // the block's own output norm first (Gemma's sandwich norms), rounded
+            norm_row<IS_BF16, UNIT_OFFSET>(xr, post_weight, hr, dim, eps);
+            xr = hr;
+        }
+        for (int64_t i = 0; i < dim; ++i)  // one rounding of the sum, as torch's add
+            store_from_f32(hr, i, load_as_f32(residual + r * stride, i, IS_BF16) + load_as_f32(xr, i, IS_BF16),
+                           IS_BF16);
+        norm_row<IS_BF16, UNIT_OFFSET>(hr, weight, out + r * stride, dim, eps);
+    }
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline __m512 round16(__m512 v, float*) { return v; }
+inline __m512 round16(__m512 v, uint16_t*) {  // to bf16 and back, nearest even (finite inputs)
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xffff0000u))));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(v, p)), 16)));
+}
+
+// silu(x) = x / (1 + e^-x);  gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3), with
+// tanh(y) = 1 - 2 / (e^(2y) + 1): torch's form, so it too gives exactly 0 where tanh(y) rounds to -1.
+template <int ACT>
+inline __m512 activation16(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    if (ACT == 0) return _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    const __m512 c = _mm512_set1_ps(0.7978845608028654f), cubic = _mm512_set1_ps(0.044715f);
+    const __m512 y = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(cubic, x), _mm512_mul_ps(x, x), x));
+    const __m512 e = exp512(_mm512_add_ps(y, y));
+    const __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, tanh));
+}
+
+template <typename T, int ACT>
+void act_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+    T* tag = nullptr;  // picks the rounding overloads
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)  // act rounded to the dtype, then the product rounded: torch's two ops
+        store16(out + i, _mm512_mul_ps(round16(activation16<ACT>(load16(gate + i)), tag), load16(up + i)));
+    if (i < n) {
+        alignas(64) T g[16] = {}, u[16] = {}, o[16];
+        std::memcpy(g, gate + i, (n - i) * sizeof(T));
+        std::memcpy(u, up + i, (n - i) * sizeof(T));
+        store16(o, _mm512_mul_ps(round16(activation16<ACT>(load16(g)), tag), load16(u)));
+        std::memcpy(out + i, o, (n - i) * sizeof(T));
+    }
+}
+
+template <typename T, int ACT>
+void act_mul(const T* gate_up, int64_t rows, int64_t n, T* out) {
+#pragma omp parallel for schedule(static) if (rows * n >= (1 << 15))
+    for (int64_t r = 0; r < rows; ++r) act_mul_row<T, ACT>(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n);
+}
+#endif
+
+}  // namespace
+
+// qkv [tokens, (H + 2 Hk) D] (q heads, k heads, v heads); q/k_weight: the per-head norms (NULL: none; fp32
+// when unit_offset, else the dtype); cos, sin [tokens, D/2]; caches [blocks, block_size, Hk, D] in the dtype;
+// slots [tokens]. Writes q_out [tokens, H, D] and the tokens' K/V rows. Returns 0, or 1 if D is too large.
+extern "C" int pagellm_qkv_prepare(const void* qkv, int64_t tokens, int64_t H, int64_t Hk, int64_t D,
+                                   const void* q_weight, const void* k_weight, float eps, int unit_offset,
+                                   const void* cos, const void* sin, void* key_cache, void* value_cache,
+                                   const int64_t* slots, void* q_out, int is_bf16) {
+    if (D > kMaxHeadDim || D % 2) return 1;
+#define PAGELLM_PREPARE(T, U)                                                                              \
+    prepare<T, U>(static_cast<const T*>(qkv), tokens, H, Hk, D, q_weight, k_weight, eps,                  \
+                  static_cast<const T*>(cos), static_cast<const T*>(sin), static_cast<T*>(key_cache),      \
+                  static_cast<T*>(value_cache), slots, static_cast<T*>(q_out))
+    if (is_bf16 && unit_offset) PAGELLM_PREPARE(uint16_t, 1);
+    else if (is_bf16) PAGELLM_PREPARE(uint16_t, 0);
+    else if (unit_offset) PAGELLM_PREPARE(float, 1);
+    else PAGELLM_PREPARE(float, 0);
+#undef PAGELLM_PREPARE
+    return 0;
+}
+
+// residual_out = residual + [post_norm](x); out = norm(residual_out). All [rows, dim]; post_weight NULL: none.
+extern "C" void pagellm_add_rms_norm(const void* residual, const void* x, const void* post_weight,
+                                     const void* weight, void* residual_out, void* out, int64_t rows, int64_t dim,
+                                     float eps, int is_bf16, int unit_offset) {
+    auto r = static_cast<const char*>(residual);
+    auto xs = static_cast<const char*>(x);
+    auto ro = static_cast<char*>(residual_out);
+    auto o = static_cast<char*>(out);
+    if (is_bf16 && unit_offset) add_norm_rows<1, 1>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
+    else if (is_bf16) add_norm_rows<1, 0>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
+    else if (unit_offset) add_norm_rows<0, 1>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
+    else add_norm_rows<0, 0>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
+}
+
+// out [rows, n] = act(gate_up[:, :n]) * gate_up[:, n:]; act 0 = silu, 1 = gelu (tanh approximation).
+// Returns 1 (nothing done) without AVX-512: the caller keeps torch's ops.
+extern "C" int pagellm_act_mul(const void* gate_up, int64_t rows, int64_t n, int act, void* out, int is_bf16) {
+#ifdef __AVX512F__
+    if (is_bf16 && act == 1) act_mul<uint16_t, 1>(static_cast<const uint16_t*>(gate_up), rows, n, static_cast<uint16_t*>(out));
+    else if (is_bf16) act_mul<uint16_t, 0>(static_cast<const uint16_t*>(gate_up), rows, n, static_cast<uint16_t*>(out));
+    else if (act == 1) act_mul<float, 1>(static_cast<const float*>(gate_up), rows, n, static_cast<float*>(out));
+    else act_mul<float, 0>(static_cast<const float*>(gate_up), rows, n, static_cast<float*>(out));
+    return 0;
+#else
+    return 1;
+#endif
+}

@@ -1,0 +1,63 @@
+// One row of RMSNorm, shared by rms_norm.cpp and layer_ops.cpp so the fused and plain calls round alike.
+//
+// Two flavours, matching pagellm/layers/norm.py (and HF) in where rounding happens:
+//   unit_offset:  y = dtype(x / rms(x) * (1 + w))        (Gemma; w given as fp32)
+//   plain:        y = dtype(w * dtype(x / rms(x)))       (Llama/Qwen; w in the model dtype)
+// rms is computed in fp32. dtype is fp32 (is_bf16 = 0) or bf16 (is_bf16 = 1).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "bf16.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+inline float load_as_f32(const void* p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline float round_to(float v, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+inline void store_from_f32(void* p, int64_t i, float v, int is_bf16) {
+    if (is_bf16)
+        static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+    else
+        static_cast<float*>(p)[i] = v;
+}
+
+inline float sum_squares(const void* row, int64_t dim, int is_bf16) {
+    int64_t i = 0;
+    float total = 0.f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= dim; i += 16) {
+        __m512 v;
+        if (is_bf16) {
+            __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        } else {
+            v = _mm512_loadu_ps(static_cast<const float*>(row) + i);
+        }
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    total = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < dim; ++i) {
+        float v = load_as_f32(row, i, is_bf16);
+        total += v * v;
+    }
+    return total;
+}
+
+template <int IS_BF16, int UNIT_OFFSET>
+void norm_row(const void* x, const void* weight, void* out, int64_t dim, float eps) {
+    float inv = 1.f / std::sqrt(sum_squares(x, dim, IS_BF16) / float(dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) {
+        float normed = load_as_f32(x, i, IS_BF16) * inv;
+        float y = UNIT_OFFSET ? normed * (1.f + static_cast<const float*>(weight)[i])
+                              : load_as_f32(weight, i, IS_BF16) * round_to(normed, IS_BF16);
+        store_from_f32(out, i, y, IS_BF16);
+    }
+}

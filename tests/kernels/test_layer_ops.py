@@ -1,0 +1,132 @@
+"""The fused decoder-layer ops (kernels/layer_ops.py) against the torch ops they replace.
+
+qkv_prepare and add_rms_norm do the arithmetic of the unfused native kernels (the same norm.h / rope.h row
+code), so they must be bit-identical to those; act_mul's exp differs from torch's in the last fp32 ulp, so
+it is held to a tight tolerance (at most one bf16 rounding step in bf16, or ~1e-5 absolute where gelu's
+1 + tanh cancels).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.kernels import layer_ops
+from pagellm.kernels.attention import write_kv
+from pagellm.layers.mlp import gated_act
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import apply_rotary
+
+pytestmark = pytest.mark.skipif(layer_ops._lib() is None, reason="native layer_ops could not be built here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _norm(dim: int, unit_offset: bool, dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6, unit_offset=unit_offset)
+    g = torch.Generator().manual_seed(seed)
+    norm.weight.data = (torch.randn(dim, generator=g) * 0.5 + (0 if unit_offset else 1)).to(dtype)
+    return norm
+
+
+def _rope(tokens: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(tokens)[:, None] * (10000.0 ** (-torch.arange(dim // 2) / (dim // 2)))[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm,unit_offset", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, qk_norm, unit_offset, tokens):
+    heads, kv_heads, dim, blocks, block_size = 4, 2, 64, 40, 16
+    torch.manual_seed(tokens)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 2).to(dtype)
+    cos, sin = _rope(tokens, dim, dtype)
+    slots = torch.randperm(blocks * block_size)[:tokens]  # scattered over blocks, as the block table places them
+    norms = (_norm(dim, unit_offset, dtype, 1), _norm(dim, unit_offset, dtype, 2)) if qk_norm else None
+    caches = [torch.zeros(blocks, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
+
+    with torch.inference_mode():
+        q = layer_ops.qkv_prepare(qkv, heads, kv_heads, norms[0].flavour_weight() if norms else None,
+                                  norms[1].flavour_weight() if norms else None, 1e-6, unit_offset, cos, sin,
+                                  caches[0], caches[1], slots)
+        rq, rk, rv = (t.reshape(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+        if norms:
+            rq, rk = norms[0](rq.contiguous()), norms[1](rk.contiguous())
+        rq, rk = apply_rotary(rq.contiguous(), cos, sin), apply_rotary(rk.contiguous(), cos, sin)
+        write_kv(rk, rv, caches[2], caches[3], slots)
+    assert q is not None and q.shape == (tokens, heads, dim)
+    assert torch.equal(q, rq)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])  # only the tokens' slots written
+
+
+def test_qkv_prepare_declines_what_it_cannot_do():
+    qkv, cos, sin = torch.randn(2, 4 * 32), *_rope(2, 32, torch.float32)
+    cache = torch.zeros(4, 16, 1, 32)
+    slots = torch.tensor([0, 1])
+    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache.bfloat16(), cache.bfloat16(),
+                                 slots) is None  # cache dtype differs
+    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots.int()) is None
+    assert layer_ops.qkv_prepare(qkv[:, ::2], 1, 0, None, None, 0.0, False, cos, sin, cache, cache, slots) is None
+    assert layer_ops.qkv_prepare(qkv, 3, 1, None, None, 0.0, False, cos, sin, cache, cache, slots) is None
+    assert not cache.any()  # nothing written when declined
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("with_post", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_residual_norm_equals_add_then_norm(dtype, unit_offset, with_post, rows):
+    dim = 640
+    torch.manual_seed(rows)
+    h, x = (torch.randn(rows, dim) * 4).to(dtype), torch.randn(rows, dim).to(dtype)
+    norm, post = _norm(dim, unit_offset, dtype, 3), _norm(dim, unit_offset, dtype, 4) if with_post else None
+    with torch.inference_mode():
+        fused = layer_ops.add_rms_norm(h, x, post.flavour_weight() if post else None, norm.flavour_weight(), norm.eps,
+                                       unit_offset)
+        summed = h + (post(x) if post else x)
+        reference = (summed, norm(summed))
+        via_module = norm.residual(h, x, post)
+    assert fused is not None
+    for got in (fused, via_module):
+        assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+    assert norm.residual(h, None)[0] is h and torch.equal(norm.residual(h, None)[1], norm(h))
+
+
+def test_residual_norm_falls_back_for_mismatched_norms():
+    h, x = torch.randn(2, 32), torch.randn(2, 32)
+    norm, post = RMSNorm(32, 1e-6), RMSNorm(32, 1e-5)
+    post.weight.data = torch.rand(32) + 0.5
+    got = norm.residual(h, x, post)  # different eps: two calls of the torch path
+    summed = h + post(x)
+    assert torch.equal(got[0], summed) and torch.equal(got[1], norm(summed))
+    assert layer_ops.add_rms_norm(h, x.double(), None, norm.weight, 1e-6, False) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("shape", [(1, 2 * 2048), (7, 2 * 24), (64, 2 * 1000)])
+def test_gated_act_matches_torch(dtype, activation, shape):
+    torch.manual_seed(shape[0])
+    gate_up = (torch.randn(shape) * 3).to(dtype)
+    gate_up[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # exp overflow / underflow and signed zeros
+    act = F.silu if activation == "silu" else (lambda v: F.gelu(v, approximate="tanh"))
+    gate, up = gate_up.chunk(2, dim=-1)
+    with torch.inference_mode():
+        got, reference = gated_act(gate_up, activation), act(gate) * up
+    assert got.dtype == dtype and got.shape == reference.shape and torch.isfinite(got).all()
+    # Apart from last-ulp exp differences, values differ only where gelu's 1 + tanh(y) cancels (tanh near -1),
+    # in torch's formula as in ours: tiny results, a few 1e-6 apart at inputs of scale 3.
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+    else:  # act rounded to bf16 before the product, as torch does: at most one bf16 step apart
+        torch.testing.assert_close(got.float(), reference.float(), atol=1e-4, rtol=2 ** -7)
+        assert (got != reference).float().mean() < 0.05
+
+
+def test_gated_act_keeps_torch_for_erf_gelu():
+    gate_up = torch.randn(3, 16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(gated_act(gate_up, "gelu"), F.gelu(gate) * up)
+    assert layer_ops.act_mul(gate_up, "gelu") is None
