@@ -21,6 +21,7 @@ from pagellm.layers.attention import PagedAttention
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
 from pagellm.kernels.layer_ops import qkv_prepare
+from pagellm.kernels.logits import logits_to_f32
 from pagellm.layers.quantized import concat_linears, lm_head_logits
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagellm.runner.attention_metadata import AttentionMetadata
@@ -218,6 +219,9 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, head.weight[vocab_rows])  # a view of the rows: no copy
         else:
             logits = lm_head_logits(head, hidden)  # [N, V]; dense, or quantized (layers/quantized.py)
+        fast = logits_to_f32(logits, self.final_logit_softcap)  # one native pass, HF's roundings
+        if fast is not None:
+            return fast
         if self.final_logit_softcap is not None:  # Gemma; in the model dtype, as HF does
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits.float()

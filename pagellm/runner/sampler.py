@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from pagellm.kernels.logits import argmax_rows
 from pagellm.sampling_params import SamplingParams
 
 
@@ -72,7 +73,7 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         needs_penalties = any(p.needs_penalties for p in params)
         if not wants_logprobs and not needs_penalties and all(p.is_greedy for p in params):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
+            return SamplerOutput(token_ids=greedy_ids(logits), logprobs=None)
 
         logits = logits.float()  # sampling maths in fp32 whatever the model's dtype; no copy if already fp32
         # vLLM returns logprobs of the raw model distribution, before penalties and temperature.
@@ -90,12 +91,12 @@ class Sampler:
     def _pick_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy = [row.sampling_params.is_greedy for row in rows]
         if all(greedy):
-            return logits.argmax(dim=-1)
+            return greedy_ids(logits)
         sampled = self._sample(logits, rows)
         if not any(greedy):
             return sampled
         is_greedy = _to_device(greedy, torch.bool, logits.device)
-        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(is_greedy, greedy_ids(logits), sampled)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Sample every row (greedy rows too; the caller discards those) from its filtered distribution."""
@@ -133,13 +134,19 @@ class Sampler:
         return generator
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), natively where it applies: torch's CPU argmax took 12 ms on [64, 262144] fp32."""
+    ids = argmax_rows(logits)
+    return ids if ids is not None else logits.argmax(dim=-1)
+
+
 def sample_exponential_race_no_sync(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i] / sum(probs), like
     torch.multinomial but without its host sync; probs need not be normalised. Overwrites both inputs."""
     # exponential_ can return exactly 0; then a filtered token (prob 0) would become 0/0 = NaN, and
     # argmax picks NaN. Flooring q keeps filtered tokens at 0 and only makes a kept token win outright.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    return greedy_ids(probs.div_(noise))
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

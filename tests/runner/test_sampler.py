@@ -69,8 +69,10 @@ def test_all_greedy_batch_does_only_an_argmax():
     logits = torch.randn(4, 100)
     with _RecordOps() as ops:
         Sampler(seed=0)(logits, rows_of(4, temperature=0.0, top_k=5, top_p=0.5))
-    # "__get__" is attribute access (shape, device), not compute.
-    assert {n for n in ops.names if n != "__get__"} == {"argmax"}
+    # "__get__" is attribute access (shape, device), not compute; the native argmax (kernels/logits.py) reads
+    # the tensor's layout and allocates its output, torch's is one "argmax".
+    native_argmax = {"dim", "is_contiguous", "numel", "empty", "data_ptr"}
+    assert {n for n in ops.names if n != "__get__"} in ({"argmax"}, native_argmax)
 
 
 def test_full_feature_batch_never_reads_device_values_back():

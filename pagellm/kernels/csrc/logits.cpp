@@ -1,0 +1,300 @@
+// The last two steps of a decode step on the [rows, V] logits, fused for CPU.
+//
+// Why: with V = 262144 (Gemma 3) and rows = 64, the torch chain is three passes of
+// soft-capping in bf16 (div, tanh, mul; the tanh alone ~16 ms), a .float() into a fresh
+// 67 MB tensor (page faults, ~27 ms) and an argmax (~12 ms). Here soft-capping and the
+// conversion are one pass into a buffer the caller may reuse, and argmax is one pass that
+// also splits a row across threads when there are fewer rows than threads.
+//
+//   pagellm_logits_to_f32: out = float(logits), soft-capped when cap > 0 with the roundings
+//                          of torch's `tanh(x / cap) * cap` in the input dtype (bf16: each op
+//                          in fp32, rounded to bf16; bit-identical to torch). A bf16 logit has
+//                          only 65536 possible values, so a large input is capped through a
+//                          table of all of them: one gather per 16 logits instead of ~40 vector
+//                          ops of tanh (~2.5x faster; the table costs ~0.05 ms).
+//   pagellm_argmax_rows:   per-row argmax as torch's CPU argmax: first index on ties, NaN is
+//                          maximal (the first NaN wins).
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "bf16.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+#include "exp512.h"
+#endif
+
+namespace {
+
+// Elements per OpenMP work item: big enough that scheduling is noise, small enough to balance.
+constexpr int64_t kBlock = 1 << 14;
+// Below this many elements a fork costs more than the work.
+constexpr int64_t kParallelMin = 1 << 15;
+
+inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+// Scalar soft-cap, for builds without AVX-512. glibc's tanhf, like torch's vector tanh, gives
+// the correctly rounded bf16 on every bf16 input (checked exhaustively against torch).
+template <int IN_BF16>
+inline float softcap1(float x, float cap) {
+    if (!IN_BF16) return std::tanh(x / cap) * cap;
+    return round_bf16(round_bf16(std::tanh(round_bf16(x / cap))) * cap);
+}
+
+#ifdef __AVX512F__
+
+// fp32 -> nearest-even bf16, kept as fp32 (low half zero). Integer rounding rather than
+// vcvtneps2bf16, which flushes denormals where torch keeps them.
+inline __m512 round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));  // NaN stays NaN, made quiet
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
+}
+
+// tanh within ~1.5 ulp: an odd polynomial below 0.55 (where 1 - 2/(e+1) loses bits to
+// cancellation), 1 - 2 / (e^2|x| + 1) above. The coefficients are a Chebyshev-node fit of
+// (tanh(x) - x) / x^3 in x^2 on [0, 0.55^2] (approximation error < 0.07 ulp). After bf16
+// rounding this equals torch's bf16 tanh on every bf16 input (tests/kernels/test_logits_kernels.py).
+inline __m512 tanh512(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 ax = _mm512_abs_ps(x);
+    const __m512 e = exp512(_mm512_add_ps(ax, ax));  // inf past |x| = 44.5, giving exactly 1
+    const __m512 large = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+    const __m512 s = _mm512_mul_ps(ax, ax);
+    __m512 p = _mm512_set1_ps(-0.00661022774875164f);
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(0.021309388801455498f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-0.05390942841768265f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(0.13333113491535187f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-0.3333333134651184f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(ax, s), p, ax);
+    __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.55f), _CMP_LT_OQ), large, small);
+    t = _mm512_or_ps(t, _mm512_and_ps(x, _mm512_set1_ps(-0.f)));  // odd: |x|'s result, x's sign
+    return _mm512_mask_mov_ps(t, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN in, NaN out
+}
+
+template <int IN_BF16>
+inline __m512 load16(const void* in, int64_t i, __mmask16 m) {
+    if (!IN_BF16) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(in) + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(in) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16 = high half
+}
+
+template <int IN_BF16>
+inline __m512 softcap16(__m512 x, __m512 cap) {
+    if (!IN_BF16) return _mm512_mul_ps(tanh512(_mm512_div_ps(x, cap)), cap);
+    const __m512 t = round_bf16(tanh512(round_bf16(_mm512_div_ps(x, cap))));
+    return round_bf16(_mm512_mul_ps(t, cap));
+}
+
+template <int IN_BF16, int CAPPED>
+void convert_span(const void* in, float* out, int64_t begin, int64_t end, float cap) {
+    const __m512 capv = _mm512_set1_ps(cap);
+    for (int64_t i = begin; i < end; i += 16) {
+        const __mmask16 m = end - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (end - i)) - 1);
+        const __m512 x = load16<IN_BF16>(in, i, m);
+        _mm512_mask_storeu_ps(out + i, m, CAPPED ? softcap16<IN_BF16>(x, capv) : x);
+    }
+}
+
+#else  // no AVX-512: the scalar oracle
+
+template <int IN_BF16, int CAPPED>
+void convert_span(const void* in, float* out, int64_t begin, int64_t end, float cap) {
+    for (int64_t i = begin; i < end; ++i) {
+        const float x = IN_BF16 ? bf16_to_f32(static_cast<const uint16_t*>(in)[i]) : static_cast<const float*>(in)[i];
+        out[i] = CAPPED ? softcap1<IN_BF16>(x, cap) : x;
+    }
+}
+
+#endif  // __AVX512F__
+
+template <int IN_BF16, int CAPPED>
+void convert(const void* in, float* out, int64_t n, float cap) {
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+    for (int64_t b = 0; b < blocks; ++b)
+        convert_span<IN_BF16, CAPPED>(in, out, b * kBlock, std::min(n, (b + 1) * kBlock), cap);
+}
+
+// ---- bf16 soft-capping by table ------------------------------------------------------------
+
+constexpr int64_t kBf16Values = 65536;
+// From here on the table (65536 soft-caps) is cheaper than computing every logit.
+constexpr int64_t kTableMin = 2 * kBf16Values;
+
+// The bf16 bit patterns 0..65535 as one input, so the table is computed by the same code
+// (and so with the same roundings) as the direct path.
+std::vector<float> softcap_table(float cap) {
+    std::vector<uint16_t> every(kBf16Values);
+    for (int64_t h = 0; h < kBf16Values; ++h) every[h] = uint16_t(h);
+    std::vector<float> table(kBf16Values);
+    convert<1, 1>(every.data(), table.data(), kBf16Values, cap);
+    return table;
+}
+
+void lookup_span(const uint16_t* in, const float* table, float* out, int64_t begin, int64_t end) {
+    int64_t i = begin;
+#ifdef __AVX512F__
+    for (; i + 16 <= end; i += 16) {
+        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
+        _mm512_storeu_ps(out + i, _mm512_i32gather_ps(h, table, 4));
+    }
+#endif
+    for (; i < end; ++i) out[i] = table[in[i]];
+}
+
+void softcap_bf16_by_table(const uint16_t* in, float* out, int64_t n, float cap) {
+    const std::vector<float> table = softcap_table(cap);
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) lookup_span(in, table.data(), out, b * kBlock, std::min(n, (b + 1) * kBlock));
+}
+
+// ---- argmax ---------------------------------------------------------------------------
+
+// The best of a span of a row; indices are the row's. first_nan < 0: the span has no NaN.
+struct Best {
+    float value;
+    int64_t index;
+    int64_t first_nan;
+};
+
+// `a` covers earlier indices than `b`: on ties, and between NaNs, the earlier wins.
+inline Best combine(const Best& a, const Best& b) {
+    if (a.first_nan >= 0) return a;
+    if (b.first_nan >= 0 || b.value > a.value) return b;
+    return a;
+}
+
+inline Best scan_scalar(const float* x, int64_t n, int64_t base) {
+    Best best{-std::numeric_limits<float>::infinity(), base, -1};
+    for (int64_t i = 0; i < n; ++i) {
+        if (std::isnan(x[i])) return {x[i], base + i, base + i};
+        if (x[i] > best.value) best = {x[i], base + i, -1};
+    }
+    return best;  // all -inf: index `base`, the first
+}
+
+#ifdef __AVX512F__
+
+// Largest span scanned with 32-bit lane indices.
+constexpr int64_t kScanMax = int64_t(1) << 30;
+
+// The best of (value, index) lanes: the largest value, the smallest index among equals.
+inline void keep_best(__m512& v, __m512i& at, __m512 v2, __m512i at2) {
+    const __mmask16 better = _mm512_cmp_ps_mask(v2, v, _CMP_GT_OQ) |
+                             (_mm512_cmp_ps_mask(v2, v, _CMP_EQ_OQ) & _mm512_cmp_epi32_mask(at2, at, _MM_CMPINT_LT));
+    v = _mm512_mask_mov_ps(v, better, v2);
+    at = _mm512_mask_mov_epi32(at, better, at2);
+}
+
+// Four independent (max, where) accumulators so the compare -> select chains overlap; a lane
+// only moves on a strictly larger value, so it holds the first index of its maximum. `where`
+// keeps the offset of the 64-element group; the lane's own offset is added back at the end.
+// NaNs are only detected here (compares against them are false) and located by a rescan.
+Best scan_vector(const float* x, int64_t n, int64_t base) {
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 best[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
+    __m512i where[4] = {};
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const __m512i group = _mm512_set1_epi32(int(i));
+        __m512 v[4];
+        for (int k = 0; k < 4; ++k) {
+            v[k] = _mm512_loadu_ps(x + i + 16 * k);
+            const __mmask16 up = _mm512_cmp_ps_mask(v[k], best[k], _CMP_GT_OQ);
+            best[k] = _mm512_mask_mov_ps(best[k], up, v[k]);
+            where[k] = _mm512_mask_mov_epi32(where[k], up, group);
+        }
+        nan |= _mm512_cmp_ps_mask(v[0], v[1], _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v[2], v[3], _CMP_UNORD_Q);
+    }
+    // The tail: 16 at a time into accumulator 0, offsets being multiples of 16 as above.
+    for (; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(neg_inf, m, x + i);
+        const __mmask16 up = _mm512_cmp_ps_mask(v, best[0], _CMP_GT_OQ);
+        best[0] = _mm512_mask_mov_ps(best[0], up, v);
+        where[0] = _mm512_mask_mov_epi32(where[0], up, _mm512_set1_epi32(int(i)));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    if (nan) return scan_scalar(x, n, base);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int k = 0; k < 4; ++k)
+        where[k] = _mm512_add_epi32(where[k], _mm512_add_epi32(lane, _mm512_set1_epi32(16 * k)));
+    keep_best(best[0], where[0], best[1], where[1]);
+    keep_best(best[2], where[2], best[3], where[3]);
+    keep_best(best[0], where[0], best[2], where[2]);
+    const float top = _mm512_reduce_max_ps(best[0]);
+    if (top == -std::numeric_limits<float>::infinity()) return {top, base, -1};  // all -inf: the first
+    const __mmask16 at_top = _mm512_cmp_ps_mask(best[0], _mm512_set1_ps(top), _CMP_EQ_OQ);
+    return {top, base + _mm512_mask_reduce_min_epi32(at_top, where[0]), -1};
+}
+
+Best scan(const float* x, int64_t n, int64_t base) {
+    Best best = scan_vector(x, std::min(n, kScanMax), base);
+    for (int64_t i = kScanMax; i < n; i += kScanMax)
+        best = combine(best, scan_vector(x + i, std::min(n - i, kScanMax), base + i));
+    return best;
+}
+
+#else
+
+Best scan(const float* x, int64_t n, int64_t base) { return scan_scalar(x, n, base); }
+
+#endif  // __AVX512F__
+
+inline int64_t index_of(const Best& b) { return b.first_nan >= 0 ? b.first_nan : b.index; }
+
+// A row is split into parts only when whole rows cannot keep every thread busy (decode with
+// B = 1 or an odd B); a part is never shorter than this.
+constexpr int64_t kMinPart = 1 << 15;
+
+int64_t parts_per_row(int64_t rows, int64_t V, int threads) {
+    if (rows * V < kParallelMin || rows >= 4 * threads || rows % threads == 0) return 1;
+    return std::max<int64_t>(1, std::min<int64_t>(threads, V / kMinPart));
+}
+
+void argmax_split(const float* x, int64_t rows, int64_t V, int64_t parts, int64_t* out) {
+    std::vector<Best> partial(rows * parts);
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < rows * parts; ++item) {
+        const int64_t r = item / parts, p = item % parts;
+        const int64_t lo = V * p / parts, hi = V * (p + 1) / parts;
+        partial[item] = scan(x + r * V + lo, hi - lo, lo);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        Best best = partial[r * parts];
+        for (int64_t p = 1; p < parts; ++p) best = combine(best, partial[r * parts + p]);
+        out[r] = index_of(best);
+    }
+}
+
+}  // namespace
+
+extern "C" void pagellm_logits_to_f32(const void* logits, int in_bf16, int64_t rows, int64_t V, float cap,
+                                      float* out) {
+    const int64_t n = rows * V;
+    if (in_bf16 && cap > 0 && n >= kTableMin) softcap_bf16_by_table(static_cast<const uint16_t*>(logits), out, n, cap);
+    else if (in_bf16 && cap > 0) convert<1, 1>(logits, out, n, cap);
+    else if (in_bf16) convert<1, 0>(logits, out, n, cap);
+    else if (cap > 0) convert<0, 1>(logits, out, n, cap);
+    else convert<0, 0>(logits, out, n, cap);
+}
+
+extern "C" void pagellm_argmax_rows(const float* x, int64_t rows, int64_t V, int64_t* out) {
+    if (rows <= 0 || V <= 0) return;
+    const int64_t parts = parts_per_row(rows, V, omp_get_max_threads());
+    if (parts > 1) return argmax_split(x, rows, V, parts, out);
+#pragma omp parallel for schedule(static) if (rows * V >= kParallelMin && rows > 1)
+    for (int64_t r = 0; r < rows; ++r) out[r] = index_of(scan(x + r * V, V, 0));
+}

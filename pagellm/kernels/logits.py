@@ -1,0 +1,97 @@
+"""Logits soft-capping + fp32 conversion, and greedy argmax, through C++ kernels (csrc/logits.cpp).
+
+Why: at V = 262144 the torch chain after the LM head of a batched decode step
+(`tanh(logits / cap) * cap` in bf16, `.float()` into a fresh tensor, `argmax(dim=-1)`)
+costs tens of ms on CPU. Each function returns None when the inputs are not ones the
+kernel handles (not on CPU, unsupported dtype, not contiguous, native kernels
+unavailable); the caller then runs the torch expression, which stays the oracle the
+kernels are tested against (tests/kernels/test_logits_kernels.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pagellm.kernels import native
+
+_IN_BF16 = {torch.float32: 0, torch.bfloat16: 1}
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "logits_to_f32": ("pagellm_logits_to_f32", [_P, _INT, _I64, _I64, ctypes.c_float, _P]),
+    "argmax_rows": ("pagellm_argmax_rows", [_P, _I64, _I64, _P]),
+}
+
+
+@functools.cache
+def _kernel(name: str):
+    lib = native.load("logits")
+    if lib is None:
+        return None
+    symbol, argtypes = _SIGNATURES[name]
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, None
+    return fn
+
+
+def _handled(x: torch.Tensor, dtypes) -> bool:
+    return (x.device.type == "cpu" and x.dtype in dtypes and x.dim() >= 1 and x.shape[-1] > 0
+            and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled()))  # no backward here
+
+
+def _check_out(out: torch.Tensor, logits: torch.Tensor) -> None:
+    # A wrong buffer is the caller's bug, not an input to hand back to torch: say so.
+    if (out.dtype != torch.float32 or out.device.type != "cpu" or out.shape != logits.shape
+            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous CPU fp32 tensor of shape {tuple(logits.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})")
+
+
+def logits_to_f32(logits: torch.Tensor, cap: float | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`(torch.tanh(logits / cap) * cap).float()` (or `logits.float()` when cap is None or <= 0).
+
+    The soft-capping rounds as torch does in logits' dtype: bit-identical for bf16, within a
+    few ulp for fp32. `out` (fp32, logits' shape, contiguous): written and returned, so a
+    buffer reused across steps spares the page faults of a fresh [B, V] tensor; it may be
+    `logits` itself when that is fp32 (in place), but must not otherwise overlap it.
+    Without `out`, fp32 logits with no cap are returned as they are (as `.float()` does).
+    None: not handled here; use torch.
+    """
+    if not _handled(logits, _IN_BF16):
+        return None
+    if out is not None:
+        _check_out(out, logits)
+    capped = cap is not None and cap > 0
+    if out is None and logits.dtype == torch.float32 and not capped:
+        return logits
+    fn = _kernel("logits_to_f32")
+    if fn is None:
+        return None
+    if out is None:
+        out = torch.empty(logits.shape, dtype=torch.float32)
+    if out.data_ptr() == logits.data_ptr() and not capped:
+        return out  # fp32 in place with nothing to do
+    V = logits.shape[-1]
+    fn(logits.data_ptr(), _IN_BF16[logits.dtype], logits.numel() // V, V, float(cap) if capped else 0.0,
+       out.data_ptr())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """`x.argmax(dim=-1)` for fp32 x: the first index of each row's maximum, a NaN counting as
+    the maximum (the first NaN wins), as torch's CPU argmax. int64, shape x.shape[:-1].
+    None: not handled here (not fp32, empty last dim, ...); use torch.
+    """
+    if not _handled(x, (torch.float32,)):
+        return None
+    fn = _kernel("argmax_rows")
+    if fn is None:
+        return None
+    V = x.shape[-1]
+    out = torch.empty(x.shape[:-1], dtype=torch.int64)
+    if out.numel():
+        fn(x.data_ptr(), x.numel() // V, V, out.data_ptr())
+    return out
