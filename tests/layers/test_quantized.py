@@ -33,7 +33,7 @@ from pagellm.config import ModelConfig  # noqa: E402
 from pagellm.kernels import quant_gemv  # noqa: E402
 from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_scale_zero  # noqa: E402
 from pagellm.layers.quantized import (  # noqa: E402
-    DENSE_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear)
+    DENSE_FROM_ROWS, INT8_ACTIVATIONS_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear)
 from pagellm.loader.gguf_quant import group_affine_of  # noqa: E402
 from pagellm.loader.model_loader import checkpoint_state_dict, load_model  # noqa: E402
 from pagellm.loader.quantization import auto_scheme, quantize_model, weight_bytes  # noqa: E402
@@ -103,6 +103,9 @@ def test_int4_round_trip_of_representable_weights_is_exact(native):
     assert torch.equal(layer.rows(some, torch.bfloat16), w[some.reshape(-1)].to(torch.bfloat16))
 
 
+BF16_ACTIVATIONS = {"int8": {}, "int4": {"int8_activations": False}}  # the paths these tests pin down
+
+
 def test_int4_layout_is_recognised():
     layout = detect_int4_layout()  # raises if torch packs in a layout we cannot read
     assert layout.block_n in (32, 64)
@@ -116,7 +119,8 @@ def test_both_paths_match_the_dequantized_reference(scheme, dtype, rows, native,
     monkeypatch.setattr("pagellm.layers.quantized.TILE_ROWS", 128)  # several tiles, the last one partial
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(304, generator=g).to(dtype)
-    layer = CLASSES[scheme].from_float(torch.randn(304, 96, generator=g) * 0.05, bias, native=native)
+    layer = CLASSES[scheme].from_float(torch.randn(304, 96, generator=g) * 0.05, bias, native=native,
+                                       **BF16_ACTIVATIONS[scheme])
     x = torch.randn(rows, 96, generator=g).to(dtype)
     outputs = {}
     for via_kernel, threshold in ((True, KERNEL), (False, DENSE)):
@@ -126,6 +130,27 @@ def test_both_paths_match_the_dequantized_reference(scheme, dtype, rows, native,
         assert_close_to(y, reference(layer, x, via_kernel) + bias.double(), dtype, via_kernel)
     scale = outputs[False].abs().max().item()  # the paths agree to a bf16 rounding or two of the largest output
     torch.testing.assert_close(outputs[True].float(), outputs[False].float(), atol=8e-3 * scale, rtol=1e-2)
+
+
+@pytest.mark.skipif(not quant_gemv.vnni_available(), reason="int8 activations need AVX-512 VNNI")
+@pytest.mark.parametrize("head", [False, True])
+def test_int8_activations_take_every_row_count_from_their_crossover(head, monkeypatch):
+    """With int8 activations (the default where VNNI runs) an int4 layer runs int4_matmul_q8 from
+    INT8_ACTIVATIONS_FROM_ROWS up, at any M (no dense tiles), and the bf16-activation kernel below."""
+    monkeypatch.setattr("pagellm.layers.quantized._HEAD_ROWS", 100 if head else 10**6)
+    g = torch.Generator().manual_seed(2)
+    layer = Int4Linear.from_float(torch.randn(128, 64, generator=g) * 0.05, native=True)
+    assert layer.int8_activations
+    calls = []
+    monkeypatch.setattr(layer, "_bound_matmul", lambda q8, f=layer._bound_matmul: calls.append(q8) or f(q8))
+    for rows in (1, 3, 4, 64, 600):
+        calls.clear()
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        y = layer(x)
+        q8 = rows >= INT8_ACTIVATIONS_FROM_ROWS[head]
+        assert calls == [q8], rows
+        kernel = quant_gemv.int4_matmul_q8 if q8 else quant_gemv.int4_matmul
+        assert torch.equal(y, kernel(x, layer.packed, layer.scales_and_zeros))
 
 
 def test_kernel_input_is_realigned(monkeypatch):
@@ -142,7 +167,7 @@ def test_kernel_input_is_realigned(monkeypatch):
 @pytest.mark.parametrize("dtype,head", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
 def test_dispatch_follows_the_measured_crossovers(scheme, dtype, head, native, monkeypatch):
     monkeypatch.setattr("pagellm.layers.quantized._HEAD_ROWS", 100 if head else 10**6)
-    layer = CLASSES[scheme].from_float(torch.randn(128, 64), native=native)
+    layer = CLASSES[scheme].from_float(torch.randn(128, 64), native=native, **BF16_ACTIVATIONS[scheme])
     key = (scheme, head, dtype == torch.bfloat16)
     dense_from = DENSE_FROM_ROWS[key]
     native_below = 0 if not native else min(NATIVE_BELOW_ROWS[key], dense_from)
@@ -260,21 +285,36 @@ def dequantized_checkpoint(model, source: Path, target: Path) -> Path:
     return target
 
 
-@pytest.mark.parametrize("family,scheme", [("llama", "int8"), ("gemma3", "int4"), ("llama3-rope-tied", "int4"),
-                                           ("qwen2", "int8")])
-def test_tiny_model_logits_close_to_the_dequantized_model(tmp_path, family, scheme):
+def set_int8_activations(model, on: bool) -> None:
+    for layer in model.modules():
+        if isinstance(layer, Int4Linear):
+            layer.int8_activations = on and layer.native
+
+
+# (max, mean) logit error as a share of the largest logit: bf16 activations; int8 activations round more
+ERROR_BOUNDS = {False: (0.05, 0.005), True: (0.08, 0.012)}
+
+
+@pytest.mark.parametrize("family,scheme,int8_activations", [
+    ("llama", "int8", False), ("gemma3", "int4", False), ("gemma3", "int4", True), ("llama3-rope-tied", "int4", False),
+    ("llama3-rope-tied", "int4", True), ("qwen2", "int8", False)])
+def test_tiny_model_logits_close_to_the_dequantized_model(tmp_path, family, scheme, int8_activations):
+    if int8_activations and not quant_gemv.vnni_available():
+        pytest.skip("int8 activations need AVX-512 VNNI")
     write_tiny_checkpoint(family, tmp_path / "hf")
     config = load_hf_config(tmp_path / "hf")
     model = build_model(config, torch.float32)
     model.load_weights(iter_safetensors_weights(tmp_path / "hf"))
     plan = quantize_model(model, scheme)
+    set_int8_activations(model, int8_activations)
     assert "model.embed_tokens" in plan and all(not isinstance(m, torch.nn.Embedding) for m in model.modules())
     reference = build_model(config, torch.float32)
     reference.load_weights(iter_safetensors_weights(dequantized_checkpoint(model, tmp_path / "hf", tmp_path / "deq")))
     prompt = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     ours, ref = PagedHarness(model).prefill("a", prompt), PagedHarness(reference).prefill("a", prompt)
     error, size = (ours - ref).abs(), ref.abs().max()
-    assert error.max() <= 0.05 * size and error.mean() <= 0.005 * size  # bf16 activations in the int kernels
+    max_share, mean_share = ERROR_BOUNDS[int8_activations]
+    assert error.max() <= max_share * size and error.mean() <= mean_share * size
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
@@ -311,28 +351,33 @@ TEXT_IDS = [2, 818, 4083, 529, 506, 16386, 2686, 12502, 528, 506, 135461, 7691, 
             1518, 236764, 63581, 528, 919, 1082, 1156, 7549, 6693, 9979, 1053, 13762, 13889, 529, 6249, 236764, 532,
             506, 3385, 529, 496, 2260, 11561, 834, 2793, 600, 12822, 48197, 1451, 9546, 531]
 # (min greedy agreement, max mean KL(dense || quantized)); measured on both paths (pytest -s prints them):
-# int8 0.91 / 0.006, int4 0.81 / 0.17, auto 0.84-0.86 / 0.076 (over 256 positions of 4 texts: int8 0.94 /
+# int8 0.91 / 0.006, int4 0.81 / 0.17, auto 0.84-0.86 / 0.076; int8 activations: int4 0.83 / 0.174, auto 0.86 /
+# 0.076 (over 256 positions of 4 texts: int8 0.94 /
 # 0.006, int4 0.83 / 0.17, auto 0.84 / 0.078)
 LIMITS = {"int8": (0.85, 0.02), "int4": (0.75, 0.25), "auto": (0.78, 0.12)}
 
 
 def test_default_model_accuracy_against_the_dense_gguf_model():
     """Greedy agreement (next-token argmax at 64 positions) and logit error of each scheme against the dense
-    fp32 model of the same GGUF, on the prefill path (dense tiles) and the decode path (int kernels, bf16)."""
+    fp32 model of the same GGUF, on the dense-tile path, the int kernels with bf16 activations, and (int4) with
+    int8 activations."""
     dense = load_model(None, torch.float32, torch.device("cpu"), with_tokenizer=False).model
     tokens = TEXT_IDS
     ref = PagedHarness(dense, num_blocks=32).prefill("a", tokens)
     del dense
     for scheme, (min_agreement, max_kl) in LIMITS.items():
         model = load_model(None, torch.float32, torch.device("cpu"), False, scheme).model
-        for path in ("dense", "kernel"):
+        for path in ("dense", "kernel", "int8-activation kernel"):
             for layer in model.modules():
                 if isinstance(layer, QuantizedLinear):
                     layer.dense_from_rows = DENSE if path == "dense" else KERNEL
+            if path.startswith("int8") and (scheme == "int8" or not quant_gemv.vnni_available()):
+                continue  # int8 activations are for int4 layers
+            set_int8_activations(model, path.startswith("int8"))
             logits = PagedHarness(model, num_blocks=32).prefill("a", tokens)
             agreement = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
             error = (logits - ref).abs()
             kl = F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-            print(f"\n{scheme:>5} {path:>6} path: greedy agreement {agreement:.3f}, logit error max "
+            print(f"\n{scheme:>5} {path:>22} path: greedy agreement {agreement:.3f}, logit error max "
                   f"{error.max():.3f} mean {error.mean():.4f} (logit std {ref.std():.2f}), KL {kl.mean():.4f}", end="")
             assert agreement >= min_agreement and kl.mean() <= max_kl
