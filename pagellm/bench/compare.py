@@ -91,6 +91,7 @@ def measure_all(runners: dict, engine, npl: list[int], pp: int, tg: int, repeats
 def summarize(figures: dict, engine, roof: roofline.Roofline, npl, pp: int, tg: int) -> list[dict]:
     """One row per (B, figure): medians, ratios pagellm / peer, and pagellm against the roofline."""
     weights = roofline.WeightCounts.of(engine.model)
+    int8 = roofline.runs_int8_activations(engine.model)
     names = list(dict.fromkeys(name for name, _ in figures))
     rows = []
     for b in npl:
@@ -112,7 +113,7 @@ def summarize(figures: dict, engine, roof: roofline.Roofline, npl, pp: int, tg: 
             else:
                 seconds, flops = b / ours, weights.decode_flops(b)  # one decode step of B tokens
             row["roofline_pct"], row["bound"] = roofline.percent_of_roofline(
-                roof, flops, weights.bytes_read_per_step, seconds)
+                roof, flops, weights.bytes_read_per_step, seconds, int8)
             rows.append(row)
     return rows
 
@@ -151,7 +152,8 @@ def main(args: argparse.Namespace) -> int:
     rows = summarize(figures, engine, roof, args.npl, args.pp, args.tg)
     print(report.format_table(rows, table_columns(rows)))
     print("\nratio = pagellm / peer (above 1: pagellm faster). roofline: weights only; bound = "
-          "max(weight bytes / bandwidth, 2 * params * tokens / peak GEMM) per step, attention excluded")
+          "max(weight bytes / bandwidth, 2 * params * tokens / peak GEMM) per step, attention excluded; int8 GEMM: "
+          "int4 layers with int8 activations, bound by the int8 matmul peak")
     if args.out:
         raw = {f"{name}|B={b}": v for (name, b), v in figures.items()}
         Path(args.out).write_text(json.dumps({

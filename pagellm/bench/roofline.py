@@ -1,6 +1,8 @@
 """The machine's roofline, measured with torch, and where a measured figure sits under it.
 
     peak GEMM  : FLOP/s of a large square matmul in the compute dtype (best of a few)
+    int8 GEMM  : op/s of the same matmul in int8 (torch._int_mm, VNNI on x86), the peak of int4 layers that
+                 take int8 activations (layers/quantized.py)
     bandwidth  : bytes/s of a sum over a tensor far larger than the caches (best of a few)
 
 A step that runs N tokens through the model's weights needs at least
@@ -25,9 +27,11 @@ class Roofline:
     gemm_flops: float  # FLOP/s
     read_bytes_per_s: float
     dtype: str
+    int8_gemm_ops: float | None = None  # op/s; None where torch has no int8 matmul here
 
     def describe(self) -> str:
-        return (f"roofline: peak GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s ({self.dtype}, torch.matmul), "
+        int8 = "" if self.int8_gemm_ops is None else f", int8 {self.int8_gemm_ops / 1e9:.1f} Gop/s (torch._int_mm)"
+        return (f"roofline: peak GEMM {self.gemm_flops / 1e9:.1f} GFLOP/s ({self.dtype}, torch.matmul){int8}, "
                 f"memory read bandwidth {self.read_bytes_per_s / 1e9:.1f} GB/s (torch.sum)")
 
 
@@ -47,6 +51,15 @@ def measure_gemm_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> f
     return 2 * n**3 / _best_seconds(lambda: torch.matmul(a, b), repeats)
 
 
+def measure_int8_gemm_ops(n: int = 2048, repeats: int = 3) -> float | None:
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    try:
+        return 2 * n**3 / _best_seconds(lambda: torch._int_mm(a, b), repeats)
+    except (RuntimeError, AttributeError):  # no int8 matmul in this torch build / on this device
+        return None
+
+
 def measure_read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
     data = torch.ones(num_bytes // 4, dtype=torch.float32)  # written once, so every page is resident
     return num_bytes / _best_seconds(lambda: data.sum(), repeats)
@@ -56,7 +69,7 @@ def measure_roofline(dtype: torch.dtype, quick: bool = False) -> Roofline:
     """`quick` uses small sizes (tests); the figures are then only an order of magnitude."""
     gemm = measure_gemm_flops(dtype, n=256 if quick else 2048)
     bandwidth = measure_read_bandwidth(num_bytes=(8 << 20) if quick else (512 << 20))
-    return Roofline(gemm, bandwidth, str(dtype).removeprefix("torch."))
+    return Roofline(gemm, bandwidth, str(dtype).removeprefix("torch."), measure_int8_gemm_ops(n=256 if quick else 2048))
 
 
 @dataclass(frozen=True)
@@ -95,8 +108,16 @@ class WeightCounts:
         return 2.0 * self.matmul_params * tokens + 2.0 * self.lm_head_params * sequences
 
 
-def percent_of_roofline(roof: Roofline, flops: float, bytes_read: float, seconds: float) -> tuple[float, str]:
-    """(percent of the bound reached, which bound applies: 'bandwidth' or 'GEMM')."""
-    t_bw, t_gemm = bytes_read / roof.read_bytes_per_s, flops / roof.gemm_flops
-    bound, name = (t_bw, "bandwidth") if t_bw >= t_gemm else (t_gemm, "GEMM")
+def runs_int8_activations(model: nn.Module) -> bool:
+    """Whether the model's quantized layers take int8 activations (their GEMM peak is then the int8 one)."""
+    return any(getattr(m, "int8_activations", False) for m in model.modules())
+
+
+def percent_of_roofline(roof: Roofline, flops: float, bytes_read: float, seconds: float,
+                        int8: bool = False) -> tuple[float, str]:
+    """(percent of the bound reached, which bound applies: 'bandwidth', 'GEMM' or 'int8 GEMM'). `int8`: the
+    matmuls run int8 activations, so the GEMM bound is the int8 peak where one was measured."""
+    int8 = int8 and roof.int8_gemm_ops is not None
+    t_bw, t_gemm = bytes_read / roof.read_bytes_per_s, flops / (roof.int8_gemm_ops if int8 else roof.gemm_flops)
+    bound, name = (t_bw, "bandwidth") if t_bw >= t_gemm else (t_gemm, "int8 GEMM" if int8 else "GEMM")
     return 100.0 * bound / seconds, name
