@@ -77,11 +77,15 @@ def keep_step_buffers_in_heap() -> bool:
     """Serve allocations below 1 GiB from the heap and keep up to 1 GiB of freed heap: a step's big
     buffers are then reused instead of faulted in again. Called once weights are loaded (their large
     temporaries stay mmapped and go back to the OS). One arena: a thread's own arena grows in 64 MiB
-    heaps, so the server's engine thread would still mmap anything larger. False where this is not glibc."""
+    heaps, so the server's engine thread would still mmap anything larger. Process-wide (it is the
+    process's allocator): PAGELLM_HEAP_TUNING=0 leaves glibc's defaults. Returns whether every setting
+    took (False where this is not glibc, or an older glibc refuses a threshold above 32 MiB)."""
+    if os.environ.get("PAGELLM_HEAP_TUNING", "1") == "0":
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _STEP_HEAP_BYTES)
-                    and libc.mallopt(_M_TRIM_THRESHOLD, _STEP_HEAP_BYTES) and libc.mallopt(_M_ARENA_MAX, 1))
+        settings = ((_M_MMAP_THRESHOLD, _STEP_HEAP_BYTES), (_M_TRIM_THRESHOLD, _STEP_HEAP_BYTES), (_M_ARENA_MAX, 1))
+        return all([bool(libc.mallopt(param, value)) for param, value in settings])  # each applied on its own
     except (OSError, AttributeError):
         return False
 

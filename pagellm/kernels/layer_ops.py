@@ -20,7 +20,7 @@ _DTYPE_FLAG = {torch.float32: 0, torch.bfloat16: 1}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_mul's native activations
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "pagellm_qkv_prepare": ([_P, _I64, _I64, _I64, _I64, _P, _P, _F, _INT, _P, _P, _P, _P, _P, _P, _INT], _INT),
+    "pagellm_qkv_prepare": ([_P, _I64, _I64, _I64, _I64, _P, _P, _F, _INT, _P, _P, _P, _P, _P, _I64, _P, _INT], _INT),
     "pagellm_add_rms_norm": ([_P, _P, _P, _P, _P, _P, _I64, _I64, _F, _INT, _INT], None),
     "pagellm_act_mul": ([_P, _I64, _I64, _INT, _P, _INT], _INT),
 }
@@ -57,17 +57,23 @@ def qkv_prepare(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: 
     tokens = qkv.shape[0]
     head_dim = cos.shape[-1] * 2
     norm_dtype = torch.float32 if unit_offset else qkv.dtype
+    kv_row = (num_kv_heads, head_dim)
     if (not _handled(qkv, cos, sin, key_cache, value_cache, slots, q_weight, k_weight)
             or not cos.dtype == sin.dtype == key_cache.dtype == value_cache.dtype == qkv.dtype
             or slots.dtype != torch.int64 or qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim
-            or any(w is not None and w.dtype != norm_dtype for w in (q_weight, k_weight))):
+            or cos.shape != sin.shape or cos.shape[0] != tokens or slots.numel() != tokens
+            or key_cache.shape != value_cache.shape or tuple(key_cache.shape[-2:]) != kv_row
+            or any(w is not None and (w.dtype != norm_dtype or w.numel() != head_dim) for w in (q_weight, k_weight))):
         return None
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype)
-    bad = _lib().pagellm_qkv_prepare(qkv.data_ptr(), tokens, num_heads, num_kv_heads, head_dim, _pointer(q_weight),
-                                     _pointer(k_weight), eps, int(unit_offset), cos.data_ptr(), sin.data_ptr(),
-                                     key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), q.data_ptr(),
-                                     _DTYPE_FLAG[qkv.dtype])
-    return None if bad else q
+    status = _lib().pagellm_qkv_prepare(
+        qkv.data_ptr(), tokens, num_heads, num_kv_heads, head_dim, _pointer(q_weight), _pointer(k_weight), eps,
+        int(unit_offset), cos.data_ptr(), sin.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        slots.data_ptr(), key_cache.numel() // (num_kv_heads * head_dim), q.data_ptr(), _DTYPE_FLAG[qkv.dtype])
+    if status == 2:
+        raise IndexError(f"a slot of {slots.tolist()} is outside the KV cache's {key_cache.shape[0]} x "
+                         f"{key_cache.shape[1]} slots")
+    return None if status else q
 
 
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, post_weight: torch.Tensor | None, weight: torch.Tensor,

@@ -29,8 +29,8 @@ class RMSNorm(nn.Module):
         out = rms_norm(x, self.flavour_weight(), self.eps, self.unit_offset)
         return out if out is not None else self.reference(x)
 
-    def residual(self, h: torch.Tensor, x: torch.Tensor | None, post: RMSNorm | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def residual(self, h: torch.Tensor, x: torch.Tensor | None,
+                 post: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream's step between blocks: h + post(x) (post None: x; x None: h unchanged), and this
         norm of it. One fused kernel call where it applies: at decode that is 1 call instead of 3."""
         if x is None:

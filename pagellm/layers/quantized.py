@@ -17,6 +17,9 @@ Paths, by M (measured crossovers: NATIVE_BELOW_ROWS, DENSE_FROM_ROWS):
   or bf16 activations with scales of the same dtype, but only their bf16 path is vectorized: measured on
   2048x640 at M=64, int8 1.1 ms (bf16) vs 36 ms (fp32), int4 1.0 ms vs 78 ms. So activations pass through them
   in bf16 (cast back to the model dtype after) and the scales are stored in bf16.
+- int4 x int8 activations (kernels/quant_gemv.py int4_matmul_q8): native int4 layers at every M where AVX-512
+  VNNI runs and int8_activations is on (the default); the other paths then serve int8 weights, torch's int4
+  layout and PAGELLM_INT8_ACTIVATIONS=0.
 - dense tiles above: `forward` dequantizes TILE_ROWS weight rows at a time into one scratch buffer and runs a
   dense matmul in the activation dtype per tile. Nothing dense stays resident. int4 in the native layout has
   no torch kernel, so its tiles take over at NATIVE_BELOW_ROWS.
@@ -73,7 +76,10 @@ _HEAD_ROWS = 65536  # a layer with more output rows than this is a vocab head
 # M from which int4 layers take int8 activations (by vocab-sized head), where int8_activations is on. Measured
 # (ms, 2 threads, Zen 4, weights cold; bf16 activations / int8 activations): 2048x640 M=1 0.049 / 0.020, M=64
 # 0.709 / 0.388; 640x2048 M=1 0.069 / 0.028; 262144x640 M=1 3.71 / 3.81, M=4 5.58 / 3.85, M=64 76.3 / 38.0.
-INT8_ACTIVATIONS_FROM_ROWS = MappingProxyType({False: 1, True: 4})
+# The head too takes them from one row, ~3% slower there: a request's logits must not depend on how many
+# other requests sample in the same step (the int8 kernel's rows are independent of M; the two kernels'
+# results are not the same).
+INT8_ACTIVATIONS_FROM_ROWS = MappingProxyType({False: 1, True: 1})
 
 
 def int8_activations_default() -> bool:
@@ -221,8 +227,9 @@ class Int4Linear(QuantizedLinear):
     def _crossovers(self, bf16: bool) -> tuple[int, int]:
         if not self.native:
             return super()._crossovers(bf16)
-        # the native layout has no torch kernel: native kernel, then dense tiles (which the int8-activation
-        # kernel beats at every M measured, up to 320: 1.80 vs 2.43 ms for 2048 x 640 against dense bf16)
+        # the native layout has no torch kernel: native kernel, then dense tiles, which the int8-activation
+        # kernel beats at every M measured (bf16, ms, q8 / dense tiles): 2048x640 M=320 1.80 / 2.43 (dense
+        # unquantized), M=512 4.62 / 7.36, M=2048 11.9 / 17.0; 640x2048 M=512 2.99 / 3.76, M=2048 11.9 / 14.3
         below = self.dense_from_rows or (1 << 30 if self.int8_activations else
                                          NATIVE_BELOW_ROWS[(self.scheme, self.out_features > _HEAD_ROWS, bf16)])
         return below, below
@@ -303,8 +310,9 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One layer computing the parts' outputs side by side ([..., N_1 + N_2 + ...]) from the same input, or
     None where they cannot be joined. Why: a decode matmul call costs ~10 us beyond streaming its weights, and
     q/k/v and gate/up are 5 of a Llama-family layer's 7 (measured per Gemma 3 layer, int4: 5 calls 125.5 us,
-    2 joined 93.8 us). Each output row keeps its own weights and arithmetic: dense nn.Linear (the same
-    GEMM over more columns), Int8Linear, and Int4Linear in the native layout (rows in blocks of 16)."""
+    2 joined 93.8 us). Dense nn.Linear (one GEMM over more columns: BLAS may block it differently, so fp32
+    sums can differ in the last bits from the separate products), Int8Linear and Int4Linear in the native
+    layout (rows in blocks of 16; each output row computed exactly as before)."""
     first = parts[0]
     if (any(type(p) is not type(first) or p.in_features != first.in_features for p in parts)
             or any((p.bias is None) != (first.bias is None) for p in parts)):

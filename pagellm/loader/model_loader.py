@@ -32,13 +32,18 @@ def join_projections(model: nn.Module) -> int:
 
 
 def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """model.state_dict() under the checkpoint's names: joined projections split back into q/k/v_proj and
-    gate/up_proj (as views, no copies), for handing the weights to HF transformers or writing a checkpoint."""
+    """model.state_dict() under the checkpoint's names: joined dense projections split back into q/k/v_proj
+    and gate/up_proj (as views, no copies), for handing the weights to HF transformers or writing a
+    checkpoint. A joined quantized projection is a ValueError (its buffers have no checkpoint names)."""
     state = {}
     for name, tensor in model.state_dict().items():
         path, _, leaf = name.rpartition(".")
         owner, _, attr = path.rpartition(".")
         module = model.get_submodule(owner) if attr in ("qkv_proj", "gate_up_proj") else None
+        joined = getattr(module, attr, None)
+        if module is not None and hasattr(module, "join_projections") and type(joined) is not nn.Linear:
+            raise ValueError(f"{owner}.{attr} is a joined {type(joined).__name__}: checkpoint_state_dict splits "
+                             "dense projections only (dequantize first)")
         if attr == "qkv_proj" and hasattr(module, "num_kv_heads"):
             sizes = [module.num_heads * module.head_dim] + [module.num_kv_heads * module.head_dim] * 2
             state.update({f"{owner}.{part}.{leaf}": t for part, t in zip(("q_proj", "k_proj", "v_proj"),

@@ -105,10 +105,12 @@ class LlamaAttention(nn.Module):
         handled (nothing written)."""
         if self.attn.key_cache is None:
             return None
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
-        return qkv_prepare(qkv, self.num_heads, self.num_kv_heads,
-                           norms[0].flavour_weight() if norms else None, norms[1].flavour_weight() if norms else None,
-                           norms[0].eps if norms else 0.0, bool(norms and norms[0].unit_offset), cos, sin,
+        q_weight = k_weight = None
+        eps, unit_offset = 0.0, False
+        if self.qk_norm:
+            q_weight, k_weight = self.q_norm.flavour_weight(), self.k_norm.flavour_weight()
+            eps, unit_offset = self.q_norm.eps, self.q_norm.unit_offset
+        return qkv_prepare(qkv, self.num_heads, self.num_kv_heads, q_weight, k_weight, eps, unit_offset, cos, sin,
                            self.attn.key_cache, self.attn.value_cache, meta.slot_mapping)
 
 

@@ -37,9 +37,9 @@ def _rope(tokens: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm,unit_offset", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("tokens", [1, 5, 300])
-def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, qk_norm, unit_offset, tokens):
-    heads, kv_heads, dim, blocks, block_size = 4, 2, 64, 40, 16
+@pytest.mark.parametrize("tokens,dim", [(1, 64), (5, 80), (300, 64), (3, 256)])  # 80: the norm's scalar tail
+def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, qk_norm, unit_offset, tokens, dim):
+    heads, kv_heads, blocks, block_size = 4, 2, 40, 16
     torch.manual_seed(tokens)
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 2).to(dtype)
     cos, sin = _rope(tokens, dim, dtype)
@@ -70,7 +70,18 @@ def test_qkv_prepare_declines_what_it_cannot_do():
     assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots.int()) is None
     assert layer_ops.qkv_prepare(qkv[:, ::2], 1, 0, None, None, 0.0, False, cos, sin, cache, cache, slots) is None
     assert layer_ops.qkv_prepare(qkv, 3, 1, None, None, 0.0, False, cos, sin, cache, cache, slots) is None
+    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots[:1]) is None
+    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos[:1], sin[:1], cache, cache, slots) is None
     assert not cache.any()  # nothing written when declined
+
+
+def test_qkv_prepare_refuses_slots_outside_the_cache():
+    qkv, cos, sin = torch.randn(2, 4 * 32), *_rope(2, 32, torch.float32)
+    cache = torch.zeros(4, 16, 1, 32)
+    for bad in (64, -1):
+        with pytest.raises(IndexError, match="outside the KV cache"):
+            layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, torch.tensor([0, bad]))
+    assert not cache.any()  # checked before any write
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

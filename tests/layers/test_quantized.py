@@ -33,7 +33,8 @@ from pagellm.config import ModelConfig  # noqa: E402
 from pagellm.kernels import quant_gemv  # noqa: E402
 from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_scale_zero  # noqa: E402
 from pagellm.layers.quantized import (  # noqa: E402
-    DENSE_FROM_ROWS, INT8_ACTIVATIONS_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear)
+    DENSE_FROM_ROWS, INT8_ACTIVATIONS_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding,
+    QuantizedLinear, concat_linears)
 from pagellm.loader.gguf_quant import group_affine_of  # noqa: E402
 from pagellm.loader.model_loader import checkpoint_state_dict, load_model  # noqa: E402
 from pagellm.loader.quantization import auto_scheme, quantize_model, weight_bytes  # noqa: E402
@@ -381,3 +382,64 @@ def test_default_model_accuracy_against_the_dense_gguf_model():
             print(f"\n{scheme:>5} {path:>22} path: greedy agreement {agreement:.3f}, logit error max "
                   f"{error.max():.3f} mean {error.mean():.4f} (logit std {ref.std():.2f}), KL {kl.mean():.4f}", end="")
             assert agreement >= min_agreement and kl.mean() <= max_kl
+
+
+# ---- joined projections ---------------------------------------------------------------------------
+
+
+def _linear(rows: int, cols: int, bias: bool, seed: int) -> torch.nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Linear(cols, rows, bias=bias)
+    layer.weight.data = torch.randn(rows, cols, generator=g) * 0.05
+    if bias:
+        layer.bias.data = torch.randn(rows, generator=g)
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["dense", "int8", "int4"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_joined_layer_computes_the_parts_side_by_side(kind, bias):
+    """concat_linears(parts)(x) is the parts' outputs concatenated: bit-identical for the int kernels (each
+    output row computed as before), to fp32 rounding for dense (one GEMM over more columns)."""
+    dense = [_linear(rows, 64, bias, seed) for seed, rows in enumerate((64, 32, 32))]
+    parts = dense if kind == "dense" else [
+        CLASSES[kind].from_float(p.weight.data, p.bias.data if bias else None, **BF16_ACTIVATIONS[kind])
+        for p in dense]
+    joined = concat_linears(parts)
+    assert joined is not None and joined.out_features == 128
+    for rows in (1, 7):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        if kind == "dense":
+            x = x.float()
+        expected = torch.cat([p(x) for p in parts], dim=-1)
+        if kind == "dense":
+            torch.testing.assert_close(joined(x), expected, atol=1e-6, rtol=1e-5)
+        else:
+            assert torch.equal(joined(x), expected)
+
+
+def test_layers_that_cannot_be_joined_stay_apart():
+    a, b = _linear(32, 64, False, 0), _linear(32, 64, True, 1)
+    assert concat_linears([a, b]) is None  # one with a bias, one without
+    assert concat_linears([a, Int8Linear.from_float(b.weight.data)]) is None  # different kinds
+    assert concat_linears([a, _linear(32, 48, False, 2)]) is None  # different inputs
+    if quant_gemv.vnni_available():
+        q8, bf16 = (Int4Linear.from_float(a.weight.data, native=True, int8_activations=on) for on in (True, False))
+        assert concat_linears([q8, bf16]) is None  # different activation paths
+    int4 = Int4Linear.from_float(a.weight.data, native=True)
+    assert type(concat_linears([int4, int4])) is Int4Linear
+
+
+def test_checkpoint_state_dict_splits_joined_projections(tmp_path):
+    write_tiny_checkpoint("qwen2", tmp_path / "hf")  # q/k/v with biases
+    model = load_model(str(tmp_path / "hf"), torch.float32, torch.device("cpu"), with_tokenizer=False).model
+    attention = model.model.layers[0].self_attn
+    assert attention.qkv_proj is not None and not hasattr(attention, "q_proj")
+    state = checkpoint_state_dict(model)
+    written = dict(iter_safetensors_weights(tmp_path / "hf"))
+    assert set(state) - {"lm_head.weight"} == set(written) - {"lm_head.weight"}
+    for name in ("model.layers.0.self_attn.k_proj.bias", "model.layers.1.mlp.up_proj.weight"):
+        assert torch.equal(state[name], written[name].float())
+    quantized = load_model(str(tmp_path / "hf"), torch.float32, torch.device("cpu"), False, "int8").model
+    with pytest.raises(ValueError, match="dense projections only"):
+        checkpoint_state_dict(quantized)

@@ -1,6 +1,7 @@
 // Fused per-layer ops for the Llama-family decoder layers: each replaces 3-6 torch ops (and their
 // allocations and dispatch, ~5-10 us each at decode on this machine, ~20 of them per Gemma layer) with
-// one call. Every op does the same arithmetic, with the same roundings, as the torch ops it replaces.
+// one call. qkv_prepare and add_rms_norm do the arithmetic of the unfused kernels with the same roundings
+// (bit-identical); act_mul rounds where torch does, but its exp may differ from torch's in the last ulp.
 //
 //   qkv_prepare   the fused q/k/v projection's output -> q (per-head RMSNorm, rotary) for attention,
 //                 k (norm, rotary) and v written straight into the paged KV cache
@@ -126,12 +127,16 @@ void act_mul(const T* gate_up, int64_t rows, int64_t n, T* out) {
 
 // qkv [tokens, (H + 2 Hk) D] (q heads, k heads, v heads); q/k_weight: the per-head norms (NULL: none; fp32
 // when unit_offset, else the dtype); cos, sin [tokens, D/2]; caches [blocks, block_size, Hk, D] in the dtype;
-// slots [tokens]. Writes q_out [tokens, H, D] and the tokens' K/V rows. Returns 0, or 1 if D is too large.
+// slots [tokens], each below num_slots (the caches' blocks * block_size). Writes q_out [tokens, H, D] and the
+// tokens' K/V rows. Returns 0; 1 (nothing done) if D is too large or odd; 2 (nothing written) if a slot is out
+// of range, as index_copy_ would refuse it.
 extern "C" int pagellm_qkv_prepare(const void* qkv, int64_t tokens, int64_t H, int64_t Hk, int64_t D,
                                    const void* q_weight, const void* k_weight, float eps, int unit_offset,
                                    const void* cos, const void* sin, void* key_cache, void* value_cache,
-                                   const int64_t* slots, void* q_out, int is_bf16) {
+                                   const int64_t* slots, int64_t num_slots, void* q_out, int is_bf16) {
     if (D > kMaxHeadDim || D % 2) return 1;
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 2;
 #define PAGELLM_PREPARE(T, U)                                                                              \
     prepare<T, U>(static_cast<const T*>(qkv), tokens, H, Hk, D, q_weight, k_weight, eps,                  \
                   static_cast<const T*>(cos), static_cast<const T*>(sin), static_cast<T*>(key_cache),      \
