@@ -1,4 +1,5 @@
-"""Weight-only int4 / int8 matmuls for decode-sized batches, through csrc/quant_gemv.cpp.
+"""Weight-only int4 / int8 matmuls for decode-sized batches, through csrc/quant_gemv.cpp (and
+csrc/quant_gemv_q8.cpp for int8 activations).
 
 A decode step reads every weight once per token, so its matmuls are bound by memory bandwidth; torch's
 _weight_int4pack_mm_for_cpu / _weight_int8pack_mm ran at 10-15 GB/s there (M = 1..8). The C++ kernels
@@ -45,7 +46,6 @@ _SIGNATURES = {
     "pagellm_int4_tile_t": [_P, _P, _I64, _I64, _I64, _P, _I64, _INT],
 }
 _RETURNS = {"pagellm_int4_rows": _I64}
-_VNNI_SIGNATURES = {"pagellm_int4_matmul_q8": _SIGNATURES["pagellm_int4_matmul"]}  # only in VNNI builds
 
 
 @functools.cache
@@ -53,10 +53,20 @@ def _lib() -> ctypes.CDLL | None:
     lib = native.load("quant_gemv")
     if lib is None or not lib.pagellm_quant_gemv_vectorized():  # a scalar build would be slower than torch
         return None
-    names = {**_SIGNATURES, **(_VNNI_SIGNATURES if lib.pagellm_quant_gemv_vnni() else {})}
-    for name, argtypes in names.items():
+    for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
+    return lib
+
+
+@functools.cache
+def _q8_lib() -> ctypes.CDLL | None:
+    """csrc/quant_gemv_q8.cpp (int8 activations), where it builds with AVX-512 VNNI, else None."""
+    lib = native.load("quant_gemv_q8") if _lib() is not None else None
+    if lib is None or not lib.pagellm_quant_gemv_vnni():
+        return None
+    lib.pagellm_int4_matmul_q8.argtypes = _SIGNATURES["pagellm_int4_matmul"]
+    lib.pagellm_int4_matmul_q8.restype = None
     return lib
 
 
@@ -66,7 +76,7 @@ def available() -> bool:
 
 def vnni_available() -> bool:
     """Whether int4_matmul_q8 runs here (AVX-512 VNNI on top of what `available` needs)."""
-    return available() and bool(_lib().pagellm_quant_gemv_vnni())
+    return _q8_lib() is not None
 
 
 # ---- int4 layout ----------------------------------------------------------------------------------
@@ -130,7 +140,7 @@ def int4_matmul_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """int4_matmul with x quantized to int8 per row and 32-column group (see the module docstring): ~1.8x the
     throughput, at the cost of the activations' int8 rounding. Needs vnni_available()."""
-    return _matmul(_lib().pagellm_int4_matmul_q8, x, codes, sz, bias, 2 * codes.shape[1])
+    return _matmul(_q8_lib().pagellm_int4_matmul_q8, x, codes, sz, bias, 2 * codes.shape[1])
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -150,7 +160,7 @@ class BoundMatmul:
         if q8 and scheme != "int4":
             raise ValueError(f"the int8-activation kernel takes int4 weights, not {scheme}")
         self.tensors = (weight, scales, bias)
-        self._fn = getattr(_lib(), f"pagellm_{scheme}_matmul" + ("_q8" if q8 else ""))
+        self._fn = _q8_lib().pagellm_int4_matmul_q8 if q8 else getattr(_lib(), f"pagellm_{scheme}_matmul")
         self._rows, self._cols = weight.shape[0], weight.shape[1] * (2 if scheme == "int4" else 1)  # N, K
         self._pointers = (weight.data_ptr(), scales.data_ptr())
 

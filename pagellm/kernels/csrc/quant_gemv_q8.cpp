@@ -1,0 +1,229 @@
+// int4 weights x int8 activations: y[M, N] = x[M, K] W^T on quant_gemv.cpp's int4 layout, with x quantized to
+// int8 on the fly (llama.cpp's Q8_0 idea), through vpdpbusd. A library of its own so each file stays readable;
+// the layout's sizes, bf16 loads and the output store come from int4_common.h.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "bf16.h"
+#include "int4_common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#include <omp.h>
+
+// ---- int4 weights x int8 activations (vpdpbusd) ------------------------------------------------------------
+//
+// Why: at M = 16..320 rows the bf16 kernel (quant_gemv.cpp) is bound by its vdpbf16ps (32 products per instruction); vpdpbusd
+// does 64 (u8 x s8 -> int32) per instruction at the same rate here (Zen 4: 457 vs 224 G products x 2 per second
+// and core). The cost is the activations' int8 rounding (see the tests: ~0.5-1.5% of an output row's norm).
+// Measured: ~300 GOPS on one core against the bf16 kernel's ~185, ~600 against ~330 on two (weights from L3).
+// What keeps it from 457 a core is each group's fp32 epilogue (cvt, mul, 2 fma per 8 vpdpbusd: 390 GOPS
+// without it); the unpacking hardly counts.
+//
+// Numerics (llama.cpp's Q8_0 idea, on this layout): x is taken in fp32 (bf16 inputs are exact in it; fp32
+// inputs are not rounded to bf16). Per activation row m and 32-column group g:
+//   d[m, g] = max_k |x| / 127                   (fp32; 0 for an all-zero group)
+//   a[m, k] = round_half_even(x / d), clamped to -127..127   (fp32 division, int8)
+// and per output
+//   y[m, n] = sum_g d * (scale * sum_k q a + zero' * sum_k a),   zero' = zero - 8 * scale (fp32),
+// which is sum_k w x with x replaced by d * a. The integer sums are exact in int32; d * sum_k a, zero', the
+// products and the sums over groups are fp32; one rounding of the result (+ bias) into the output dtype.
+// NaN in a group makes d NaN, so it propagates to the row's outputs.
+//
+// Weights need no shuffle beyond widening: a 32-byte chunk t holds 16 rows x 2 bytes; widened to one 32-bit lane
+// per row, (v | v << 12) & 0x0F0F0F0F puts q(4t), q(4t + 1), q(4t + 2), q(4t + 3) in the lane's bytes 0..3, the
+// order of the activations in memory, so one broadcast 4 bytes of a row is vpdpbusd's other operand.
+
+namespace {
+
+constexpr int kMaxRowsQ8 = 12;  // activation rows per pass: 12 int32 + 12 fp32 accumulators of 32 registers
+
+// Blocks per chunk (see q8_blocks): ~256 KB of weights, well within the 1 MB L2 (16-64 blocks measured alike).
+inline int64_t chunk_blocks(int64_t K) {
+    const int64_t block_bytes = kBlock * K / 2 + K / kGroup * 2 * kBlock * 2;  // codes, then scales and zeros
+    return std::max<int64_t>(1, (256 << 10) / block_bytes);
+}
+
+// The rows run in passes of up to kMaxRowsQ8, of near-equal size (13 rows as 7 + 6, not 12 + 1: a lone row runs
+// at a fraction of the rate). Pass p covers rows [first_row(p), first_row(p + 1)).
+inline int64_t row_passes(int64_t M) { return (M + kMaxRowsQ8 - 1) / kMaxRowsQ8; }
+inline int64_t first_row(int64_t p, int64_t M) { return p * M / row_passes(M); }
+inline int64_t pass_of(int64_t m, int64_t M) { return ((m + 1) * row_passes(M) - 1) / M; }
+
+// Each pass's rows stored as one panel, rows fastest: a pass streams its quads, d and d * sum from one pointer at
+// compile-time offsets. (Row-major x needed a general register per row, and spilled them.)
+struct QuantizedActivations {
+    int32_t* q;         // panel p at first_row(p) * K/4: [K/4, rows] a[m, 4t..4t+3] as 4 bytes
+    float* scale;       // panel p at first_row(p) * G: [G, rows] d
+    float* scaled_sum;  // as scale: d * sum_k a
+};
+
+// The calling thread's buffers, grown to M x K: no allocation per call once warm.
+QuantizedActivations activation_buffers(int64_t M, int64_t K) {
+    thread_local std::vector<int32_t> q;
+    thread_local std::vector<float> scale, scaled_sum;
+    q.resize(M * K / 4);
+    scale.resize(M * (K / kGroup));
+    scaled_sum.resize(M * (K / kGroup));
+    return {q.data(), scale.data(), scaled_sum.data()};
+}
+
+inline __m512 load16(const void* x, int64_t i, int x_bf16) {
+    return x_bf16 ? bf16x16(static_cast<const uint16_t*>(x) + i) : _mm512_loadu_ps(static_cast<const float*>(x) + i);
+}
+
+// The 32 values lo, hi of one group -> its 8 quads (q[0], q[stride], ...), d, d * sum a.
+void quantize_group(__m512 lo, __m512 hi, int32_t* q, int64_t stride, float* scale, float* scaled_sum) {
+    // max |x| compared as integers: the same order as floats for non-NaN values, and NaN above inf, so NaN
+    // reaches d (vmaxps would drop it)
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    const __m512i abs_lo = _mm512_and_si512(_mm512_castps_si512(lo), magnitude);
+    const __m512i abs_hi = _mm512_and_si512(_mm512_castps_si512(hi), magnitude);
+    const uint32_t bits = _mm512_reduce_max_epu32(_mm512_max_epu32(abs_lo, abs_hi));
+    float amax;
+    std::memcpy(&amax, &bits, 4);
+    const float d = amax / 127.f;
+    if (d == 0.f) {  // all zeros (or below 127 denormals): x / d would be NaN
+        for (int t = 0; t < 8; ++t) q[t * stride] = 0;
+        *scale = *scaled_sum = 0.f;
+        return;
+    }
+    const __m512 vd = _mm512_set1_ps(d);
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    // cvtps rounds half to even (the default MXCSR); the clamp only matters for a d rounded below amax / 127
+    const __m512i a = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_div_ps(lo, vd)), top), bottom);
+    const __m512i b = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_div_ps(hi, vd)), top), bottom);
+    alignas(16) int32_t quads[8];
+    _mm_store_si128((__m128i*)quads, _mm512_cvtepi32_epi8(a));
+    _mm_store_si128((__m128i*)(quads + 4), _mm512_cvtepi32_epi8(b));
+    for (int t = 0; t < 8; ++t) q[t * stride] = quads[t];
+    *scale = d;
+    *scaled_sum = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
+}
+
+// Group j = m * G + g of x [M, K] into its pass's panel of a.
+void quantize_group_at(const void* x, int x_bf16, int64_t j, int64_t M, int64_t G, const QuantizedActivations& a) {
+    const int64_t m = j / G, g = j % G, p = pass_of(m, M), m0 = first_row(p, M);
+    const int64_t rows = first_row(p + 1, M) - m0, r = m - m0;
+    const int64_t at = m0 * G + g * rows + r;  // in scale and scaled_sum; q has 8 quads a group
+    quantize_group(load16(x, j * kGroup, x_bf16), load16(x, j * kGroup + 16, x_bf16), a.q + 8 * (m0 * G + g * rows) + r,
+                   rows, a.scale + at, a.scaled_sum + at);
+}
+
+// Chunk t (32 bytes: 16 rows x 2 bytes) -> per row lane the bytes q(4t), q(4t + 1), q(4t + 2), q(4t + 3).
+inline __m512i unpack_chunk(const uint8_t* c) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)c));
+    // (v | v << 12) & 0x0F0F0F0F in one vpternlogd: v's upper half is zero and v << 12 has nothing in bytes 0-1's
+    // low nibbles, so the two never collide under the mask
+    return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
+}
+
+// out[r] (16 rows of the block) for the MR activation rows of one pass, from its panels a, d, dsum.
+// SPLIT int32 partial sums per row hide the vpdpbusd latency when few rows give few independent chains (exact:
+// integers). The sums stay in a local array until the end: through `out` they were stored every group.
+template <int MR, int SPLIT>
+void q8_block(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,
+              int64_t K, __m512* out) {
+    const int64_t G = K / kGroup;
+    __m512 total[MR];
+    for (int r = 0; r < MR; ++r) total[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m512i acc[MR][SPLIT];
+        for (int r = 0; r < MR; ++r)
+            for (int s = 0; s < SPLIT; ++s) acc[r][s] = _mm512_setzero_si512();
+        const uint8_t* c = codes + g * (kBlock * kGroup / 2);
+        for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)c + kPrefetch + 64 * l, _MM_HINT_T0);
+        _mm_prefetch((const char*)(sz + g * 2 * kBlock) + kPrefetch / 4, _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+            const __m512i w = unpack_chunk(c + 32 * t);
+            const int32_t* quads = a + (g * 8 + t) * MR;
+            for (int r = 0; r < MR; ++r)
+                acc[r][t % SPLIT] = _mm512_dpbusd_epi32(acc[r][t % SPLIT], w, _mm512_set1_epi32(quads[r]));
+        }
+        const __m512 scale = bf16x16(sz + g * 2 * kBlock);
+        const __m512 zero8 = _mm512_fmadd_ps(scale, _mm512_set1_ps(-8.f), bf16x16(sz + g * 2 * kBlock + kBlock));
+        for (int r = 0; r < MR; ++r) {
+            __m512i sum = acc[r][0];
+            for (int s = 1; s < SPLIT; ++s) sum = _mm512_add_epi32(sum, acc[r][s]);
+            const __m512 scaled = _mm512_mul_ps(scale, _mm512_set1_ps(d[g * MR + r]));
+            total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, total[r]);
+            total[r] = _mm512_fmadd_ps(zero8, _mm512_set1_ps(dsum[g * MR + r]), total[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) out[r] = total[r];
+}
+
+template <int MR>
+void q8_block_rows(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,
+                   int64_t K, __m512* out) {
+    q8_block<MR, (MR <= 1 ? 4 : MR <= 3 ? 2 : 1)>(codes, sz, a, d, dsum, K, out);
+}
+
+template <int... MR>
+void q8_block_any(int mr, const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d,
+                  const float* dsum, int64_t K, __m512* out, std::integer_sequence<int, MR...>) {
+    // one call of the table of specialisations 1..kMaxRowsQ8
+    using Fn = void (*)(const uint8_t*, const uint16_t*, const int32_t*, const float*, const float*, int64_t, __m512*);
+    static constexpr Fn table[] = {q8_block_rows<MR + 1>...};
+    table[mr - 1](codes, sz, a, d, dsum, K, out);
+}
+
+// Blocks [first, last) against all M activation rows, into out: a chunk of blocks at a time (in L2), pass by
+// pass over it (the pass's panel stays in L1). Block by block with all passes each, every block wrote a line
+// to each of M output rows: with M >= 64 rows of a big N that fell from ~310 to ~250 GOPS a core; a chunk
+// writes each row's lines in one run.
+void q8_blocks(int64_t first, int64_t last, const uint8_t* codes, const uint16_t* sz, const QuantizedActivations& a,
+               int64_t M, int64_t K, int64_t N, const void* bias, void* out, int out_bf16) {
+    const int64_t G = K / kGroup, chunk_size = chunk_blocks(K);
+    for (int64_t chunk = first; chunk < last; chunk += chunk_size) {
+        for (int64_t p = 0; p < row_passes(M); ++p) {
+            const int64_t m0 = first_row(p, M);
+            const int mr = int(first_row(p + 1, M) - m0);
+            for (int64_t nb = chunk; nb < std::min(last, chunk + chunk_size); ++nb) {
+                __m512 total[kMaxRowsQ8];
+                q8_block_any(mr, codes + nb * kBlock * K / 2, sz + nb * G * 2 * kBlock, a.q + m0 * K / 4,
+                             a.scale + m0 * G, a.scaled_sum + m0 * G, K, total,
+                             std::make_integer_sequence<int, kMaxRowsQ8>());
+                for (int r = 0; r < mr; ++r)
+                    store16(total[r], bias, nb * kBlock, out, (m0 + r) * N + nb * kBlock, out_bf16);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" int pagellm_quant_gemv_vnni() { return 1; }
+
+// pagellm_int4_matmul with the activations quantized to int8 (numerics above). Same arguments and layout.
+extern "C" void pagellm_int4_matmul_q8(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes,
+                                       const uint16_t* sz, int64_t N, const void* bias, void* out, int out_bf16) {
+    const QuantizedActivations a = activation_buffers(M, K);  // pointers: shared by the threads below
+    const int64_t G = K / kGroup;
+    // Every thread reads all rows, so quantizing in parallel costs a barrier, and a barrier (like the fork/join)
+    // costs a whole scheduler time slice when another process holds a core: 16 instead of 8 ms a call on a busy
+    // machine. So the quantization runs before the fork unless there is enough of it to share (~20 us alone).
+    const bool shared_quantization = M * K >= (64 << 10);
+    if (!shared_quantization)
+        for (int64_t j = 0; j < M * G; ++j) quantize_group_at(x, x_bf16, j, M, G, a);
+#pragma omp parallel if (worth_threads(N * K / 2))
+    {
+        if (shared_quantization) {
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < M * G; ++j) quantize_group_at(x, x_bf16, j, M, G, a);
+        }  // the loop's barrier: all rows quantized before any block reads them
+        // a contiguous share of the blocks per thread, as schedule(static), walked in chunks by q8_blocks
+        const int64_t blocks = N / kBlock, t = omp_get_thread_num(), threads = omp_get_num_threads();
+        q8_blocks(blocks * t / threads, blocks * (t + 1) / threads, codes, sz, a, M, K, N, bias, out, out_bf16);
+    }
+}
+
+#else
+
+extern "C" int pagellm_quant_gemv_vnni() { return 0; }  // no VNNI: the bf16 kernel only
+
+#endif  // AVX-512 BF16 + VNNI
