@@ -22,6 +22,7 @@ from torch import nn
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
+from pagellm.models.bound_layers import BoundModel
 from pagellm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, Pending, head_dim_of
 from pagellm.runner.attention_metadata import AttentionMetadata
 
@@ -55,6 +56,12 @@ class Gemma3DecoderLayer(nn.Module):
         return h, (self.mlp(x), self.post_feedforward_layernorm)  # [T, E] each
 
 
+def gemma3_norms(layer: Gemma3DecoderLayer) -> tuple:
+    """(before attention, before the MLP, after attention, after the MLP): bound_layers' order."""
+    return (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
+            layer.post_feedforward_layernorm)
+
+
 class Gemma3Model(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -75,9 +82,12 @@ class Gemma3Model(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, E] in the model dtype, also from a QuantizedEmbedding
         h = h * self.embed_scale.to(h.dtype)  # sqrt(E) rounded to the dtype, as HF does
         rope = {layer_type: emb(positions, h.dtype) for layer_type, emb in self.rotary_emb.items()}
+        ropes = [rope[layer.layer_type] for layer in self.layers]  # (cos, sin) [T, D/2] each
+        bound = BoundModel.of(self, gemma3_norms)
+        if bound is not None and bound.applies(h, ropes):
+            return bound(h, ropes, meta)  # the same kernels, bound once (models/bound_layers.py)
         pending = (None, None)
-        for layer in self.layers:
-            cos, sin = rope[layer.layer_type]  # [T, D/2] each
+        for layer, (cos, sin) in zip(self.layers, ropes):
             h, pending = layer(h, cos, sin, meta, pending)
         return self.norm.residual(h, *pending)[1]  # [T, E]
 

@@ -24,6 +24,7 @@ from pagellm.kernels.layer_ops import qkv_prepare
 from pagellm.kernels.logits import logits_to_f32
 from pagellm.layers.quantized import concat_linears, lm_head_logits
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagellm.models.bound_layers import BoundModel
 from pagellm.runner.attention_metadata import AttentionMetadata
 
 
@@ -132,6 +133,11 @@ class LlamaDecoderLayer(nn.Module):
         return h, (self.mlp(x), None)  # [T, E] each
 
 
+def llama_norms(layer: LlamaDecoderLayer) -> tuple:
+    """(before attention, before the MLP, after attention, after the MLP): bound_layers' order."""
+    return layer.input_layernorm, layer.post_attention_layernorm, None, None
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config, options: AttentionOptions):
         super().__init__()
@@ -145,6 +151,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary_emb(positions, h.dtype)  # [T, D/2] each
+        bound = BoundModel.of(self, llama_norms)
+        if bound is not None and bound.applies(h, [(cos, sin)]):
+            return bound(h, [(cos, sin)] * len(self.layers), meta)  # the same kernels, bound once
         pending = (None, None)
         for layer in self.layers:
             h, pending = layer(h, cos, sin, meta, pending)

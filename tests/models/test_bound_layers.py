@@ -1,0 +1,74 @@
+"""Layers bound to their kernels (models/bound_layers.py) against the module path: bit-identical results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_harness import PagedHarness
+from tiny_checkpoints import write_tiny_checkpoint
+
+from pagellm import LLM, SamplingParams
+from pagellm.loader.model_loader import load_model
+from pagellm.models.bound_layers import BoundModel
+from pagellm.models.gemma3 import gemma3_norms
+from pagellm.models.llama import llama_norms
+
+FAMILIES = ["llama", "qwen2", "qwen3-yarn", "gemma3"]  # plain, q/k/v bias, q/k norm, Gemma's sandwich norms
+
+
+def _norms_of(family: str):
+    return gemma3_norms if family == "gemma3" else llama_norms
+
+
+def _prefill_both_ways(model, prompt, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = []
+    for bound in ("1", "0"):
+        monkeypatch.setenv("PAGELLM_BOUND_LAYERS", bound)
+        logits.append(PagedHarness(model).prefill("a", prompt))
+    return logits[0], logits[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_layers_equal_the_modules(tmp_path, family, quantization, dtype, monkeypatch):
+    write_tiny_checkpoint(family, tmp_path)
+    model = load_model(str(tmp_path), dtype, torch.device("cpu"), False, quantization).model
+    harness = PagedHarness(model)  # binds the KV caches the bound layers read
+    assert BoundModel.of(model.model, _norms_of(family)) is not None  # the path under test does apply
+    del harness
+    prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(3)).tolist()
+    bound, modules = _prefill_both_ways(model, prompt, monkeypatch)
+    assert torch.equal(bound, modules)
+
+
+def test_engine_greedy_ids_equal_with_and_without_bound_layers(tmp_path, monkeypatch):
+    write_tiny_checkpoint("gemma3", tmp_path)
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23, 40)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    ids = []
+    for bound in ("1", "0"):
+        monkeypatch.setenv("PAGELLM_BOUND_LAYERS", bound)
+        llm = LLM(model=str(tmp_path), quantization="int4", dtype="bfloat16", skip_tokenizer_init=True,
+                  kv_cache_memory=0.01)
+        ids.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert ids[0] == ids[1]
+
+
+def test_binding_follows_changed_paths_and_declines_hooks(tmp_path, monkeypatch):
+    """A linear switched to another path after loading rebinds (here: unbindable); a forward hook (tensor
+    parallel's all-reduce) sends the step through the modules."""
+    write_tiny_checkpoint("llama", tmp_path)
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), False, "int4").model
+    harness = PagedHarness(model)
+    bound = BoundModel.of(model.model, llama_norms)
+    assert bound is not None
+    h = torch.zeros(3, model.config.hidden_size)
+    ropes = [model.model.rotary_emb(torch.arange(3), h.dtype)]
+    assert bound.applies(h, ropes)
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
+    assert not bound.applies(h, ropes)
+    handle.remove()
+    model.model.layers[0].self_attn.o_proj.dense_from_rows = 1  # dense tiles from one row: batch-size dependent
+    assert BoundModel.of(model.model, llama_norms) is None
+    del harness
