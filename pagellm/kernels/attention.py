@@ -107,7 +107,7 @@ def paged_attention_reference(
     return out
 
 
-_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
+_NATIVE_DTYPES = native.DTYPE_CODES
 
 
 @functools.cache

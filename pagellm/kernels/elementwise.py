@@ -15,25 +15,19 @@ import torch
 
 from pagellm.kernels import native
 
-_DTYPE_FLAG = {torch.float32: 0, torch.bfloat16: 1}
-
-
+_DTYPE_FLAG = native.DTYPE_CODES
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "rms_norm": ("pagellm_rms_norm", [_P, _P, _P, _I64, _I64, ctypes.c_float, _INT, _INT]),
-    "rotary": ("pagellm_rotary", [_P, _P, _P, _P, _I64, _I64, _I64, _INT]),
+_SIGNATURES = {  # library (csrc/<name>.cpp) -> its function's argtypes
+    "rms_norm": [_P, _P, _P, _I64, _I64, ctypes.c_float, _INT, _INT],
+    "rotary": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
 }
 
 
 @functools.cache
 def _kernel(name: str):
-    lib = native.load(name)
-    if lib is None:
-        return None
-    symbol, argtypes = _SIGNATURES[name]
-    fn = getattr(lib, symbol)
-    fn.argtypes, fn.restype = argtypes, None
-    return fn
+    """pagellm_<name> of csrc/<name>.cpp, or None."""
+    lib = native.bind(name, {f"pagellm_{name}": (_SIGNATURES[name], None)})
+    return None if lib is None else getattr(lib, f"pagellm_{name}")
 
 
 def _handled(*tensors: torch.Tensor) -> bool:

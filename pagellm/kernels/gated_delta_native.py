@@ -17,7 +17,7 @@ import torch
 
 from pagellm.kernels import native
 
-_DTYPE_FLAG = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_FLAG = native.DTYPE_CODES
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -28,13 +28,8 @@ _SIGNATURES = {
 
 @functools.cache
 def _kernel(which: str):
-    lib = native.load("gated_delta_decode")
-    if lib is None:
-        return None
-    symbol, argtypes = _SIGNATURES[which]
-    fn = getattr(lib, symbol)
-    fn.argtypes, fn.restype = argtypes, None
-    return fn
+    lib = native.bind("gated_delta_decode", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()})
+    return None if lib is None else getattr(lib, _SIGNATURES[which][0])
 
 
 def _on_cpu_contiguous(*tensors: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ import torch
 
 from pagellm.kernels import native
 
-_DTYPE_FLAG = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_FLAG = native.DTYPE_CODES
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_mul's native activations
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -28,13 +28,7 @@ _SIGNATURES = {
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    lib = native.load("layer_ops")
-    if lib is None:
-        return None
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-    return lib
+    return native.bind("layer_ops", _SIGNATURES)
 
 
 def _handled(*tensors: torch.Tensor | None) -> bool:
@@ -65,6 +59,17 @@ def qkv_prepare(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: 
             or key_cache.shape != value_cache.shape or tuple(key_cache.shape[-2:]) != kv_row
             or any(w is not None and (w.dtype != norm_dtype or w.numel() != head_dim) for w in (q_weight, k_weight))):
         return None
+    return qkv_prepare_unchecked(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, unit_offset, cos, sin,
+                                 key_cache, value_cache, slots)
+
+
+def qkv_prepare_unchecked(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor | None,
+                          k_weight: torch.Tensor | None, eps: float, unit_offset: bool, cos: torch.Tensor,
+                          sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          slots: torch.Tensor) -> torch.Tensor | None:
+    """qkv_prepare on inputs the caller has checked (models/bound_layers.py checks once per step); the kernel
+    still refuses a slot outside the cache (IndexError) or a head size it cannot hold (None)."""
+    tokens, head_dim = qkv.shape[0], cos.shape[-1] * 2
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype)
     status = _lib().pagellm_qkv_prepare(
         qkv.data_ptr(), tokens, num_heads, num_kv_heads, head_dim, _pointer(q_weight), _pointer(k_weight), eps,
@@ -84,6 +89,12 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, post_weight: torch.Ten
     if (not _handled(x, residual, weight, post_weight) or residual.dtype != x.dtype or residual.shape != x.shape
             or any(w is not None and w.dtype != norm_dtype for w in (weight, post_weight))):
         return None
+    return add_rms_norm_unchecked(residual, x, post_weight, weight, eps, unit_offset)
+
+
+def add_rms_norm_unchecked(residual: torch.Tensor, x: torch.Tensor, post_weight: torch.Tensor | None,
+                           weight: torch.Tensor, eps: float, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm on inputs the caller has checked."""
     new_residual, out = torch.empty_like(x), torch.empty_like(x)
     dim = x.shape[-1]
     _lib().pagellm_add_rms_norm(residual.data_ptr(), x.data_ptr(), _pointer(post_weight), weight.data_ptr(),
@@ -96,6 +107,11 @@ def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
     """gate_up [..., 2 I] -> act(gate) * up [..., I] (activation: a key of ACTIVATIONS). None: not handled."""
     if activation not in ACTIVATIONS or not _handled(gate_up):
         return None
+    return act_mul_unchecked(gate_up, activation)
+
+
+def act_mul_unchecked(gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
+    """act_mul on inputs the caller has checked (None: no AVX-512 in this build)."""
     half = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], half, dtype=gate_up.dtype)
     bad = _lib().pagellm_act_mul(gate_up.data_ptr(), gate_up.numel() // (2 * half), half, ACTIVATIONS[activation],

@@ -17,7 +17,7 @@ import torch
 
 from pagellm.kernels import native
 
-_IN_BF16 = {torch.float32: 0, torch.bfloat16: 1}
+_IN_BF16 = native.DTYPE_CODES
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -28,13 +28,8 @@ _SIGNATURES = {
 
 @functools.cache
 def _kernel(name: str):
-    lib = native.load("logits")
-    if lib is None:
-        return None
-    symbol, argtypes = _SIGNATURES[name]
-    fn = getattr(lib, symbol)
-    fn.argtypes, fn.restype = argtypes, None
-    return fn
+    lib = native.bind("logits", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()})
+    return None if lib is None else getattr(lib, _SIGNATURES[name][0])
 
 
 def _handled(x: torch.Tensor, dtypes) -> bool:

@@ -28,11 +28,14 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch  # noqa: F401  -- imported first so torch's libgomp is the one our libraries bind to
 
 CSRC = Path(__file__).with_name("csrc")
+DTYPE_CODES = MappingProxyType({torch.float32: 0, torch.bfloat16: 1})  # the kernels' dtype argument (is_bf16)
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 
 
@@ -97,6 +100,16 @@ def load(name: str) -> ctypes.CDLL | None:
         warnings.warn(f"pagellm: native kernel {name!r} unavailable, using the torch reference path: {e}",
                       RuntimeWarning, stacklevel=2)
         return None
+
+
+def bind(name: str, signatures: Mapping[str, tuple[list, object]]) -> ctypes.CDLL | None:
+    """`load(name)` with each function of `signatures` ({symbol: (argtypes, restype)}) typed for ctypes."""
+    lib = load(name)
+    if lib is not None:
+        for symbol, (argtypes, restype) in signatures.items():
+            fn = getattr(lib, symbol)
+            fn.argtypes, fn.restype = argtypes, restype
+    return lib
 
 
 def ptr(tensor: torch.Tensor | None) -> ctypes.c_void_p:

@@ -37,37 +37,30 @@ from pagellm.kernels import native
 BLOCK_ROWS = 16  # int4 rows per block of the layout
 GROUP_SIZE = 32
 _CHUNK_ROWS = 1024  # rows packed at a time at load (a multiple of BLOCK_ROWS)
-_DTYPE_FLAG = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_FLAG = native.DTYPE_CODES
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_MATMUL = ([_P, _INT, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None)  # x, x_bf16, M, K, W, scales, N, bias, out, ..
 _SIGNATURES = {
-    "pagellm_int4_matmul": [_P, _INT, _I64, _I64, _P, _P, _I64, _P, _P, _INT],
-    "pagellm_int8_matmul": [_P, _INT, _I64, _I64, _P, _P, _I64, _P, _P, _INT],
-    "pagellm_int4_rows": [_P, _P, _I64, _I64, _P, _I64, _P, _INT],
-    "pagellm_int4_tile_t": [_P, _P, _I64, _I64, _I64, _P, _I64, _INT],
+    "pagellm_int4_matmul": _MATMUL,
+    "pagellm_int8_matmul": _MATMUL,
+    "pagellm_int4_rows": ([_P, _P, _I64, _I64, _P, _I64, _P, _INT], _I64),
+    "pagellm_int4_tile_t": ([_P, _P, _I64, _I64, _I64, _P, _I64, _INT], None),
 }
-_RETURNS = {"pagellm_int4_rows": _I64}
 
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    lib = native.load("quant_gemv")
-    if lib is None or not lib.pagellm_quant_gemv_vectorized():  # a scalar build would be slower than torch
-        return None
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
-    return lib
+    lib = native.load("quant_gemv")  # a scalar build exports no kernels: it would be slower than torch's
+    return native.bind("quant_gemv", _SIGNATURES) if lib is not None and lib.pagellm_quant_gemv_vectorized() else None
 
 
 @functools.cache
 def _q8_lib() -> ctypes.CDLL | None:
     """csrc/quant_gemv_q8.cpp (int8 activations), where it builds with AVX-512 VNNI, else None."""
     lib = native.load("quant_gemv_q8") if _lib() is not None else None
-    if lib is None or not lib.pagellm_quant_gemv_vnni():
+    if lib is None or not lib.pagellm_quant_gemv_vnni():  # built without VNNI: no kernel exported
         return None
-    lib.pagellm_int4_matmul_q8.argtypes = _SIGNATURES["pagellm_int4_matmul"]
-    lib.pagellm_int4_matmul_q8.restype = None
-    return lib
+    return native.bind("quant_gemv_q8", {"pagellm_int4_matmul_q8": _MATMUL})
 
 
 def available() -> bool:

@@ -35,13 +35,17 @@ class RMSNorm(nn.Module):
         norm of it. One fused kernel call where it applies: at decode that is 1 call instead of 3."""
         if x is None:
             return h, self(h)
-        if post is None or (post.eps == self.eps and post.unit_offset == self.unit_offset):
+        if post is None or self.same_kind(post):
             fused = add_rms_norm(h, x, None if post is None else post.flavour_weight(), self.flavour_weight(),
                                  self.eps, self.unit_offset)
             if fused is not None:
                 return fused
         h = h + (x if post is None else post(x))
         return h, self(h)
+
+    def same_kind(self, other: RMSNorm) -> bool:
+        """Same eps and flavour: one fused call can apply both norms (it takes one eps and flavour)."""
+        return (self.eps, self.unit_offset) == (other.eps, other.unit_offset)
 
     def flavour_weight(self) -> torch.Tensor:
         """The weight as the kernels take it: fp32 for the unit-offset flavour, else the parameter."""

@@ -104,15 +104,20 @@ class LlamaAttention(nn.Module):
                           meta: AttentionMetadata) -> torch.Tensor | None:
         """q [T, H, D] normed and rotated, with k and v written to the cache, in one kernel call; None: not
         handled (nothing written)."""
-        if self.attn.key_cache is None:
+        if self.attn.key_cache is None or not self.qk_norms_fuse():
             return None
-        q_weight = k_weight = None
-        eps, unit_offset = 0.0, False
-        if self.qk_norm:
-            q_weight, k_weight = self.q_norm.flavour_weight(), self.k_norm.flavour_weight()
-            eps, unit_offset = self.q_norm.eps, self.q_norm.unit_offset
-        return qkv_prepare(qkv, self.num_heads, self.num_kv_heads, q_weight, k_weight, eps, unit_offset, cos, sin,
+        return qkv_prepare(qkv, self.num_heads, self.num_kv_heads, *self.qk_norm_args(), cos, sin,
                            self.attn.key_cache, self.attn.value_cache, meta.slot_mapping)
+
+    def qk_norms_fuse(self) -> bool:
+        """Whether q_norm and k_norm can run as one fused call (which applies one eps and flavour)."""
+        return not self.qk_norm or self.q_norm.same_kind(self.k_norm)
+
+    def qk_norm_args(self) -> tuple:
+        """(q weight, k weight, eps, unit_offset) as qkv_prepare takes them (weights None: no q/k norm)."""
+        if not self.qk_norm:
+            return None, None, 0.0, False
+        return self.q_norm.flavour_weight(), self.k_norm.flavour_weight(), self.q_norm.eps, self.q_norm.unit_offset
 
 
 class LlamaDecoderLayer(nn.Module):
