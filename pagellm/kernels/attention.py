@@ -110,10 +110,14 @@ def paged_attention_reference(
 _NATIVE_DTYPES = native.DTYPE_CODES
 
 
-@functools.cache
 def _native_kernel():
-    """The C++ entry point with its ctypes signature, or None when the library is unavailable."""
-    lib = native.load("paged_attention")
+    """The C++ entry point at the selected level with its ctypes signature, or None when unavailable."""
+    return _native_kernel_at(native.level())
+
+
+@functools.cache
+def _native_kernel_at(level: str | None):
+    lib = native.load("paged_attention", level) if level else None
     return None if lib is None else bind_native(lib)
 
 
@@ -185,7 +189,7 @@ def paged_attention(
 
     The native kernel when it applies (see the module docstring), else the torch reference.
     """
-    if (not native.native_disabled() and _native_supported(query, key_cache, value_cache)
+    if (_native_supported(query, key_cache, value_cache)
             and _native_kernel() is not None):
         return paged_attention_native(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
     return paged_attention_reference(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)

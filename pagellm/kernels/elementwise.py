@@ -23,10 +23,14 @@ _SIGNATURES = {  # library (csrc/<name>.cpp) -> its function's argtypes
 }
 
 
-@functools.cache
 def _kernel(name: str):
-    """pagellm_<name> of csrc/<name>.cpp, or None."""
-    lib = native.bind(name, {f"pagellm_{name}": (_SIGNATURES[name], None)})
+    """pagellm_<name> of csrc/<name>.cpp at the selected level, or None."""
+    return _kernel_at(name, native.level())
+
+
+@functools.cache
+def _kernel_at(name: str, level: str | None):
+    lib = native.bind(name, {f"pagellm_{name}": (_SIGNATURES[name], None)}, level) if level else None
     return None if lib is None else getattr(lib, f"pagellm_{name}")
 
 

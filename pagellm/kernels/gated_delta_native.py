@@ -26,9 +26,15 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
 def _kernel(which: str):
-    lib = native.bind("gated_delta_decode", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()})
+    """A function of csrc/gated_delta_decode.cpp at the selected level, or None."""
+    return _kernel_at(which, native.level())
+
+
+@functools.cache
+def _kernel_at(which: str, level: str | None):
+    lib = native.bind("gated_delta_decode", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()},
+                      level) if level else None
     return None if lib is None else getattr(lib, _SIGNATURES[which][0])
 
 

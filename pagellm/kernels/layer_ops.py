@@ -26,9 +26,14 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
 def _lib() -> ctypes.CDLL | None:
-    return native.bind("layer_ops", _SIGNATURES)
+    """csrc/layer_ops.cpp at the selected level, or None."""
+    return _lib_at(native.level())
+
+
+@functools.cache
+def _lib_at(level: str | None) -> ctypes.CDLL | None:
+    return native.bind("layer_ops", _SIGNATURES, level) if level else None
 
 
 def _handled(*tensors: torch.Tensor | None) -> bool:

@@ -26,9 +26,15 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
 def _kernel(name: str):
-    lib = native.bind("logits", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()})
+    """pagellm_<name> of csrc/logits.cpp at the selected level, or None."""
+    return _kernel_at(name, native.level())
+
+
+@functools.cache
+def _kernel_at(name: str, level: str | None):
+    lib = native.bind("logits", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()}, level) \
+        if level else None
     return None if lib is None else getattr(lib, _SIGNATURES[name][0])
 
 

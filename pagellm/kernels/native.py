@@ -1,24 +1,30 @@
-"""Build-on-first-use loader for the C++ CPU kernels in `pagellm/kernels/csrc/`.
+"""Build-on-first-use loader for the C++ CPU kernels in `pagellm/kernels/csrc/`, one build per instruction set.
 
-Each `csrc/<name>.cpp` is a plain C++ file exporting `extern "C"` functions; it is
-compiled once into its own shared library and called through ctypes with
-tensor data pointers. Why not torch.utils.cpp_extension: it needs ninja and the
-torch headers, and takes ~1 minute per build on 2 cores; a header-free file
-builds in a few seconds, and ctypes releases the GIL around each call.
+Each `csrc/<name>.cpp` is a plain C++ file exporting `extern "C"` functions; it is compiled into its own shared
+library for an explicit target level and called through ctypes with tensor data pointers. Why not
+torch.utils.cpp_extension: it needs ninja and the torch headers, and takes ~1 minute per build on 2 cores; a
+header-free file builds in a few seconds, and ctypes releases the GIL around each call.
 
-The library is cached under ~/.cache/pagellm/kernels (or $PAGELLM_KERNEL_CACHE),
-keyed by the source, the compiler flags, the compiler and the CPU's flags
-(it is built with -march=native). With no compiler, or a failed build, `load`
-returns None after one warning naming the cause, and callers use the torch
-reference path.
+Levels (`LEVELS`, fastest first), each a set of compiler flags; the sources pick their code paths with the
+compiler's own macros (`__AVX512F__`, `__AVX2__`, ...):
 
-OpenMP: the library links libgomp.so.1; torch's wheel already loaded its own
-copy under that soname, so the dynamic linker reuses it and both share one
-thread pool (two pools spinning on 2 cores would halve throughput).
+    avx512   AVX-512 F/BW/VL/DQ with BF16 and VNNI (Zen 4, Sapphire Rapids and later)
+    avx2     AVX2 + FMA + F16C (Haswell and later, Zen 1-3)
+    generic  the compiler's baseline for the machine (plain C++ loops; ARM, old x86)
+
+The process runs one level (`level()`), chosen by `select()` from the engine config's `cpu_isa` (as torch
+runs one ATEN_CPU_CAPABILITY); `load(name, level)` builds any level this CPU can execute, so tests check every
+one in one process. Libraries are cached under ~/.cache/pagellm/kernels (or $PAGELLM_KERNEL_CACHE), keyed by
+the sources, the level's flags and the compiler. With no compiler, or a failed build, `load` returns None after
+one warning naming the cause, and callers use the torch reference path.
+
+OpenMP: the library links libgomp.so.1; torch's wheel already loaded its own copy under that soname, so the
+dynamic linker reuses it and both share one thread pool (two pools spinning on 2 cores would halve throughput).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -36,7 +42,28 @@ import torch  # noqa: F401  -- imported first so torch's libgomp is the one our 
 
 CSRC = Path(__file__).with_name("csrc")
 DTYPE_CODES = MappingProxyType({torch.float32: 0, torch.bfloat16: 1})  # the kernels' dtype argument (is_bf16)
-CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+# -ffp-contract=off: a*b+c stays two roundings unless the source asks for fma, so every level computes alike
+CXX_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
+LEVELS = ("avx512", "avx2", "generic")
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# What each level compiles for, and the /proc/cpuinfo flags a CPU needs to execute it.
+LEVEL_FLAGS = MappingProxyType({
+    "avx512": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+    "avx2": ("-march=x86-64-v3",),
+    "generic": ("-march=x86-64",) if _X86 else (),
+})
+LEVEL_CPU_FLAGS = MappingProxyType({
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16",
+                         "avx512_vnni", "avx2", "fma", "f16c", "bmi2"}),
+    "avx2": frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}),
+    "generic": frozenset(),
+})
+# torch's own dispatch held to a level (set before torch is imported: see `torch_env`)
+_TORCH_ENV = MappingProxyType({
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+})
 
 
 def cache_dir() -> Path:
@@ -44,30 +71,82 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def native_disabled() -> bool:
-    """PAGELLM_NATIVE=0 forces the torch reference paths (for comparisons and debugging)."""
-    return os.environ.get("PAGELLM_NATIVE", "1") == "0"
-
-
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return line
+                return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    return platform.processor()
+    return frozenset()
+
+
+def host_levels() -> tuple[str, ...]:
+    """The levels this CPU can execute, fastest first (always ends with "generic")."""
+    flags = cpu_flags()
+    return tuple(lv for lv in LEVELS if lv == "generic" or (_X86 and LEVEL_CPU_FLAGS[lv] <= flags))
+
+
+def resolve(cpu_isa: str) -> str:
+    """"auto" -> the fastest host level; a level name -> itself if this CPU can execute it, else ValueError."""
+    if cpu_isa == "auto":
+        return host_levels()[0]
+    if cpu_isa not in LEVELS:
+        raise ValueError(f"cpu_isa must be auto or one of {', '.join(LEVELS)}, got {cpu_isa!r}")
+    if cpu_isa not in host_levels():
+        missing = sorted(LEVEL_CPU_FLAGS[cpu_isa] - cpu_flags()) if _X86 else [f"an x86-64 CPU (this is {platform.machine()})"]
+        raise ValueError(f"cpu_isa {cpu_isa!r} needs {', '.join(missing)}, which this CPU lacks; "
+                         f"it can run {', '.join(host_levels())}")
+    return cpu_isa
+
+
+def torch_env(level: str) -> dict[str, str]:
+    """Environment that holds torch's own kernels (ATen, oneDNN) to `level`, for a process started with it."""
+    return dict(_TORCH_ENV[level])
+
+
+class _Selection:
+    """The process's level (None: native kernels off). One object, set by `select`: the kernels a process
+    calls are process-wide, as torch's CPU capability is."""
+
+    level: str | None = host_levels()[0]
+
+
+_SELECTION = _Selection()
+
+
+def select(cpu_isa: str, enabled: bool = True) -> str | None:
+    """Make `cpu_isa` (resolved) the level the kernel wrappers load; enabled=False: none (torch references)."""
+    _SELECTION.level = resolve(cpu_isa) if enabled else None
+    return _SELECTION.level
+
+
+@contextlib.contextmanager
+def using(cpu_isa: str | None):
+    """Within the block the wrappers load `cpu_isa` (None: no native kernels); the previous level after."""
+    previous = _SELECTION.level
+    _SELECTION.level = None if cpu_isa is None else resolve(cpu_isa)
+    try:
+        yield _SELECTION.level
+    finally:
+        _SELECTION.level = previous
+
+
+def level() -> str | None:
+    """The level the kernel wrappers use now (None: native kernels off)."""
+    return _SELECTION.level
 
 
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(name: str, source: Path, compiler: str) -> Path:
+def _build(name: str, source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # shared includes (bf16.h)
-    key = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, " ".join(CXX_FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.is_file():
         return target
@@ -75,8 +154,7 @@ def _build(name: str, source: Path, compiler: str) -> Path:
     # Build beside the target, then rename: concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *CXX_FLAGS, str(source), "-o", str(out)],
-                                capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, str(source), "-o", str(out)], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed on {source.name}:\n{result.stderr[-2000:]}")
         os.replace(out, target)
@@ -84,32 +162,44 @@ def _build(name: str, source: Path, compiler: str) -> Path:
 
 
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled `csrc/<name>.cpp`, or None (with one warning) when it cannot be built here."""
-    if native_disabled():
-        return None
+def _load(name: str, level: str) -> ctypes.CDLL | None:
     source = CSRC / f"{name}.cpp"
     compiler = _compiler()
     if compiler is None:
         warnings.warn(f"pagellm: no C++ compiler found (set CXX or install g++); native kernel {name!r} "
-                      "unavailable, using the slower torch reference path", RuntimeWarning, stacklevel=2)
+                      "unavailable, using the slower torch reference path", RuntimeWarning, stacklevel=3)
         return None
     try:
-        return ctypes.CDLL(str(_build(name, source, compiler)))
+        return ctypes.CDLL(str(_build(name, source, compiler, (*CXX_FLAGS, *LEVEL_FLAGS[level]))))
     except (RuntimeError, OSError) as e:
-        warnings.warn(f"pagellm: native kernel {name!r} unavailable, using the torch reference path: {e}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"pagellm: native kernel {name!r} ({level}) unavailable, using the torch reference path: {e}",
+                      RuntimeWarning, stacklevel=3)
         return None
 
 
-def bind(name: str, signatures: Mapping[str, tuple[list, object]]) -> ctypes.CDLL | None:
-    """`load(name)` with each function of `signatures` ({symbol: (argtypes, restype)}) typed for ctypes."""
-    lib = load(name)
+def load(name: str, at: str | None = None) -> ctypes.CDLL | None:
+    """The compiled `csrc/<name>.cpp` for level `at` (default: the selected level), or None (with one warning)
+    when it cannot be built here or native kernels are off. A level this CPU cannot execute is a ValueError."""
+    at = level() if at is None else resolve(at)
+    return None if at is None else _load(name, at)
+
+
+@functools.cache
+def _bound(name: str, at: str, signatures: tuple) -> ctypes.CDLL | None:
+    lib = _load(name, at)
     if lib is not None:
-        for symbol, (argtypes, restype) in signatures.items():
+        for symbol, (argtypes, restype) in signatures:
             fn = getattr(lib, symbol)
-            fn.argtypes, fn.restype = argtypes, restype
+            fn.argtypes, fn.restype = list(argtypes), restype
     return lib
+
+
+def bind(name: str, signatures: Mapping[str, tuple[list, object]], at: str | None = None) -> ctypes.CDLL | None:
+    """`load(name, at)` with each function of `signatures` ({symbol: (argtypes, restype)}) typed for ctypes."""
+    at = level() if at is None else resolve(at)
+    if at is None:
+        return None
+    return _bound(name, at, tuple((s, (tuple(a), r)) for s, (a, r) in signatures.items()))
 
 
 def ptr(tensor: torch.Tensor | None) -> ctypes.c_void_p:

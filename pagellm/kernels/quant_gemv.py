@@ -48,19 +48,28 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
 def _lib() -> ctypes.CDLL | None:
-    lib = native.load("quant_gemv")  # a scalar build exports no kernels: it would be slower than torch's
-    return native.bind("quant_gemv", _SIGNATURES) if lib is not None and lib.pagellm_quant_gemv_vectorized() else None
+    """csrc/quant_gemv.cpp at the selected level, or None."""
+    return _lib_at(native.level())
+
+
+def _q8_lib() -> ctypes.CDLL | None:
+    """csrc/quant_gemv_q8.cpp (int8 activations) at the selected level, or None."""
+    return _q8_lib_at(native.level())
 
 
 @functools.cache
-def _q8_lib() -> ctypes.CDLL | None:
-    """csrc/quant_gemv_q8.cpp (int8 activations), where it builds with AVX-512 VNNI, else None."""
-    lib = native.load("quant_gemv_q8") if _lib() is not None else None
+def _lib_at(level: str | None) -> ctypes.CDLL | None:
+    lib = native.load("quant_gemv", level) if level else None  # a scalar build exports no kernels: slower than torch's
+    return native.bind("quant_gemv", _SIGNATURES, level) if lib is not None and lib.pagellm_quant_gemv_vectorized() else None
+
+
+@functools.cache
+def _q8_lib_at(level: str | None) -> ctypes.CDLL | None:
+    lib = native.load("quant_gemv_q8", level) if _lib_at(level) is not None else None
     if lib is None or not lib.pagellm_quant_gemv_vnni():  # built without VNNI: no kernel exported
         return None
-    return native.bind("quant_gemv_q8", {"pagellm_int4_matmul_q8": _MATMUL})
+    return native.bind("quant_gemv_q8", {"pagellm_int4_matmul_q8": _MATMUL}, level)
 
 
 def available() -> bool:
