@@ -134,6 +134,15 @@ def using(cpu_isa: str | None):
         _SELECTION.level = previous
 
 
+def each_level(fn) -> dict[str, object]:
+    """{level: fn()} with each level this CPU executes selected in turn (tests compare the builds with it)."""
+    results = {}
+    for each in host_levels():
+        with using(each):
+            results[each] = fn()
+    return results
+
+
 def level() -> str | None:
     """The level the kernel wrappers use now (None: native kernels off)."""
     return _SELECTION.level

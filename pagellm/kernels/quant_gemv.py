@@ -15,10 +15,11 @@ int4 codes are kept in the kernel's own layout (blocks of 16 rows; see the .cpp 
 the same bytes as torch's int4pack layout (N*K/2 codes, 4 bytes of scale and zero per group). int8 weights
 keep Int8Linear's [N, K] layout.
 
-`available()` is False with PAGELLM_NATIVE=0, without a compiler or without AVX-512 BF16: layers then keep
-torch's layouts and kernels (layers/quantized.py), which stay the reference the kernels are tested against.
+`available()` (the bf16-activation kernels) needs AVX-512 BF16; `q8_available()` (the int8-activation kernel, and
+the layout's dequantizers) holds at every level (native.py) where a compiler is. Without them (native kernels
+off, no compiler) layers keep torch's layouts and kernels (layers/quantized.py), which stay the reference.
 
-`int4_matmul_q8` (where `vnni_available()`) trades accuracy for speed: activations quantized to int8 per row and
+`int4_matmul_q8` (every level, bit-identical across them) trades accuracy for speed: activations quantized to int8 per row and
 32-column group (d = max|x| / 127, a = round(x / d)), int8 x int4 dot products exact in int32 (vpdpbusd: twice
 the products per instruction of the bf16 kernel's vdpbf16ps), the rest fp32. Measured (2 threads, Zen 4) 1.7-2x
 int4_matmul's speed at M = 8..320 (layer shapes and a 262144-row head), parity on the head at M = 1 where both
@@ -40,45 +41,62 @@ _CHUNK_ROWS = 1024  # rows packed at a time at load (a multiple of BLOCK_ROWS)
 _DTYPE_FLAG = native.DTYPE_CODES
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _MATMUL = ([_P, _INT, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None)  # x, x_bf16, M, K, W, scales, N, bias, out, ..
-_SIGNATURES = {
-    "pagellm_int4_matmul": _MATMUL,
-    "pagellm_int8_matmul": _MATMUL,
+_MATMUL_SIGNATURES = {"pagellm_int4_matmul": _MATMUL, "pagellm_int8_matmul": _MATMUL}  # AVX-512 BF16 builds only
+_LAYOUT_SIGNATURES = {
     "pagellm_int4_rows": ([_P, _P, _I64, _I64, _P, _I64, _P, _INT], _I64),
     "pagellm_int4_tile_t": ([_P, _P, _I64, _I64, _I64, _P, _I64, _INT], None),
+    "pagellm_quant_gemv_vectorized": ([], _INT),
 }
 
 
 def _lib() -> ctypes.CDLL | None:
-    """csrc/quant_gemv.cpp at the selected level, or None."""
+    """csrc/quant_gemv.cpp's bf16-activation matmuls at the selected level (AVX-512 BF16 only), or None."""
     return _lib_at(native.level())
 
 
+def _layout_lib() -> ctypes.CDLL | None:
+    """csrc/quant_gemv.cpp's int4-layout dequantizers (every level), or None."""
+    return _layout_lib_at(native.level())
+
+
 def _q8_lib() -> ctypes.CDLL | None:
-    """csrc/quant_gemv_q8.cpp (int8 activations) at the selected level, or None."""
+    """csrc/quant_gemv_q8.cpp (int8 activations, every level) at the selected level, or None."""
     return _q8_lib_at(native.level())
 
 
 @functools.cache
+def _layout_lib_at(level: str | None) -> ctypes.CDLL | None:
+    return native.bind("quant_gemv", _LAYOUT_SIGNATURES, level) if level else None
+
+
+@functools.cache
 def _lib_at(level: str | None) -> ctypes.CDLL | None:
-    lib = native.load("quant_gemv", level) if level else None  # a scalar build exports no kernels: slower than torch's
-    return native.bind("quant_gemv", _SIGNATURES, level) if lib is not None and lib.pagellm_quant_gemv_vectorized() else None
+    lib = _layout_lib_at(level)  # a scalar or AVX2 build exports no bf16 matmul: torch's kernels are faster
+    if lib is None or not lib.pagellm_quant_gemv_vectorized():
+        return None
+    return native.bind("quant_gemv", _MATMUL_SIGNATURES, level)
 
 
 @functools.cache
 def _q8_lib_at(level: str | None) -> ctypes.CDLL | None:
-    lib = native.load("quant_gemv_q8", level) if _lib_at(level) is not None else None
-    if lib is None or not lib.pagellm_quant_gemv_vnni():  # built without VNNI: no kernel exported
+    if _layout_lib_at(level) is None:  # the layout's dequantizers come with it
         return None
     return native.bind("quant_gemv_q8", {"pagellm_int4_matmul_q8": _MATMUL}, level)
 
 
 def available() -> bool:
+    """Whether the bf16-activation int4 / int8 kernels run here (AVX-512 BF16)."""
     return _lib() is not None
 
 
-def vnni_available() -> bool:
-    """Whether int4_matmul_q8 runs here (AVX-512 VNNI on top of what `available` needs)."""
+def q8_available() -> bool:
+    """Whether int4_matmul_q8 (and with it the native int4 layout) runs here: at every level with a compiler."""
     return _q8_lib() is not None
+
+
+def native_layout_available() -> bool:
+    """Whether int4 weights can be kept in this module's layout: some kernel here computes with it."""
+    return available() or q8_available()
 
 
 # ---- int4 layout ----------------------------------------------------------------------------------
@@ -141,7 +159,7 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
 def int4_matmul_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """int4_matmul with x quantized to int8 per row and 32-column group (see the module docstring): ~1.8x the
-    throughput, at the cost of the activations' int8 rounding. Needs vnni_available()."""
+    throughput, at the cost of the activations' int8 rounding. Needs q8_available()."""
     return _matmul(_q8_lib().pagellm_int4_matmul_q8, x, codes, sz, bias, 2 * codes.shape[1])
 
 
@@ -155,7 +173,7 @@ class BoundMatmul:
     """int4_matmul / int8_matmul bound to one layer's tensors, so a decode call is one allocation and one
     ctypes call: resolving a module's buffers and checking every argument per call cost ~6 us more, 0.75 ms
     of an 11 ms Gemma 3 270M decode step (127 calls). The owner checks `binds` before each use.
-    `q8` (int4 only, where vnni_available()) binds int4_matmul_q8 instead."""
+    `q8` (int4 only, where q8_available()) binds int4_matmul_q8 instead."""
 
     def __init__(self, scheme: str, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  q8: bool = False):
@@ -185,7 +203,7 @@ def int4_rows(codes: torch.Tensor, sz: torch.Tensor, ids: torch.Tensor, out: tor
     """The dequantized rows `ids` into out [len(ids), K] (fp32 or bf16): exactly the weights the kernel uses."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     target = out if out.dtype in _DTYPE_FLAG and out.is_contiguous() else torch.empty(out.shape)
-    bad = _lib().pagellm_int4_rows(codes.data_ptr(), sz.data_ptr(), codes.shape[0], 2 * codes.shape[1],
+    bad = _layout_lib().pagellm_int4_rows(codes.data_ptr(), sz.data_ptr(), codes.shape[0], 2 * codes.shape[1],
                                    ids.data_ptr(), ids.numel(), target.data_ptr(), _DTYPE_FLAG[target.dtype])
     if bad:  # checked in the kernel: a reduction and a host read here cost more than the lookup
         raise IndexError(f"{bad} row index(es) out of range for {codes.shape[0]} rows")
@@ -200,6 +218,6 @@ def int4_tile_t(codes: torch.Tensor, sz: torch.Tensor, start: int, stop: int, ou
         raise IndexError(f"rows [{start}, {stop}) of {codes.shape[0]} are not whole blocks of {BLOCK_ROWS}")
     if out.dtype not in _DTYPE_FLAG or out.stride(1) != 1:
         return out.copy_(int4_tile_t(codes, sz, start, stop, torch.empty(cols, rows)))
-    _lib().pagellm_int4_tile_t(codes.data_ptr(), sz.data_ptr(), cols, start, rows, out.data_ptr(), out.stride(0),
+    _layout_lib().pagellm_int4_tile_t(codes.data_ptr(), sz.data_ptr(), cols, start, rows, out.data_ptr(), out.stride(0),
                                _DTYPE_FLAG[out.dtype])
     return out

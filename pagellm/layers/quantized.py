@@ -86,7 +86,7 @@ def int8_activations_default() -> bool:
     """int4 layers take int8 activations where the kernel runs (AVX-512 VNNI), unless PAGELLM_INT8_ACTIVATIONS=0:
     ~2x the speed of bf16 activations, for an activation rounding error of 0.5-1.5% of an output row's norm
     (the int4 weights' own error is ~7%); see the README's accuracy figures."""
-    return quant_gemv.vnni_available() and os.environ.get("PAGELLM_INT8_ACTIVATIONS", "1") != "0"
+    return quant_gemv.q8_available() and os.environ.get("PAGELLM_INT8_ACTIVATIONS", "1") != "0"
 
 
 def _aligned_kernel_input(x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +218,7 @@ class Int4Linear(QuantizedLinear):
         """From a float [N, K] weight (requantized) or a GroupAffine (kept as it is); in the native kernel's
         layout when that kernel is available (or `native`), else in torch's."""
         affine = weight if isinstance(weight, GroupAffine) else group_affine_from_float(weight)
-        native = quant_gemv.available() if native is None else native
+        native = quant_gemv.native_layout_available() if native is None else native
         return cls(*pack_int4(affine, native), bias, **kwargs)
 
     def _torch_kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,8 +230,12 @@ class Int4Linear(QuantizedLinear):
         # the native layout has no torch kernel: native kernel, then dense tiles, which the int8-activation
         # kernel beats at every M measured (bf16, ms, q8 / dense tiles): 2048x640 M=320 1.80 / 2.43 (dense
         # unquantized), M=512 4.62 / 7.36, M=2048 11.9 / 17.0; 640x2048 M=512 2.99 / 3.76, M=2048 11.9 / 14.3
-        below = self.dense_from_rows or (1 << 30 if self.int8_activations else
-                                         NATIVE_BELOW_ROWS[(self.scheme, self.out_features > _HEAD_ROWS, bf16)])
+        if self.dense_from_rows:
+            below = self.dense_from_rows
+        elif self.int8_activations:
+            below = 1 << 30
+        else:  # the bf16-activation kernel (AVX-512 BF16 only; elsewhere dense tiles at every M)
+            below = NATIVE_BELOW_ROWS[(self.scheme, self.out_features > _HEAD_ROWS, bf16)] if quant_gemv.available() else 0
         return below, below
 
     def _int8_activations_at(self, rows: int) -> bool:

@@ -1,13 +1,29 @@
 """Every kernel test runs once per instruction-set level this CPU can execute (native.host_levels()): the
-wrappers load the level's build of each library, so a host with AVX-512 proves the avx2 and generic code too."""
+wrappers load the level's build of each library, so a host with AVX-512 proves the avx2 and generic code too.
+A test marked `across_levels` runs once and compares the levels itself (native.each_level); one marked
+`levels(name, ...)` runs at those of them only (a kernel that exists at some levels, e.g. AVX-512 BF16 only)."""
 
 import pytest
 
 from pagellm.kernels import native
 
 
-@pytest.fixture(autouse=True, params=native.host_levels())
+def pytest_configure(config):
+    config.addinivalue_line("markers", "across_levels: runs once, comparing every host level itself")
+    config.addinivalue_line("markers", "levels(*names): runs at these instruction-set levels only")
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("across_levels") is None:
+        metafunc.fixturenames.append("cpu_isa")
+        only = metafunc.definition.get_closest_marker("levels")
+        levels = [lv for lv in native.host_levels() if only is None or lv in only.args]
+        metafunc.parametrize("cpu_isa", levels, indirect=True)
+
+
+@pytest.fixture
 def cpu_isa(request):
-    """The level under test, selected for the test's duration."""
-    with native.using(request.param) as level:
+    """The level under test, selected for the test's duration (the process's level otherwise)."""
+    with native.using(getattr(request, "param", native.level())) as level:
         yield level
+

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagellm.kernels import elementwise as native_norm
+from pagellm.kernels import native
 from pagellm.layers.norm import RMSNorm
 
 pytestmark = pytest.mark.skipif(native_norm._kernel("rms_norm") is None, reason="native rms_norm could not be built here")
@@ -62,3 +63,18 @@ def test_native_rotary_matches_reference_exactly(dtype, shape):
     assert native_norm.rotary(x, cos, sin) is not None  # the native path runs here
     # The same per-op rounding as torch: bit-identical results in fp32 and bf16.
     assert torch.equal(apply_rotary(x, cos, sin), apply_rotary_reference(x, cos, sin))
+
+
+@pytest.mark.across_levels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_levels_bit_identical(dtype, unit_offset):
+    """Every instruction-set level sums the squares in one order: the norms agree to the bit."""
+    torch.manual_seed(1)
+    layer = RMSNorm(648, 1e-6, unit_offset=unit_offset)  # 648: a tail past the 16-lane body
+    layer.weight.data = (torch.randn(648) * 0.5 + (0 if unit_offset else 1)).to(dtype)
+    x = (torch.randn(37, 648) * 3).to(dtype)
+    with torch.inference_mode():
+        outputs = native.each_level(lambda: layer(x))
+    for level, out in outputs.items():
+        assert torch.equal(out, outputs["generic"]), level

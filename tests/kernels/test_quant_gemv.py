@@ -17,7 +17,11 @@ from pagellm.kernels import native, quant_gemv
 from pagellm.layers.quant_codes import group_affine_from_float, pack_int4
 from pagellm.layers.quantized import Int4Linear, Int8Linear, QuantizedEmbedding
 
-pytestmark = pytest.mark.skipif(not quant_gemv.available(), reason="quant_gemv needs a compiler and AVX-512 BF16")
+# the bf16-activation kernels exist at the avx512 level only (elsewhere torch's serve: tests/layers); the int4
+# layout's dequantizers at every level
+pytestmark = [pytest.mark.skipif(native.load("quant_gemv", "generic") is None, reason="no C++ compiler here"),
+              pytest.mark.levels("avx512")]
+ALL_LEVELS = pytest.mark.levels(*native.LEVELS)
 
 KERNEL, DENSE = 10**9, 1  # dense_from_rows forcing the int-kernel path / the dense-tile path
 CLASSES = {"int8": Int8Linear, "int4": Int4Linear}
@@ -92,6 +96,7 @@ def test_inputs_of_any_layout_and_dtype():
     assert_matches_reference(layer, half, y.to(torch.bfloat16))
 
 
+@ALL_LEVELS
 def test_int4_layout_round_trips():
     g = torch.Generator().manual_seed(2)
     affine = group_affine_from_float(torch.randn(48, 128, generator=g))
@@ -142,20 +147,14 @@ def test_copies_bind_their_own_tensors():
     assert torch.equal(layer(x), expected)
 
 
-def test_disabled_native_kernels_fall_back_to_torch(monkeypatch):
-    monkeypatch.setenv("PAGELLM_NATIVE", "0")
-    native.load.cache_clear()
-    quant_gemv._lib.cache_clear()
-    try:
-        assert not quant_gemv.available()
+@ALL_LEVELS
+def test_disabled_native_kernels_fall_back_to_torch():
+    with native.using(None):
+        assert not quant_gemv.available() and not quant_gemv.native_layout_available()
         int4 = Int4Linear.from_float(torch.randn(64, 96) * 0.05)
         int8 = Int8Linear.from_float(torch.randn(64, 96) * 0.05)
         assert not int4.native and not int4.layout.native and not int8.native
         x = torch.randn(3, 96)
         for layer in (int4, int8):
             assert_matches_reference(layer, x, layer(x), rounded=True)  # torch's kernels return bf16
-    finally:
-        monkeypatch.delenv("PAGELLM_NATIVE")
-        native.load.cache_clear()
-        quant_gemv._lib.cache_clear()
-    assert quant_gemv.available()
+    assert quant_gemv.native_layout_available()

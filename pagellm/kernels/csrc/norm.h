@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "bf16.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -27,12 +27,15 @@ inline void store_from_f32(void* p, int64_t i, float v, int is_bf16) {
         static_cast<float*>(p)[i] = v;
 }
 
+// sum of x^2 in one order at every level, so the norms are bit-identical across builds: 16 fp32 lanes, each an
+// fma chain over every 16th element, reduced as (l + l+8), then (+4), (+2), (+1); the tail (dim % 16) added
+// after, one rounded product and sum each.
 inline float sum_squares(const void* row, int64_t dim, int is_bf16) {
-    int64_t i = 0;
-    float total = 0.f;
-#ifdef __AVX512F__
+    const int64_t body = dim - dim % 16;
+    float lanes[16] = {};
+#if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= dim; i += 16) {
+    for (int64_t i = 0; i < body; i += 16) {
         __m512 v;
         if (is_bf16) {
             __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
@@ -42,9 +45,35 @@ inline float sum_squares(const void* row, int64_t dim, int is_bf16) {
         }
         acc = _mm512_fmadd_ps(v, v, acc);
     }
-    total = _mm512_reduce_add_ps(acc);
+    _mm512_storeu_ps(lanes, acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7 and 8-15
+    for (int64_t i = 0; i < body; i += 16) {
+        __m256 a, b;
+        if (is_bf16) {
+            const uint16_t* p = static_cast<const uint16_t*>(row) + i;
+            a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+            b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8))), 16));
+        } else {
+            a = _mm256_loadu_ps(static_cast<const float*>(row) + i);
+            b = _mm256_loadu_ps(static_cast<const float*>(row) + i + 8);
+        }
+        lo = _mm256_fmadd_ps(a, a, lo);
+        hi = _mm256_fmadd_ps(b, b, hi);
+    }
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+#else
+    for (int64_t i = 0; i < body; i += 16)
+        for (int l = 0; l < 16; ++l) {
+            const float v = load_as_f32(row, i + l, is_bf16);
+            lanes[l] = std::fma(v, v, lanes[l]);
+        }
 #endif
-    for (; i < dim; ++i) {
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+    float total = lanes[0];
+    for (int64_t i = body; i < dim; ++i) {
         float v = load_as_f32(row, i, is_bf16);
         total += v * v;
     }

@@ -22,6 +22,7 @@
 // the bf16 of 128 + q, measured as fast but costs ~7 bits of the sums' headroom to the 128 offset.)
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -30,8 +31,52 @@
 #include "bf16.h"
 #include "int4_common.h"
 
-// AVX-512 BF16 only: elsewhere the library exports just pagellm_quant_gemv_vectorized() == 0, and the Python
-// side keeps torch's kernels (a scalar kernel would be slower than theirs).
+namespace {
+
+// The codes of row n (block n / 16, row n % 16) into q[K].
+void int4_row_codes(const uint8_t* codes, int64_t n, int64_t K, uint8_t* q) {
+    const uint8_t* p = codes + (n / kBlock) * kBlock * K / 2 + (n % kBlock) * 2;
+    for (int64_t t = 0; t < K / 4; ++t, p += 2 * kBlock) {
+        q[4 * t] = p[0] & 15;
+        q[4 * t + 1] = p[1] & 15;
+        q[4 * t + 2] = p[0] >> 4;
+        q[4 * t + 3] = p[1] >> 4;
+    }
+}
+
+}  // namespace
+
+// out[T, K] = the dequantized int4 rows ids[T] of N, in fp32 or bf16: the kernel's own weights, exact in
+// fp32. Returns how many ids were out of range (their rows are left untouched).
+extern "C" int64_t pagellm_int4_rows(const uint8_t* codes, const uint16_t* sz, int64_t N, int64_t K,
+                                     const int64_t* ids, int64_t T, void* out, int out_bf16) {
+    const int64_t G = K / kGroup;
+    int64_t bad = 0;
+#pragma omp parallel if (worth_threads(T * K)) reduction(+ : bad)
+    {
+        std::vector<uint8_t> q(K);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T; ++i) {
+            const int64_t n = ids[i];
+            if (n < 0 || n >= N) {
+                ++bad;
+                continue;
+            }
+            int4_row_codes(codes, n, K, q.data());
+            const uint16_t* s = sz + (n / kBlock) * G * 2 * kBlock + n % kBlock;
+            for (int64_t g = 0; g < G; ++g) {
+                const float scale = bf16_to_f32(s[g * 2 * kBlock]), zero = bf16_to_f32(s[g * 2 * kBlock + kBlock]);
+                for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+                    store_value(out, i * K + k, (float(q[k]) - 8.f) * scale + zero, out_bf16);
+            }
+        }
+    }
+    return bad;
+}
+
+// The matmuls need AVX-512 BF16: elsewhere pagellm_quant_gemv_vectorized() == 0 and the Python side keeps
+// torch's kernels for bf16 activations (a scalar kernel would be slower than theirs); the int4 layout's
+// dequantizers above and below serve every level (the int8-activation kernel runs on it everywhere).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
@@ -58,17 +103,6 @@ Activations& prepare(const void* x, int x_bf16, int64_t M, int64_t K) {
         a.group_sum[j] = s;
     }
     return a;
-}
-
-inline float load_value(const void* p, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-}
-
-inline void store_value(void* p, int64_t i, float v, int is_bf16) {
-    if (is_bf16)
-        static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
-    else
-        static_cast<float*>(p)[i] = v;
 }
 
 
@@ -198,17 +232,6 @@ void int8_row_any(int mr, const int8_t* q, const uint16_t* xb, int64_t K, const 
     }
 }
 
-// The codes of row n (block n / 16, row n % 16) into q[K].
-void int4_row_codes(const uint8_t* codes, int64_t n, int64_t K, uint8_t* q) {
-    const uint8_t* p = codes + (n / kBlock) * kBlock * K / 2 + (n % kBlock) * 2;
-    for (int64_t t = 0; t < K / 4; ++t, p += 2 * kBlock) {
-        q[4 * t] = p[0] & 15;
-        q[4 * t + 1] = p[1] & 15;
-        q[4 * t + 2] = p[0] >> 4;
-        q[4 * t + 3] = p[1] >> 4;
-    }
-}
-
 }  // namespace
 
 extern "C" int pagellm_quant_gemv_vectorized() { return 1; }
@@ -232,34 +255,6 @@ extern "C" void pagellm_int4_matmul(const void* x, int x_bf16, int64_t M, int64_
                 store16(total[r], bias, nb * kBlock, out, (m0 + r) * N + nb * kBlock, out_bf16);
         }
     }
-}
-
-// out[T, K] = the dequantized int4 rows ids[T] of N, in fp32 or bf16: the kernel's own weights, exact in
-// fp32. Returns how many ids were out of range (their rows are left untouched).
-extern "C" int64_t pagellm_int4_rows(const uint8_t* codes, const uint16_t* sz, int64_t N, int64_t K,
-                                     const int64_t* ids, int64_t T, void* out, int out_bf16) {
-    const int64_t G = K / kGroup;
-    int64_t bad = 0;
-#pragma omp parallel if (worth_threads(T * K)) reduction(+ : bad)
-    {
-        std::vector<uint8_t> q(K);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < T; ++i) {
-            const int64_t n = ids[i];
-            if (n < 0 || n >= N) {
-                ++bad;
-                continue;
-            }
-            int4_row_codes(codes, n, K, q.data());
-            const uint16_t* s = sz + (n / kBlock) * G * 2 * kBlock + n % kBlock;
-            for (int64_t g = 0; g < G; ++g) {
-                const float scale = bf16_to_f32(s[g * 2 * kBlock]), zero = bf16_to_f32(s[g * 2 * kBlock + kBlock]);
-                for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
-                    store_value(out, i * K + k, (float(q[k]) - 8.f) * scale + zero, out_bf16);
-            }
-        }
-    }
-    return bad;
 }
 
 // out[k, n - first] (row stride ld) = w[n, k] for rows [first, first + rows), both multiples of 16: the
@@ -311,5 +306,30 @@ extern "C" void pagellm_int8_matmul(const void* x, int x_bf16, int64_t M, int64_
 #else
 
 extern "C" int pagellm_quant_gemv_vectorized() { return 0; }
+
+// pagellm_int4_tile_t above in plain C++, with the same fma's: bit-identical.
+extern "C" void pagellm_int4_tile_t(const uint8_t* codes, const uint16_t* sz, int64_t K, int64_t first,
+                                    int64_t rows, void* out, int64_t ld, int out_bf16) {
+    const int64_t G = K / kGroup;
+#pragma omp parallel for schedule(static) if (worth_threads(rows * K))
+    for (int64_t b = 0; b < rows / kBlock; ++b) {
+        const int64_t nb = first / kBlock + b;
+        const uint8_t* c = codes + nb * kBlock * K / 2;
+        const uint16_t* s = sz + nb * G * 2 * kBlock;
+        for (int64_t g = 0; g < G; ++g)
+            for (int r = 0; r < kBlock; ++r) {
+                const float scale = bf16_to_f32(s[g * 2 * kBlock + r]);
+                const float zero8 = std::fma(scale, -8.f, bf16_to_f32(s[g * 2 * kBlock + kBlock + r]));
+                for (int t = 0; t < 8; ++t) {
+                    const uint8_t* pair = c + g * (kBlock * kGroup / 2) + 32 * t + 2 * r;
+                    const uint8_t q[4] = {uint8_t(pair[0] & 15), uint8_t(pair[1] & 15), uint8_t(pair[0] >> 4),
+                                          uint8_t(pair[1] >> 4)};
+                    for (int j = 0; j < 4; ++j)
+                        store_value(out, (g * kGroup + 4 * t + j) * ld + b * kBlock + r,
+                                    std::fma(float(q[j]), scale, zero8), out_bf16);
+                }
+            }
+    }
+}
 
 #endif  // AVX-512 BF16

@@ -1,7 +1,13 @@
 // int4 weights x int8 activations: y[M, N] = x[M, K] W^T on quant_gemv.cpp's int4 layout, with x quantized to
-// int8 on the fly (llama.cpp's Q8_0 idea), through vpdpbusd. A library of its own so each file stays readable;
-// the layout's sizes, bf16 loads and the output store come from int4_common.h.
+// int8 on the fly (llama.cpp's Q8_0 idea). A library of its own so each file stays readable; the layout's sizes
+// come from int4_common.h. Three builds of one arithmetic, bit-identical (integer sums are exact, and every
+// fp32 step is the same operation in the same order at every level):
+//   avx512   vpdpbusd on 16 rows at once (below)
+//   avx2     vpmaddubsw + vpaddw on 8 rows at once: q (0..15) x a (-127..127) pair sums are at most 3810, so a
+//            group's 8 of them add up in int16 without saturating (30480 < 32767); one vpmaddwd per group widens
+//   generic  plain C++ loops, std::fma where the vector code fuses
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -9,10 +15,11 @@
 
 #include "bf16.h"
 #include "int4_common.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
+#include <cmath>
 #include <omp.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 // ---- int4 weights x int8 activations (vpdpbusd) ------------------------------------------------------------
 //
@@ -39,7 +46,16 @@
 
 namespace {
 
-constexpr int kMaxRowsQ8 = 12;  // activation rows per pass: 12 int32 + 12 fp32 accumulators of 32 registers
+// Activation rows per pass: as many as the level's registers hold (an int and an fp32 accumulator per row).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define PAGELLM_Q8_AVX512 1
+constexpr int kMaxRowsQ8 = 12;  // 12 int32 + 12 fp32 accumulators of 32 registers
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGELLM_Q8_AVX2 1
+constexpr int kMaxRowsQ8 = 6;  // 6 int16 + 6 fp32 accumulators, the weights and two constants in 16 registers
+#else
+constexpr int kMaxRowsQ8 = 4;
+#endif
 
 // Blocks per chunk (see q8_blocks): ~256 KB of weights, well within the 1 MB L2 (16-64 blocks measured alike).
 inline int64_t chunk_blocks(int64_t K) {
@@ -71,6 +87,39 @@ QuantizedActivations activation_buffers(int64_t M, int64_t K) {
     return {q.data(), scale.data(), scaled_sum.data()};
 }
 
+// The rounding of one x / d to an int8 code as cvtps2dq does it (nearest even; NaN and overflow give INT_MIN),
+// then clamped: the plain-C++ twin of the vector quantizers.
+inline int32_t code_of(float v) {
+    const int32_t i = (v != v || std::fabs(v) >= 2147483648.f) ? INT32_MIN : int32_t(std::nearbyint(v));
+    return std::max(-127, std::min(127, i));
+}
+
+// d = max |x| / 127 of a group with that maximum's bits: integer order puts NaN above inf, so NaN reaches d.
+inline float group_scale(uint32_t max_bits) {
+    float amax;
+    std::memcpy(&amax, &max_bits, 4);
+    return amax / 127.f;
+}
+
+// The group's 32 codes -> its 8 quads (q[0], q[stride], ...), d, d * sum a.
+inline void store_codes(const int32_t* codes, float d, int32_t* q, int64_t stride, float* scale, float* scaled_sum) {
+    int32_t sum = 0;
+    for (int t = 0; t < 8; ++t) {
+        uint32_t quad = 0;
+        for (int b = 0; b < 4; ++b) quad |= uint32_t(uint8_t(int8_t(codes[4 * t + b]))) << (8 * b);
+        q[t * stride] = int32_t(quad);
+    }
+    for (int k = 0; k < 32; ++k) sum += codes[k];
+    *scale = d;
+    *scaled_sum = d * float(sum);
+}
+
+inline void zero_group(int32_t* q, int64_t stride, float* scale, float* scaled_sum) {
+    for (int t = 0; t < 8; ++t) q[t * stride] = 0;  // all zeros (or below 127 denormals): x / d would be NaN
+    *scale = *scaled_sum = 0.f;
+}
+
+#if PAGELLM_Q8_AVX512
 inline __m512 load16(const void* x, int64_t i, int x_bf16) {
     return x_bf16 ? bf16x16(static_cast<const uint16_t*>(x) + i) : _mm512_loadu_ps(static_cast<const float*>(x) + i);
 }
@@ -104,13 +153,9 @@ void quantize_group(__m512 lo, __m512 hi, int32_t* q, int64_t stride, float* sca
     *scaled_sum = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
 }
 
-// Group j = m * G + g of x [M, K] into its pass's panel of a.
-void quantize_group_at(const void* x, int x_bf16, int64_t j, int64_t M, int64_t G, const QuantizedActivations& a) {
-    const int64_t m = j / G, g = j % G, p = pass_of(m, M), m0 = first_row(p, M);
-    const int64_t rows = first_row(p + 1, M) - m0, r = m - m0;
-    const int64_t at = m0 * G + g * rows + r;  // in scale and scaled_sum; q has 8 quads a group
-    quantize_group(load16(x, j * kGroup, x_bf16), load16(x, j * kGroup + 16, x_bf16), a.q + 8 * (m0 * G + g * rows) + r,
-                   rows, a.scale + at, a.scaled_sum + at);
+void quantize_group_from(const void* x, int x_bf16, int64_t at, int32_t* q, int64_t stride, float* scale,
+                         float* scaled_sum) {
+    quantize_group(load16(x, at, x_bf16), load16(x, at + 16, x_bf16), q, stride, scale, scaled_sum);
 }
 
 // Chunk t (32 bytes: 16 rows x 2 bytes) -> per row lane the bytes q(4t), q(4t + 1), q(4t + 2), q(4t + 3).
@@ -126,7 +171,7 @@ inline __m512i unpack_chunk(const uint8_t* c) {
 // integers). The sums stay in a local array until the end: through `out` they were stored every group.
 template <int MR, int SPLIT>
 void q8_block(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,
-              int64_t K, __m512* out) {
+              int64_t K, float (*out)[16]) {
     const int64_t G = K / kGroup;
     __m512 total[MR];
     for (int r = 0; r < MR; ++r) total[r] = _mm512_setzero_ps();
@@ -154,22 +199,163 @@ void q8_block(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const 
             total[r] = _mm512_fmadd_ps(zero8, _mm512_set1_ps(dsum[g * MR + r]), total[r]);
         }
     }
-    for (int r = 0; r < MR; ++r) out[r] = total[r];
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out[r], total[r]);
 }
 
 template <int MR>
 void q8_block_rows(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,
-                   int64_t K, __m512* out) {
+                   int64_t K, float (*out)[16]) {
     q8_block<MR, (MR <= 1 ? 4 : MR <= 3 ? 2 : 1)>(codes, sz, a, d, dsum, K, out);
+}
+
+#elif PAGELLM_Q8_AVX2
+inline __m256 load8(const void* x, int64_t i, int x_bf16) {
+    if (!x_bf16) return _mm256_loadu_ps(static_cast<const float*>(x) + i);
+    const __m128i h = _mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(x) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// quantize_group of the AVX-512 build, 8 lanes at a time: the same division and rounding per value.
+void quantize_group_from(const void* x, int x_bf16, int64_t at, int32_t* q, int64_t stride, float* scale,
+                         float* scaled_sum) {
+    __m256 v[4];
+    __m256i top = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = load8(x, at + 8 * i, x_bf16);
+        top = _mm256_max_epu32(top, _mm256_and_si256(_mm256_castps_si256(v[i]), _mm256_set1_epi32(0x7fffffff)));
+    }
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256((__m256i*)lanes, top);
+    const float d = group_scale(*std::max_element(lanes, lanes + 8));
+    if (d == 0.f) return zero_group(q, stride, scale, scaled_sum);
+    const __m256 vd = _mm256_set1_ps(d);
+    alignas(32) int32_t codes[32];
+    for (int i = 0; i < 4; ++i) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_div_ps(v[i], vd));
+        _mm256_store_si256((__m256i*)(codes + 8 * i), _mm256_max_epi32(_mm256_min_epi32(a, _mm256_set1_epi32(127)),
+                                                                        _mm256_set1_epi32(-127)));
+    }
+    store_codes(codes, d, q, stride, scale, scaled_sum);
+}
+
+inline __m256 bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// out[r][0..16] for the MR activation rows of one pass, 8 rows of the block at a time (registers for 6 rows of
+// accumulators): per chunk, the 8 rows' 4 codes widened into their 32-bit lanes as in the AVX-512 unpack, one
+// vpmaddubsw against a row's broadcast quad, the pair sums added in int16 across the group's 8 chunks.
+template <int MR>
+void q8_block(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,
+              int64_t K, float (*out)[16]) {
+    const int64_t G = K / kGroup;
+    const __m256i nibbles = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; ++half) {
+        __m256 total[MR];
+        for (int r = 0; r < MR; ++r) total[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t* c = codes + g * (kBlock * kGroup / 2) + 16 * half;
+            if (half == 0)
+                for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)c + kPrefetch + 64 * l, _MM_HINT_T0);
+            __m256i acc[MR];
+            for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; ++t) {
+                const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(c + 32 * t)));
+                const __m256i w = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nibbles);
+                const int32_t* quads = a + (g * 8 + t) * MR;
+                for (int r = 0; r < MR; ++r)
+                    acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(quads[r])));
+            }
+            const uint16_t* s = sz + g * 2 * kBlock + 8 * half;
+            const __m256 scale = bf16x8(s);
+            const __m256 zero8 = _mm256_fmadd_ps(scale, _mm256_set1_ps(-8.f), bf16x8(s + kBlock));
+            for (int r = 0; r < MR; ++r) {
+                const __m256i sum = _mm256_madd_epi16(acc[r], ones);
+                const __m256 scaled = _mm256_mul_ps(scale, _mm256_set1_ps(d[g * MR + r]));
+                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, total[r]);
+                total[r] = _mm256_fmadd_ps(zero8, _mm256_set1_ps(dsum[g * MR + r]), total[r]);
+            }
+        }
+        for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out[r] + 8 * half, total[r]);
+    }
+}
+
+template <int MR>
+void q8_block_rows(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,
+                   int64_t K, float (*out)[16]) {
+    q8_block<MR>(codes, sz, a, d, dsum, K, out);
+}
+#else
+void quantize_group_from(const void* x, int x_bf16, int64_t at, int32_t* q, int64_t stride, float* scale,
+                         float* scaled_sum) {
+    uint32_t top = 0;
+    for (int k = 0; k < 32; ++k) {
+        const float v = load_value(x, at + k, x_bf16);
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        top = std::max(top, bits & 0x7fffffffu);
+    }
+    const float d = group_scale(top);
+    if (d == 0.f) return zero_group(q, stride, scale, scaled_sum);
+    int32_t codes[32];
+    for (int k = 0; k < 32; ++k) codes[k] = code_of(load_value(x, at + k, x_bf16) / d);
+    store_codes(codes, d, q, stride, scale, scaled_sum);
+}
+
+// The AVX-512 block's arithmetic one value at a time.
+template <int MR>
+void q8_block_rows(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,
+                   int64_t K, float (*out)[16]) {
+    const int64_t G = K / kGroup;
+    for (int r = 0; r < MR; ++r) std::fill(out[r], out[r] + kBlock, 0.f);
+    for (int64_t g = 0; g < G; ++g) {
+        int32_t acc[MR][kBlock] = {};
+        const uint8_t* c = codes + g * (kBlock * kGroup / 2);
+        for (int t = 0; t < 8; ++t)
+            for (int i = 0; i < kBlock; ++i) {
+                const uint8_t lo = c[32 * t + 2 * i], hi = c[32 * t + 2 * i + 1];
+                const int32_t w[4] = {lo & 15, hi & 15, lo >> 4, hi >> 4};
+                for (int r = 0; r < MR; ++r) {
+                    const uint32_t quad = uint32_t(a[(g * 8 + t) * MR + r]);
+                    for (int b = 0; b < 4; ++b) acc[r][i] += w[b] * int32_t(int8_t(quad >> (8 * b)));
+                }
+            }
+        for (int i = 0; i < kBlock; ++i) {
+            const float scale = bf16_to_f32(sz[g * 2 * kBlock + i]);
+            const float zero8 = std::fma(scale, -8.f, bf16_to_f32(sz[g * 2 * kBlock + kBlock + i]));
+            for (int r = 0; r < MR; ++r) {
+                out[r][i] = std::fma(float(acc[r][i]), scale * d[g * MR + r], out[r][i]);
+                out[r][i] = std::fma(zero8, dsum[g * MR + r], out[r][i]);
+            }
+        }
+    }
+}
+#endif
+
+// Group j = m * G + g of x [M, K] into its pass's panel of a.
+void quantize_group_at(const void* x, int x_bf16, int64_t j, int64_t M, int64_t G, const QuantizedActivations& a) {
+    const int64_t m = j / G, g = j % G, p = pass_of(m, M), m0 = first_row(p, M);
+    const int64_t rows = first_row(p + 1, M) - m0, r = m - m0;
+    const int64_t at = m0 * G + g * rows + r;  // in scale and scaled_sum; q has 8 quads a group
+    quantize_group_from(x, x_bf16, j * kGroup, a.q + 8 * (m0 * G + g * rows) + r, rows, a.scale + at,
+                        a.scaled_sum + at);
 }
 
 template <int... MR>
 void q8_block_any(int mr, const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d,
-                  const float* dsum, int64_t K, __m512* out, std::integer_sequence<int, MR...>) {
+                  const float* dsum, int64_t K, float (*out)[16], std::integer_sequence<int, MR...>) {
     // one call of the table of specialisations 1..kMaxRowsQ8
-    using Fn = void (*)(const uint8_t*, const uint16_t*, const int32_t*, const float*, const float*, int64_t, __m512*);
+    using Fn = void (*)(const uint8_t*, const uint16_t*, const int32_t*, const float*, const float*, int64_t,
+                        float (*)[16]);
     static constexpr Fn table[] = {q8_block_rows<MR + 1>...};
     table[mr - 1](codes, sz, a, d, dsum, K, out);
+}
+
+// out[offset..+16] = v + bias[column..+16], rounded once into the output dtype.
+inline void store_row16(const float* v, const void* bias, int64_t column, void* out, int64_t offset, int out_bf16) {
+    for (int i = 0; i < kBlock; ++i)
+        store_value(out, offset + i, bias ? v[i] + load_value(bias, column + i, out_bf16) : v[i], out_bf16);
 }
 
 // Blocks [first, last) against all M activation rows, into out: a chunk of blocks at a time (in L2), pass by
@@ -184,20 +370,18 @@ void q8_blocks(int64_t first, int64_t last, const uint8_t* codes, const uint16_t
             const int64_t m0 = first_row(p, M);
             const int mr = int(first_row(p + 1, M) - m0);
             for (int64_t nb = chunk; nb < std::min(last, chunk + chunk_size); ++nb) {
-                __m512 total[kMaxRowsQ8];
+                float total[kMaxRowsQ8][16];
                 q8_block_any(mr, codes + nb * kBlock * K / 2, sz + nb * G * 2 * kBlock, a.q + m0 * K / 4,
                              a.scale + m0 * G, a.scaled_sum + m0 * G, K, total,
                              std::make_integer_sequence<int, kMaxRowsQ8>());
                 for (int r = 0; r < mr; ++r)
-                    store16(total[r], bias, nb * kBlock, out, (m0 + r) * N + nb * kBlock, out_bf16);
+                    store_row16(total[r], bias, nb * kBlock, out, (m0 + r) * N + nb * kBlock, out_bf16);
             }
         }
     }
 }
 
 }  // namespace
-
-extern "C" int pagellm_quant_gemv_vnni() { return 1; }
 
 // pagellm_int4_matmul with the activations quantized to int8 (numerics above). Same arguments and layout.
 extern "C" void pagellm_int4_matmul_q8(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes,
@@ -222,8 +406,3 @@ extern "C" void pagellm_int4_matmul_q8(const void* x, int x_bf16, int64_t M, int
     }
 }
 
-#else
-
-extern "C" int pagellm_quant_gemv_vnni() { return 0; }  // no VNNI: the bf16 kernel only
-
-#endif  // AVX-512 BF16 + VNNI
