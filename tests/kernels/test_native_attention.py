@@ -3,11 +3,14 @@
 Every cache here starts filled with NaN and sequences live in shuffled physical blocks with
 unused blocks in between: a kernel that read past seq_len, or ignored the block table,
 would produce NaN or wrong values.
+
+The tests run once per instruction-set level the CPU executes (conftest.py); the AVX2 build
+must moreover reproduce the AVX-512 build bit for bit, and the scalar build agree with it to
+rounding (test_levels_agree_with_avx512).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 
 import pytest
@@ -18,7 +21,7 @@ from pagellm.runner.attention_metadata import AttentionMetadata
 
 requires_native = pytest.mark.skipif(
     native.load("paged_attention") is None,
-    reason="native paged_attention kernel unavailable (no C++ compiler, failed build, or PAGELLM_NATIVE=0)")
+    reason="native paged_attention kernel unavailable (no C++ compiler, failed build, or native kernels off)")
 
 
 @dataclasses.dataclass
@@ -159,19 +162,62 @@ def test_strided_query():
     torch.testing.assert_close(run_both(strided)[0], run_both(case)[1], atol=1e-5, rtol=1e-5)
 
 
-@requires_native
-def test_scalar_fallback_build_matches_reference(tmp_path, monkeypatch):
-    """The same source built without AVX-512 (the plain C++ loops) gives the same answers."""
-    compiler = native._compiler()
-    flags = tuple("-march=x86-64-v2" if f == "-march=native" else f for f in native.CXX_FLAGS)
-    monkeypatch.setattr(native, "CXX_FLAGS", flags)
-    monkeypatch.setenv("PAGELLM_KERNEL_CACHE", str(tmp_path))
-    scalar = attention.bind_native(ctypes.CDLL(str(native._build(
-        "paged_attention", native.CSRC / "paged_attention.cpp", compiler))))
-    monkeypatch.setattr(attention, "_native_kernel", lambda: scalar)
+def level_cases():
+    """(case, window, soft_cap) covering every code path: the scenarios and configs above, key splits
+    merged across threads, head sizes with a 16-element tail past the 32-element bf16 pairs, and bf16
+    data with subnormal keys, products and partial sums (vdpbf16ps flushes those to zero, the AVX2 fmas
+    keep them: the scores differ by less than 2^-126 * (D + |q|_1 + |k|_1), which the softmax does not
+    see at these scales; see the top of paged_attention.cpp)."""
     for dtype in (torch.float32, torch.bfloat16):
-        case = make_case([1, 6, 1], [300, 6, 50], 4, 2, 64, 16, dtype)
-        assert_close(*run_both(case, 100, 30.0), dtype)
+        for query_lens, seq_lens in SCENARIOS.values():
+            for num_heads, num_kv_heads, head_dim, block_size, window, cap in CONFIGS:
+                yield make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype), window, cap
+        yield make_case([1, 1], [2500, 40], 8, 2, 64, 32, dtype), 512, 20.0
+        yield make_case([1, 9], [3001, 40], 4, 1, 256, 16, dtype), None, None
+        for head_dim in (48, 80):
+            yield make_case([1, 6, 1], [300, 6, 50], 4, 2, head_dim, 16, dtype), 100, 30.0
+    tiny = make_case([1, 5], [40, 50], 4, 2, 64, 16, torch.bfloat16)
+    tiny.query[:, 2:] *= 2.0**-70  # two of the four heads: tiny x tiny products are subnormal
+    tiny.key_cache.mul_(2.0**-70)
+    yield tiny, None, None
+    subnormal = make_case([1, 5], [40, 50], 4, 2, 64, 16, torch.bfloat16)
+    subnormal.key_cache.mul_(2.0**-130)  # subnormal bf16 keys
+    yield subnormal, None, None
+
+
+@pytest.mark.across_levels
+@requires_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("level", ["avx2", "generic"])
+def test_levels_agree_with_avx512(level, threads, monkeypatch):
+    """The avx2 build gives the avx512 build's bits; the generic (scalar) build sums in another order
+    and agrees to rounding (fp32: 1e-5; bf16: one bf16 rounding). Both also match the reference."""
+    for needed in ("avx512", level):
+        if needed not in native.host_levels():
+            pytest.skip(f"this CPU cannot execute the {needed} build")
+    kernels = {}
+    for each in ("avx512", level):
+        lib = native.load("paged_attention", each)
+        assert lib is not None, f"the {each} build failed"
+        kernels[each] = attention.bind_native(lib)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the same split plan for both builds
+    try:
+        for case, window, cap in level_cases():
+            outputs = {}
+            for each, kernel in kernels.items():
+                monkeypatch.setattr(attention, "_native_kernel", lambda kernel=kernel: kernel)
+                outputs[each], reference = run_both(case, window, cap)
+                assert_close(outputs[each], reference, case.query.dtype)
+            out, base = outputs[level], outputs["avx512"]
+            if level == "avx2":
+                assert torch.equal(out, base), (level, case.query.dtype, case.query.shape, window, cap)
+            elif case.query.dtype == torch.float32:
+                torch.testing.assert_close(out, base, atol=1e-5, rtol=1e-5)
+            else:
+                torch.testing.assert_close(out.float(), base.float(), atol=1e-6, rtol=2.0**-7)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch):
@@ -196,8 +242,7 @@ def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch):
     assert dispatched(case.query[..., :24], case.key_cache[..., :24].contiguous(),
                       case.value_cache[..., :24].contiguous()) == "reference"
     assert dispatched(case.query.to(torch.bfloat16)) == "reference"
-    monkeypatch.setenv("PAGELLM_NATIVE", "0")
-    assert dispatched() == "reference"
-    monkeypatch.delenv("PAGELLM_NATIVE")
+    with native.using(None):  # native kernels off
+        assert dispatched() == "reference"
     monkeypatch.setattr(attention, "_native_kernel", lambda: None)  # the library could not be built
     assert dispatched() == "reference"
