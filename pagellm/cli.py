@@ -10,10 +10,10 @@ import sys
 import types
 import typing
 
-from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 _ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                    ("parallel", ParallelConfig))
+                    ("parallel", ParallelConfig), ("kernels", KernelConfig))
 
 
 def _field_type(cls, f: dataclasses.Field):
@@ -31,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             kind = _field_type(cls, f)
-            default = f.default
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                    help=f.metadata.get("help"))
@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:  # start-up lines (e.g. which kernels run) on stderr
+        logging.basicConfig(level=logging.INFO, format="pagellm: %(message)s")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ConnectionError) as exc:

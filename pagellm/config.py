@@ -8,10 +8,12 @@ in a config never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 QUANTIZATION_SCHEMES = ("none", "int8", "int4", "auto")
+CPU_ISAS = ("auto", "avx512", "avx2", "generic")
 
 
 def _help(text: str, **kwargs) -> Any:
@@ -131,9 +133,41 @@ class ParallelConfig(_FromDict):
             raise ValueError("master_port must be set when workers join from elsewhere (spawn_workers=False)")
 
 
+def _env_switch(name: str) -> bool:
+    """A kernel switch's default: on unless the environment variable `name` is "0". The one place such
+    variables are read; the value then travels in the config (to worker ranks too)."""
+    return os.environ.get(name, "1") != "0"
+
+
+@dataclass(frozen=True)
+class KernelConfig(_FromDict):
+    cpu_isa: str = _help(
+        "Instruction-set level of the native CPU kernels: auto (the fastest this CPU runs) | avx512 (AVX-512 "
+        "with BF16 and VNNI) | avx2 (AVX2 + FMA) | generic (plain C++). Default: $PAGELLM_CPU_ISA or auto.",
+        default_factory=lambda: os.environ.get("PAGELLM_CPU_ISA", "auto"))
+    native_kernels: bool = _help(
+        "Use the C++ CPU kernels (off: torch's reference ops everywhere). Default: on unless PAGELLM_NATIVE=0.",
+        default_factory=lambda: _env_switch("PAGELLM_NATIVE"))
+    bound_layers: bool = _help(
+        "Run Llama-family decoder layers bound once to their kernels (off: the torch modules, same results). "
+        "Default: on unless PAGELLM_BOUND_LAYERS=0.", default_factory=lambda: _env_switch("PAGELLM_BOUND_LAYERS"))
+    int8_activations: bool = _help(
+        "int4 layers quantize their activations to int8 per 32-column group (llama.cpp's Q8_0) for integer dot "
+        "products (off: bf16 activations). Default: on unless PAGELLM_INT8_ACTIVATIONS=0.",
+        default_factory=lambda: _env_switch("PAGELLM_INT8_ACTIVATIONS"))
+    heap_tuning: bool = _help(
+        "Keep a step's large buffers in glibc's heap instead of fresh mmaps (process-wide mallopt). "
+        "Default: on unless PAGELLM_HEAP_TUNING=0.", default_factory=lambda: _env_switch("PAGELLM_HEAP_TUNING"))
+
+    def __post_init__(self):
+        if self.cpu_isa not in CPU_ISAS:
+            raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig(_FromDict):
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)

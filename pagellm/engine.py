@@ -23,6 +23,7 @@ from pagellm.distributed.executor import HeadExecutor, LocalExecutor
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, install_vocab_parallel_head
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_stats import EngineStats
+from pagellm.kernels.selection import select_kernels
 from pagellm.loader.model_loader import load_model
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
@@ -73,14 +74,14 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt param
 _STEP_HEAP_BYTES = 1 << 30
 
 
-def keep_step_buffers_in_heap() -> bool:
+def keep_step_buffers_in_heap(enabled: bool = True) -> bool:
     """Serve allocations below 1 GiB from the heap and keep up to 1 GiB of freed heap: a step's big
     buffers are then reused instead of faulted in again. Called once weights are loaded (their large
     temporaries stay mmapped and go back to the OS). One arena: a thread's own arena grows in 64 MiB
     heaps, so the server's engine thread would still mmap anything larger. Process-wide (it is the
-    process's allocator): PAGELLM_HEAP_TUNING=0 leaves glibc's defaults. Returns whether every setting
-    took (False where this is not glibc, or an older glibc refuses a threshold above 32 MiB)."""
-    if os.environ.get("PAGELLM_HEAP_TUNING", "1") == "0":
+    process's allocator): enabled=False (KernelConfig.heap_tuning) leaves glibc's defaults. Returns whether
+    every setting took (False where this is not glibc, or an older glibc refuses a threshold above 32 MiB)."""
+    if not enabled:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -96,6 +97,7 @@ class LLMEngine:
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device)
         self.dtype = DTYPES[mc.dtype or "float32"]
+        self.kernels = select_kernels(config.kernels)  # before loading: layouts follow the level's kernels
         limit_threads_to_cores()
         parallel, workers, shard = None, None, None
         if config.parallel.tensor_parallel_size > 1:
@@ -120,13 +122,13 @@ class LLMEngine:
         # steps (~200 ms stalls measured at B=32 prefill). vLLM freezes them the same way.
         gc.collect()
         gc.freeze()
-        keep_step_buffers_in_heap()
+        keep_step_buffers_in_heap(config.kernels.heap_tuning)
 
     def _build(self, config: EngineConfig, skip_tokenizer_init: bool, shard: ShardSpec | None) -> None:
         """Load the model (this rank's shard of it when parallel) and size the KV cache and state slots."""
         mc, cc = config.model, config.cache
         loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
-                            quantization=mc.quantization, shard=shard)
+                            quantization=mc.quantization, shard=shard, kernels=config.kernels)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         self.model_path = loaded.path
         context = getattr(self.hf_config, "max_position_embeddings", None) or 4096
@@ -261,4 +263,5 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = self.counters.as_dict(self.kv_cache, self.scheduler)
         stats["tensor_parallel_size"] = self.executor.world_size
+        stats["kernels"] = self.kernels
         return stats

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagellm.engine import LLMEngine
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -37,6 +37,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         distributed_timeout: float = 60.0,
+        cpu_isa: str | None = None,
     ):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device,
@@ -49,6 +50,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     enable_expert_parallel=enable_expert_parallel,
                                     distributed_timeout=distributed_timeout),
+            kernels=KernelConfig() if cpu_isa is None else KernelConfig(cpu_isa=cpu_isa),
         )
         self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
 

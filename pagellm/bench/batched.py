@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from pagellm.bench.report import Column
-from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagellm.engine import LLMEngine
 from pagellm.sampling_params import SamplingParams
 
@@ -61,7 +61,7 @@ def batched_row(pp: int, tg: int, b: int, t_pp: float, t_tg: float, shared_promp
 def build_engine(model: str | None, dtype: str | None, max_batch: int, max_prompt: int, max_new: int, *,
                  block_size: int = 16, kv_cache_memory: float | None = None, quantization: str = "none",
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 parallel: ParallelConfig | None = None) -> LLMEngine:
+                 parallel: ParallelConfig | None = None, cpu_isa: str | None = None) -> LLMEngine:
     """An engine (no tokenizer: benches feed token ids) that holds `max_batch` sequences at once."""
     batched_tokens = max_num_batched_tokens or max(max_batch * max_prompt, 64)
     config = EngineConfig(
@@ -71,6 +71,7 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=batched_tokens,
                                   n_ubatch=min(64, batched_tokens)),
         parallel=parallel or ParallelConfig(),
+        kernels=KernelConfig() if cpu_isa is None else KernelConfig(cpu_isa=cpu_isa),
     )
     engine = LLMEngine(config, skip_tokenizer_init=True)
     check_capacity(engine, max_batch, max_prompt + max_new)

@@ -23,6 +23,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="pagellm compute dtype (default float32 on CPU)")
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"],
                         help="pagellm weights kept quantized (see `pagellm serve --help`; default none)")
+    parser.add_argument("--cpu-isa", default=None, choices=["auto", "avx512", "avx2", "generic"],
+                        help="pagellm's native kernel level (default: $PAGELLM_CPU_ISA or auto, the fastest here)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     parser.add_argument("--block-size", type=int, default=16)
@@ -108,7 +110,7 @@ def _run_batched(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), max(args.pp), max(args.tg),
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                                  quantization=args.quantization,
+                                  quantization=args.quantization, cpu_isa=args.cpu_isa,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_prefix_caching=args.enable_prefix_caching,
                                   parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,

@@ -136,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), args.pp, args.tg,
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                                  quantization=args.quantization)
+                                  quantization=args.quantization, cpu_isa=args.cpu_isa)
     machine = report.machine_info(report.dtype_name(engine.dtype))
     print(report.describe_machine(machine))
     print(f"model: {engine.model_path}")

@@ -108,8 +108,13 @@ def cpu_model() -> str:
 def machine_info(dtype: str) -> dict[str, Any]:
     import torch
 
+    from pagellm.kernels import native, selection
+
+    simd = ("avx512f", "avx512_bf16", "avx512_vnni", "avx2", "fma", "avx_vnni", "asimd", "sve")
     return {
         "cpu": cpu_model(),
+        "cpu_simd": [flag for flag in simd if flag in native.cpu_flags()],
+        "kernels": selection.describe(),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -119,4 +124,5 @@ def machine_info(dtype: str) -> dict[str, Any]:
 
 def describe_machine(info: dict[str, Any]) -> str:
     return (f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads, "
-            f"torch {info['torch']}, dtype {info['dtype']}")
+            f"torch {info['torch']}, dtype {info['dtype']}\n"
+            f"cpu flags: {' '.join(info.get('cpu_simd', []))}; kernels: {info.get('kernels', '?')}")

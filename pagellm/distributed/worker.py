@@ -138,22 +138,25 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     from pagellm.loader.model_loader import load_model
     from pagellm.runner.model_runner import ModelRunner
 
+    from pagellm.kernels.selection import select_kernels
+
     limit_threads_to_cores()
     state = init_worker(addr, port, rank, world_size, timeout, join_timeout)
     state.store.set_timeout(timedelta(seconds=join_timeout))
     config: EngineConfig = pickle.loads(state.store.get(_SETUP_KEY))
     mc = config.model
+    select_kernels(config.kernels)  # the head's choice (it checked this level runs on its own CPU)
     device, dtype = torch.device(mc.device), DTYPES[mc.dtype or "float32"]
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
     model = load_model(mc.model, dtype, device, with_tokenizer=False, quantization=mc.quantization,
-                       shard=shard).model
+                       shard=shard, kernels=config.kernels).model
     install_all_reduce(model, state.all_reduce_)
     install_vocab_parallel_head(model, state)  # the same decision as the head's: same model, same world
     setup: RunnerSetup = pickle.loads(state.store.get(_RUNNER_KEY))
     runner = ModelRunner(model, setup.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
                          dtype, device, num_state_slots=setup.num_state_slots,
                          num_snapshot_slots=setup.num_snapshot_slots, samples=False)
-    keep_step_buffers_in_heap()
+    keep_step_buffers_in_heap(config.kernels.heap_tuning)
     state.store.set(f"pagellm/ready/{rank}", "1")
     return _serve_steps(state, runner)
 

@@ -40,6 +40,8 @@ from types import MappingProxyType
 
 import torch  # noqa: F401  -- imported first so torch's libgomp is the one our libraries bind to
 
+from pagellm.config import KernelConfig
+
 CSRC = Path(__file__).with_name("csrc")
 DTYPE_CODES = MappingProxyType({torch.float32: 0, torch.bfloat16: 1})  # the kernels' dtype argument (is_bf16)
 # -ffp-contract=off: a*b+c stays two roundings unless the source asks for fma, so every level computes alike
@@ -109,9 +111,11 @@ def torch_env(level: str) -> dict[str, str]:
 
 class _Selection:
     """The process's level (None: native kernels off). One object, set by `select`: the kernels a process
-    calls are process-wide, as torch's CPU capability is."""
+    calls are process-wide, as torch's CPU capability is. Until an engine selects, the config's defaults."""
 
-    level: str | None = host_levels()[0]
+    def __init__(self):
+        defaults = KernelConfig()
+        self.level = resolve(defaults.cpu_isa) if defaults.native_kernels else None
 
 
 _SELECTION = _Selection()

@@ -18,8 +18,8 @@ Paths, by M (measured crossovers: NATIVE_BELOW_ROWS, DENSE_FROM_ROWS):
   2048x640 at M=64, int8 1.1 ms (bf16) vs 36 ms (fp32), int4 1.0 ms vs 78 ms. So activations pass through them
   in bf16 (cast back to the model dtype after) and the scales are stored in bf16.
 - int4 x int8 activations (kernels/quant_gemv.py int4_matmul_q8): native int4 layers at every M where AVX-512
-  VNNI runs and int8_activations is on (the default); the other paths then serve int8 weights, torch's int4
-  layout and PAGELLM_INT8_ACTIVATIONS=0.
+  the kernel builds (every level) and int8_activations is on (the default); the other paths then serve int8
+  weights, torch's int4 layout and KernelConfig.int8_activations off.
 - dense tiles above: `forward` dequantizes TILE_ROWS weight rows at a time into one scratch buffer and runs a
   dense matmul in the activation dtype per tile. Nothing dense stays resident. int4 in the native layout has
   no torch kernel, so its tiles take over at NATIVE_BELOW_ROWS.
@@ -28,7 +28,6 @@ Both int4 layouts hold the same bytes: N*K/2 of codes and a bf16 scale and zero 
 
 from __future__ import annotations
 
-import os
 from types import MappingProxyType
 
 import torch
@@ -83,10 +82,10 @@ INT8_ACTIVATIONS_FROM_ROWS = MappingProxyType({False: 1, True: 1})
 
 
 def int8_activations_default() -> bool:
-    """int4 layers take int8 activations where the kernel runs (AVX-512 VNNI), unless PAGELLM_INT8_ACTIVATIONS=0:
-    ~2x the speed of bf16 activations, for an activation rounding error of 0.5-1.5% of an output row's norm
-    (the int4 weights' own error is ~7%); see the README's accuracy figures."""
-    return quant_gemv.q8_available() and os.environ.get("PAGELLM_INT8_ACTIVATIONS", "1") != "0"
+    """int4 layers take int8 activations where the kernel runs (every level with a compiler; the loader applies
+    KernelConfig.int8_activations after): ~2x the speed of bf16 activations, for an activation rounding error of
+    0.5-1.5% of an output row's norm (the int4 weights' own error is ~7%); see docs/PERFORMANCE.md."""
+    return quant_gemv.q8_available()
 
 
 def _aligned_kernel_input(x: torch.Tensor) -> torch.Tensor:

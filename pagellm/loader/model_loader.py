@@ -8,10 +8,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagellm.config import KernelConfig
 from pagellm.distributed.sharding import ShardSpec, install_expert_parallel, local_config, shard_weights
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
 from pagellm.loader.quantization import load_quantized, plan_quantization
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
+from pagellm.kernels import quant_gemv
+from pagellm.layers.quantized import Int4Linear
 from pagellm.loader.tokenizer import Tokenizer, load_tokenizer
 from pagellm.models.registry import build_model
 
@@ -23,6 +26,18 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: Path
     quantization: dict[str, str] = field(default_factory=dict)  # {module path: "int8" | "int4"}
+
+
+def plan_layers(model: nn.Module, kernels: KernelConfig) -> None:
+    """Settle once, after loading, how layers run under the kernel switches: int4 layers in the native layout
+    take int8 activations where that kernel runs (every level with a compiler) unless switched off; models
+    that can bind their layers to the kernels (bound_layers.py) do so unless switched off."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.int8_activations = (module.layout.native and kernels.int8_activations
+                                       and quant_gemv.q8_available())
+        if hasattr(type(module), "bind_layers"):
+            module.bind_layers = kernels.bound_layers
 
 
 def join_projections(model: nn.Module) -> int:
@@ -69,12 +84,15 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               with_tokenizer: bool = True, quantization: str = "none", shard: ShardSpec | None = None) -> LoadedModel:
+               with_tokenizer: bool = True, quantization: str = "none", shard: ShardSpec | None = None,
+               kernels: KernelConfig | None = None) -> LoadedModel:
     """quantization: none | int8 | int4 | auto (see loader/quantization.py), applied as weights stream in.
 
     shard: tensor / expert parallel rank (distributed/sharding.py): the model is built with this
     rank's shapes and only its slice of each weight is kept; `hf_config` stays the full model's.
+    kernels: the switches that decide how layers run (int8 activations, bound layers; default: KernelConfig()).
     """
+    kernels = kernels or KernelConfig()
     path = resolve_model_path(model)
     is_gguf = path.is_file()
     hf_config = load_gguf_config(path) if is_gguf else load_hf_config(path)
@@ -94,6 +112,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if shard:
         weights = shard_weights(weights, hf_config, shard)
     load_quantized(net, weights, plan)
+    plan_layers(net, kernels)
     join_projections(net)
     net.eval()
     tokenizer = load_tokenizer(path) if with_tokenizer else None

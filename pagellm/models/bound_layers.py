@@ -7,14 +7,12 @@ pointers) is resolved once, and a step only checks what the step brings (dtype, 
 
 It applies when every linear layer is dense or int4 with int8 activations (one kernel at every M, so no
 dispatch by batch size), the norms, q/k preparation, attention and act * up have their native kernels, and no
-module has forward hooks (tensor parallel's all-reduce); otherwise, or with PAGELLM_BOUND_LAYERS=0, the modules
-run. The same kernels with the same arguments: results are bit-identical to the module path
+module has forward hooks (tensor parallel's all-reduce); otherwise, or with KernelConfig.bound_layers off, the
+modules run. The same kernels with the same arguments: results are bit-identical to the module path
 (tests/models/test_bound_layers.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +113,7 @@ class BoundModel:
     @classmethod
     def of(cls, model: nn.Module, norms_of) -> BoundModel | None:
         """The model's binding (kept on it, redone when a linear changed), or None if it cannot be used."""
-        if os.environ.get("PAGELLM_BOUND_LAYERS", "1") == "0":
+        if not model.bind_layers:  # KernelConfig.bound_layers, set at load
             return None
         bound = model.__dict__.get("_bound_layers")
         if (bound is None or bound.layer_list is not model.layers

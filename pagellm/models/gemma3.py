@@ -63,6 +63,8 @@ def gemma3_norms(layer: Gemma3DecoderLayer) -> tuple:
 
 
 class Gemma3Model(nn.Module):
+    bind_layers = True  # run as bound_layers.BoundModel where it applies (KernelConfig.bound_layers)
+
     def __init__(self, config):
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):

@@ -144,6 +144,8 @@ def llama_norms(layer: LlamaDecoderLayer) -> tuple:
 
 
 class LlamaModel(nn.Module):
+    bind_layers = True  # run as bound_layers.BoundModel where it applies (KernelConfig.bound_layers)
+
     def __init__(self, config, options: AttentionOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -133,7 +133,7 @@ def test_both_paths_match_the_dequantized_reference(scheme, dtype, rows, native,
     torch.testing.assert_close(outputs[True].float(), outputs[False].float(), atol=8e-3 * scale, rtol=1e-2)
 
 
-@pytest.mark.skipif(not quant_gemv.vnni_available(), reason="int8 activations need AVX-512 VNNI")
+@pytest.mark.skipif(not quant_gemv.q8_available(), reason="int8 activations need the native kernels")
 @pytest.mark.parametrize("head", [False, True])
 def test_int8_activations_take_every_row_count_from_their_crossover(head, monkeypatch):
     """With int8 activations (the default where VNNI runs) an int4 layer runs int4_matmul_q8 from
@@ -300,8 +300,8 @@ ERROR_BOUNDS = {False: (0.05, 0.005), True: (0.08, 0.012)}
     ("llama", "int8", False), ("gemma3", "int4", False), ("gemma3", "int4", True), ("llama3-rope-tied", "int4", False),
     ("llama3-rope-tied", "int4", True), ("qwen2", "int8", False)])
 def test_tiny_model_logits_close_to_the_dequantized_model(tmp_path, family, scheme, int8_activations):
-    if int8_activations and not quant_gemv.vnni_available():
-        pytest.skip("int8 activations need AVX-512 VNNI")
+    if int8_activations and not quant_gemv.q8_available():
+        pytest.skip("int8 activations need the native kernels (a C++ compiler)")
     write_tiny_checkpoint(family, tmp_path / "hf")
     config = load_hf_config(tmp_path / "hf")
     model = build_model(config, torch.float32)
@@ -372,7 +372,7 @@ def test_default_model_accuracy_against_the_dense_gguf_model():
             for layer in model.modules():
                 if isinstance(layer, QuantizedLinear):
                     layer.dense_from_rows = DENSE if path == "dense" else KERNEL
-            if path.startswith("int8") and (scheme == "int8" or not quant_gemv.vnni_available()):
+            if path.startswith("int8") and (scheme == "int8" or not quant_gemv.q8_available()):
                 continue  # int8 activations are for int4 layers
             set_int8_activations(model, path.startswith("int8"))
             logits = PagedHarness(model, num_blocks=32).prefill("a", tokens)
@@ -423,7 +423,7 @@ def test_layers_that_cannot_be_joined_stay_apart():
     assert concat_linears([a, b]) is None  # one with a bias, one without
     assert concat_linears([a, Int8Linear.from_float(b.weight.data)]) is None  # different kinds
     assert concat_linears([a, _linear(32, 48, False, 2)]) is None  # different inputs
-    if quant_gemv.vnni_available():
+    if quant_gemv.q8_available():
         q8, bf16 = (Int4Linear.from_float(a.weight.data, native=True, int8_activations=on) for on in (True, False))
         assert concat_linears([q8, bf16]) is None  # different activation paths
     int4 = Int4Linear.from_float(a.weight.data, native=True)

@@ -7,7 +7,9 @@ import torch
 from paged_harness import PagedHarness
 from tiny_checkpoints import write_tiny_checkpoint
 
-from pagellm import LLM, SamplingParams
+from pagellm import SamplingParams
+from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
+from pagellm.engine import LLMEngine
 from pagellm.loader.model_loader import load_model
 from pagellm.models.bound_layers import BoundModel
 from pagellm.models.gemma3 import gemma3_norms
@@ -20,38 +22,48 @@ def _norms_of(family: str):
     return gemma3_norms if family == "gemma3" else llama_norms
 
 
-def _prefill_both_ways(model, prompt, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefill_both_ways(model, prompt) -> tuple[torch.Tensor, torch.Tensor]:
     logits = []
-    for bound in ("1", "0"):
-        monkeypatch.setenv("PAGELLM_BOUND_LAYERS", bound)
+    for bound in (True, False):
+        model.model.bind_layers = bound  # as the loader sets it from KernelConfig.bound_layers
         logits.append(PagedHarness(model).prefill("a", prompt))
     return logits[0], logits[1]
+
+
+def _greedy_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+    return [list(outputs[i]) for i in ids]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bound_layers_equal_the_modules(tmp_path, family, quantization, dtype, monkeypatch):
+def test_bound_layers_equal_the_modules(tmp_path, family, quantization, dtype):
     write_tiny_checkpoint(family, tmp_path)
     model = load_model(str(tmp_path), dtype, torch.device("cpu"), False, quantization).model
     harness = PagedHarness(model)  # binds the KV caches the bound layers read
     assert BoundModel.of(model.model, _norms_of(family)) is not None  # the path under test does apply
     del harness
     prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(3)).tolist()
-    bound, modules = _prefill_both_ways(model, prompt, monkeypatch)
+    bound, modules = _prefill_both_ways(model, prompt)
     assert torch.equal(bound, modules)
 
 
-def test_engine_greedy_ids_equal_with_and_without_bound_layers(tmp_path, monkeypatch):
+def test_engine_greedy_ids_equal_with_and_without_bound_layers(tmp_path):
     write_tiny_checkpoint("gemma3", tmp_path)
     prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23, 40)]
     params = SamplingParams(max_tokens=12, temperature=0.0)
     ids = []
-    for bound in ("1", "0"):
-        monkeypatch.setenv("PAGELLM_BOUND_LAYERS", bound)
-        llm = LLM(model=str(tmp_path), quantization="int4", dtype="bfloat16", skip_tokenizer_init=True,
-                  kv_cache_memory=0.01)
-        ids.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    for bound in (True, False):
+        engine = LLMEngine(EngineConfig(ModelConfig(model=str(tmp_path), quantization="int4", dtype="bfloat16"),
+                                        CacheConfig(kv_cache_memory=0.01), kernels=KernelConfig(bound_layers=bound)),
+                           skip_tokenizer_init=True)
+        assert engine.model.model.bind_layers is bound
+        ids.append(_greedy_ids(engine, prompts, params))
     assert ids[0] == ids[1]
 
 

@@ -1,0 +1,38 @@
+"""The process's native kernels, chosen once from the engine config (KernelConfig) and described in one line."""
+
+from __future__ import annotations
+
+import logging
+
+from pagellm.config import KernelConfig
+from pagellm.kernels import attention, gated_delta_native, layer_ops, logits, native, quant_gemv
+
+logger = logging.getLogger("pagellm.kernels")
+
+
+def select_kernels(config: KernelConfig) -> str:
+    """Make the config's level the one every kernel wrapper loads (a ValueError naming cpu_isa if this CPU
+    cannot run it); log and return what runs, e.g. "avx2 (int4 x int8 matmul, paged attention, ...)"."""
+    try:
+        native.select(config.cpu_isa, config.native_kernels)
+    except ValueError as e:
+        raise ValueError(f"cpu_isa: {e}") from None
+    description = describe()
+    logger.info("kernels: %s", description)
+    return description
+
+
+def describe() -> str:
+    """The selected level and the native kernels that run at it (each built now if not yet cached)."""
+    level = native.level()
+    if level is None:
+        return "off (torch reference ops)"
+    present = [name for name, available in (
+        ("int4 x int8 matmul", quant_gemv.q8_available()),
+        ("int4/int8 x bf16 matmul", quant_gemv.available()),
+        ("paged attention", attention._native_kernel() is not None),
+        ("fused layer ops", layer_ops._lib() is not None),
+        ("logits epilogue", logits._kernel("argmax_rows") is not None),
+        ("Gated DeltaNet decode", gated_delta_native._kernel("rule") is not None),
+    ) if available]
+    return f"{level} ({', '.join(present) or 'none could be built: torch reference ops'})"

@@ -1,0 +1,33 @@
+"""Runs the level-sensitive tests again at every lower instruction-set level this CPU can execute, each in a
+process of its own with torch's kernels held to the same level (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) and
+pagellm's selected through PAGELLM_CPU_ISA: what an AVX2-only or a non-x86 machine would run, model parity
+against HF and the exactness paths included. tests/kernels is not repeated: it covers every level in process.
+
+    python tests/lower_levels.py [pytest args]      (make test runs it after the main pass)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from pagellm.kernels import native
+
+SUITES = ["tests/models", "tests/layers", "tests/test_llm.py", "tests/runner"]
+
+
+def main(extra: list[str]) -> int:
+    for level in native.host_levels()[1:]:
+        env = {**os.environ, **native.torch_env(level), "PAGELLM_CPU_ISA": level}
+        print(f"== tests at cpu_isa={level} (torch: {native.torch_env(level)})", flush=True)
+        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITES, *extra],
+                               env=env)
+        if code != 0:
+            print(f"== cpu_isa={level}: pytest exited {code}", flush=True)
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,56 @@
+"""The kernel settings (config.KernelConfig): cpu_isa validated against the CPU, on every command, reported."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM
+from pagellm.cli import build_parser, engine_config_from_args
+from pagellm.config import EngineConfig, KernelConfig
+from pagellm.kernels import native, selection
+
+
+def test_unknown_level_is_a_clear_error():
+    with pytest.raises(ValueError, match="cpu_isa must be one of auto, avx512, avx2, generic"):
+        KernelConfig(cpu_isa="avx9")
+
+
+def test_a_level_the_cpu_lacks_names_what_is_missing(monkeypatch):
+    avx2_only = native.LEVEL_CPU_FLAGS["avx2"] | {"sse4_2"}
+    monkeypatch.setattr(native, "cpu_flags", lambda: avx2_only)
+    assert native.host_levels() == ("avx2", "generic")
+    assert native.resolve("auto") == "avx2"
+    with pytest.raises(ValueError, match=r"cpu_isa 'avx512' needs .*avx512_bf16.* it can run avx2, generic"):
+        native.resolve("avx512")
+    with pytest.raises(ValueError, match="^cpu_isa: "):
+        selection.select_kernels(KernelConfig(cpu_isa="avx512"))
+
+
+def test_environment_sets_defaults_read_in_the_config(monkeypatch):
+    monkeypatch.setenv("PAGELLM_CPU_ISA", "generic")
+    monkeypatch.setenv("PAGELLM_BOUND_LAYERS", "0")
+    config = KernelConfig()
+    assert config.cpu_isa == "generic" and not config.bound_layers and config.int8_activations
+    assert EngineConfig().kernels == config
+
+
+def test_every_engine_command_takes_the_kernel_flags():
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        args = build_parser().parse_args([*command, "--cpu-isa", "generic", "--no-bound-layers",
+                                          "--no-int8-activations"])
+        kernels = engine_config_from_args(args).kernels
+        assert (kernels.cpu_isa, kernels.bound_layers, kernels.int8_activations) == ("generic", False, False)
+    assert build_parser().parse_args(["bench", "batched", "--cpu-isa", "avx2"]).cpu_isa == "avx2"
+
+
+def test_llm_runs_the_level_asked_and_reports_it():
+    previous = native.level()
+    try:
+        llm = LLM(cpu_isa="generic", kv_cache_memory=0.05, max_model_len=64, skip_tokenizer_init=True)
+        assert native.level() == "generic"
+        assert llm.stats()["kernels"].startswith("generic (int4 x int8 matmul, paged attention, fused layer ops")
+        out = llm.generate([[2, 818, 5279, 529, 7001, 563]], use_tqdm=False)[0].outputs[0].token_ids
+        assert len(out) > 0
+        llm.shutdown()
+    finally:
+        native.select(previous or "auto", previous is not None)
