@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# The whole suite at the CPU's own instruction-set level (tests/kernels covers every level in process), then
+# the model, layer and engine tests again at each lower level the CPU can run (tests/lower_levels.py).
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python tests/lower_levels.py $(PYTEST_ARGS)
 
 generate: install
 	$(BIN)/pagellm generate --prompt "$(PROMPT)"

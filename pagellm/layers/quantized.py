@@ -229,12 +229,13 @@ class Int4Linear(QuantizedLinear):
         # the native layout has no torch kernel: native kernel, then dense tiles, which the int8-activation
         # kernel beats at every M measured (bf16, ms, q8 / dense tiles): 2048x640 M=320 1.80 / 2.43 (dense
         # unquantized), M=512 4.62 / 7.36, M=2048 11.9 / 17.0; 640x2048 M=512 2.99 / 3.76, M=2048 11.9 / 14.3
-        if self.dense_from_rows:
+        if not self.int8_activations and not quant_gemv.available():
+            below = 0  # no bf16-activation kernel at this level (it needs AVX-512 BF16): dense tiles at every M
+        elif self.dense_from_rows:
             below = self.dense_from_rows
-        elif self.int8_activations:
-            below = 1 << 30
-        else:  # the bf16-activation kernel (AVX-512 BF16 only; elsewhere dense tiles at every M)
-            below = NATIVE_BELOW_ROWS[(self.scheme, self.out_features > _HEAD_ROWS, bf16)] if quant_gemv.available() else 0
+        else:
+            below = 1 << 30 if self.int8_activations else NATIVE_BELOW_ROWS[
+                (self.scheme, self.out_features > _HEAD_ROWS, bf16)]
         return below, below
 
     def _int8_activations_at(self, rows: int) -> bool:
