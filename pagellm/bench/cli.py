@@ -69,6 +69,15 @@ def add_bench_parser(subparsers) -> None:
                          help="measure the roofline with small sizes (smoke tests: an order of magnitude only)")
     compare.set_defaults(func=_run_compare)
 
+    accuracy = kinds.add_parser("accuracy", help="a mode's distance from the dense fp32 model of the same file "
+                                "(top-1 agreement, KL, perplexity), beside llama.cpp's on the same text")
+    _add_common(accuracy)
+    accuracy.add_argument("--text", required=True, help="a plain-text file (e.g. /usr/share/common-licenses/GPL-3)")
+    accuracy.add_argument("--positions", type=int, default=256, help="positions compared (default 256)")
+    accuracy.add_argument("--peers", default="llama.cpp", help="llama.cpp, or none (default llama.cpp)")
+    accuracy.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
+    accuracy.set_defaults(func=_run_accuracy)
+
     collectives = kinds.add_parser("collectives", help="combining partial [N, E] outputs over ranks: "
                                    "all-reduce vs all-to-all (the MoE expert-parallel choice)")
     from pagellm.bench.collectives import add_arguments
@@ -100,6 +109,13 @@ def _set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def _run_accuracy(args: argparse.Namespace) -> int:
+    from pagellm.bench import accuracy
+
+    _set_threads(args.threads)
+    return accuracy.main(args)
 
 
 def _run_batched(args: argparse.Namespace) -> int:
