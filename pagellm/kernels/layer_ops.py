@@ -18,6 +18,7 @@ from pagellm.kernels import native
 
 _DTYPE_FLAG = native.DTYPE_CODES
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_mul's native activations
+MAX_HEAD_DIM = 1024  # qkv_prepare's largest head (csrc/layer_ops.cpp kMaxHeadDim)
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "pagellm_qkv_prepare": ([_P, _I64, _I64, _I64, _I64, _P, _P, _F, _INT, _P, _P, _P, _P, _P, _I64, _P, _INT], _INT),
@@ -116,7 +117,7 @@ def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
 
 
 def act_mul_unchecked(gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
-    """act_mul on inputs the caller has checked (None: no AVX-512 in this build)."""
+    """act_mul on inputs the caller has checked (every level has the kernel)."""
     half = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], half, dtype=gate_up.dtype)
     bad = _lib().pagellm_act_mul(gate_up.data_ptr(), gate_up.numel() // (2 * half), half, ACTIVATIONS[activation],

@@ -58,6 +58,7 @@ class BoundLayer:
         self.activation = _FUSED_NAMES[mlp.activation]
         # each fused residual call applies one eps and flavour to two norms
         self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down) and attn.head_dim % 16 == 0
+                   and attn.head_dim <= layer_ops.MAX_HEAD_DIM  # known here, not mid-step
                    and all(self.norm_in.same_kind(n) for n in norms if n is not None) and attn.qk_norms_fuse())
 
     def current(self) -> bool:

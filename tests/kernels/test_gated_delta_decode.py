@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pagellm.kernels import gated_delta_native
+from pagellm.kernels import gated_delta_native, native
 from pagellm.kernels.gated_delta import gated_delta_step_, prepare_qk
 from pagellm.layers.gated_delta_net import GatedDeltaNet
 
@@ -182,3 +182,66 @@ def test_conv_kernel_matches_torch_over_extreme_inputs(dtype):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out, expected, **tol)
     assert torch.equal(_bits(state), _bits(expected_state))  # the shift moves values, no arithmetic
+
+
+# ---- one result at every level ---------------------------------------------------------------
+# The avx512, avx2 and generic builds do the same operations in the same order (per column an fma chain
+# over dk, one rounded product and an fma per state update, the SiLU's exp from exp512.h at 16, 8 or 1
+# lanes): outputs and states must be the same bits at every level.
+
+
+def _per_level(fn):
+    results = {}
+    for level in native.host_levels():
+        with native.using(level):
+            results[level] = fn()
+    return results
+
+
+def _assert_levels_agree(results: dict) -> None:
+    (first, want), *others = results.items()
+    for level, got in others:
+        for a, b in zip(got, want):
+            assert torch.equal(_bits(a), _bits(b)), f"{level} differs from {first}"
+
+
+@pytest.mark.across_levels
+@pytest.mark.parametrize("dk,dv", [(32, 64), (16, 12), (128, 128), (24, 40), (8, 200), (64, 7)],
+                         ids=["tile", "scalar-tail", "qwen", "avx2-tile+tail", "wide", "narrow"])
+def test_rule_kernel_is_the_same_bits_at_every_level(dk, dv):
+    hk, hv, slots = 2, 4, [5, 1, 3]
+    state0 = _pattern((NUM_SLOTS, hv, dk, dv))
+    state0[slots] = torch.randn(len(slots), hv, dk, dv, generator=torch.Generator().manual_seed(0))
+
+    def run():
+        state, outs = state0.clone(), []
+        for step in range(3):
+            q, k, v, g, beta = _rule_inputs(len(slots), hk, hv, dk, dv, seed=step)
+            outs.append(gated_delta_native.rule_decode_(state, torch.tensor(slots), q, k, v, g, beta))
+        return (state, *outs)
+
+    _assert_levels_agree(_per_level(run))
+
+
+@pytest.mark.across_levels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("channels", [5, 37 * 16 + 5, 8192 + 3])
+def test_conv_kernel_is_the_same_bits_at_every_level(dtype, channels):
+    taps, slots = 4, [2, 0]
+    gen = torch.Generator().manual_seed(channels)
+    state0 = (torch.randn(3, channels, taps - 1, generator=gen) * 100).to(dtype)
+    weight = torch.rand(channels, taps, generator=gen).to(dtype)
+    x = (torch.randn(len(slots), channels, generator=gen) * 40).to(dtype)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 300.0, -300.0])
+    x[0, : min(8, channels)] = special[:channels].to(dtype)
+
+    def run():
+        state = state0.clone()
+        return state, gated_delta_native.conv_decode_(state, torch.tensor(slots), x, weight)
+
+    results = _per_level(run)
+    nan = torch.isnan(results[native.host_levels()[0]][1])
+    for _, out in results.values():  # NaN payloads aside (a NaN input's sum is NaN at every level)
+        assert torch.equal(torch.isnan(out), nan)
+        out[nan] = 0
+    _assert_levels_agree(results)

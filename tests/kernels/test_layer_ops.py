@@ -3,7 +3,8 @@
 qkv_prepare and add_rms_norm do the arithmetic of the unfused native kernels (the same norm.h / rope.h row
 code), so they must be bit-identical to those; act_mul's exp differs from torch's in the last fp32 ulp, so
 it is held to a tight tolerance (at most one bf16 rounding step in bf16, or ~1e-5 absolute where gelu's
-1 + tanh cancels).
+1 + tanh cancels). act_mul computes one formula at every level (16, 8 or 1 lanes, the same exp and roundings):
+the avx512, avx2 and generic builds give the same bits.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import layer_ops
+from pagellm.kernels import layer_ops, native
 from pagellm.kernels.attention import write_kv
 from pagellm.layers.mlp import gated_act
 from pagellm.layers.norm import RMSNorm
@@ -21,6 +22,7 @@ from pagellm.layers.rotary import apply_rotary
 pytestmark = pytest.mark.skipif(layer_ops._lib() is None, reason="native layer_ops could not be built here")
 
 DTYPES = [torch.float32, torch.bfloat16]
+NATIVE_NAMES = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def _norm(dim: int, unit_offset: bool, dtype: torch.dtype, seed: int) -> RMSNorm:
@@ -126,6 +128,8 @@ def test_gated_act_matches_torch(dtype, activation, shape):
     gate, up = gate_up.chunk(2, dim=-1)
     with torch.inference_mode():
         got, reference = gated_act(gate_up, activation), act(gate) * up
+        native_out = layer_ops.act_mul(gate_up, NATIVE_NAMES[activation])
+    assert native_out is not None and torch.equal(got, native_out)  # the kernel, at every level
     assert got.dtype == dtype and got.shape == reference.shape and torch.isfinite(got).all()
     # Apart from last-ulp exp differences, values differ only where gelu's 1 + tanh(y) cancels (tanh near -1),
     # in torch's formula as in ours: tiny results, a few 1e-6 apart at inputs of scale 3.
@@ -141,3 +145,42 @@ def test_gated_act_keeps_torch_for_erf_gelu():
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(gated_act(gate_up, "gelu"), F.gelu(gate) * up)
     assert layer_ops.act_mul(gate_up, "gelu") is None
+
+
+def _act_inputs(rows: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """gate_up [rows, 2 n]: gates over exp's whole range (its clamps at -104 / 89, denormal results, gelu's
+    cancellation near tanh = -1), fp32 ones also random bit patterns; ups random, some special."""
+    g = torch.Generator().manual_seed(seed)
+    gate = torch.randn(rows, n, generator=g) * torch.tensor([1.0, 3.0, 30.0, 120.0])[torch.randint(4, (rows, n), generator=g)]
+    if dtype == torch.float32:
+        bits = torch.randint(-(2**31), 2**31 - 1, (rows, n), generator=g, dtype=torch.int64).to(torch.int32)
+        gate = torch.where(torch.rand(rows, n, generator=g) < 0.25, bits.view(torch.float32), gate)
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 104.0, -104.0, 89.0, -89.0, 87.4, -87.4, 52.0, -52.0, 1e30,
+                            -1e30, float("inf"), -float("inf"), float("nan"), -9.0, -10.5, 3.4e38])
+    flat = gate.view(-1)
+    flat[: min(flat.numel(), special.numel())] = special[: flat.numel()]
+    up = torch.randn(rows, n, generator=g) * 2
+    up.view(-1)[:3] = torch.tensor([0.0, float("inf"), -1e-40])[: up.numel()]
+    return torch.cat([gate, up], dim=-1).to(dtype)
+
+
+@pytest.mark.across_levels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows,n", [(1, 1), (2, 7), (3, 8), (1, 15), (2, 16), (3, 17), (2, 33), (5, 2048 + 13),
+                                    (40, 1000)])  # vector bodies of 16 and 8 lanes, scalar tails, threads
+def test_act_mul_is_the_same_bits_at_every_level(dtype, activation, rows, n):
+    gate_up = _act_inputs(rows, n, dtype, seed=rows * 1000 + n)
+    results = {}
+    for level in native.host_levels():
+        with native.using(level), torch.inference_mode():
+            results[level] = layer_ops.act_mul(gate_up, activation)
+    assert all(out is not None for out in results.values()), "act_mul declined at some level"
+    want = results[native.host_levels()[0]]
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for level, got in results.items():
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan), level
+        differ = (got.view(bits) != want.view(bits)) & ~nan  # NaN payloads aside
+        assert not differ.any(), f"{level}: {int(differ.sum())} differ, e.g. gate {gate_up[..., :n][differ][:4]}"
+    assert torch.isnan(want[torch.isnan(gate_up[..., :n])]).all()  # a NaN gate stays NaN, in bf16 too

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from pagellm.kernels import logits as native_logits
+from pagellm.kernels import native
 
 pytestmark = pytest.mark.skipif(native_logits._kernel("argmax_rows") is None,
                                 reason="native logits kernels could not be built here")
@@ -185,3 +188,177 @@ def test_argmax_declines_what_it_does_not_handle():
     assert native_logits.argmax_rows(torch.randn(4, 16, dtype=torch.bfloat16)) is None  # fp32 only
     assert native_logits.argmax_rows(torch.randn(4, 0)) is None  # torch raises on an empty reduction
     assert native_logits.argmax_rows(torch.randn(4, 16, device="meta")) is None
+
+
+# ---- one result at every level ---------------------------------------------------------------
+# The avx512, avx2 and generic builds compute one formula with the same roundings (exp512.h's exp at
+# 16, 8 and 1 lanes; tanh built alike; fma where the vector code fuses): their outputs must be the
+# same bits, which the per-level tests above cannot see (they only hold each level to torch).
+
+_EXP_SIGNATURE = {"pagellm_exp_f32": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p], ctypes.c_int)}
+
+
+def per_level(fn):
+    """{level: fn()} with each level this CPU executes selected in turn."""
+    results = {}
+    for level in native.host_levels():
+        with native.using(level):
+            results[level] = fn()
+    return results
+
+
+EXP_FORMS = {16: "exp512", 8: "exp256", 1: "exp_scalar", 0: "exp_lanes<8>"}
+
+
+def vector_exp(x: torch.Tensor, level: str, form: int) -> torch.Tensor | None:
+    """exp512.h's exp of x (fp32) by the `level` build in one of its forms (EXP_FORMS); None: not built in."""
+    lib = native.bind("logits", _EXP_SIGNATURE, level)
+    out = torch.empty_like(x)
+    return None if lib.pagellm_exp_f32(x.data_ptr(), x.numel(), form, out.data_ptr()) else out
+
+
+def exp_inputs() -> torch.Tensor:
+    """Random fp32 bit patterns, a dense sweep of the finite range, ties of n = round(x log2 e), the clamps,
+    the inputs whose e^x is denormal, and the special values."""
+    g = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1_000_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    ln2 = 0.6931471805599453
+    ties = torch.arange(-151, 130, dtype=torch.float64) + 0.5
+    special = [0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 1.1754944e-38, 3.4028235e38, -3.4028235e38,
+               float("inf"), -float("inf"), float("nan"), -104.0, 89.0, -103.97, -103.972, 88.72, 88.7228, 88.73,
+               -87.33, -87.34, 1.0, -1.0, 0.5, -0.5]
+    return torch.cat([bits.view(torch.float32), torch.rand(1_000_000, generator=g) * 250 - 130,
+                      torch.linspace(-104.5, -87.0, 200_001), torch.linspace(88.0, 89.5, 20_001),
+                      (ties * ln2).float(), torch.nextafter((ties * ln2).float(), torch.tensor(0.0)),
+                      torch.tensor(special), -torch.tensor(special)])
+
+
+@pytest.mark.across_levels
+def test_vector_exp_is_the_same_bits_at_every_level_and_in_every_form():
+    x = exp_inputs()
+    results = {(level, EXP_FORMS[form]): out for level in native.host_levels() for form in EXP_FORMS
+               if (out := vector_exp(x, level, form)) is not None}
+    assert {("generic", "exp_scalar"), ("generic", "exp_lanes<8>")} <= results.keys()
+    if "avx512" in native.host_levels():
+        assert {("avx512", form) for form in EXP_FORMS.values()} <= results.keys()
+    if "avx2" in native.host_levels():
+        assert ("avx2", "exp256") in results and ("avx2", "exp512") not in results
+    (first, want), *others = results.items()
+    for key, got in others:  # NaN in: 0 out (the clamp takes -104 for a NaN), so no NaN to set apart
+        differ = got.view(torch.int32) != want.view(torch.int32)
+        assert not differ.any(), f"{key} vs {first}: {int(differ.sum())} differ, e.g. at {x[differ][:4]}"
+    nan = torch.isnan(x)
+    assert not torch.isnan(want).any() and (want[nan] == 0).all()
+    ok = ~nan  # within one ulp of e^x correctly rounded (via fp64), denormal results included; 0 / inf past
+    assert int(ulp_distance(want[ok], torch.exp(x[ok].double()).float()).max()) <= 1
+    assert (want[x <= -104] == 0).all() and (want[x >= 89] == float("inf")).all()
+    assert vector_exp(torch.tensor([0.0, -0.0, 88.73, -104.0]), "generic", 1).tolist() == [1.0, 1.0, float("inf"), 0.0]
+
+
+def fma_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, b, c) fp32 where a * b + c rounded twice (via fp64) often differs from rounding once: a * b exact
+    in fp32 or not, c half an fp32 ulp of it (+- a little), or nearly -a * b, or far smaller; also denormal
+    results, random bit patterns and the special values."""
+    g = torch.Generator().manual_seed(5)
+    n = 400_000
+    a = torch.ldexp(torch.randint(4096, 8192, (n,), generator=g).double(), torch.randint(-40, -5, (n,), generator=g))
+    b = torch.ldexp(torch.randint(4096, 8192, (n,), generator=g).double(), torch.randint(-40, -5, (n,), generator=g))
+    wide = torch.rand(n, generator=g) < 0.3  # full 24-bit significands: a * b not an fp32
+    a = torch.where(wide, a * (1 + torch.rand(n, generator=g, dtype=torch.float64)), a).float().double()
+    a = a * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    p = a * b  # exact
+    half = torch.ldexp(torch.ones(n, dtype=torch.float64), torch.frexp(p).exponent - 25)
+    k = torch.randint(-3, 4, (n,), generator=g).double()
+    kind = torch.randint(3, (n,), generator=g)
+    c = torch.where(kind == 0, half * (1 + k * torch.ldexp(torch.ones(n, dtype=torch.float64),
+                                                             -torch.randint(1, 23, (n,), generator=g))),
+                    torch.where(kind == 1, -p + half * k, p * torch.rand(n, generator=g, dtype=torch.float64)
+                                * torch.ldexp(torch.ones(n, dtype=torch.float64), -torch.randint(0, 60, (n,), generator=g))))
+    tiny = torch.rand(n, generator=g) < 0.1  # results below 2^-126
+    a, b, c = a.float(), b.float(), c.float()
+    a, c = (torch.where(tiny, torch.ldexp(t, torch.tensor(-100)), t) for t in (a, c))
+    # Denormal results just off a midpoint of the denormals: c = k 2^-149 near 2^-127, a * b = 2^-150 (1 - i^2
+    # 2^-40), which the fp64 sum rounds onto the midpoint c + 2^-150.
+    m = 50_000
+    i = torch.randint(1, 32, (m,), generator=g).double()
+    sign = torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0).double()
+    da = ((1 + i * 2.0**-20) * 2.0**-75 * sign).float()
+    db = ((1 - i * 2.0**-20) * 2.0**-75).float()
+    k = torch.randint(2**21, 2**23, (m,), generator=g).double() * torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0)
+    dc = (k * 2.0**-149).float()
+    a, b, c = torch.cat([a, da]), torch.cat([b, db]), torch.cat([c, dc])
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, 200_000), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.1754944e-38, 3.4028235e38, -3.4028235e38, 1.0, -1.0,
+                            float("inf"), -float("inf"), float("nan")])
+    sa, sb, sc = torch.cartesian_prod(special, special, special).unbind(-1)
+    return torch.cat([a, bits[0], sa]), torch.cat([b, bits[1], sb]), torch.cat([c, bits[2], sc])
+
+
+@pytest.mark.across_levels
+def test_fma_is_rounded_once_at_every_level():
+    # Builds without an FMA instruction (generic x86-64) emulate it (fma_f32.h): the same bits as the
+    # instruction, which the avx2 / avx512 builds use.
+    a, b, c = fma_inputs()
+    signature = {"pagellm_fma_f32": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p], None)}
+
+    def fma():
+        out = torch.empty_like(a)
+        native.bind("logits", signature).pagellm_fma_f32(a.data_ptr(), b.data_ptr(), c.data_ptr(), a.numel(),
+                                                         out.data_ptr())
+        return out
+
+    results = per_level(fma)
+    want = results[native.host_levels()[0]]
+    twice = (a.double() * b.double() + c.double()).float()
+    differ = twice.view(torch.int32) != want.view(torch.int32)
+    assert differ.sum() > 10_000 and (differ & (want.abs() < 2.0**-126)).sum() > 10_000  # they test the rounding
+    for got in results.values():
+        assert_same_bits(got, want)
+
+
+@pytest.mark.across_levels
+@pytest.mark.parametrize("cap", [30.0, 1.0])
+def test_fp32_softcap_is_the_same_bits_at_every_level(cap):
+    # fp32 soft-capping is ~1.5 ulp from torch, but the same bits at every level; 1000003 values: a
+    # partial vector at the end of the last block, and values past the tanh polynomial's switch at 0.55 cap.
+    g = torch.Generator().manual_seed(4)
+    bits = torch.randint(-(2**31), 2**31 - 1, (500_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.randn(500_000, generator=g) * 40,
+                   torch.tensor([0.55 * cap, -0.55 * cap, 0.0, -0.0, float("nan"), float("inf"), -float("inf")])])
+    results = per_level(lambda: native_logits.logits_to_f32(x.view(1, -1), cap).view(-1))
+    want = results[native.host_levels()[0]]
+    for got in results.values():
+        assert_same_bits(got, want)
+
+
+@pytest.mark.across_levels
+@pytest.mark.parametrize("n", [13, 65536 + 13, 3 * 65536 + 13])  # direct, direct with tail, by table
+def test_bf16_softcap_is_the_same_bits_at_every_level(n):
+    x = every_bf16().repeat(4)[:n].view(1, n)
+    results = per_level(lambda: native_logits.logits_to_f32(x, 30.0))
+    for got in results.values():
+        assert_same_bits(got, torch_softcap(x, 30.0))
+
+
+@pytest.mark.parametrize("vocab", [31, 32, 33, 95, 96, 97, 4099])
+def test_argmax_between_vector_body_and_tail(vocab):
+    # The vector scans take whole groups (64 elements at avx512, 32 at avx2) and leave a tail: the answer
+    # may be in either, tie across the boundary, or be a NaN in the tail only.
+    g = torch.Generator().manual_seed(vocab)
+    cases = []
+    for where in {0, vocab // 2, vocab - 33, vocab - 32, vocab - 31, vocab - 1} - {v for v in range(-33, 0)}:
+        x = torch.randn(vocab, generator=g)
+        x[where] = 9.0
+        cases.append(x)
+        y = x.clone()
+        y[vocab - 1] = 9.0  # a tie with the tail's last element: the earlier wins
+        cases.append(y)
+        z = x.clone()
+        z[vocab - 1] = float("nan")  # NaN in the tail only
+        cases.append(z)
+        w = torch.full((vocab,), -float("inf"))
+        w[where] = -1.0
+        cases.append(w)
+    cases.append(torch.full((vocab,), -float("inf")))
+    x = torch.stack(cases)
+    assert torch.equal(native_logits.argmax_rows(x), x.argmax(dim=-1))

@@ -14,21 +14,23 @@
 //                          ops of tanh (~2.5x faster; the table costs ~0.05 ms).
 //   pagellm_argmax_rows:   per-row argmax as torch's CPU argmax: first index on ties, NaN is
 //                          maximal (the first NaN wins).
+//
+// Levels: AVX-512 (16 lanes), AVX2 + FMA (8 lanes) and plain C++ compute one formula with the same
+// roundings (tanh and exp built alike, fma where the vector code fuses), so every build gives the
+// same bits: soft-capping at all levels equals the AVX-512 build's bit for bit, and argmax is exact.
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "bf16.h"
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-#include "exp512.h"
-#endif
+#include "exp512.h"  // exp512 / exp256 / exp_scalar, bit-identical (and <immintrin.h> where there are vectors)
+#include "fma_f32.h"
 
 namespace {
 
@@ -39,12 +41,65 @@ constexpr int64_t kParallelMin = 1 << 15;
 
 inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
-// Scalar soft-cap, for builds without AVX-512. glibc's tanhf, like torch's vector tanh, gives
-// the correctly rounded bf16 on every bf16 input (checked exhaustively against torch).
+// The tanh of every level (tanh512 below is the reference), one lane: within ~1.5 ulp, an odd
+// polynomial below |x| = 0.55 (where 1 - 2/(e+1) loses bits to cancellation), 1 - 2 / (e^2|x| + 1)
+// above. The coefficients are a Chebyshev-node fit of (tanh(x) - x) / x^3 in x^2 on [0, 0.55^2]
+// (approximation error < 0.07 ulp). After bf16 rounding this equals torch's bf16 tanh on every bf16
+// input (tests/kernels/test_logits_kernels.py).
+constexpr float kTanhSmall = 0.55f;
+constexpr float kT0 = -0.00661022774875164f, kT1 = 0.021309388801455498f, kT2 = -0.05390942841768265f,
+                kT3 = 0.13333113491535187f, kT4 = -0.3333333134651184f;
+
+// tanh of N values side by side (as exp_lanes; N = 1: tanh_scalar). The exp runs only if some lane needs
+// it, the polynomial only if some lane is small; each lane then takes its branch, as the vector blend does.
+template <int N>
+inline void tanh_lanes(const float* x, float* out) {
+    float ax[N], arg[N], e[N] = {}, small[N] = {};
+    bool any_large = false, any_small = false;
+    for (int l = 0; l < N; ++l) {
+        ax[l] = std::fabs(x[l]);
+        arg[l] = ax[l] + ax[l];
+        any_small |= ax[l] < kTanhSmall;
+        any_large |= !(ax[l] < kTanhSmall);
+    }
+    if (any_large) exp_lanes<N>(arg, e);  // inf past |x| = 44.5, giving exactly 1
+    if (any_small)
+        for (int l = 0; l < N; ++l) {
+            const float s = ax[l] * ax[l];
+            float p = kT0;
+            p = fma_f32(p, s, kT1);
+            p = fma_f32(p, s, kT2);
+            p = fma_f32(p, s, kT3);
+            p = fma_f32(p, s, kT4);
+            small[l] = fma_f32(ax[l] * s, p, ax[l]);
+        }
+    for (int l = 0; l < N; ++l) {
+        float t = ax[l] < kTanhSmall ? small[l] : 1.f - 2.f / (e[l] + 1.f);
+        uint32_t tb, xb;  // odd: |x|'s result, x's sign
+        std::memcpy(&tb, &t, 4);
+        std::memcpy(&xb, &x[l], 4);
+        tb |= xb & 0x80000000u;
+        std::memcpy(&t, &tb, 4);
+        out[l] = std::isnan(x[l]) ? x[l] : t;  // NaN in, NaN out
+    }
+}
+
+inline float tanh_scalar(float x) {
+    float t;
+    tanh_lanes<1>(&x, &t);
+    return t;
+}
+
+// In bf16 each of torch's ops (div, tanh, mul) is computed in fp32 and rounded to bf16.
 template <int IN_BF16>
 inline float softcap1(float x, float cap) {
-    if (!IN_BF16) return std::tanh(x / cap) * cap;
-    return round_bf16(round_bf16(std::tanh(round_bf16(x / cap))) * cap);
+    if (!IN_BF16) return tanh_scalar(x / cap) * cap;
+    return round_bf16(round_bf16(tanh_scalar(round_bf16(x / cap))) * cap);
+}
+
+template <int IN_BF16>
+inline float load1(const void* in, int64_t i) {
+    return IN_BF16 ? bf16_to_f32(static_cast<const uint16_t*>(in)[i]) : static_cast<const float*>(in)[i];
 }
 
 #ifdef __AVX512F__
@@ -60,23 +115,20 @@ inline __m512 round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
 }
 
-// tanh within ~1.5 ulp: an odd polynomial below 0.55 (where 1 - 2/(e+1) loses bits to
-// cancellation), 1 - 2 / (e^2|x| + 1) above. The coefficients are a Chebyshev-node fit of
-// (tanh(x) - x) / x^3 in x^2 on [0, 0.55^2] (approximation error < 0.07 ulp). After bf16
-// rounding this equals torch's bf16 tanh on every bf16 input (tests/kernels/test_logits_kernels.py).
+// tanh_scalar over 16 lanes.
 inline __m512 tanh512(__m512 x) {
     const __m512 one = _mm512_set1_ps(1.f);
     const __m512 ax = _mm512_abs_ps(x);
     const __m512 e = exp512(_mm512_add_ps(ax, ax));  // inf past |x| = 44.5, giving exactly 1
     const __m512 large = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
     const __m512 s = _mm512_mul_ps(ax, ax);
-    __m512 p = _mm512_set1_ps(-0.00661022774875164f);
-    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(0.021309388801455498f));
-    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-0.05390942841768265f));
-    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(0.13333113491535187f));
-    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-0.3333333134651184f));
+    __m512 p = _mm512_set1_ps(kT0);
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kT1));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kT2));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kT3));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kT4));
     const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(ax, s), p, ax);
-    __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.55f), _CMP_LT_OQ), large, small);
+    __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(kTanhSmall), _CMP_LT_OQ), large, small);
     t = _mm512_or_ps(t, _mm512_and_ps(x, _mm512_set1_ps(-0.f)));  // odd: |x|'s result, x's sign
     return _mm512_mask_mov_ps(t, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN in, NaN out
 }
@@ -105,14 +157,75 @@ void convert_span(const void* in, float* out, int64_t begin, int64_t end, float 
     }
 }
 
-#else  // no AVX-512: the scalar oracle
+#elif defined(__AVX2__) && defined(__FMA__)
+
+inline __m256 round_bf16(__m256 v) {  // as the 16-lane one
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+    const __m256 quiet = _mm256_castsi256_ps(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)));
+    const __m256 kept = _mm256_blendv_ps(_mm256_castsi256_ps(r), quiet, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_and_ps(kept, _mm256_castsi256_ps(_mm256_set1_epi32(int(0xffff0000u))));
+}
+
+inline __m256 tanh256(__m256 x) {  // tanh_scalar over 8 lanes
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 e = exp256(_mm256_add_ps(ax, ax));
+    const __m256 large = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+    const __m256 s = _mm256_mul_ps(ax, ax);
+    __m256 p = _mm256_set1_ps(kT0);
+    p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(kT1));
+    p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(kT2));
+    p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(kT3));
+    p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(kT4));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(ax, s), p, ax);
+    __m256 t = _mm256_blendv_ps(large, small, _mm256_cmp_ps(ax, _mm256_set1_ps(kTanhSmall), _CMP_LT_OQ));
+    t = _mm256_or_ps(t, _mm256_and_ps(x, sign));
+    return _mm256_blendv_ps(t, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+template <int IN_BF16>
+inline __m256 load8(const void* in, int64_t i) {
+    if (!IN_BF16) return _mm256_loadu_ps(static_cast<const float*>(in) + i);
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(in) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int IN_BF16>
+inline __m256 softcap8(__m256 x, __m256 cap) {
+    if (!IN_BF16) return _mm256_mul_ps(tanh256(_mm256_div_ps(x, cap)), cap);
+    const __m256 t = round_bf16(tanh256(round_bf16(_mm256_div_ps(x, cap))));
+    return round_bf16(_mm256_mul_ps(t, cap));
+}
 
 template <int IN_BF16, int CAPPED>
 void convert_span(const void* in, float* out, int64_t begin, int64_t end, float cap) {
-    for (int64_t i = begin; i < end; ++i) {
-        const float x = IN_BF16 ? bf16_to_f32(static_cast<const uint16_t*>(in)[i]) : static_cast<const float*>(in)[i];
-        out[i] = CAPPED ? softcap1<IN_BF16>(x, cap) : x;
+    const __m256 capv = _mm256_set1_ps(cap);
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {  // two vectors a step: their exp / div chains overlap
+        const __m256 a = load8<IN_BF16>(in, i), b = load8<IN_BF16>(in, i + 8);
+        _mm256_storeu_ps(out + i, CAPPED ? softcap8<IN_BF16>(a, capv) : a);
+        _mm256_storeu_ps(out + i + 8, CAPPED ? softcap8<IN_BF16>(b, capv) : b);
     }
+    for (; i < end; ++i) out[i] = CAPPED ? softcap1<IN_BF16>(load1<IN_BF16>(in, i), cap) : load1<IN_BF16>(in, i);
+}
+
+#else  // no vectors: the same arithmetic, 8 values side by side
+
+template <int IN_BF16, int CAPPED>
+void convert_span(const void* in, float* out, int64_t begin, int64_t end, float cap) {
+    int64_t i = begin;
+    for (; CAPPED && i + 8 <= end; i += 8) {
+        float arg[8], t[8];
+        for (int l = 0; l < 8; ++l) {
+            const float q = load1<IN_BF16>(in, i + l) / cap;
+            arg[l] = IN_BF16 ? round_bf16(q) : q;
+        }
+        tanh_lanes<8>(arg, t);
+        for (int l = 0; l < 8; ++l) out[i + l] = IN_BF16 ? round_bf16(round_bf16(t[l]) * cap) : t[l] * cap;
+    }
+    for (; i < end; ++i) out[i] = CAPPED ? softcap1<IN_BF16>(load1<IN_BF16>(in, i), cap) : load1<IN_BF16>(in, i);
 }
 
 #endif  // __AVX512F__
@@ -147,6 +260,11 @@ void lookup_span(const uint16_t* in, const float* table, float* out, int64_t beg
     for (; i + 16 <= end; i += 16) {
         const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
         _mm512_storeu_ps(out + i, _mm512_i32gather_ps(h, table, 4));
+    }
+#elif defined(__AVX2__)
+    for (; i + 8 <= end; i += 8) {
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+        _mm256_storeu_ps(out + i, _mm256_i32gather_ps(table, h, 4));
     }
 #endif
     for (; i < end; ++i) out[i] = table[in[i]];
@@ -247,6 +365,56 @@ Best scan(const float* x, int64_t n, int64_t base) {
     return best;
 }
 
+#elif defined(__AVX2__)
+
+constexpr int64_t kScanMax = int64_t(1) << 30;
+
+// As the AVX-512 scan: four (max, where) accumulators of 8 lanes over groups of 32, a lane moving only
+// on a strictly larger value; the tail (n % 32) scanned one by one and combined as a later part.
+Best scan_vector(const float* x, int64_t n, int64_t base) {
+    const int64_t body = n - n % 32;
+    if (body == 0) return scan_scalar(x, n, base);
+    const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 best[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
+    __m256 where[4] = {};  // int32 group offsets, kept in float registers (blends move bits unchanged)
+    __m256 nan = _mm256_setzero_ps();
+    for (int64_t i = 0; i < body; i += 32) {
+        const __m256 group = _mm256_castsi256_ps(_mm256_set1_epi32(int(i)));
+        __m256 v[4];
+        for (int k = 0; k < 4; ++k) {
+            v[k] = _mm256_loadu_ps(x + i + 8 * k);
+            const __m256 up = _mm256_cmp_ps(v[k], best[k], _CMP_GT_OQ);
+            best[k] = _mm256_blendv_ps(best[k], v[k], up);
+            where[k] = _mm256_blendv_ps(where[k], group, up);
+        }
+        nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q),
+                                             _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q)));
+    }
+    if (_mm256_movemask_ps(nan)) return scan_scalar(x, n, base);
+    alignas(32) float value[32];
+    alignas(32) int32_t at[32];
+    for (int k = 0; k < 4; ++k) {
+        _mm256_store_ps(value + 8 * k, best[k]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(at + 8 * k), _mm256_castps_si256(where[k]));
+    }
+    // The largest value, the smallest index among its lanes (all -inf: lane 0 of group 0, the first).
+    float top = value[0];
+    int64_t first = at[0];
+    for (int l = 1; l < 32; ++l) {
+        const int64_t index = int64_t(at[l]) + l;  // the group's offset + the lane's place in the group
+        if (value[l] > top || (value[l] == top && index < first)) top = value[l], first = index;
+    }
+    const Best head{top, base + first, -1};
+    return body == n ? head : combine(head, scan_scalar(x + body, n - body, base + body));
+}
+
+Best scan(const float* x, int64_t n, int64_t base) {
+    Best best = scan_vector(x, std::min(n, kScanMax), base);
+    for (int64_t i = kScanMax; i < n; i += kScanMax)
+        best = combine(best, scan_vector(x + i, std::min(n - i, kScanMax), base + i));
+    return best;
+}
+
 #else
 
 Best scan(const float* x, int64_t n, int64_t base) { return scan_scalar(x, n, base); }
@@ -297,4 +465,38 @@ extern "C" void pagellm_argmax_rows(const float* x, int64_t rows, int64_t V, int
     if (parts > 1) return argmax_split(x, rows, V, parts, out);
 #pragma omp parallel for schedule(static) if (rows * V >= kParallelMin && rows > 1)
     for (int64_t r = 0; r < rows; ++r) out[r] = index_of(scan(x + r * V, V, 0));
+}
+
+// For tests: out[i] = e^x[i] by one of the shared exp's forms (exp512.h): which = 16: exp512, 8: exp256,
+// 1: exp_scalar, 0: exp_lanes<8> (plain C++, 8 side by side). Returns 1 (nothing done) when this build
+// has no such form.
+extern "C" int pagellm_exp_f32(const float* x, int64_t n, int which, float* out) {
+    const int width = which == 16 ? 16 : which == 1 ? 1 : 8;
+    if (which != 16 && which != 8 && which != 1 && which != 0) return 1;
+#ifndef __AVX512F__
+    if (which == 16) return 1;
+#endif
+#if !(defined(__AVX2__) && defined(__FMA__))
+    if (which == 8) return 1;
+#endif
+    for (int64_t i = 0; i < n; i += width) {
+        const int64_t m = std::min<int64_t>(width, n - i);
+        float in[16] = {}, y[16];
+        std::copy(x + i, x + i + m, in);
+        if (which == 1) y[0] = exp_scalar(in[0]);
+        else if (which == 0) exp_lanes<8>(in, y);
+#if defined(__AVX2__) && defined(__FMA__)
+        else if (which == 8) _mm256_storeu_ps(y, exp256(_mm256_loadu_ps(in)));
+#endif
+#ifdef __AVX512F__
+        else _mm512_storeu_ps(y, exp512(_mm512_loadu_ps(in)));
+#endif
+        std::copy(y, y + m, out + i);
+    }
+    return 0;
+}
+
+// For tests: out[i] = a[i] * b[i] + c[i] rounded once (fma_f32.h: an instruction, or emulated without one).
+extern "C" void pagellm_fma_f32(const float* a, const float* b, const float* c, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = fma_f32(a[i], b[i], c[i]);
 }
