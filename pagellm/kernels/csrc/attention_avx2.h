@@ -1,6 +1,6 @@
 // 8-lane (AVX2 + FMA) math for paged_attention.cpp's AVX2 path, written to give the same bits as the
-// AVX-512 code it mirrors: exp8 is exp512 (csrc/exp512.h) lane for lane, tanh8 is the kernel's tanh512
-// (both checked over all 2^32 fp32 inputs). In a namespace of its own: exp512.h may grow 8-lane names.
+// AVX-512 code it mirrors: tanh8 is the kernel's tanh512 (checked over all 2^32 fp32 inputs), on exp512.h's
+// exp256.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -8,41 +8,15 @@
 
 #include <cstdint>
 
-namespace attention_avx2 {
+#include "exp512.h"  // exp256: exp512's bits on 8 lanes
 
-// e^x as exp512: clamp to [-104, 89], n = round-to-nearest(x log2 e), r = x - n ln2 (ln2 in two
-// parts), Cephes' degree-6 polynomial for e^r, then the scale by 2^n. AVX2 has no scalef: 2^n is
-// built from exponent bits. n spans [-150, 128], beyond a normal float's exponent, so it is applied
-// as two factors 2^(n >> 1) and 2^(n - (n >> 1)), both in [-75, 64]: p * 2^(n >> 1) is exact (p is
-// in [0.7, 1.5], the product stays normal) and the second product rounds once, as scalef does, so
-// subnormal results and the overflow to inf come out the same.
-inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(89.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i ni = _mm256_cvtps_epi32(n);  // integral already: exact
-    const __m256i n1 = _mm256_srai_epi32(ni, 1);
-    const __m256i n2 = _mm256_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
-}
+namespace attention_avx2 {
 
 // tanh as the kernel's tanh512: odd Taylor series below |x| = 0.4, 1 - 2/(e^2|x| + 1) above.
 inline __m256 tanh8(__m256 x) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 ax = _mm256_andnot_ps(sign, x);
-    __m256 e = exp8(_mm256_min_ps(_mm256_add_ps(ax, ax), _mm256_set1_ps(88.0f)));
+    __m256 e = exp256(_mm256_min_ps(_mm256_add_ps(ax, ax), _mm256_set1_ps(88.0f)));
     __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
                                _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
     __m256 x2 = _mm256_mul_ps(ax, ax);

@@ -26,7 +26,7 @@
 //                        reduce16 / GCC's _mm512_reduce_add_ps); vdpbf16ps, which per fp32 lane adds
 //                        the (exact) product of the odd bf16 pair elements and then that of the
 //                        even ones, rounding after each, is two fmas on the pair split by a mask
-//                        and a shift; exp and tanh are the same polynomials (attention_avx2.h).
+//                        and a shift; exp and tanh are the same polynomials (exp512.h, attention_avx2.h).
 //                        The one difference: vdpbf16ps treats subnormal bf16 inputs, and fp32
 //                        partial sums and products below 2^-126, as zero; the fmas keep them (as
 //                        the reference does). So with bf16 data holding such values a raw score
@@ -484,8 +484,8 @@ inline void softmax_row(const float* s, uint32_t bits, float scale, float soft_c
   float m_new = std::max(m, chunk_max);
   alpha = m_new == m ? 1.0f : std::exp(m - m_new);  // m = -inf on the first chunk: alpha = 0
   __m256 mn = _mm256_set1_ps(m_new);
-  __m256 e0 = _mm256_and_ps(valid0, exp8(_mm256_sub_ps(x0, mn)));
-  __m256 e1 = _mm256_and_ps(valid1, exp8(_mm256_sub_ps(x1, mn)));
+  __m256 e0 = _mm256_and_ps(valid0, exp256(_mm256_sub_ps(x0, mn)));
+  __m256 e1 = _mm256_and_ps(valid1, exp256(_mm256_sub_ps(x1, mn)));
   l = l * alpha + hsum16(e0, e1);
   m = m_new;
   _mm256_storeu_ps(p, e0);
