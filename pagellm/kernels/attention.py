@@ -15,7 +15,6 @@ k <= p, and with a sliding window W only those with p - k < W.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -110,26 +109,16 @@ def paged_attention_reference(
 _NATIVE_DTYPES = native.DTYPE_CODES
 
 
-def _native_kernel():
-    """The C++ entry point at the selected level with its ctypes signature, or None when unavailable."""
-    return _native_kernel_at(native.level())
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_LIBRARY = native.Library("paged_attention", {"pagellm_paged_attention": (
+    [_PTR] * 7  # out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens
+    + [_I64] * 14  # sizes and strides, in the order of the call below
+    + [ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int], ctypes.c_int)})
 
 
-@functools.cache
-def _native_kernel_at(level: str | None):
-    lib = native.load("paged_attention", level) if level else None
-    return None if lib is None else bind_native(lib)
-
-
-def bind_native(lib: ctypes.CDLL):
-    """`lib`'s pagellm_paged_attention, typed for ctypes (tests bind other builds of the same source)."""
-    fn = lib.pagellm_paged_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = ([ptr] * 7  # out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens
-                   + [i64] * 14  # sizes and strides, in the order of the call below
-                   + [ctypes.c_float, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
-    fn.restype = ctypes.c_int
-    return fn
+def _native_kernel(at: str | None = None):
+    """The C++ entry point at level `at` (default: the selected one), typed for ctypes, or None."""
+    return _LIBRARY.function("pagellm_paged_attention", at)
 
 
 def _native_supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

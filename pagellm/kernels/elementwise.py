@@ -9,7 +9,6 @@ which stays the oracle the kernels are tested against.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -23,15 +22,12 @@ _SIGNATURES = {  # library (csrc/<name>.cpp) -> its function's argtypes
 }
 
 
+_LIBRARIES = {name: native.Library(name, {f"pagellm_{name}": (argtypes, None)}) for name, argtypes in _SIGNATURES.items()}
+
+
 def _kernel(name: str):
     """pagellm_<name> of csrc/<name>.cpp at the selected level, or None."""
-    return _kernel_at(name, native.level())
-
-
-@functools.cache
-def _kernel_at(name: str, level: str | None):
-    lib = native.bind(name, {f"pagellm_{name}": (_SIGNATURES[name], None)}, level) if level else None
-    return None if lib is None else getattr(lib, f"pagellm_{name}")
+    return _LIBRARIES[name].function(f"pagellm_{name}")
 
 
 def _handled(*tensors: torch.Tensor) -> bool:

@@ -11,7 +11,6 @@ has then touched nothing; the caller runs the torch reference
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -26,16 +25,13 @@ _SIGNATURES = {
 }
 
 
+_LIBRARY = native.Library("gated_delta_decode",
+                          {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()})
+
+
 def _kernel(which: str):
     """A function of csrc/gated_delta_decode.cpp at the selected level, or None."""
-    return _kernel_at(which, native.level())
-
-
-@functools.cache
-def _kernel_at(which: str, level: str | None):
-    lib = native.bind("gated_delta_decode", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()},
-                      level) if level else None
-    return None if lib is None else getattr(lib, _SIGNATURES[which][0])
+    return _LIBRARY.function(_SIGNATURES[which][0])
 
 
 def _on_cpu_contiguous(*tensors: torch.Tensor) -> bool:

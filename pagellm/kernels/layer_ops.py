@@ -10,7 +10,6 @@ a Gemma 3 layer ran ~20 of them around its 7 matmuls.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -27,14 +26,12 @@ _SIGNATURES = {
 }
 
 
+_LIBRARY = native.Library("layer_ops", _SIGNATURES)
+
+
 def _lib() -> ctypes.CDLL | None:
     """csrc/layer_ops.cpp at the selected level, or None."""
-    return _lib_at(native.level())
-
-
-@functools.cache
-def _lib_at(level: str | None) -> ctypes.CDLL | None:
-    return native.bind("layer_ops", _SIGNATURES, level) if level else None
+    return _LIBRARY.current()
 
 
 def _handled(*tensors: torch.Tensor | None) -> bool:

@@ -11,7 +11,6 @@ kernels are tested against (tests/kernels/test_logits_kernels.py).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -26,16 +25,12 @@ _SIGNATURES = {
 }
 
 
+_LIBRARY = native.Library("logits", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()})
+
+
 def _kernel(name: str):
-    """pagellm_<name> of csrc/logits.cpp at the selected level, or None."""
-    return _kernel_at(name, native.level())
-
-
-@functools.cache
-def _kernel_at(name: str, level: str | None):
-    lib = native.bind("logits", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()}, level) \
-        if level else None
-    return None if lib is None else getattr(lib, _SIGNATURES[name][0])
+    """A function of csrc/logits.cpp at the selected level, or None."""
+    return _LIBRARY.function(_SIGNATURES[name][0])
 
 
 def _handled(x: torch.Tensor, dtypes) -> bool:

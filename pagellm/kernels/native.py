@@ -215,6 +215,39 @@ def bind(name: str, signatures: Mapping[str, tuple[list, object]], at: str | Non
     return _bound(name, at, tuple((s, (tuple(a), r)) for s, (a, r) in signatures.items()))
 
 
+class Library:
+    """csrc/<name>.cpp's entry points declared once ({symbol: (argtypes, restype)}), loaded and typed per level
+    on first use: the one loader every kernel wrapper goes through. `exports_if`: a symbol of the library
+    answering whether this build exports the declared functions (0: it does not, e.g. below a needed ISA);
+    the library then counts as unavailable at that level."""
+
+    def __init__(self, name: str, signatures: Mapping[str, tuple[list, object]], exports_if: str | None = None):
+        self.name, self.signatures, self.exports_if = name, MappingProxyType(dict(signatures)), exports_if
+        self._by_level: dict[str, ctypes.CDLL | None] = {}
+
+    def at(self, at: str | None) -> ctypes.CDLL | None:
+        """The library built for level `at` with its functions typed (None: unavailable, or `at` is None)."""
+        if at is None:
+            return None
+        if at not in self._by_level:
+            lib = load(self.name, at)
+            if lib is not None and self.exports_if is not None:
+                probe = getattr(lib, self.exports_if)
+                probe.argtypes, probe.restype = [], ctypes.c_int
+                lib = lib if probe() else None
+            self._by_level[at] = None if lib is None else bind(self.name, self.signatures, at)
+        return self._by_level[at]
+
+    def current(self) -> ctypes.CDLL | None:
+        """The library at the selected level."""
+        return self.at(level())
+
+    def function(self, symbol: str, at: str | None = None):
+        """One declared function at level `at` (default: the selected one), or None where unavailable."""
+        lib = self.at(level() if at is None else at)
+        return None if lib is None else getattr(lib, symbol)
+
+
 def ptr(tensor: torch.Tensor | None) -> ctypes.c_void_p:
     """Data pointer of a tensor for a ctypes call (None -> NULL)."""
     return ctypes.c_void_p(0 if tensor is None else tensor.data_ptr())

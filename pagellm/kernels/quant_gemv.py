@@ -29,7 +29,6 @@ stream from DRAM; its error is 0.5-1.5% of an output row's norm where int4_matmu
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -45,43 +44,28 @@ _MATMUL_SIGNATURES = {"pagellm_int4_matmul": _MATMUL, "pagellm_int8_matmul": _MA
 _LAYOUT_SIGNATURES = {
     "pagellm_int4_rows": ([_P, _P, _I64, _I64, _P, _I64, _P, _INT], _I64),
     "pagellm_int4_tile_t": ([_P, _P, _I64, _I64, _I64, _P, _I64, _INT], None),
-    "pagellm_quant_gemv_vectorized": ([], _INT),
 }
+
+
+_LAYOUT = native.Library("quant_gemv", _LAYOUT_SIGNATURES)
+_MATMULS = native.Library("quant_gemv", _MATMUL_SIGNATURES, exports_if="pagellm_quant_gemv_vectorized")
+_Q8 = native.Library("quant_gemv_q8", {"pagellm_int4_matmul_q8": _MATMUL})
 
 
 def _lib() -> ctypes.CDLL | None:
     """csrc/quant_gemv.cpp's bf16-activation matmuls at the selected level (AVX-512 BF16 only), or None."""
-    return _lib_at(native.level())
+    return _MATMULS.current()
 
 
 def _layout_lib() -> ctypes.CDLL | None:
     """csrc/quant_gemv.cpp's int4-layout dequantizers (every level), or None."""
-    return _layout_lib_at(native.level())
+    return _LAYOUT.current()
 
 
 def _q8_lib() -> ctypes.CDLL | None:
-    """csrc/quant_gemv_q8.cpp (int8 activations, every level) at the selected level, or None."""
-    return _q8_lib_at(native.level())
-
-
-@functools.cache
-def _layout_lib_at(level: str | None) -> ctypes.CDLL | None:
-    return native.bind("quant_gemv", _LAYOUT_SIGNATURES, level) if level else None
-
-
-@functools.cache
-def _lib_at(level: str | None) -> ctypes.CDLL | None:
-    lib = _layout_lib_at(level)  # a scalar or AVX2 build exports no bf16 matmul: torch's kernels are faster
-    if lib is None or not lib.pagellm_quant_gemv_vectorized():
-        return None
-    return native.bind("quant_gemv", _MATMUL_SIGNATURES, level)
-
-
-@functools.cache
-def _q8_lib_at(level: str | None) -> ctypes.CDLL | None:
-    if _layout_lib_at(level) is None:  # the layout's dequantizers come with it
-        return None
-    return native.bind("quant_gemv_q8", {"pagellm_int4_matmul_q8": _MATMUL}, level)
+    """csrc/quant_gemv_q8.cpp (int8 activations, every level) at the selected level; with the layout's
+    dequantizers, which come with it, or None."""
+    return _Q8.current() if _LAYOUT.current() is not None else None
 
 
 def available() -> bool:
