@@ -60,6 +60,9 @@ LEVEL_CPU_FLAGS = MappingProxyType({
     "avx2": frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}),
     "generic": frozenset(),
 })
+# Extensions a library may ask for on top of a level where the CPU has them: cpu flag -> (level, compiler flag).
+# AVX-VNNI (Alder Lake and later, Zen 5) gives AVX2 CPUs vpdpbusd on 8 lanes; Zen 1-3 lack it.
+EXTENSIONS = MappingProxyType({"avx_vnni": ("avx2", "-mavxvnni")})
 # torch's own dispatch held to a level (set before torch is imported: see `torch_env`)
 _TORCH_ENV = MappingProxyType({
     "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
@@ -175,7 +178,7 @@ def _build(name: str, source: Path, compiler: str, flags: tuple[str, ...]) -> Pa
 
 
 @functools.cache
-def _load(name: str, level: str) -> ctypes.CDLL | None:
+def _load(name: str, level: str, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     source = CSRC / f"{name}.cpp"
     compiler = _compiler()
     if compiler is None:
@@ -183,23 +186,28 @@ def _load(name: str, level: str) -> ctypes.CDLL | None:
                       "unavailable, using the slower torch reference path", RuntimeWarning, stacklevel=3)
         return None
     try:
-        return ctypes.CDLL(str(_build(name, source, compiler, (*CXX_FLAGS, *LEVEL_FLAGS[level]))))
+        flags = (*CXX_FLAGS, *LEVEL_FLAGS[level], *(EXTENSIONS[e][1] for e in extensions))
+        return ctypes.CDLL(str(_build(name, source, compiler, flags)))
     except (RuntimeError, OSError) as e:
         warnings.warn(f"pagellm: native kernel {name!r} ({level}) unavailable, using the torch reference path: {e}",
                       RuntimeWarning, stacklevel=3)
         return None
 
 
-def load(name: str, at: str | None = None) -> ctypes.CDLL | None:
-    """The compiled `csrc/<name>.cpp` for level `at` (default: the selected level), or None (with one warning)
-    when it cannot be built here or native kernels are off. A level this CPU cannot execute is a ValueError."""
+def load(name: str, at: str | None = None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled `csrc/<name>.cpp` for level `at` (default: the selected level) plus `extensions` (keys of
+    EXTENSIONS), or None (with one warning) when it cannot be built here or native kernels are off. A level
+    or extension this CPU cannot execute is a ValueError."""
     at = level() if at is None else resolve(at)
-    return None if at is None else _load(name, at)
+    missing = [e for e in extensions if e not in cpu_flags() or EXTENSIONS[e][0] != at]
+    if missing:
+        raise ValueError(f"extension(s) {missing} do not apply to {at} builds on this CPU")
+    return None if at is None else _load(name, at, tuple(extensions))
 
 
 @functools.cache
-def _bound(name: str, at: str, signatures: tuple) -> ctypes.CDLL | None:
-    lib = _load(name, at)
+def _bound(name: str, at: str, extensions: tuple[str, ...], signatures: tuple) -> ctypes.CDLL | None:
+    lib = _load(name, at, extensions)
     if lib is not None:
         for symbol, (argtypes, restype) in signatures:
             fn = getattr(lib, symbol)
@@ -207,36 +215,47 @@ def _bound(name: str, at: str, signatures: tuple) -> ctypes.CDLL | None:
     return lib
 
 
-def bind(name: str, signatures: Mapping[str, tuple[list, object]], at: str | None = None) -> ctypes.CDLL | None:
-    """`load(name, at)` with each function of `signatures` ({symbol: (argtypes, restype)}) typed for ctypes."""
+def bind(name: str, signatures: Mapping[str, tuple[list, object]], at: str | None = None,
+         extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """`load(name, at, extensions)` with each function of `signatures` ({symbol: (argtypes, restype)}) typed."""
     at = level() if at is None else resolve(at)
-    if at is None:
+    if at is None or load(name, at, extensions) is None:
         return None
-    return _bound(name, at, tuple((s, (tuple(a), r)) for s, (a, r) in signatures.items()))
+    return _bound(name, at, tuple(extensions), tuple((s, (tuple(a), r)) for s, (a, r) in signatures.items()))
+
+
+def host_extensions(at: str, wanted: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `wanted` (keys of EXTENSIONS) that extend level `at` and this CPU has."""
+    return tuple(e for e in wanted if EXTENSIONS[e][0] == at and e in cpu_flags())
 
 
 class Library:
     """csrc/<name>.cpp's entry points declared once ({symbol: (argtypes, restype)}), loaded and typed per level
     on first use: the one loader every kernel wrapper goes through. `exports_if`: a symbol of the library
     answering whether this build exports the declared functions (0: it does not, e.g. below a needed ISA);
-    the library then counts as unavailable at that level."""
+    the library then counts as unavailable at that level. `extensions`: keys of EXTENSIONS the source uses
+    where the CPU has them (built in by default; `at(level, extensions=())` gives the build without)."""
 
-    def __init__(self, name: str, signatures: Mapping[str, tuple[list, object]], exports_if: str | None = None):
+    def __init__(self, name: str, signatures: Mapping[str, tuple[list, object]], exports_if: str | None = None,
+                 extensions: tuple[str, ...] = ()):
         self.name, self.signatures, self.exports_if = name, MappingProxyType(dict(signatures)), exports_if
-        self._by_level: dict[str, ctypes.CDLL | None] = {}
+        self.extensions = extensions
+        self._builds: dict[tuple, ctypes.CDLL | None] = {}
 
-    def at(self, at: str | None) -> ctypes.CDLL | None:
-        """The library built for level `at` with its functions typed (None: unavailable, or `at` is None)."""
+    def at(self, at: str | None, extensions: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+        """The library built for level `at` (and the host's extensions of it, unless given) with its functions
+        typed (None: unavailable, or `at` is None)."""
         if at is None:
             return None
-        if at not in self._by_level:
-            lib = load(self.name, at)
+        key = (at, host_extensions(at, self.extensions) if extensions is None else tuple(extensions))
+        if key not in self._builds:
+            lib = load(self.name, *key)
             if lib is not None and self.exports_if is not None:
                 probe = getattr(lib, self.exports_if)
                 probe.argtypes, probe.restype = [], ctypes.c_int
                 lib = lib if probe() else None
-            self._by_level[at] = None if lib is None else bind(self.name, self.signatures, at)
-        return self._by_level[at]
+            self._builds[key] = None if lib is None else bind(self.name, self.signatures, *key)
+        return self._builds[key]
 
     def current(self) -> ctypes.CDLL | None:
         """The library at the selected level."""

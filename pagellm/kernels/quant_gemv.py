@@ -49,7 +49,8 @@ _LAYOUT_SIGNATURES = {
 
 _LAYOUT = native.Library("quant_gemv", _LAYOUT_SIGNATURES)
 _MATMULS = native.Library("quant_gemv", _MATMUL_SIGNATURES, exports_if="pagellm_quant_gemv_vectorized")
-_Q8 = native.Library("quant_gemv_q8", {"pagellm_int4_matmul_q8": _MATMUL})
+Q8_EXTENSIONS = ("avx_vnni",)  # built into the avx2 level's int8-activation kernel where the CPU has them
+_Q8 = native.Library("quant_gemv_q8", {"pagellm_int4_matmul_q8": _MATMUL}, extensions=Q8_EXTENSIONS)
 
 
 def _lib() -> ctypes.CDLL | None:

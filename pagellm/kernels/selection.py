@@ -35,4 +35,5 @@ def describe() -> str:
         ("logits epilogue", logits._kernel("argmax_rows") is not None),
         ("Gated DeltaNet decode", gated_delta_native._kernel("rule") is not None),
     ) if available]
-    return f"{level} ({', '.join(present) or 'none could be built: torch reference ops'})"
+    extended = "".join(f" + {e}" for e in native.host_extensions(level, quant_gemv.Q8_EXTENSIONS))
+    return f"{level}{extended} ({', '.join(present) or 'none could be built: torch reference ops'})"

@@ -176,3 +176,21 @@ def test_levels_bit_identical(dtype):
     outputs = native.each_level(lambda: quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, layer.bias))
     for level, out in outputs.items():
         assert torch.equal(out, outputs["generic"]), level
+
+
+@pytest.mark.across_levels
+def test_avx_vnni_build_equals_the_plain_avx2_build():
+    """Where the CPU has AVX-VNNI the avx2 build uses vpdpbusd; the build without it must give the same bits
+    (integer sums either way). On CPUs without AVX-VNNI only the plain build exists: nothing to compare."""
+    from pagellm.kernels import native
+
+    if "avx2" not in native.host_levels() or "avx_vnni" not in native.cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI: the avx2 level has one build")
+    g = torch.Generator().manual_seed(6)
+    layer = Int4Linear.from_float(torch.randn(64, 640, generator=g) * 0.05)
+    x = torch.randn(11, 640, generator=g)
+    outputs = []
+    for extensions in (("avx_vnni",), ()):
+        fn = quant_gemv._Q8.at("avx2", extensions).pagellm_int4_matmul_q8
+        outputs.append(quant_gemv._matmul(fn, x, layer.packed, layer.scales_and_zeros, None, 640))
+    assert torch.equal(outputs[0], outputs[1])

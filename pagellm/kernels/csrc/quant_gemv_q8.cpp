@@ -4,7 +4,8 @@
 // fp32 step is the same operation in the same order at every level):
 //   avx512   vpdpbusd on 16 rows at once (below)
 //   avx2     vpmaddubsw + vpaddw on 8 rows at once: q (0..15) x a (-127..127) pair sums are at most 3810, so a
-//            group's 8 of them add up in int16 without saturating (30480 < 32767); one vpmaddwd per group widens
+//            group's 8 of them add up in int16 without saturating (30480 < 32767); one vpmaddwd per group widens.
+//            Built with AVX-VNNI (-mavxvnni, where the CPU has it): vpdpbusd on 8 lanes instead, int32 throughout
 //   generic  plain C++ loops, std::fma where the vector code fuses
 #include <algorithm>
 #include <climits>
@@ -249,7 +250,8 @@ template <int MR>
 void q8_block(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,
               int64_t K, float (*out)[16]) {
     const int64_t G = K / kGroup;
-    const __m256i nibbles = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+    const __m256i nibbles = _mm256_set1_epi32(0x0F0F0F0F);
+    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
     for (int half = 0; half < 2; ++half) {
         __m256 total[MR];
         for (int r = 0; r < MR; ++r) total[r] = _mm256_setzero_ps();
@@ -265,13 +267,21 @@ void q8_block(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const 
                 const __m256i w = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nibbles);
                 const int32_t* quads = a + (g * 8 + t) * MR;
                 for (int r = 0; r < MR; ++r)
+#ifdef __AVXVNNI__
+                    acc[r] = _mm256_dpbusd_avx_epi32(acc[r], w, _mm256_set1_epi32(quads[r]));  // int32 sums
+#else
                     acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(quads[r])));
+#endif
             }
             const uint16_t* s = sz + g * 2 * kBlock + 8 * half;
             const __m256 scale = bf16x8(s);
             const __m256 zero8 = _mm256_fmadd_ps(scale, _mm256_set1_ps(-8.f), bf16x8(s + kBlock));
             for (int r = 0; r < MR; ++r) {
+#ifdef __AVXVNNI__
+                const __m256i sum = acc[r];
+#else
                 const __m256i sum = _mm256_madd_epi16(acc[r], ones);
+#endif
                 const __m256 scaled = _mm256_mul_ps(scale, _mm256_set1_ps(d[g * MR + r]));
                 total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, total[r]);
                 total[r] = _mm256_fmadd_ps(zero8, _mm256_set1_ps(dsum[g * MR + r]), total[r]);
