@@ -247,15 +247,19 @@ class Library:
         typed (None: unavailable, or `at` is None)."""
         if at is None:
             return None
-        key = (at, host_extensions(at, self.extensions) if extensions is None else tuple(extensions))
+        key = (at, extensions)  # extensions None: the host's, resolved on the first call only (hot path)
         if key not in self._builds:
-            lib = load(self.name, *key)
-            if lib is not None and self.exports_if is not None:
-                probe = getattr(lib, self.exports_if)
-                probe.argtypes, probe.restype = [], ctypes.c_int
-                lib = lib if probe() else None
-            self._builds[key] = None if lib is None else bind(self.name, self.signatures, *key)
+            self._builds[key] = self._typed(at, host_extensions(at, self.extensions) if extensions is None
+                                            else tuple(extensions))
         return self._builds[key]
+
+    def _typed(self, at: str, extensions: tuple[str, ...]) -> ctypes.CDLL | None:
+        lib = load(self.name, at, extensions)
+        if lib is not None and self.exports_if is not None:
+            probe = getattr(lib, self.exports_if)
+            probe.argtypes, probe.restype = [], ctypes.c_int
+            lib = lib if probe() else None
+        return None if lib is None else bind(self.name, self.signatures, at, extensions)
 
     def current(self) -> ctypes.CDLL | None:
         """The library at the selected level."""
