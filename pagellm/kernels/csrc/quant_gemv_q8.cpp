@@ -16,11 +16,8 @@
 
 #include "bf16.h"
 #include "int4_common.h"
+#include "q8_activations.h"
 #include <cmath>
-#include <omp.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 // ---- int4 weights x int8 activations (vpdpbusd) ------------------------------------------------------------
 //
@@ -47,126 +44,13 @@
 
 namespace {
 
-// Activation rows per pass: as many as the level's registers hold (an int and an fp32 accumulator per row).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-#define PAGELLM_Q8_AVX512 1
-constexpr int kMaxRowsQ8 = 12;  // 12 int32 + 12 fp32 accumulators of 32 registers
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PAGELLM_Q8_AVX2 1
-constexpr int kMaxRowsQ8 = 6;  // 6 int16 + 6 fp32 accumulators, the weights and two constants in 16 registers
-#else
-constexpr int kMaxRowsQ8 = 4;
-#endif
-
 // Blocks per chunk (see q8_blocks): ~256 KB of weights, well within the 1 MB L2 (16-64 blocks measured alike).
 inline int64_t chunk_blocks(int64_t K) {
     const int64_t block_bytes = kBlock * K / 2 + K / kGroup * 2 * kBlock * 2;  // codes, then scales and zeros
     return std::max<int64_t>(1, (256 << 10) / block_bytes);
 }
 
-// The rows run in passes of up to kMaxRowsQ8, of near-equal size (13 rows as 7 + 6, not 12 + 1: a lone row runs
-// at a fraction of the rate). Pass p covers rows [first_row(p), first_row(p + 1)).
-inline int64_t row_passes(int64_t M) { return (M + kMaxRowsQ8 - 1) / kMaxRowsQ8; }
-inline int64_t first_row(int64_t p, int64_t M) { return p * M / row_passes(M); }
-inline int64_t pass_of(int64_t m, int64_t M) { return ((m + 1) * row_passes(M) - 1) / M; }
-
-// Each pass's rows stored as one panel, rows fastest: a pass streams its quads, d and d * sum from one pointer at
-// compile-time offsets. (Row-major x needed a general register per row, and spilled them.)
-struct QuantizedActivations {
-    int32_t* q;         // panel p at first_row(p) * K/4: [K/4, rows] a[m, 4t..4t+3] as 4 bytes
-    float* scale;       // panel p at first_row(p) * G: [G, rows] d
-    float* scaled_sum;  // as scale: d * sum_k a
-};
-
-// The calling thread's buffers, grown to M x K: no allocation per call once warm.
-QuantizedActivations activation_buffers(int64_t M, int64_t K) {
-    thread_local std::vector<int32_t> q;
-    thread_local std::vector<float> scale, scaled_sum;
-    q.resize(M * K / 4);
-    scale.resize(M * (K / kGroup));
-    scaled_sum.resize(M * (K / kGroup));
-    return {q.data(), scale.data(), scaled_sum.data()};
-}
-
-// The rounding of one x / d to an int8 code as cvtps2dq does it (nearest even; NaN and overflow give INT_MIN),
-// then clamped: the plain-C++ twin of the vector quantizers.
-inline int32_t code_of(float v) {
-    const int32_t i = (v != v || std::fabs(v) >= 2147483648.f) ? INT32_MIN : int32_t(std::nearbyint(v));
-    return std::max(-127, std::min(127, i));
-}
-
-// d = max |x| / 127 of a group with that maximum's bits: integer order puts NaN above inf, so NaN reaches d.
-inline float group_scale(uint32_t max_bits) {
-    float amax;
-    std::memcpy(&amax, &max_bits, 4);
-    return amax / 127.f;
-}
-
-// The group's 32 codes -> its 8 quads (q[0], q[stride], ...), d, d * sum a.
-inline void store_codes(const int32_t* codes, float d, int32_t* q, int64_t stride, float* scale, float* scaled_sum) {
-    int32_t sum = 0;
-    for (int t = 0; t < 8; ++t) {
-        uint32_t quad = 0;
-        for (int b = 0; b < 4; ++b) quad |= uint32_t(uint8_t(int8_t(codes[4 * t + b]))) << (8 * b);
-        q[t * stride] = int32_t(quad);
-    }
-    for (int k = 0; k < 32; ++k) sum += codes[k];
-    *scale = d;
-    *scaled_sum = d * float(sum);
-}
-
-inline void zero_group(int32_t* q, int64_t stride, float* scale, float* scaled_sum) {
-    for (int t = 0; t < 8; ++t) q[t * stride] = 0;  // all zeros (or below 127 denormals): x / d would be NaN
-    *scale = *scaled_sum = 0.f;
-}
-
 #if PAGELLM_Q8_AVX512
-inline __m512 load16(const void* x, int64_t i, int x_bf16) {
-    return x_bf16 ? bf16x16(static_cast<const uint16_t*>(x) + i) : _mm512_loadu_ps(static_cast<const float*>(x) + i);
-}
-
-// The 32 values lo, hi of one group -> its 8 quads (q[0], q[stride], ...), d, d * sum a.
-void quantize_group(__m512 lo, __m512 hi, int32_t* q, int64_t stride, float* scale, float* scaled_sum) {
-    // max |x| compared as integers: the same order as floats for non-NaN values, and NaN above inf, so NaN
-    // reaches d (vmaxps would drop it)
-    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
-    const __m512i abs_lo = _mm512_and_si512(_mm512_castps_si512(lo), magnitude);
-    const __m512i abs_hi = _mm512_and_si512(_mm512_castps_si512(hi), magnitude);
-    const uint32_t bits = _mm512_reduce_max_epu32(_mm512_max_epu32(abs_lo, abs_hi));
-    float amax;
-    std::memcpy(&amax, &bits, 4);
-    const float d = amax / 127.f;
-    if (d == 0.f) {  // all zeros (or below 127 denormals): x / d would be NaN
-        for (int t = 0; t < 8; ++t) q[t * stride] = 0;
-        *scale = *scaled_sum = 0.f;
-        return;
-    }
-    const __m512 vd = _mm512_set1_ps(d);
-    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
-    // cvtps rounds half to even (the default MXCSR); the clamp only matters for a d rounded below amax / 127
-    const __m512i a = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_div_ps(lo, vd)), top), bottom);
-    const __m512i b = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_div_ps(hi, vd)), top), bottom);
-    alignas(16) int32_t quads[8];
-    _mm_store_si128((__m128i*)quads, _mm512_cvtepi32_epi8(a));
-    _mm_store_si128((__m128i*)(quads + 4), _mm512_cvtepi32_epi8(b));
-    for (int t = 0; t < 8; ++t) q[t * stride] = quads[t];
-    *scale = d;
-    *scaled_sum = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
-}
-
-void quantize_group_from(const void* x, int x_bf16, int64_t at, int32_t* q, int64_t stride, float* scale,
-                         float* scaled_sum) {
-    quantize_group(load16(x, at, x_bf16), load16(x, at + 16, x_bf16), q, stride, scale, scaled_sum);
-}
-
-// Chunk t (32 bytes: 16 rows x 2 bytes) -> per row lane the bytes q(4t), q(4t + 1), q(4t + 2), q(4t + 3).
-inline __m512i unpack_chunk(const uint8_t* c) {
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)c));
-    // (v | v << 12) & 0x0F0F0F0F in one vpternlogd: v's upper half is zero and v << 12 has nothing in bytes 0-1's
-    // low nibbles, so the two never collide under the mask
-    return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
-}
-
 // out[r] (16 rows of the block) for the MR activation rows of one pass, from its panels a, d, dsum.
 // SPLIT int32 partial sums per row hide the vpdpbusd latency when few rows give few independent chains (exact:
 // integers). The sums stay in a local array until the end: through `out` they were stored every group.
@@ -210,35 +94,6 @@ void q8_block_rows(const uint8_t* codes, const uint16_t* sz, const int32_t* a, c
 }
 
 #elif PAGELLM_Q8_AVX2
-inline __m256 load8(const void* x, int64_t i, int x_bf16) {
-    if (!x_bf16) return _mm256_loadu_ps(static_cast<const float*>(x) + i);
-    const __m128i h = _mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(x) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// quantize_group of the AVX-512 build, 8 lanes at a time: the same division and rounding per value.
-void quantize_group_from(const void* x, int x_bf16, int64_t at, int32_t* q, int64_t stride, float* scale,
-                         float* scaled_sum) {
-    __m256 v[4];
-    __m256i top = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {
-        v[i] = load8(x, at + 8 * i, x_bf16);
-        top = _mm256_max_epu32(top, _mm256_and_si256(_mm256_castps_si256(v[i]), _mm256_set1_epi32(0x7fffffff)));
-    }
-    alignas(32) uint32_t lanes[8];
-    _mm256_store_si256((__m256i*)lanes, top);
-    const float d = group_scale(*std::max_element(lanes, lanes + 8));
-    if (d == 0.f) return zero_group(q, stride, scale, scaled_sum);
-    const __m256 vd = _mm256_set1_ps(d);
-    alignas(32) int32_t codes[32];
-    for (int i = 0; i < 4; ++i) {
-        const __m256i a = _mm256_cvtps_epi32(_mm256_div_ps(v[i], vd));
-        _mm256_store_si256((__m256i*)(codes + 8 * i), _mm256_max_epi32(_mm256_min_epi32(a, _mm256_set1_epi32(127)),
-                                                                        _mm256_set1_epi32(-127)));
-    }
-    store_codes(codes, d, q, stride, scale, scaled_sum);
-}
-
 inline __m256 bf16x8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -297,22 +152,6 @@ void q8_block_rows(const uint8_t* codes, const uint16_t* sz, const int32_t* a, c
     q8_block<MR>(codes, sz, a, d, dsum, K, out);
 }
 #else
-void quantize_group_from(const void* x, int x_bf16, int64_t at, int32_t* q, int64_t stride, float* scale,
-                         float* scaled_sum) {
-    uint32_t top = 0;
-    for (int k = 0; k < 32; ++k) {
-        const float v = load_value(x, at + k, x_bf16);
-        uint32_t bits;
-        std::memcpy(&bits, &v, 4);
-        top = std::max(top, bits & 0x7fffffffu);
-    }
-    const float d = group_scale(top);
-    if (d == 0.f) return zero_group(q, stride, scale, scaled_sum);
-    int32_t codes[32];
-    for (int k = 0; k < 32; ++k) codes[k] = code_of(load_value(x, at + k, x_bf16) / d);
-    store_codes(codes, d, q, stride, scale, scaled_sum);
-}
-
 // The AVX-512 block's arithmetic one value at a time.
 template <int MR>
 void q8_block_rows(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,
@@ -342,15 +181,6 @@ void q8_block_rows(const uint8_t* codes, const uint16_t* sz, const int32_t* a, c
     }
 }
 #endif
-
-// Group j = m * G + g of x [M, K] into its pass's panel of a.
-void quantize_group_at(const void* x, int x_bf16, int64_t j, int64_t M, int64_t G, const QuantizedActivations& a) {
-    const int64_t m = j / G, g = j % G, p = pass_of(m, M), m0 = first_row(p, M);
-    const int64_t rows = first_row(p + 1, M) - m0, r = m - m0;
-    const int64_t at = m0 * G + g * rows + r;  // in scale and scaled_sum; q has 8 quads a group
-    quantize_group_from(x, x_bf16, j * kGroup, a.q + 8 * (m0 * G + g * rows) + r, rows, a.scale + at,
-                        a.scaled_sum + at);
-}
 
 template <int... MR>
 void q8_block_any(int mr, const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d,
@@ -396,23 +226,8 @@ void q8_blocks(int64_t first, int64_t last, const uint8_t* codes, const uint16_t
 // pagellm_int4_matmul with the activations quantized to int8 (numerics above). Same arguments and layout.
 extern "C" void pagellm_int4_matmul_q8(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes,
                                        const uint16_t* sz, int64_t N, const void* bias, void* out, int out_bf16) {
-    const QuantizedActivations a = activation_buffers(M, K);  // pointers: shared by the threads below
-    const int64_t G = K / kGroup;
-    // Every thread reads all rows, so quantizing in parallel costs a barrier, and a barrier (like the fork/join)
-    // costs a whole scheduler time slice when another process holds a core: 16 instead of 8 ms a call on a busy
-    // machine. So the quantization runs before the fork unless there is enough of it to share (~20 us alone).
-    const bool shared_quantization = M * K >= (64 << 10);
-    if (!shared_quantization)
-        for (int64_t j = 0; j < M * G; ++j) quantize_group_at(x, x_bf16, j, M, G, a);
-#pragma omp parallel if (worth_threads(N * K / 2))
-    {
-        if (shared_quantization) {
-#pragma omp for schedule(static)
-            for (int64_t j = 0; j < M * G; ++j) quantize_group_at(x, x_bf16, j, M, G, a);
-        }  // the loop's barrier: all rows quantized before any block reads them
-        // a contiguous share of the blocks per thread, as schedule(static), walked in chunks by q8_blocks
-        const int64_t blocks = N / kBlock, t = omp_get_thread_num(), threads = omp_get_num_threads();
-        q8_blocks(blocks * t / threads, blocks * (t + 1) / threads, codes, sz, a, M, K, N, bias, out, out_bf16);
-    }
+    q8_matmul(x, x_bf16, M, K, N, [&](int64_t first, int64_t last, const QuantizedActivations& a) {
+        q8_blocks(first, last, codes, sz, a, M, K, N, bias, out, out_bf16);
+    });
 }
 

@@ -1,0 +1,371 @@
+// GGUF block formats x int8 activations: y[M, N] = x[M, K] W^T with W in its file's bits (gguf_format.h) and x
+// quantized per row and 32-column group (q8_activations.h), as llama.cpp pairs its formats with Q8_0 / Q8_K; and
+// the dequantized rows (embedding lookups), equal to the gguf package's dequantization bit for bit.
+//
+// Why not llama.cpp's own structure (one weight row against one activation row, a horizontal sum per block):
+// the repacked layout puts 16 rows in one register per 4 columns, so an activation row's 4 codes are one
+// broadcast and every instruction is 16 rows' work with no horizontal sums; with up to 12 activation rows per
+// pass over the weights, prefill and large batches reuse each decoded chunk 12 times (quant_gemv_q8.cpp, the
+// same design on pagellm's int4 layout).
+//
+// Per row lane and group: isum = sum_k q a (exact in int32), then in fp32
+//   total += (isum - zero * sum_k a) * (scale * d)            (the zero point in integers: exact)
+//   total += min * (d * sum_k a)                               (formats with a min)
+// with Q6_K's two 16-column halves each taking their own scale and half sum. Three builds of this arithmetic,
+// bit-identical (integer sums are exact; every fp32 step is the same operation in the same order):
+//   avx512   vpdpbusd on 16 rows at once; Q8_0's signed codes shifted to unsigned (xor 0x80), the shift taken
+//            back with the zero point (128 * sum a)
+//   avx2     vpmaddubsw + vpmaddwd on 8 rows at once (4-bit codes add 8 chunks in int16 first, as
+//            quant_gemv_q8.cpp; wider codes widen per chunk: 63 x 127 x 2 fits int16 once, not twice; Q8_0
+//            by llama.cpp's sign trick, |q| x sign(a, q), at most 128 x 127 x 2). With AVX-VNNI: vpdpbusd as avx512
+//   generic  plain C++ loops
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "fma_f32.h"
+#include "gguf_format.h"
+#include "int4_common.h"
+#include "q8_activations.h"
+
+namespace {
+
+// One pass's activation panels (q8_activations.h), at the pass's first row.
+struct Panel {
+    const int32_t* q;     // [K/4, MR] quads
+    const float* d;       // [G, MR]
+    const float* dsum;    // [G, MR] d * sum a
+    const int32_t* half;  // [G, MR, 2] sums of a over the group's halves
+};
+
+// The integer zero point a level subtracts: the format's, plus 128 where Q8_0's codes were shifted.
+template <class F, bool kShifted>
+constexpr int32_t zero_point() { return F::kZero + (F::kBits == 8 && kShifted ? 128 : 0); }
+
+// Sum of a over the columns a group's scale h covers (both halves for one-scale formats).
+template <class F>
+inline int32_t covered_sum(const int32_t* half, int h) { return F::kHalves == 2 ? half[h] : half[0] + half[1]; }
+
+#if PAGELLM_Q8_AVX512
+constexpr bool kShiftedQ8 = true;
+
+// ((plane >> t) & 0x01010101) << bit or-ed into v: the code bit `bit` of chunk t's 4 codes per row lane.
+template <int Bit>
+inline __m512i with_plane(__m512i v, __m512i plane, int t) {
+    const __m512i moved = _mm512_slli_epi32(_mm512_srli_epi32(plane, t), Bit);
+    return _mm512_ternarylogic_epi32(v, moved, _mm512_set1_epi32(0x01010101 << Bit), 0xF8);  // v | (moved & mask)
+}
+
+// Chunk t of a group: per row lane the codes 4t..4t+3 as unsigned bytes.
+template <class F>
+inline __m512i chunk_codes(const uint8_t* q, int t) {
+    if constexpr (F::kBits == 8)
+        return _mm512_xor_si512(_mm512_loadu_si512(q + 64 * t), _mm512_set1_epi8(char(0x80)));
+    __m512i v = unpack_chunk(q + 32 * t);
+    if constexpr (F::kBits >= 5) v = with_plane<4>(v, _mm512_loadu_si512(q + 256), t);
+    if constexpr (F::kBits >= 6) v = with_plane<5>(v, _mm512_loadu_si512(q + 320), t);
+    return v;
+}
+
+struct VectorScales {
+    __m512 scale[2];
+    __m512 min;
+};
+
+template <class F>
+inline VectorScales group_scales(const uint8_t* gp, const uint8_t* sp) {
+    VectorScales s;
+    if constexpr (F::kScales == Scales::kF16 || F::kScales == Scales::kF16Min) {
+        s.scale[0] = s.scale[1] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)gp));
+        if constexpr (F::kMin) s.min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gp + 32)));
+    } else if constexpr (F::kScales == Scales::kSuper) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)));
+        s.scale[0] = s.scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)gp))));
+        const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(gp + 16))));
+        s.min = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, m));
+    } else {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
+        for (int h = 0; h < 2; ++h)
+            s.scale[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(gp + 16 * h)))));
+    }
+    return s;
+}
+
+// out[r] (the block's 16 rows) for the MR activation rows of one pass. SPLIT partial sums per row hide the
+// vpdpbusd latency when few rows give few independent chains (exact: integers).
+template <class F, int MR, int SPLIT>
+void gguf_block(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K, float (*out)[16]) {
+    constexpr int kChunks = 8 / F::kHalves;
+    constexpr int32_t kZero = zero_point<F, kShiftedQ8>();
+    __m512 total[MR];
+    for (int r = 0; r < MR; ++r) total[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+        const uint8_t* q = qs + g * F::kGroupBytes;
+        for (int64_t l = 0; l < F::kGroupBytes; l += 64) _mm_prefetch((const char*)q + kPrefetch + l, _MM_HINT_T0);
+        const VectorScales s = group_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes);
+        for (int h = 0; h < F::kHalves; ++h) {
+            __m512i acc[MR][SPLIT];
+            for (int r = 0; r < MR; ++r)
+                for (int i = 0; i < SPLIT; ++i) acc[r][i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int c = 0; c < kChunks; ++c) {
+                const int t = h * kChunks + c;
+                const __m512i w = chunk_codes<F>(q, t);
+                const int32_t* quads = a.q + (g * 8 + t) * MR;
+                for (int r = 0; r < MR; ++r)
+                    acc[r][c % SPLIT] = _mm512_dpbusd_epi32(acc[r][c % SPLIT], w, _mm512_set1_epi32(quads[r]));
+            }
+            for (int r = 0; r < MR; ++r) {
+                __m512i sum = acc[r][0];
+                for (int i = 1; i < SPLIT; ++i) sum = _mm512_add_epi32(sum, acc[r][i]);
+                if constexpr (kZero != 0)
+                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kZero * covered_sum<F>(a.half + 2 * (g * MR + r), h)));
+                const __m512 scaled = _mm512_mul_ps(s.scale[h], _mm512_set1_ps(a.d[g * MR + r]));
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, total[r]);
+                if constexpr (F::kMin) total[r] = _mm512_fmadd_ps(s.min, _mm512_set1_ps(a.dsum[g * MR + r]), total[r]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out[r], total[r]);
+}
+
+template <class F, int MR>
+void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
+                     float (*out)[16]) {
+    gguf_block<F, MR, (MR <= 1 ? 4 : MR <= 3 ? 2 : 1)>(qs, gp, sp, a, K, out);
+}
+
+#elif PAGELLM_Q8_AVX2
+#ifdef __AVXVNNI__
+constexpr bool kShiftedQ8 = true;
+#else
+constexpr bool kShiftedQ8 = false;
+#endif
+
+template <int Bit>
+inline __m256i with_plane(__m256i v, __m256i plane, int t) {
+    const __m256i moved = _mm256_slli_epi32(_mm256_srli_epi32(plane, t), Bit);
+    return _mm256_or_si256(v, _mm256_and_si256(moved, _mm256_set1_epi32(0x01010101 << Bit)));
+}
+
+// Chunk t of a group, rows 8 * half .. + 7: per row lane the codes 4t..4t+3 (Q8_0: signed, shifted with VNNI).
+template <class F>
+inline __m256i chunk_codes(const uint8_t* q, int t, int half) {
+    if constexpr (F::kBits == 8) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * t + 32 * half));
+        return kShiftedQ8 ? _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80))) : v;
+    }
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * t + 16 * half)));
+    __m256i w = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0F0F0F0F));
+    if constexpr (F::kBits >= 5) w = with_plane<4>(w, _mm256_loadu_si256((const __m256i*)(q + 256 + 32 * half)), t);
+    if constexpr (F::kBits >= 6) w = with_plane<5>(w, _mm256_loadu_si256((const __m256i*)(q + 320 + 32 * half)), t);
+    return w;
+}
+
+// acc += the 8 lanes' dot products of w's codes with a row's broadcast quad, in int32 (Bits 4 without VNNI: in
+// int16 pair sums, widened by the caller).
+template <class F>
+inline __m256i dot_chunk(__m256i acc, __m256i w, __m256i quad) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, w, quad);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (F::kBits == 4) return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, quad));
+    if constexpr (F::kBits == 8)
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(quad, w)), ones));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, quad), ones));
+#endif
+}
+
+template <class F>
+inline __m256i widened(__m256i acc) {
+#ifndef __AVXVNNI__
+    if constexpr (F::kBits == 4) return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
+    return acc;
+}
+
+inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+struct VectorScales {
+    __m256 scale[2];
+    __m256 min;
+};
+
+template <class F>
+inline VectorScales group_scales(const uint8_t* gp, const uint8_t* sp, int half) {
+    VectorScales s;
+    const int64_t o = 8 * half;
+    if constexpr (F::kScales == Scales::kF16 || F::kScales == Scales::kF16Min) {
+        s.scale[0] = s.scale[1] = halves8(gp + 2 * o);
+        if constexpr (F::kMin) s.min = halves8(gp + 32 + 2 * o);
+    } else if constexpr (F::kScales == Scales::kSuper) {
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gp + o))));
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gp + 16 + o))));
+        s.scale[0] = s.scale[1] = _mm256_mul_ps(halves8(sp + 2 * o), sc);
+        s.min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(halves8(sp + 32 + 2 * o), m));
+    } else {
+        for (int h = 0; h < 2; ++h)
+            s.scale[h] = _mm256_mul_ps(halves8(sp + 2 * o), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                                _mm_loadl_epi64((const __m128i*)(gp + 16 * h + o)))));
+    }
+    return s;
+}
+
+template <class F, int MR>
+void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
+                     float (*out)[16]) {
+    constexpr int kChunks = 8 / F::kHalves;
+    constexpr int32_t kZero = zero_point<F, kShiftedQ8>();
+    for (int half = 0; half < 2; ++half) {
+        __m256 total[MR];
+        for (int r = 0; r < MR; ++r) total[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < K / kGroup; ++g) {
+            const uint8_t* q = qs + g * F::kGroupBytes;
+            if (half == 0)
+                for (int64_t l = 0; l < F::kGroupBytes; l += 64) _mm_prefetch((const char*)q + kPrefetch + l, _MM_HINT_T0);
+            const VectorScales s = group_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, half);
+            for (int h = 0; h < F::kHalves; ++h) {
+                __m256i acc[MR];
+                for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int c = 0; c < kChunks; ++c) {
+                    const int t = h * kChunks + c;
+                    const __m256i w = chunk_codes<F>(q, t, half);
+                    const int32_t* quads = a.q + (g * 8 + t) * MR;
+                    for (int r = 0; r < MR; ++r) acc[r] = dot_chunk<F>(acc[r], w, _mm256_set1_epi32(quads[r]));
+                }
+                for (int r = 0; r < MR; ++r) {
+                    __m256i sum = widened<F>(acc[r]);
+                    if constexpr (kZero != 0)
+                        sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(kZero * covered_sum<F>(a.half + 2 * (g * MR + r), h)));
+                    const __m256 scaled = _mm256_mul_ps(s.scale[h], _mm256_set1_ps(a.d[g * MR + r]));
+                    total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, total[r]);
+                    if constexpr (F::kMin) total[r] = _mm256_fmadd_ps(s.min, _mm256_set1_ps(a.dsum[g * MR + r]), total[r]);
+                }
+            }
+        }
+        for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out[r] + 8 * half, total[r]);
+    }
+}
+
+#else
+// The vector blocks' arithmetic one value at a time.
+template <class F, int MR>
+void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
+                     float (*out)[16]) {
+    constexpr int kWidth = 32 / F::kHalves;
+    for (int r = 0; r < MR; ++r) std::fill(out[r], out[r] + kBlock, 0.f);
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+        const uint8_t* q = qs + g * F::kGroupBytes;
+        for (int i = 0; i < kBlock; ++i) {
+            int32_t codes[32];
+            for (int k = 0; k < 32; ++k) codes[k] = code_at<F>(q, i, k);
+            const RowScales s = row_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, i);
+            for (int h = 0; h < F::kHalves; ++h)
+                for (int r = 0; r < MR; ++r) {
+                    int32_t sum = 0;
+                    for (int k = h * kWidth; k < (h + 1) * kWidth; ++k) {
+                        const uint32_t quad = uint32_t(a.q[(g * 8 + k / 4) * MR + r]);
+                        sum += codes[k] * int32_t(int8_t(quad >> (8 * (k % 4))));
+                    }
+                    sum -= F::kZero * covered_sum<F>(a.half + 2 * (g * MR + r), h);
+                    out[r][i] = fma_f32(float(sum), s.scale[h] * a.d[g * MR + r], out[r][i]);
+                    if constexpr (F::kMin) out[r][i] = fma_f32(s.min, a.dsum[g * MR + r], out[r][i]);
+                }
+        }
+    }
+}
+#endif
+
+template <class F, int... MR>
+void gguf_block_any(int mr, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
+                    float (*out)[16], std::integer_sequence<int, MR...>) {
+    using Fn = void (*)(const uint8_t*, const uint8_t*, const uint8_t*, const Panel&, int64_t, float (*)[16]);
+    static constexpr Fn table[] = {gguf_block_rows<F, MR + 1>...};  // specialisations 1..kMaxRowsQ8
+    table[mr - 1](qs, gp, sp, a, K, out);
+}
+
+// Blocks [first, last) against all M activation rows: a chunk of blocks at a time (~256 KB, in L2), pass by pass
+// over it (as quant_gemv_q8.cpp's q8_blocks, whose measurements hold here).
+template <class F>
+void gguf_blocks(int64_t first, int64_t last, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp,
+                 const QuantizedActivations& a, int64_t M, int64_t K, int64_t ldo, const void* bias, void* out,
+                 int out_bf16) {
+    const int64_t G = K / kGroup;
+    const int64_t block_bytes = G * (F::kGroupBytes + F::kParamBytes) + K / 256 * F::kSuperBytes;
+    const int64_t chunk_size = std::max<int64_t>(1, (256 << 10) / block_bytes);
+    for (int64_t chunk = first; chunk < last; chunk += chunk_size) {
+        for (int64_t p = 0; p < row_passes(M); ++p) {
+            const int64_t m0 = first_row(p, M);
+            const int mr = int(first_row(p + 1, M) - m0);
+            const Panel panel{a.q + m0 * K / 4, a.scale + m0 * G, a.scaled_sum + m0 * G, a.half_sum + 2 * m0 * G};
+            for (int64_t nb = chunk; nb < std::min(last, chunk + chunk_size); ++nb) {
+                float total[kMaxRowsQ8][16];
+                gguf_block_any<F>(mr, qs + nb * G * F::kGroupBytes, gp + nb * G * F::kParamBytes,
+                                  sp + nb * (K / 256) * F::kSuperBytes, panel, K, total,
+                                  std::make_integer_sequence<int, kMaxRowsQ8>());
+                for (int r = 0; r < mr; ++r)
+                    for (int i = 0; i < kBlock; ++i) {
+                        const float v = total[r][i];
+                        store_value(out, (m0 + r) * ldo + nb * kBlock + i,
+                                    bias ? v + load_value(bias, nb * kBlock + i, out_bf16) : v, out_bf16);
+                    }
+            }
+        }
+    }
+}
+
+// Row n's dequantized weights into out[K] (fp32 or bf16): scale * (q - zero) (+ min), as the gguf package.
+template <class F>
+void gguf_row(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, int64_t n, int64_t K, void* out,
+              int64_t offset, int out_bf16) {
+    const int64_t G = K / kGroup, nb = n / kBlock;
+    const int r = int(n % kBlock);
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* q = qs + (nb * G + g) * F::kGroupBytes;
+        const RowScales s = row_scales<F>(gp + (nb * G + g) * F::kParamBytes, sp + (nb * (K / 256) + g / 8) * F::kSuperBytes, r);
+        for (int k = 0; k < 32; ++k) {
+            float v = s.scale[k / 16] * float(code_at<F>(q, r, k) - F::kZero);
+            if constexpr (F::kMin) v = v + s.min;
+            store_value(out, offset + g * 32 + k, v, out_bf16);
+        }
+    }
+}
+
+}  // namespace
+
+// y[M, N] = x[M, K] (fp32 or bf16) W^T (+ bias) in x's dtype, W [N, K] in GGUF format `format` (gguf_format.h)
+// as qs, gp, sp; row m of y at out + m * ldo (ldo >= N: one of several weights side by side, as a joined q/k/v
+// whose parts the file stores in different formats). Returns 0, or -1 for an unknown format.
+extern "C" int pagellm_gguf_matmul_q8(const void* x, int x_bf16, int64_t M, int64_t K, int format, const uint8_t* qs,
+                                      const uint8_t* gp, const uint8_t* sp, int64_t N, int64_t ldo, const void* bias,
+                                      void* out, int out_bf16) {
+    return with_format(format, [&](auto f) {
+        using F = decltype(f);
+        q8_matmul(x, x_bf16, M, K, N, [&](int64_t first, int64_t last, const QuantizedActivations& a) {
+            gguf_blocks<F>(first, last, qs, gp, sp, a, M, K, ldo, bias, out, out_bf16);
+        });
+    }) ? 0 : -1;
+}
+
+// out[T, K] = rows ids[T] of W dequantized. Returns how many ids were out of range (their rows left untouched),
+// or -1 for an unknown format.
+extern "C" int64_t pagellm_gguf_rows(int format, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, int64_t N,
+                                     int64_t K, const int64_t* ids, int64_t T, void* out, int out_bf16) {
+    int64_t bad = 0;
+    const bool known = with_format(format, [&](auto f) {
+        using F = decltype(f);
+#pragma omp parallel for if (worth_threads(T * K)) reduction(+ : bad) schedule(static)
+        for (int64_t i = 0; i < T; ++i) {
+            if (ids[i] < 0 || ids[i] >= N) {
+                ++bad;
+                continue;
+            }
+            gguf_row<F>(qs, gp, sp, ids[i], K, out, i * K, out_bf16);
+        }
+    });
+    return known ? bad : -1;
+}

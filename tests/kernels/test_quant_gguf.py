@@ -1,0 +1,115 @@
+"""GGUF block formats kept as stored (kernels/gguf_blocks.py, csrc/quant_gguf.cpp): the repacked weights are the
+file's, bit for bit; the matmul is the exact product of those weights with the int8-quantized activations up to
+fp32 summation; every level gives the same bits."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gguf_blocks_builders import KERNEL_TYPES, T, gguf_tensor
+from pagellm.kernels import gguf_blocks, native
+
+pytestmark = pytest.mark.skipif(not gguf_blocks.available(), reason="needs a C++ compiler")
+
+
+def dequantized(data: np.ndarray, ggml_type: T, shape) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(data, ggml_type).copy()).reshape(shape)
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it (q8_activations.h), in float64: d * round(x / d) per 32 columns, d = max|x| / 127."""
+    groups = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(d > 0, torch.round(groups / torch.where(d > 0, d, 1)), 0).clamp(-127, 127)
+    return (codes.double() * d.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_are_the_files_weights(ggml_type):
+    data = gguf_tensor(ggml_type, 48, 512)
+    weight = gguf_blocks.repack(data, ggml_type, (48, 512))
+    ids = torch.tensor([0, 47, 16, 5, 5])
+    reference = dequantized(data, ggml_type, (48, 512))
+    assert torch.equal(gguf_blocks.rows(weight, ids), reference[ids])
+    assert torch.equal(gguf_blocks.rows(weight, ids, torch.bfloat16), reference[ids].bfloat16())
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 13, 40])
+def test_matmul_is_the_exact_product_with_int8_activations(ggml_type, rows):
+    data = gguf_tensor(ggml_type, 64, 768, seed=rows)
+    weight = gguf_blocks.repack(data, ggml_type, (64, 768))
+    x, bias = torch.randn(rows, 768), torch.randn(64)
+    exact = int8_activations(x) @ dequantized(data, ggml_type, (64, 768)).double().T + bias.double()
+    y = gguf_blocks.matmul(x, weight, bias)
+    assert y.dtype == torch.float32 and y.shape == (rows, 64)
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-6  # fp32 sums of exact products
+    y16 = gguf_blocks.matmul(x.bfloat16(), weight, bias.bfloat16())
+    exact16 = int8_activations(x.bfloat16()) @ dequantized(data, ggml_type, (64, 768)).double().T + bias.bfloat16().double()
+    assert y16.dtype == torch.bfloat16 and ((y16.double() - exact16).norm() / exact16.norm()).item() < 1e-2
+
+
+def test_activation_rounding_costs_little_against_the_dense_product():
+    data = gguf_tensor(T.Q8_0, 256, 1024)
+    weight = gguf_blocks.repack(data, T.Q8_0, (256, 1024))
+    x = torch.randn(4, 1024)
+    dense = x @ dequantized(data, T.Q8_0, (256, 1024)).T
+    assert ((gguf_blocks.matmul(x, weight) - dense).norm() / dense.norm()).item() < 0.01
+
+
+@pytest.mark.across_levels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_levels_bit_identical(ggml_type):
+    data = gguf_tensor(ggml_type, 32, 512, seed=3)
+    weight = gguf_blocks.repack(data, ggml_type, (32, 512))
+    x = torch.randn(7, 512)
+    results = native.each_level(lambda: gguf_blocks.matmul(x, weight))
+    first = next(iter(results.values()))
+    assert all(torch.equal(first, y) for y in results.values()), list(results)
+
+
+@pytest.mark.across_levels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_avx_vnni_build_equals_the_plain_avx2_build(ggml_type):
+    if "avx2" not in native.host_levels() or "avx_vnni" not in native.cpu_flags():
+        pytest.skip("needs a CPU with AVX2 and AVX-VNNI")
+    data = gguf_tensor(ggml_type, 32, 512, seed=4)
+    weight = gguf_blocks.repack(data, ggml_type, (32, 512))
+    x = torch.randn(9, 512)
+    outs = []
+    for extensions in (("avx_vnni",), ()):
+        fn = gguf_blocks._KERNELS.at("avx2", extensions).pagellm_gguf_matmul_q8
+        out = torch.empty(9, 32)
+        fn(x.data_ptr(), 0, 9, 512, weight.format_id, weight.qs.data_ptr(), weight.gp.data_ptr(),
+           weight.sp.data_ptr(), 32, 32, None, out.data_ptr(), 0)
+        outs.append(out)
+    assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_resident_bytes_stay_near_the_files(ggml_type):
+    data = gguf_tensor(ggml_type, 32, 1024)
+    weight = gguf_blocks.repack(data, ggml_type, (32, 1024))
+    resident = sum(t.numel() * t.element_size() for t in weight.tensors())
+    assert data.nbytes <= resident <= 1.03 * data.nbytes
+
+
+def test_bad_input_is_refused():
+    weight = gguf_blocks.repack(gguf_tensor(T.Q4_0, 16, 64), T.Q4_0, (16, 64))
+    with pytest.raises(IndexError, match="out of range"):
+        gguf_blocks.rows(weight, torch.tensor([16]))
+    with pytest.raises(ValueError, match="64 features"):
+        gguf_blocks.matmul(torch.randn(2, 32), weight)
+    with pytest.raises(ValueError, match="cannot be kept in its blocks"):
+        gguf_blocks.repack(gguf_tensor(T.Q4_0, 8, 64), T.Q4_0, (8, 64))
+
+
+def test_weights_side_by_side_write_one_output():
+    parts = [(T.Q5_0, 32), (T.Q8_0, 16), (T.Q4_K, 48)]
+    data = [gguf_tensor(t, n, 512, seed=n) for t, n in parts]
+    weights = [gguf_blocks.repack(d, t, (n, 512)) for d, (t, n) in zip(data, parts)]
+    x, bias = torch.randn(6, 512), torch.randn(96)
+    joined = gguf_blocks.BoundMatmul(weights, bias)(x)
+    separate = torch.cat([gguf_blocks.matmul(x, w) for w in weights], dim=1) + bias
+    assert torch.equal(joined, separate)
