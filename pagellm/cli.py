@@ -1,4 +1,4 @@
-"""`pagellm serve | generate ...` (and later bench): flags derived from the config dataclasses."""
+"""`pagellm generate | serve | worker | bench | eval`: engine flags derived from the config dataclasses."""
 
 from __future__ import annotations
 
@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_worker_parser(sub)
     from pagellm.bench.cli import add_bench_parser; add_bench_parser(sub)
+    from pagellm.eval.cli import add_eval_parser; add_eval_parser(sub)
     return parser
 
 

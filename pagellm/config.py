@@ -35,21 +35,23 @@ class ModelConfig(_FromDict):
     model: str | None = _help(
         "GGUF file or HF checkpoint directory; empty means the embedded Gemma 3 270M Q4_K_M.", default=None
     )
-    dtype: str | None = _help("Compute dtype: float32, bfloat16 or float16 (default float32 on CPU).", default=None)
+    dtype: str | None = _help(
+        "Compute dtype: float32, bfloat16, float16 or auto (the default): on CPU bfloat16 where the kernel level "
+        "has a native bf16 dot product (avx512), else float32; float32 on other devices.", default=None)
     max_model_len: int | None = _help("Longest sequence served (default: the model's context length).", default=None)
     device: str = _help("torch device to run on.", default="cpu")
     quantization: str = _help(
-        "Weights kept quantized in memory: none | int8 (per-row) | int4 (group 32) | auto (GGUF: each tensor "
-        "keeps its file's precision, <= 5.5 bits -> int4, Q6_K/Q8_0 -> int8, floats dense; HF checkpoint: none). "
-        "Linear layers and the token table / LM head; CPU only.",
-        default="none",
+        "Weights kept quantized in memory: auto (the default; GGUF: every tensor as the file stores it, in its "
+        "own block format; HF checkpoint: none) | none | int8 (per-row) | int4 (group 32). Linear layers and the "
+        "token table / LM head; CPU only.",
+        default="auto",
     )
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {self.quantization!r}")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

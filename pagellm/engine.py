@@ -23,8 +23,9 @@ from pagellm.distributed.executor import HeadExecutor, LocalExecutor
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, install_vocab_parallel_head
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_stats import EngineStats
-from pagellm.kernels.selection import select_kernels
+from pagellm.kernels.selection import compute_dtype, select_kernels
 from pagellm.loader.model_loader import load_model
+from pagellm.loader.quantization import weight_bytes
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
 from pagellm.request import Request, RequestStatus
@@ -33,6 +34,15 @@ from pagellm.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GIB = 1 << 30
+
+
+def resident_bytes() -> int | None:
+    """The process's resident memory now (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
 
 def default_kv_cache_gib() -> float:
@@ -85,6 +95,7 @@ def keep_step_buffers_in_heap(enabled: bool = True) -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)  # first hand the load's freed temporaries (repacking, dequantizing) back to the OS
         settings = ((_M_MMAP_THRESHOLD, _STEP_HEAP_BYTES), (_M_TRIM_THRESHOLD, _STEP_HEAP_BYTES), (_M_ARENA_MAX, 1))
         return all([bool(libc.mallopt(param, value)) for param, value in settings])  # each applied on its own
     except (OSError, AttributeError):
@@ -96,8 +107,8 @@ class LLMEngine:
         self.config = config
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device)
-        self.dtype = DTYPES[mc.dtype or "float32"]
         self.kernels = select_kernels(config.kernels)  # before loading: layouts follow the level's kernels
+        self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type)]  # after: "auto" follows the level
         limit_threads_to_cores()
         parallel, workers, shard = None, None, None
         if config.parallel.tensor_parallel_size > 1:
@@ -149,6 +160,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, setup.num_blocks, cc.block_size, config.scheduler.max_num_seqs,
                                   self.dtype, self.device, num_state_slots=setup.num_state_slots,
                                   num_snapshot_slots=setup.num_snapshot_slots)
+        self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
+                       "model_file_bytes": self.model_path.stat().st_size if self.model_path.is_file() else None}
 
     def _runner_setup(self) -> RunnerSetup:
         """The cache sizes every runner (and, when parallel, every rank's) is built with."""
@@ -241,6 +254,10 @@ class LLMEngine:
         self.counters.record_step(output, schedule_ms, self.runner.last_timings, self.scheduler,
                                   self.executor.last_message_bytes)
         logprobs = dict(zip(model_output.request_ids, model_output.logprobs or ()))
+        for chunk in model_output.prompt_logprobs:  # before outputs: a prompt's last chunk also samples
+            state = self._states.get(chunk.request_id)
+            if state is not None:  # None: aborted while the step ran
+                state.add_prompt_logprobs(chunk)
         results = []
         for request in updated:
             state = self._states[request.request_id]
@@ -264,4 +281,5 @@ class LLMEngine:
         stats = self.counters.as_dict(self.kv_cache, self.scheduler)
         stats["tensor_parallel_size"] = self.executor.world_size
         stats["kernels"] = self.kernels
+        stats.update(self.memory)  # weights, and the process with its KV pool still empty, as loaded
         return stats

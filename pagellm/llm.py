@@ -31,7 +31,7 @@ class LLM:
         decode_stable_interval: int = 0,
         device: str = "cpu",
         skip_tokenizer_init: bool = False,
-        quantization: str = "none",
+        quantization: str = "auto",
         state_cache_memory: float | None = None,
         state_snapshot_memory: float = 1.0,
         tensor_parallel_size: int = 1,

@@ -8,9 +8,11 @@ they could be the start of a stop string that the next token completes.
 
 from __future__ import annotations
 
-from pagellm.core.types import TokenLogprobs
+from collections.abc import Callable
+
+from pagellm.core.types import PromptLogprobs, TokenLogprobs
 from pagellm.loader.tokenizer import IncrementalDetokenizer
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.request import Request, RequestStatus
 
 
@@ -18,6 +20,7 @@ class RequestState:
     def __init__(self, request: Request, prompt: str | None, tokenizer):
         self.request = request
         self.prompt = prompt
+        self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids) if tokenizer else None
         self.stop = request.sampling_params.stop
         self._hold_back = max((len(s) for s in self.stop), default=1) - 1
@@ -26,6 +29,18 @@ class RequestState:
         self._new_token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if request.sampling_params.logprobs is not None else None
         self.stop_reason: str | int | None = None
+        # prompt_logprobs: entries[i] scores prompt token i + 1, as the chunks arrive; the vLLM shape is built once
+        self._prompt_entries: list[TokenLogprobs] | None = (
+            [] if request.sampling_params.prompt_logprobs is not None else None)
+        self._prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """One chunk's prompt logprobs; prompt tokens already held (recomputed after a preemption) are skipped."""
+        next_index = len(self._prompt_entries) + 1  # prompt token 0 is never scored
+        if chunk.first_index > next_index:
+            raise RuntimeError(f"prompt logprobs of {self.request.request_id} skip tokens {next_index}.."
+                               f"{chunk.first_index - 1}")
+        self._prompt_entries.extend(chunk.entries[next_index - chunk.first_index:])
 
     def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> RequestStatus | None:
         """Record one sampled token; return FINISHED_STOPPED if it completed a stop string."""
@@ -72,4 +87,35 @@ class RequestState:
             num_cached_tokens=max(self.request.num_cached_tokens, 0),
             new_token_ids=new_ids,
             new_text=new_text,
+            prompt_logprobs=self._prompt_logprobs_output(),
         )
+
+    def _prompt_logprobs_output(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs once every prompt token is scored (always so by the first output)."""
+        entries = self._prompt_entries
+        complete = entries is not None and len(entries) == self.request.num_prompt_tokens - 1
+        if self._prompt_logprobs is None and complete:
+            decode = _cached_decoder(self.tokenizer)
+            self._prompt_logprobs = [None] + [_logprob_dict(entry, decode) for entry in entries]
+        return self._prompt_logprobs
+
+
+def _cached_decoder(tokenizer) -> Callable[[int], str | None]:
+    """Token id -> its text alone (None without a tokenizer), each id decoded once: the top-k repeat."""
+    texts: dict[int, str | None] = {}
+
+    def decode(token_id: int) -> str | None:
+        if token_id not in texts:
+            # vLLM decodes special tokens too: the first scored position often predicts after <bos>
+            texts[token_id] = None if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
+        return texts[token_id]
+
+    return decode
+
+
+def _logprob_dict(entry: TokenLogprobs, decode: Callable[[int], str | None]) -> dict[int, Logprob]:
+    """vLLM's entry for one prompt position: the prompt token (its own rank), then the top-k (ranks 1..k)."""
+    result = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
+    for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+        result.setdefault(token_id, Logprob(logprob, rank, decode(token_id)))
+    return result

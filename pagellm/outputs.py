@@ -7,6 +7,15 @@ from dataclasses import dataclass, field
 from pagellm.core.types import TokenLogprobs
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's Logprob: one token's entry in a prompt_logprobs dict (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None  # None without a tokenizer
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -27,3 +36,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     new_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step (for streaming)
     new_text: str = ""  # text released by the last step (for streaming)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token id: Logprob} holding the
+    # prompt token and the top-k; None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -15,6 +15,13 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _check_num_logprobs(name: str, value) -> None:
+    if value is not None:
+        _check_int(name, value, 0)
+        if value > MAX_LOGPROBS:
+            raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+
+
 def _check_float(name: str, value, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
@@ -34,6 +41,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs returned per token, besides the sampled one's
+    # vLLM's prompt_logprobs: per prompt token after the first, its logprob and the top-k alternatives.
+    # Such a request computes its whole prompt itself (no prefix-cache hit) to get every position's logits.
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -51,10 +61,8 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, 1e-6, 100.0)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        _check_num_logprobs("logprobs", self.logprobs)
+        _check_num_logprobs("prompt_logprobs", self.prompt_logprobs)
         # Normalise list-like inputs to tuples so the object stays hashable and immutable.
         stop = self.stop
         if stop is None:

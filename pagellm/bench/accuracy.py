@@ -1,54 +1,32 @@
 """`pagellm bench accuracy`: how far a mode (quantization, dtype, cpu_isa) moves a model's next-token
 distributions from the dense fp32 model of the same file, beside llama.cpp's distance on the same tokens.
 
-Per position of a real text: top-1 agreement (argmax equal to the dense model's) and KL(dense || mode), both
-averaged; and the text's perplexity under each. The reference and the mode run pagellm's own forward over a
-paged cache (one sequence, prefill in chunks as the engine does); llama.cpp evaluates the same token ids with
-every position's logits kept. Speed ratios between modes count only beside these figures.
+Per position of a real text that has a next token: top-1 agreement (argmax equal to the dense model's) and
+KL(dense || mode), both averaged; and the text's perplexity under each. The reference and the mode run
+pagellm's own forward over a paged cache (eval/forward.py: one sequence, prefill in chunks as the engine
+does); llama.cpp evaluates the same token ids with every position's logits kept. Speed ratios between modes
+count only beside these figures. `pagellm eval perplexity` scores the same way over llama-perplexity's windows.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from pagellm.engine import DTYPES
+from pagellm.eval.forward import load_dense_reference, load_mode, mode_dtype, pagellm_logits, tokenize_text
+from pagellm.eval.perplexity import score_positions, summarize
 from pagellm.kernels import native
-from pagellm.loader.model_loader import load_model, resolve_model_path
-from pagellm.loader.tokenizer import load_tokenizer
-from pagellm.runner.attention_metadata import AttentionMetadata
-
-_BLOCK = 16
+from pagellm.loader.model_loader import resolve_model_path
 
 
 def text_tokens(path: Path, text_file: str, positions: int) -> list[int]:
     """The first positions + 1 token ids of the text (the model's tokenizer, with its BOS)."""
-    ids = load_tokenizer(path).encode(Path(text_file).read_text())
+    ids, _ = tokenize_text(path, text_file)
     if len(ids) < positions + 1:
         raise ValueError(f"--text {text_file} has {len(ids)} tokens, fewer than --positions {positions} + 1")
     return ids[: positions + 1]
-
-
-def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype, chunk: int = 128) -> torch.Tensor:
-    """[len(tokens), V] fp32 logits of every position, one sequence prefilled `chunk` tokens per step."""
-    if getattr(model, "state_layers", list)():
-        raise ValueError("bench accuracy does not drive hybrid (recurrent-state) models yet")
-    blocks = -(-len(tokens) // _BLOCK)
-    for layer in model.attention_layers():
-        shape = (blocks, _BLOCK, layer.num_kv_heads, layer.head_dim)
-        layer.bind_kv_cache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-    table, out = list(range(blocks)), []
-    with torch.inference_mode():
-        for start in range(0, len(tokens), chunk):
-            piece = tokens[start : start + chunk]
-            meta = AttentionMetadata.build([len(piece)], [start + len(piece)], [table], _BLOCK)
-            hidden = model(torch.tensor(piece), torch.arange(start, start + len(piece)), meta)  # [T, E]
-            out.append(model.compute_logits(hidden).float())  # [T, V]
-    return torch.cat(out)
 
 
 def llama_cpp_logits(path: Path, tokens: list[int], threads: int) -> torch.Tensor:
@@ -61,26 +39,23 @@ def llama_cpp_logits(path: Path, tokens: list[int], threads: int) -> torch.Tenso
 
 
 def distance(reference: torch.Tensor, logits: torch.Tensor, tokens: list[int]) -> dict[str, float]:
-    """Top-1 agreement and mean KL(reference || logits) over the positions, and the text's perplexity."""
-    ref_logp, logp = reference.log_softmax(-1), logits[:, : reference.shape[1]].log_softmax(-1)
-    kl = F.kl_div(logp, ref_logp, log_target=True, reduction="none").sum(-1)  # [L]
-    nll = -logp[:-1].gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
-    return {"top1": (logp.argmax(-1) == ref_logp.argmax(-1)).float().mean().item(), "kl": kl.mean().item(),
-            "ppl": math.exp(nll.mean().item())}
+    """Top-1 agreement and mean KL(reference || logits) over the positions that have a next token, and the
+    text's perplexity. reference, logits: [len(tokens), V] of every position."""
+    summary = summarize(score_positions(logits[:-1], tokens[1:], reference[:-1]))
+    return {"top1": summary.top1, "kl": summary.kl, "ppl": summary.ppl}
 
 
 def main(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     tokens = text_tokens(path, args.text, args.positions)
     level = native.select(args.cpu_isa or "auto")
-    dtype = DTYPES[args.dtype or "float32"]
+    dtype = mode_dtype(args.dtype)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
-    dense = load_model(str(path), torch.float32, torch.device("cpu"), with_tokenizer=False).model
+    dense = load_dense_reference(path)
     reference = pagellm_logits(dense, tokens, torch.float32)
     del dense
     rows = {"pagellm dense fp32 (reference)": distance(reference, reference, tokens)}
-    model = load_model(str(path), dtype, torch.device("cpu"), with_tokenizer=False,
-                       quantization=args.quantization).model
+    model = load_mode(path, args.quantization, dtype)
     rows[f"pagellm {args.quantization} {dtype_name(dtype)} ({level})"] = distance(
         reference, pagellm_logits(model, tokens, dtype), tokens)
     del model

@@ -59,7 +59,7 @@ def batched_row(pp: int, tg: int, b: int, t_pp: float, t_tg: float, shared_promp
 
 
 def build_engine(model: str | None, dtype: str | None, max_batch: int, max_prompt: int, max_new: int, *,
-                 block_size: int = 16, kv_cache_memory: float | None = None, quantization: str = "none",
+                 block_size: int = 16, kv_cache_memory: float | None = None, quantization: str = "auto",
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  parallel: ParallelConfig | None = None, cpu_isa: str | None = None) -> LLMEngine:
     """An engine (no tokenizer: benches feed token ids) that holds `max_batch` sequences at once."""

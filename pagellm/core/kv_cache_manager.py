@@ -57,7 +57,7 @@ class KVCacheManager:
         With snapshots (hybrid models) the run is cut back to its last block that
         has a committed state snapshot: the state cannot resume anywhere else.
         """
-        if not self.enable_caching:
+        if not self._reads_cache(request):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -84,7 +84,7 @@ class KVCacheManager:
         That is: its next uncached block is computed in a later step, or (hybrid models) a
         snapshot further along its prefix is being written in this step.
         """
-        if not self.enable_caching or num_cached_blocks >= len(request.block_hashes):
+        if not self._reads_cache(request) or num_cached_blocks >= len(request.block_hashes):
             return False
         if self._in_flight[request.block_hashes[num_cached_blocks]] > 0:
             return True
@@ -138,6 +138,12 @@ class KVCacheManager:
         held.extend(appended)
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return appended
+
+    def _reads_cache(self, request: Request) -> bool:
+        """Whether a request may start from cached blocks. One that asked for prompt_logprobs needs the
+        logits of every prompt position, so it computes them all (vLLM skips its prefix lookup too); the
+        blocks it fills are still cached for others."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
         if not self.enable_caching:

@@ -243,4 +243,14 @@ class Scheduler:
             new=new,
             restore_snapshot=restore,
             snapshot_writes=self.kv_cache.plan_snapshots(request, start, start + num_new),
+            num_prompt_logits=_num_prompt_logits(request, start, start + num_new),
         )
+
+
+def _num_prompt_logits(request: Request, start: int, end: int) -> int:
+    """prompt_logprobs: how many rows of the chunk [start, end), from its start, predict a prompt token."""
+    # With output tokens the whole prompt already ran and its logprobs went out: a resume after
+    # preemption recomputes the prompt's KV only.
+    if request.sampling_params.prompt_logprobs is None or request.output_token_ids:
+        return 0
+    return max(0, min(end, request.num_prompt_tokens - 1) - start)

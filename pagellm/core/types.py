@@ -31,6 +31,10 @@ class ScheduledRequest:
     # `position` tokens is copied while the step runs (block boundaries of the prompt).
     restore_snapshot: int | None = None
     snapshot_writes: tuple[tuple[int, int], ...] = ()
+    # SamplingParams.prompt_logprobs: the chunk's first rows whose logits score the next prompt token
+    # (row p predicts token p + 1). Sent, not derived, because tensor-parallel workers hold no prompt
+    # lengths but must join the same LM-head gathers; 0 for every other request.
+    num_prompt_logits: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,12 +56,21 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Logprob of the sampled token and the top-n alternatives (raw model distribution)."""
+    """Logprob of one token (sampled, or a prompt token) and the top-n alternatives (raw model distribution)."""
 
     token_id: int
     logprob: float
     rank: int
     top: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """One chunk's prompt logprobs for one request: entries[i] scores prompt token first_index + i."""
+
+    request_id: str
+    first_index: int
+    entries: tuple[TokenLogprobs, ...]
 
 
 @dataclass(frozen=True)
@@ -67,3 +80,5 @@ class ModelOutput:
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # Requests whose chunk had prompt rows (ScheduledRequest.num_prompt_logits), sampled or not.
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()

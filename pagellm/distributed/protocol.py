@@ -15,8 +15,8 @@ Layout (little-endian):
     released n_released x (u16 length, utf-8 request id)
     request  i32 slot, i32 start, i32 state_slot (-1 none), i32 restore_snapshot (-1 none),
              u32 n_tokens, u32 n_new_blocks, u16 n_snapshot_writes, u16 id length, u8 flags
-             (1 sample, 2 new), id, n_tokens x i32, n_new_blocks x i32, writes x (i32, i32),
-             if new: u32 length, pickled SamplingParams
+             (1 sample, 2 new, 4 prompt logits), id, n_tokens x i32, n_new_blocks x i32, writes x (i32, i32),
+             if new: u32 length, pickled SamplingParams; if prompt logits: u32 num_prompt_logits
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _HEADER = struct.Struct("<IIII")
 _REQUEST = struct.Struct("<iiiiIIHHB")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
-_SAMPLE, _NEW = 1, 2
+_SAMPLE, _NEW, _PROMPT_LOGITS = 1, 2, 4  # prompt logits: only prompt_logprobs requests pay the 4 bytes
 
 
 def encode_step(output: SchedulerOutput) -> bytes:
@@ -42,7 +42,8 @@ def encode_step(output: SchedulerOutput) -> bytes:
         parts += [_U16.pack(len(raw)), raw]
     for item in output.scheduled:
         raw = item.request_id.encode()
-        flags = (_SAMPLE if item.sample else 0) | (_NEW if item.new is not None else 0)
+        flags = ((_SAMPLE if item.sample else 0) | (_NEW if item.new is not None else 0)
+                 | (_PROMPT_LOGITS if item.num_prompt_logits else 0))
         parts.append(_REQUEST.pack(item.slot, item.start_position, _or_minus_one(item.state_slot),
                                    _or_minus_one(item.restore_snapshot), len(item.token_ids),
                                    len(item.new_block_ids), len(item.snapshot_writes), len(raw), flags))
@@ -51,6 +52,8 @@ def encode_step(output: SchedulerOutput) -> bytes:
         if item.new is not None:
             params = pickle.dumps(item.new.sampling_params, protocol=pickle.HIGHEST_PROTOCOL)
             parts += [_U32.pack(len(params)), params]
+        if item.num_prompt_logits:
+            parts.append(_U32.pack(item.num_prompt_logits))
     return b"".join(parts)
 
 
@@ -77,10 +80,14 @@ def decode_step(data: bytes) -> SchedulerOutput:
             params = pickle.loads(view[offset + 4 : offset + 4 + length])
             offset += 4 + length
             new = NewRequestData((), (), params)
+        num_prompt_logits = 0
+        if flags & _PROMPT_LOGITS:
+            (num_prompt_logits,) = _U32.unpack_from(view, offset)
+            offset += _U32.size
         scheduled.append(ScheduledRequest(
             request_id, slot, tokens, start, blocks, bool(flags & _SAMPLE), new,
             None if state_slot < 0 else state_slot, None if restore < 0 else restore,
-            tuple(zip(flat_writes[::2], flat_writes[1::2]))))
+            tuple(zip(flat_writes[::2], flat_writes[1::2])), num_prompt_logits))
     if offset != len(data):
         raise ValueError(f"step message has {len(data) - offset} trailing bytes")
     return SchedulerOutput(tuple(scheduled), tuple(released), n_decode, n_prefill)

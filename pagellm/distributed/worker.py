@@ -138,7 +138,7 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     from pagellm.loader.model_loader import load_model
     from pagellm.runner.model_runner import ModelRunner
 
-    from pagellm.kernels.selection import select_kernels
+    from pagellm.kernels.selection import compute_dtype, select_kernels
 
     limit_threads_to_cores()
     state = init_worker(addr, port, rank, world_size, timeout, join_timeout)
@@ -146,7 +146,7 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     config: EngineConfig = pickle.loads(state.store.get(_SETUP_KEY))
     mc = config.model
     select_kernels(config.kernels)  # the head's choice (it checked this level runs on its own CPU)
-    device, dtype = torch.device(mc.device), DTYPES[mc.dtype or "float32"]
+    device, dtype = torch.device(mc.device), DTYPES[compute_dtype(mc.dtype, mc.device)]
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
     model = load_model(mc.model, dtype, device, with_tokenizer=False, quantization=mc.quantization,
                        shard=shard, kernels=config.kernels).model

@@ -69,6 +69,10 @@ class GGUFWeight:
     sp: torch.Tensor  # [rows/16, cols/256, super bytes] per-256-column factors (empty for 32-column formats)
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
     def format_id(self) -> int:
         return FORMAT_IDS[self.ggml_type]
 

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import quant_gemv
+from pagellm.kernels.gguf_blocks import GGUFWeight
+from pagellm.layers.gguf_linear import GGUFLinear, concat_gguf_linears
 from pagellm.layers.quant_codes import (  # noqa: F401  -- GROUP_SIZE, GroupAffine, can_quantize: the loader's
     GROUP_SIZE, KERNEL_DTYPE, GroupAffine, Int4Layout, can_quantize, group_affine_from_float, int4_row_codes,
     pack_int4, quantize_int8, unpack_tile)
@@ -303,11 +305,28 @@ def lm_head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def quantized_module(scheme: str, weight, *, bias: torch.Tensor | None = None, embedding: bool = False,
                      dtype: torch.dtype = torch.float32) -> nn.Module:
-    """An Int8Linear / Int4Linear (or, for a token table, a QuantizedEmbedding holding one) of `weight`."""
-    cls = {"int8": Int8Linear, "int4": Int4Linear}[scheme]
+    """An Int8Linear / Int4Linear / GGUFLinear (or, for a token table, a QuantizedEmbedding holding one) of
+    `weight`. Scheme "gguf" takes a GGUFWeight; given a float tensor (a weight the loader had to transform) it
+    builds the dense layer instead."""
+    if scheme == "gguf" and not isinstance(weight, GGUFWeight):
+        return _dense_module(weight, bias, embedding, dtype)
+    cls = {"int8": Int8Linear, "int4": Int4Linear, "gguf": GGUFLinear}[scheme]
+    build = cls.from_blocks if scheme == "gguf" else cls.from_float
     if embedding:
-        return QuantizedEmbedding(cls.from_float(weight), dtype)
-    return cls.from_float(weight, bias)
+        return QuantizedEmbedding(build(weight), dtype)
+    return build(weight, bias)
+
+
+def _dense_module(weight: torch.Tensor, bias: torch.Tensor | None, embedding: bool, dtype: torch.dtype) -> nn.Module:
+    weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    if embedding:
+        module = nn.Embedding(*weight.shape, device="meta")
+    else:
+        module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        if bias is not None:
+            module.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.to(dtype), requires_grad=False)
+    module.weight = weight
+    return module
 
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
@@ -318,6 +337,8 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     sums can differ in the last bits from the separate products), Int8Linear and Int4Linear in the native
     layout (rows in blocks of 16; each output row computed exactly as before)."""
     first = parts[0]
+    if all(type(p) is GGUFLinear for p in parts):
+        return concat_gguf_linears(parts)
     if (any(type(p) is not type(first) or p.in_features != first.in_features for p in parts)
             or any((p.bias is None) != (first.bias is None) for p in parts)):
         return None

@@ -7,7 +7,10 @@ never in a checkpoint).
 
 RoPE parameters follow the transformers>=5 layout: `config.rope_parameters` is
 {"rope_type", "rope_theta", ...scaling keys}, or, for models whose layer types
-use different RoPE (Gemma 3), {layer_type: {...}}.
+use different RoPE (Gemma 3), {layer_type: {...}}. One key is ours, valid with
+any type: "freq_factors", a divisor per inverse frequency applied after the
+type's own scaling (llama.cpp's `freq_factors`: how a GGUF stores Llama 3.1's
+scaling, as its rope_freqs.weight tensor).
 """
 
 from __future__ import annotations
@@ -84,6 +87,24 @@ def _yarn(head_dim: int, params: dict, max_position_embeddings: int, device) -> 
 def compute_rope(head_dim: int, params: dict, max_position_embeddings: int,
                  device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
     """[head_dim / 2] float32 inverse frequencies, and the factor cos/sin are multiplied by."""
+    inv_freq, attention_factor = _scaled_inv_freq(head_dim, params, max_position_embeddings, device)
+    if params.get("freq_factors") is not None:
+        inv_freq = inv_freq / _freq_factors(params["freq_factors"], head_dim, device)
+    return inv_freq, attention_factor
+
+
+def _freq_factors(factors, head_dim: int, device) -> torch.Tensor:
+    """[head_dim / 2] float32 divisors of the inverse frequencies. llama.cpp divides each rotation angle by its
+    factor (ggml_rope_ext's freq_factors); dividing the frequency gives the same angle up to float rounding."""
+    divisors = torch.as_tensor(factors, dtype=torch.float32, device=device).reshape(-1)
+    if divisors.numel() != head_dim // 2:
+        raise ValueError(f"rope freq_factors has {divisors.numel()} values; head_dim {head_dim} needs {head_dim // 2}")
+    return divisors
+
+
+def _scaled_inv_freq(head_dim: int, params: dict, max_position_embeddings: int,
+                     device) -> tuple[torch.Tensor, float]:
+    """compute_rope before freq_factors: the rope type's own frequencies and cos/sin factor."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")

@@ -8,12 +8,15 @@ each tensor is dequantized with gguf.quants.dequantize only when it is yielded
 llama.cpp's converter changes some weights on the way to GGUF; we undo each:
 - `llama` arch: q_proj/k_proj rows are permuted for its interleaved rotary layout;
 - `gemma3`: every RMSNorm weight is stored as `w + 1` (Gemma's norm computes x * (1 + w)).
+Llama 3.1-style rope scaling comes as a tensor, rope_freqs.weight: it goes into the config
+(rope_parameters["freq_factors"], see _rope_freq_factors), not into the model's weights.
 The MoE and hybrid families (qwen3moe, qwen3next, qwen35, qwen35moe) have their own metadata and many more
 such transforms: gguf_hybrid.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -32,6 +35,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from pagellm.kernels import gguf_blocks
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, read_gguf_header
 from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_config_fields, hybrid_recipes,
@@ -54,6 +58,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
 _GEMMA3_LOCAL_ROPE_BASE = 10_000.0
 # llama.cpp's Gemma 3: every 6th layer attends globally, the other five use the sliding window
 _GEMMA3_SLIDING_WINDOW_PATTERN = 6
+# llama.cpp's per-dimension rope frequency divisors (LLM_TENSOR_ROPE_FREQS): config, not a weight
+_ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,11 +75,11 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
             f"GGUF architecture {arch!r} of {str(path)!r} is not supported; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    if header.tensor("rope_freqs.weight") is not None:
-        # llama.cpp stores Llama 3.1-style rope scaling as per-dimension factors, not as parameters
-        raise ValueError(f"{str(path)!r}: rope_freqs.weight (llama3-style rope scaling) is not supported yet")
     config_class, hf_architecture = SUPPORTED_ARCHITECTURES[arch]
     fields = _common_fields(header)
+    if header.tensor(_ROPE_FREQS_TENSOR) is not None:
+        # "freq_factors" is pagellm's key (layers/rotary.py); transformers would warn that it does not know it
+        fields["ignore_keys_at_rope_validation"] = {"freq_factors"}
     if arch in HYBRID_ARCHITECTURES:
         fields.update(hybrid_config_fields(header, fields, _rope_parameters(header)))
         return config_class(architectures=[hf_architecture], **fields)
@@ -96,7 +102,7 @@ def iter_gguf_weights(
     (int4 codes, scale and offset per 32 weights) when bound for int4 and stored as Q4_0, Q4_1 or Q4_K, the
     formats that are exactly that; otherwise as LazyRows, dequantized a row slice at a time (gguf_quant.py).
     """
-    header = read_gguf_header(path)
+    header = _weights_only(read_gguf_header(path))
     arch = header.architecture
     show = sys.stderr.isatty() if progress is None else progress
     quantized = quantized or {}
@@ -108,6 +114,9 @@ def iter_gguf_weights(
     for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
         permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
         scheme = quantized.get(hf_names[tensor.name])
+        if scheme == "gguf":
+            yield hf_names[tensor.name], _blocks_of(tensor, config if permuted else None)
+            continue
         if scheme == "int4" and tensor.ggml_type in EXACT_INT4_TYPES:
             weight = group_affine_of(tensor.data, tensor.ggml_type, tensor.shape)
         elif scheme is not None and not permuted and len(tensor.shape) == 2:
@@ -125,11 +134,25 @@ def iter_gguf_weights(
 
 def gguf_weight_types(path: str | Path, config: PretrainedConfig) -> dict[str, gguf.GGMLQuantizationType]:
     """{HF name: ggml type the file stores it in}, from the header alone."""
-    header = read_gguf_header(path)
+    header = _weights_only(read_gguf_header(path))
     if header.architecture in HYBRID_ARCHITECTURES:
         return {r.hf_name: recipe_weight_type(r) for r in hybrid_recipes(header, config)}
     hf_names = _gguf_to_hf_names(header, config)
     return {hf_names[t.name]: t.ggml_type for t in header.tensors}
+
+
+def _blocks_of(tensor: GGUFTensor, permuted_in: PretrainedConfig | None) -> gguf_blocks.GGUFWeight:
+    """A 2-D tensor kept in its blocks; llama's q/k rows put back in HF's order (whole rows of blocks move)."""
+    rows = np.asarray(tensor.data).reshape(tensor.shape[0], -1)
+    if permuted_in is not None:
+        n_heads = (permuted_in.num_attention_heads if "attn_q" in tensor.name else permuted_in.num_key_value_heads)
+        rows = unpermute_qk_rows(torch.from_numpy(rows.copy()), n_heads).numpy()  # the map is read-only
+    return gguf_blocks.repack(rows, tensor.ggml_type, tuple(tensor.shape))
+
+
+def _weights_only(header: GGUFHeader) -> GGUFHeader:
+    """The header without rope_freqs.weight: load_gguf_config reads it into the config, it is no weight."""
+    return dataclasses.replace(header, tensors=tuple(t for t in header.tensors if t.name != _ROPE_FREQS_TENSOR))
 
 
 def unpermute_qk_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -177,9 +200,13 @@ def _common_fields(header: GGUFHeader) -> dict[str, Any]:
 
 
 def _rope_parameters(header: GGUFHeader) -> dict[str, Any]:
-    """HF rope_parameters: llama.cpp's base (default 10000) and its linear or YaRN scaling."""
+    """HF rope_parameters: llama.cpp's base (default 10000), its linear or YaRN scaling and its
+    per-dimension frequency factors (rope_freqs.weight: Llama 3.1-style scaling)."""
     md, arch = header.metadata, header.architecture
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(md.get(f"{arch}.rope.freq_base", 1e4))}
+    factors = _rope_freq_factors(header)
+    if factors is not None:
+        params["freq_factors"] = factors  # divides the frequencies after any scaling below, as llama.cpp does
     kind = md.get(f"{arch}.rope.scaling.type")
     factor = md.get(f"{arch}.rope.scaling.factor")
     if kind is None and md.get(f"{arch}.rope.scale_linear", 1.0) != 1.0:  # older files
@@ -198,6 +225,24 @@ def _rope_parameters(header: GGUFHeader) -> dict[str, Any]:
         }
         params.update({hf: md[f"{arch}.{k}"] for hf, k in optional.items() if f"{arch}.{k}" in md})
     return params
+
+
+def _rope_freq_factors(header: GGUFHeader) -> list[float] | None:
+    """rope_freqs.weight as a list of float32 values (one per frequency), or None when the file has none.
+
+    llama.cpp's converter writes Llama 3.1's rope scaling (HF rope_type "llama3") only as this tensor: the
+    factor by which each inverse frequency is divided, and no rope.scaling.* metadata at all, not even the
+    original context length. And it computes them with original_max_position_embeddings read from the top
+    level of config.json, 8192 when absent, while HF reads the one inside rope_scaling (Llama 3.x configs
+    have only that one, also 8192). So we keep the factors rather than fit HF's llama3 parameters back to
+    them: dividing by them (layers/rotary.py) is exactly what llama.cpp computes at inference
+    (ggml_rope_ext's freq_factors), whatever produced them.
+    """
+    tensor = header.tensor(_ROPE_FREQS_TENSOR)
+    if tensor is None:
+        return None
+    factors = gguf.quants.dequantize(tensor.data, tensor.ggml_type).astype(np.float32).reshape(-1)
+    return [float(f) for f in factors]  # exact: every float32 is a Python float
 
 
 def _gemma3_fields(header: GGUFHeader, common: dict[str, Any]) -> dict[str, Any]:

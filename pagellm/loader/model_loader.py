@@ -25,7 +25,7 @@ class LoadedModel:
     hf_config: object  # transformers PretrainedConfig
     tokenizer: Tokenizer | None
     path: Path
-    quantization: dict[str, str] = field(default_factory=dict)  # {module path: "int8" | "int4"}
+    quantization: dict[str, str] = field(default_factory=dict)  # {module path: "int8" | "int4" | "gguf"}
 
 
 def plan_layers(model: nn.Module, kernels: KernelConfig) -> None:
@@ -86,7 +86,8 @@ def resolve_model_path(model: str | None) -> Path:
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                with_tokenizer: bool = True, quantization: str = "none", shard: ShardSpec | None = None,
                kernels: KernelConfig | None = None) -> LoadedModel:
-    """quantization: none | int8 | int4 | auto (see loader/quantization.py), applied as weights stream in.
+    """quantization: none | int8 | int4 | auto (GGUF as stored; see loader/quantization.py), applied as weights
+    stream in.
 
     shard: tensor / expert parallel rank (distributed/sharding.py): the model is built with this
     rank's shapes and only its slice of each weight is kept; `hf_config` stays the full model's.
@@ -100,8 +101,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     net = build_model(local_config(hf_config, shard) if shard else hf_config, dtype, device)
     if shard and shard.expert_parallel:
         install_expert_parallel(net, hf_config, shard)
+    if quantization == "auto" and torch.device(device).type != "cpu":
+        quantization = "none"  # the block kernels are CPU code; the default must not refuse other devices
     types = gguf_weight_types(path, hf_config) if is_gguf and quantization == "auto" else None
-    plan = plan_quantization(net, quantization, types)
+    plan = plan_quantization(net, quantization, types, keep_blocks=shard is None)  # shards split floats / int4
     if plan and torch.device(device).type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
                          f"not on device {str(device)!r}")

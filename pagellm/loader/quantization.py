@@ -4,9 +4,12 @@
     none   every weight dense, in the model dtype
     int8   every linear layer and the token table: per-row int8 (layers/quantized.py)
     int4   every linear layer and the token table: int4, groups of 32
-    auto   GGUF: each tensor keeps its file's precision budget: <= 5.5 bits per weight (Q4_0/Q4_1/Q4_K,
-           Q5_0/Q5_1/Q5_K, IQ4...) -> int4, other quantized types (Q6_K, Q8_0...) -> int8, float types stay
-           dense. An HF checkpoint stores floats, so `auto` is `none` there.
+    auto   GGUF: every tensor as the file stores it. The kernel formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+           Q5_K, Q6_K) stay in their blocks, bit for bit (layers/gguf_linear.py); float tensors stay dense; other
+           quantized types are dequantized at load, with a warning naming them. Where the block kernels cannot
+           run (no compiler, native kernels off) or weights are sharded across ranks, `auto` falls back to
+           the file's precision budget: <= 5.5 bits per weight -> int4, other quantized types -> int8.
+           An HF checkpoint stores floats, so `auto` is `none` there.
 
 A layer the kernels cannot take (K not a multiple of 32; for int4, N not a multiple of 16) stays dense, and so
 do MoE routers (`mlp.gate`, `shared_expert_gate`): they are tiny, and their top-k choice is discrete, so a small
@@ -23,6 +26,7 @@ e.g. Qwen3.5 weights saved under its vision-language wrapper's `model.language_m
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 
 import gguf
@@ -30,7 +34,9 @@ import torch
 from torch import nn
 
 from pagellm.config import QUANTIZATION_SCHEMES
+from pagellm.kernels import gguf_blocks
 from pagellm.layers.moe import SparseMoeBlock
+from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.quantized import GroupAffine, QuantizedLinear, can_quantize, quantized_module
 
 _FLOAT_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
@@ -39,7 +45,7 @@ _INT4_MAX_BITS = 5.5  # Q5_0 / Q5_K: 5.5 bits per weight
 
 
 def auto_scheme(ggml_type: gguf.GGMLQuantizationType | None) -> str | None:
-    """The scheme `auto` gives a tensor stored as `ggml_type`: None keeps it dense."""
+    """The int4 / int8 scheme `auto` falls back to for a tensor stored as `ggml_type`: None keeps it dense."""
     if ggml_type is None or ggml_type in _FLOAT_TYPES or ggml_type not in gguf.GGML_QUANT_SIZES:
         return None
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
@@ -47,20 +53,36 @@ def auto_scheme(ggml_type: gguf.GGMLQuantizationType | None) -> str | None:
 
 
 def plan_quantization(model: nn.Module, scheme: str,
-                      weight_types: Mapping[str, gguf.GGMLQuantizationType] | None = None) -> dict[str, str]:
-    """{module path: "int8" | "int4"}; `weight_types` ({HF name: ggml type}) is what `auto` follows."""
+                      weight_types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
+                      keep_blocks: bool = True) -> dict[str, str]:
+    """{module path: "int8" | "int4" | "gguf"}; `weight_types` ({HF name: ggml type}) is what `auto` follows,
+    keeping tensors in their GGUF blocks where `keep_blocks` and the kernels run here."""
     if scheme not in QUANTIZATION_SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {scheme!r}")
     if scheme == "none" or (scheme == "auto" and weight_types is None):
         return {}
-    plan, routers = {}, router_paths(model)
+    blocks = scheme == "auto" and keep_blocks and gguf_blocks.available()
+    plan, routers, dequantized = {}, router_paths(model), {}
     for path, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.Embedding)) or path in routers:
             continue
-        chosen = scheme if scheme != "auto" else auto_scheme(weight_types.get(f"{path}.weight"))
-        if chosen is not None and can_quantize(chosen, *module.weight.shape):
+        stored = weight_types.get(f"{path}.weight") if scheme == "auto" else None
+        if blocks:
+            chosen = _block_scheme(stored, *module.weight.shape)
+            if chosen is None and stored is not None and stored not in _FLOAT_TYPES:
+                dequantized.setdefault(stored.name, []).append(path)
+        else:
+            chosen = scheme if scheme != "auto" else auto_scheme(stored)
+        if chosen is not None and (chosen == "gguf" or can_quantize(chosen, *module.weight.shape)):
             plan[path] = chosen
+    for name, paths in dequantized.items():
+        warnings.warn(f"pagellm: {len(paths)} {name} tensor(s) (e.g. {paths[0]}) have no block kernel here and are "
+                      f"dequantized at load", RuntimeWarning, stacklevel=2)
     return plan
+
+
+def _block_scheme(ggml_type: gguf.GGMLQuantizationType | None, rows: int, cols: int) -> str | None:
+    return "gguf" if ggml_type is not None and gguf_blocks.supports(ggml_type, rows, cols) else None
 
 
 def router_paths(model: nn.Module) -> set[str]:
@@ -78,7 +100,7 @@ class _PendingWeight(nn.Module):
         self.shape, self.dtype = tuple(module.weight.shape), module.weight.dtype
         self.bias = getattr(module, "bias", None)
 
-    def build(self, weight: torch.Tensor | GroupAffine) -> nn.Module:
+    def build(self, weight: torch.Tensor | GroupAffine | gguf_blocks.GGUFWeight) -> nn.Module:
         return quantized_module(self.scheme, weight, bias=self.bias, embedding=self.embedding, dtype=self.dtype)
 
 
@@ -135,7 +157,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Resident bytes of parameters and quantized-weight buffers, each storage counted once (tied tables)."""
     tensors = list(model.parameters())
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, (QuantizedLinear, GGUFLinear)):
             tensors += list(module.buffers(recurse=False))
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}
     return sum(storages.values())

@@ -5,7 +5,7 @@ rest was nn.Module dispatch and the per-call checks of each kernel wrapper (7-16
 Here everything that does not change between steps (weight pointers, norm flavours, eps, head counts, cache
 pointers) is resolved once, and a step only checks what the step brings (dtype, contiguity).
 
-It applies when every linear layer is dense or int4 with int8 activations (one kernel at every M, so no
+It applies when every linear layer is dense, in GGUF blocks, or int4 with int8 activations (one kernel at every M, so no
 dispatch by batch size), the norms, q/k preparation, attention and act * up have their native kernels, and no
 module has forward hooks (tensor parallel's all-reduce); otherwise, or with KernelConfig.bound_layers off, the
 modules run. The same kernels with the same arguments: results are bit-identical to the module path
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import attention, layer_ops, native
+from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.mlp import _FUSED_NAMES
 from pagellm.layers.quantized import Int4Linear
 
@@ -32,6 +33,8 @@ def _linear(module: nn.Module):
         return lambda x: F.linear(x, weight, bias)
     if type(module) is Int4Linear and module.int8_activations and module.dense_from_rows is None:
         return module._bound_matmul(True)
+    if type(module) is GGUFLinear:
+        return module.bound()
     return None
 
 

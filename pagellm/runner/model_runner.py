@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> packed inputs -> model -> logits of sampled rows -> tokens.
 
 The one blocking host read of a step is the `.tolist()` of the sampled ids
-(and their logprobs when asked); everything before it is queued work.
+(and their logprobs when asked); everything before it is queued work. A step
+with prompt_logprobs rows reads those back once more (runner/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pagellm.core.types import ModelOutput, SchedulerOutput, TokenLogprobs
 from pagellm.runner.attention_metadata import AttentionMetadata
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.input_batch import InputBatch, SlotState
+from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_prompt_rows
 from pagellm.runner.sampler import Sampler, SamplerOutput
 
 
@@ -95,25 +97,38 @@ class ModelRunner:
         self._restore_snapshots(output)
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
         if not self.samples:  # a tensor-parallel worker: only its share of a vocab-parallel LM head
-            if getattr(self.model, "vocab_parallel_head", False) and any(item.sample for item in output.scheduled):
-                self.model.compute_logits(hidden[logits_rows])
-            sampled = []
-        else:
-            sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
-        if not sampled:
+            self._join_logits_gathers(output, hidden, logits_rows)
             self.last_timings = StepTimings(host_ms, copy_ms, (time.perf_counter() - t1) * 1e3, 0.0, 0, reused)
             return ModelOutput((), ())
+        # Requests that asked for prompt_logprobs: their chunks' prompt rows (never in a pure decode step).
+        prompt_logprobs = score_prompt_rows(self.model.compute_logits, hidden, output.scheduled, states)
+        prompt_syncs = 1 if prompt_logprobs else 0
+        sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
+        if not sampled:
+            self.last_timings = StepTimings(host_ms, copy_ms, (time.perf_counter() - t1) * 1e3, 0.0, prompt_syncs,
+                                            reused)
+            return ModelOutput((), (), prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
         t2 = time.perf_counter()
         for state in sampled:
             state.reseed()
         result = self.sampler(logits, sampled)
-        token_ids, logprobs = self._read_back(result, sampled)  # the step's one host sync
+        token_ids, logprobs = self._read_back(result, sampled)  # the step's one host sync (or its second)
         t3 = time.perf_counter()
         for state, token in zip(sampled, token_ids):
             state.output_token_ids.append(token)
-        self.last_timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1, reused)
-        return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs)
+        self.last_timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1 + prompt_syncs, reused)
+        return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs, prompt_logprobs)
+
+    def _join_logits_gathers(self, output: SchedulerOutput, hidden: torch.Tensor, logits_rows: torch.Tensor) -> None:
+        """A tensor-parallel worker: a vocab-parallel LM head gathers every logits pass to the head rank, so
+        this rank runs its share of the head's passes in the head's order (prompt rows, then sampled rows)."""
+        if not getattr(self.model, "vocab_parallel_head", False):
+            return
+        for _ in logits_passes(self.model.compute_logits, hidden, prompt_rows(output.scheduled)):
+            pass
+        if any(item.sample for item in output.scheduled):
+            self.model.compute_logits(hidden[logits_rows])
 
     def _restore_snapshots(self, output: SchedulerOutput) -> None:
         """Prefix hits of hybrid models: the request's state slot starts as the snapshot of its prefix."""

@@ -84,7 +84,7 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None)
         num_top = max(p.logprobs or 0 for p in params)
-        return SamplerOutput(token_ids=token_ids, logprobs=_gather_logprobs(raw_logprobs, token_ids, num_top))
+        return SamplerOutput(token_ids=token_ids, logprobs=gather_logprobs(raw_logprobs, token_ids, num_top))
 
     # ---- internal helpers -------------------------------------------------------------------------
 
@@ -245,7 +245,8 @@ def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill_(probs < threshold, 0.0)
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+def gather_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """Logprob and rank of token_ids[b] in row b, and each row's num_top best (also for prompt logprobs)."""
     sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
     # Ties with the sampled token do not push it down, so a greedy token always ranks 1.
     # (vLLM counts ties as ahead, >=; the two differ only on exact ties.)

@@ -32,9 +32,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagellm.config import EngineConfig
 from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from pagellm.server.metrics import ServerMetrics
-from pagellm.server.protocol import (APIError, ChatCompletionRequest, ChatFormatter, CompletionFormatter,
-                                     CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
-                                     parse_request, usage)
+from pagellm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest, error_body, parse_request)
+from pagellm.server.responses import ChatFormatter, CompletionFormatter, usage
 
 logger = logging.getLogger("pagellm.server")
 DEFAULT_MODEL_NAME = "gemma-3-270m"

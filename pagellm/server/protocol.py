@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request models (OpenAI field names) and the error body.
+"""The OpenAI wire format of requests: request models (OpenAI field names) and the error body.
 
 Requests are parsed from raw bytes by `parse_request`, so every problem (invalid UTF-8, invalid
 JSON, a wrong type, an out-of-range value) becomes an `APIError` with HTTP 400 and a `param`
@@ -10,8 +10,6 @@ Ranges follow the OpenAI API reference (temperature in [0, 2], penalties in [-2,
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -72,19 +70,28 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     user: StrictStr | None = None
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's extra field
 
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options can only be set when stream is true", "stream_options")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule: a stream has no place for them (0 passes)
+            raise APIError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int, num_logprobs: int | None, child: int) -> SamplingParams:
-        """The params of completion `child`; with a seed, child i uses seed + i (distinct, reproducible)."""
+        """The params of completion `child`; with a seed, child i uses seed + i (distinct, reproducible).
+
+        prompt_logprobs go to child 0 alone (the n children share the prompt; the rest keep their prefix-cache
+        hits) and never to a stream, which does not return them.
+        """
         values: dict[str, Any] = dict(max_tokens=max_tokens, logprobs=num_logprobs, ignore_eos=self.ignore_eos,
                                       stop=self.stop, stop_token_ids=self.stop_token_ids)
+        if child == 0 and not self.stream:
+            values["prompt_logprobs"] = self.prompt_logprobs
         if self.seed is not None:
             values["seed"] = self.seed + child
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -228,156 +235,3 @@ def _validation_error(exc: ValidationError) -> APIError:
     if param in _EXPECTED and (len(loc) > 1 or error["type"].endswith("_type")):
         return APIError(f"{param} must be {_EXPECTED[param]}", param)
     return APIError(f"{where}: {error['msg']} (got {error.get('input')!r})"[:500], param)
-
-
-# ---- responses --------------------------------------------------------------------------------------
-
-_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
-
-
-def usage(prompt_lens: list[int], outputs: list, n: int) -> dict:
-    """OpenAI usage of one HTTP request: each prompt counted once, whatever n is.
-
-    cached_tokens is, per prompt, the most prompt tokens any of its n completions read from the
-    prefix cache: with n > 1 the first completion computes the shared full blocks and the others
-    read them, so this is the part of the prompt computed once for all n.
-    """
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    cached = sum(max((o.num_cached_tokens for o in outputs[p * n:(p + 1) * n]), default=0)
-                 for p in range(len(prompt_lens)))
-    prompt = sum(prompt_lens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-class _Formatter:
-    """Builds one HTTP request's response objects and SSE chunks; keeps per-choice stream progress."""
-
-    object_name = chunk_object = id_prefix = ""
-
-    def __init__(self, model_name: str, body, tokenizer):
-        self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = model_name
-        self.body = body
-        self._tokenizer = tokenizer
-        self._logprobs_sent: dict[int, int] = {}  # choice index -> logprob entries already streamed
-
-    def first_chunks(self, num_choices: int, include_usage: bool) -> list[dict]:
-        return []
-
-    def usage_chunk(self, usage_: dict) -> dict:
-        return {**self._envelope(self.chunk_object), "choices": [], "usage": usage_}
-
-    def response(self, outputs: list, usage_: dict) -> dict:
-        choices = [self._final_choice(i, o) for i, o in enumerate(outputs)]
-        return {**self._envelope(self.object_name), "choices": choices, "usage": usage_}
-
-    def chunk(self, index: int, output, include_usage: bool) -> dict | None:
-        """The SSE chunk for one engine output, or None when it released no text and did not finish."""
-        if not output.new_text and not output.finished:
-            return None  # held back (a possible stop string); its logprobs go out with the next chunk
-        choice = self._chunk_choice(index, output, self._unsent_logprobs(index, output))
-        chunk = {**self._envelope(self.chunk_object), "choices": [choice]}
-        if include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def _envelope(self, object_name: str) -> dict:
-        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model}
-
-    def _unsent_logprobs(self, index: int, output) -> list | None:
-        entries = output.outputs[0].logprobs
-        if entries is None:
-            return None
-        start = self._logprobs_sent.get(index, 0)
-        self._logprobs_sent[index] = len(entries)
-        return entries[start:]
-
-    def _token_text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False) if self._tokenizer else ""
-
-    @staticmethod
-    def _finish(output) -> tuple[str | None, str | int | None]:
-        completion = output.outputs[0]
-        return (completion.finish_reason, completion.stop_reason) if output.finished else (None, None)
-
-
-class CompletionFormatter(_Formatter):
-    object_name = chunk_object = "text_completion"
-    id_prefix = "cmpl"
-
-    def __init__(self, model_name: str, body, tokenizer):
-        super().__init__(model_name, body, tokenizer)
-        self._text_offset: dict[int, int] = {}
-
-    def _final_choice(self, index: int, output) -> dict:
-        finish, stop = self._finish(output)
-        completion = output.outputs[0]
-        return {"index": index, "text": completion.text, "logprobs": self._logprobs(index, completion.logprobs),
-                "finish_reason": finish, "stop_reason": stop}
-
-    def _chunk_choice(self, index: int, output, logprobs) -> dict:
-        finish, stop = self._finish(output)
-        return {"index": index, "text": output.new_text, "logprobs": self._logprobs(index, logprobs),
-                "finish_reason": finish, "stop_reason": stop}
-
-    def _logprobs(self, index: int, entries) -> dict | None:
-        """The legacy completions shape: parallel lists, top_logprobs as {token: logprob} dicts."""
-        if entries is None:
-            return None
-        result = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-        offset = self._text_offset.get(index, 0)
-        for entry in entries:
-            token = self._token_text(entry.token_id)
-            top = {self._token_text(t): max(lp, _MIN_LOGPROB) for t, lp in entry.top}
-            top.setdefault(token, max(entry.logprob, _MIN_LOGPROB))  # the sampled token is always listed
-            result["text_offset"].append(offset)
-            result["token_logprobs"].append(max(entry.logprob, _MIN_LOGPROB))
-            result["tokens"].append(token)
-            result["top_logprobs"].append(top)
-            offset += len(token)
-        self._text_offset[index] = offset
-        return result
-
-
-class ChatFormatter(_Formatter):
-    object_name, chunk_object = "chat.completion", "chat.completion.chunk"
-    id_prefix = "chatcmpl"
-
-    def first_chunks(self, num_choices: int, include_usage: bool) -> list[dict]:
-        """As OpenAI and vLLM do: each choice opens with a delta carrying the role."""
-        chunks = []
-        for index in range(num_choices):
-            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}
-            chunk = {**self._envelope(self.chunk_object), "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            chunks.append(chunk)
-        return chunks
-
-    def _final_choice(self, index: int, output) -> dict:
-        finish, stop = self._finish(output)
-        completion = output.outputs[0]
-        return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                "logprobs": self._logprobs(completion.logprobs), "finish_reason": finish, "stop_reason": stop}
-
-    def _chunk_choice(self, index: int, output, logprobs) -> dict:
-        finish, stop = self._finish(output)
-        delta = {"content": output.new_text} if output.new_text else {}
-        return {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish,
-                "stop_reason": stop}
-
-    def _logprobs(self, entries) -> dict | None:
-        if entries is None:
-            return None
-        return {"content": [self._entry(e.token_id, e.logprob, [self._entry(t, lp) for t, lp in e.top])
-                            for e in entries]}
-
-    def _entry(self, token_id: int, logprob: float, top: list | None = None) -> dict:
-        token = self._token_text(token_id)
-        entry = {"token": token, "logprob": max(logprob, _MIN_LOGPROB), "bytes": list(token.encode("utf-8"))}
-        if top is not None:
-            entry["top_logprobs"] = top
-        return entry

@@ -1,4 +1,5 @@
-"""bench accuracy's pieces on a tiny checkpoint: the paged forward it drives and the distances it reports."""
+"""bench accuracy's pieces on a tiny checkpoint: the paged forward it drives (eval/forward.py) and the distances
+it reports."""
 
 from __future__ import annotations
 
@@ -7,20 +8,22 @@ import math
 import torch
 
 from pagellm.bench import accuracy
+from pagellm.eval.forward import pagellm_logits
 from pagellm.loader.model_loader import load_model
 
 
 def test_distances_of_a_model_to_itself_and_to_its_int4_copy(tiny_model_dir):
     tokens = torch.randint(3, 256, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     dense = load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"), with_tokenizer=False).model
-    whole = accuracy.pagellm_logits(dense, tokens, torch.float32, chunk=len(tokens))
-    chunked = accuracy.pagellm_logits(dense, tokens, torch.float32, chunk=16)  # the cache carries the context
+    whole = pagellm_logits(dense, tokens, torch.float32, chunk=len(tokens))
+    chunked = pagellm_logits(dense, tokens, torch.float32, chunk=16)  # the cache carries the context
     torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
+    assert torch.equal(pagellm_logits(dense, tokens, torch.float32, chunk=16, first=40), chunked[40:])  # no row computed twice
     same = accuracy.distance(whole, whole, tokens)
     assert same["top1"] == 1.0 and abs(same["kl"]) < 1e-6
     nll = -whole.log_softmax(-1)[:-1].gather(1, torch.tensor(tokens[1:])[:, None]).mean().item()
     assert math.isclose(same["ppl"], math.exp(nll), rel_tol=1e-5)
     int4 = load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"), with_tokenizer=False,
                       quantization="int4").model
-    moved = accuracy.distance(whole, accuracy.pagellm_logits(int4, tokens, torch.float32), tokens)
+    moved = accuracy.distance(whole, pagellm_logits(int4, tokens, torch.float32), tokens)
     assert 0.0 < moved["kl"] and moved["top1"] <= 1.0

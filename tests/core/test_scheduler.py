@@ -178,3 +178,26 @@ def test_state_slot_returns_on_abort_and_preemption():
     sched.finish("old", RequestStatus.FINISHED_ABORTED)
     sched.finish("new", RequestStatus.FINISHED_ABORTED)
     assert sched.state_pool.num_free == 4
+
+
+def test_prompt_logprobs_rows_cover_the_prompt_and_skip_the_prefix_cache():
+    from pagellm.request import Request
+    from pagellm.sampling_params import SamplingParams
+
+    sched = make_scheduler(max_num_batched_tokens=8, n_ubatch=4)
+    sched.add_request(make_request("warm", range(20), max_tokens=1))
+    while sched.has_unfinished():
+        run_step(sched)  # the 20-token prompt's 4 full blocks are cached now
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    sched.add_request(Request("scored", list(range(20)), params, block_size=4))
+    sched.add_request(make_request("plain", range(20), max_tokens=1))
+    rows, plain_rows = [], []
+    while sched.has_unfinished():
+        for item in run_step(sched).scheduled:
+            (rows if item.request_id == "scored" else plain_rows).append((item.start_position, len(item.token_ids),
+                                                                          item.num_prompt_logits))
+    # no cache hit: chunks of 8 from position 0; row p scores token p + 1, so the last prompt row (19) is
+    # only sampled, and the decode that follows scores nothing
+    assert rows == [(0, 8, 8), (8, 8, 8), (16, 4, 3), (20, 1, 0)]
+    assert sched.kv_cache.pool.num_used_blocks == 0
+    assert plain_rows[0][0] == 16 and all(n == 0 for *_, n in plain_rows)  # others still hit the cache

@@ -36,8 +36,9 @@ from pagellm.layers.quantized import (  # noqa: E402
     DENSE_FROM_ROWS, INT8_ACTIVATIONS_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding,
     QuantizedLinear, concat_linears)
 from pagellm.loader.gguf_quant import group_affine_of  # noqa: E402
+from pagellm.loader.gguf import gguf_weight_types, load_gguf_config  # noqa: E402
 from pagellm.loader.model_loader import checkpoint_state_dict, load_model  # noqa: E402
-from pagellm.loader.quantization import auto_scheme, quantize_model, weight_bytes  # noqa: E402
+from pagellm.loader.quantization import auto_scheme, plan_quantization, quantize_model, weight_bytes  # noqa: E402
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config  # noqa: E402
 from pagellm.models.registry import build_model  # noqa: E402
 
@@ -232,28 +233,48 @@ def test_auto_scheme_follows_bits_per_weight():
         ["int4", "int4", "int4", "int4", "int8", "int8", None, None, None]
 
 
-def test_gguf_auto_load_follows_each_tensor_type(tmp_path):
-    """A llama GGUF (q/k rows permuted by llama.cpp) with mixed types: each layer gets its scheme; the int4
-    layers hold the stored codes exactly (Q4_0 attn_q through the row unpermutation, Q4_K ffn_down)."""
+def test_gguf_auto_load_keeps_every_tensor_as_stored(tmp_path):
+    """A llama GGUF (q/k rows permuted by llama.cpp) with mixed types: every kernel format stays in its blocks
+    and holds exactly the file's weights (Q4_0 attn_q through the row unpermutation), F16 stays dense, and
+    the resident bytes are the file's."""
     types = {"blk.0.attn_q.weight": T.Q4_0, "blk.1.attn_q.weight": T.Q4_1, "blk.0.attn_k.weight": T.Q8_0,
              "blk.0.ffn_down.weight": T.Q4_K, "blk.1.ffn_down.weight": T.Q6_K, "blk.0.ffn_gate.weight": T.Q5_0,
-             "blk.0.ffn_up.weight": T.F16, "token_embd.weight": T.Q8_0}
+             "blk.1.ffn_gate.weight": T.Q5_1, "blk.0.ffn_up.weight": T.F16, "token_embd.weight": T.Q8_0}
     tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", types=types)
     loaded = load_model(str(tiny.path), torch.float32, torch.device("cpu"), with_tokenizer=False, quantization="auto")
-    plan = loaded.quantization
-    assert plan["model.layers.0.self_attn.q_proj"] == "int4" and plan["model.layers.1.self_attn.q_proj"] == "int4"
-    assert plan["model.layers.0.self_attn.k_proj"] == "int8" and plan["model.embed_tokens"] == "int8"
-    assert plan["model.layers.0.mlp.down_proj"] == "int4" and plan["model.layers.0.mlp.gate_proj"] == "int4"
-    assert plan["model.layers.1.mlp.down_proj"] == "int8"
-    assert "model.layers.0.mlp.up_proj" not in plan and "lm_head" not in plan  # F16 / F32: dense
-    model = loaded.model
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
-        layer, expected = model.get_submodule(name), torch.from_numpy(tiny.expected[f"{name}.weight"])
-        scale, zero = int4_scale_zero(layer.scales_and_zeros, layer.layout)
-        bound = (8 * scale.abs().max() + zero.abs().max()) * 2**-8
-        torch.testing.assert_close(layer.dequantize(), expected, atol=bound.item(), rtol=0)  # bf16 scale/zero
+    kept = {"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+            "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "model.layers.0.mlp.gate_proj",
+            "model.layers.1.mlp.gate_proj", "model.embed_tokens"}
+    assert loaded.quantization == dict.fromkeys(kept, "gguf")  # F16 / F32 tensors: dense
+    model, names = loaded.model, {**{f"{n}.weight": n for n in kept}}
+    for weight_name, path in names.items():
+        module = model.get_submodule(path)
+        table = module.table if path == "model.embed_tokens" else module
+        assert torch.equal(table.dequantize(), torch.from_numpy(tiny.expected[weight_name])), path
     dense = load_model(str(tiny.path), torch.float32, torch.device("cpu"), with_tokenizer=False)
-    assert not dense.quantization and weight_bytes(model) < weight_bytes(dense.model)
+    ids = torch.tensor([3, 0, 63])
+    assert torch.equal(model.model.embed_tokens(ids), dense.model.model.embed_tokens(ids))
+    assert weight_bytes(model) < weight_bytes(dense.model)
+
+
+def test_gguf_auto_falls_back_to_int4_int8_without_block_kernels(tmp_path):
+    """Sharded loads (keep_blocks=False) and hosts without the kernels follow the file's bits per weight."""
+    types = {"blk.0.attn_q.weight": T.Q4_0, "blk.0.attn_k.weight": T.Q8_0, "blk.0.ffn_up.weight": T.F16}
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", types=types)
+    config = load_gguf_config(tiny.path)
+    model = build_model(config, torch.float32, torch.device("meta"))
+    plan = plan_quantization(model, "auto", gguf_weight_types(tiny.path, config), keep_blocks=False)
+    assert plan["model.layers.0.self_attn.q_proj"] == "int4" and plan["model.layers.0.self_attn.k_proj"] == "int8"
+    assert "model.layers.0.mlp.up_proj" not in plan
+
+
+def test_types_without_a_block_kernel_are_dequantized_with_a_warning(tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", types={"blk.0.ffn_down.weight": T.Q3_K})
+    with pytest.warns(RuntimeWarning, match="Q3_K tensor"):
+        loaded = load_model(str(tiny.path), torch.float32, torch.device("cpu"), False, "auto")
+    assert "model.layers.0.mlp.down_proj" not in loaded.quantization
+    expected = torch.from_numpy(tiny.expected["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(loaded.model.get_submodule("model.layers.0.mlp.down_proj").weight, expected)
 
 
 def test_hf_checkpoint_auto_is_none_and_device_is_checked(tmp_path):
@@ -355,7 +376,7 @@ TEXT_IDS = [2, 818, 4083, 529, 506, 16386, 2686, 12502, 528, 506, 135461, 7691, 
 # int8 0.91 / 0.006, int4 0.81 / 0.17, auto 0.84-0.86 / 0.076; int8 activations: int4 0.83 / 0.174, auto 0.86 /
 # 0.076 (over 256 positions of 4 texts: int8 0.94 /
 # 0.006, int4 0.83 / 0.17, auto 0.84 / 0.078)
-LIMITS = {"int8": (0.85, 0.02), "int4": (0.75, 0.25), "auto": (0.78, 0.12)}
+LIMITS = {"int8": (0.85, 0.02), "int4": (0.75, 0.25)}
 
 
 def test_default_model_accuracy_against_the_dense_gguf_model():
@@ -382,6 +403,21 @@ def test_default_model_accuracy_against_the_dense_gguf_model():
             print(f"\n{scheme:>5} {path:>22} path: greedy agreement {agreement:.3f}, logit error max "
                   f"{error.max():.3f} mean {error.mean():.4f} (logit std {ref.std():.2f}), KL {kl.mean():.4f}", end="")
             assert agreement >= min_agreement and kl.mean() <= max_kl
+
+
+def test_default_model_as_stored_is_near_the_dense_model():
+    """auto keeps the GGUF's blocks (the file's exact weights): what differs from the dense fp32 model of the
+    file is the activations' int8 rounding alone, which moves few next-token choices (llama.cpp rounds its
+    activations alike; the measured figures beside its: docs/benchmarks/)."""
+    dense = load_model(None, torch.float32, torch.device("cpu"), with_tokenizer=False).model
+    ref = PagedHarness(dense, num_blocks=32).prefill("a", TEXT_IDS)
+    del dense
+    model = load_model(None, torch.float32, torch.device("cpu"), False, "auto").model
+    logits = PagedHarness(model, num_blocks=32).prefill("a", TEXT_IDS)
+    agreement = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    kl = F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    print(f"\nauto (as stored): greedy agreement {agreement:.3f}, KL {kl:.4f}", end="")
+    assert agreement >= 0.9 and kl <= 0.01
 
 
 # ---- joined projections ---------------------------------------------------------------------------

@@ -3,15 +3,20 @@
 Each builder starts from HF-layout weights, applies llama.cpp's converter transforms (the Q/K row
 permutation for `llama`, norm + 1 for `gemma3`), stores each tensor in a chosen GGML type and
 returns the weights the loader must yield: the dequantized stored data in HF layout.
+`convert_llama_checkpoint` converts a saved HF Llama checkpoint instead, rope_freqs.weight included.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
 
 T = gguf.GGMLQuantizationType
 
@@ -66,16 +71,16 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def random_k_quant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: T) -> np.ndarray:
-    """Valid Q4_K / Q6_K rows: random bytes with small positive f16 super-block scales.
+    """Valid Q4_K / Q5_K / Q6_K / Q3_K rows: random bytes with small positive f16 super-block scales.
 
     The gguf package can dequantize these types but not quantize them, so we write raw blocks.
     """
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 1e-2, size=(blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
-    if qtype == T.Q4_K:  # d, dmin: two f16 at the start of the block
+    if qtype in (T.Q4_K, T.Q5_K):  # d, dmin: two f16 at the start of the block
         blocks[:, 0:4] = scales.reshape(-1, 4)
-    elif qtype == T.Q6_K:  # d: one f16 at the end of the block
+    elif qtype in (T.Q6_K, T.Q3_K):  # d: one f16 at the end of the block
         blocks[:, -2:] = scales[:, :2]
     else:
         raise ValueError(qtype)
@@ -84,7 +89,7 @@ def random_k_quant_blocks(rng: np.random.Generator, rows: int, cols: int, qtype:
 
 def store(rng: np.random.Generator, w: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
     """(array to write, its dequantized value). K-quants ignore w: their blocks are random."""
-    if qtype in (T.Q4_K, T.Q6_K):
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K):
         raw = random_k_quant_blocks(rng, w.shape[0], w.shape[1], qtype)
     else:
         raw = gguf.quants.quantize(w.astype(np.float32), qtype)
@@ -132,6 +137,76 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return TinyGGUF(path, dims, expected, {k: hf[k] for k in expected}, types)
+
+
+def convert_llama_checkpoint(hf_dir: Path, path: Path) -> np.ndarray | None:
+    """Write `path` from the HF Llama checkpoint in `hf_dir` as llama.cpp's converter does (conversion/llama.py,
+    LlamaModel; every tensor F32, no tokenizer). Returns the rope_freqs.weight it wrote, None if none."""
+    hparams = AutoConfig.from_pretrained(hf_dir).to_dict()  # what the converter's load_hparams reads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _write_checkpoint_metadata(writer, hparams)
+    factors = llama_cpp_rope_factors(hparams)
+    if factors is not None:  # the converter writes its generated tensors first
+        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, hparams["num_hidden_layers"])
+    with safe_open(str(hf_dir / "model.safetensors"), framework="np") as f:
+        for name in f.keys():
+            w = f.get_tensor(name).astype(np.float32)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = hparams["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+                w = llama_cpp_permute(w, heads)
+            writer.add_tensor(name_map.get_name(name, try_suffixes=(".weight", ".bias")), w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return factors
+
+
+def llama_cpp_rope_factors(hparams: dict) -> np.ndarray | None:
+    """rope_freqs.weight of rope_type llama3, as LlamaModel.generate_extra_tensors computes it (float32 torch,
+    element by element). Like the converter, it takes original_max_position_embeddings from the top level of
+    the config, 8192 when absent, not from rope_parameters."""
+    rope = hparams.get("rope_parameters", hparams.get("rope_scaling")) or {}
+    rope = rope.get("full_attention", rope)
+    if rope.get("rope_type", "").lower() != "llama3":
+        return None
+    base = rope.get("rope_theta", 10000.0)
+    dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context_len = hparams.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def _write_checkpoint_metadata(writer: gguf.GGUFWriter, hparams: dict) -> None:
+    """TextModel + LlamaModel.set_gguf_parameters for a plain Llama; rope_type llama3 adds no scaling keys."""
+    head_dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    rope = hparams.get("rope_parameters") or {}
+    writer.add_block_count(hparams["num_hidden_layers"])
+    writer.add_context_length(hparams["max_position_embeddings"])
+    writer.add_embedding_length(hparams["hidden_size"])
+    writer.add_feed_forward_length(hparams["intermediate_size"])
+    writer.add_head_count(hparams["num_attention_heads"])
+    writer.add_head_count_kv(hparams["num_key_value_heads"])
+    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(hparams["vocab_size"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_bos_token_id(hparams["bos_token_id"])
 
 
 def _back_to_hf(arch: str, gguf_name: str, stored: np.ndarray, dims: TinyDims) -> np.ndarray:

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
-from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config
 from transformers.integrations.gguf.dequant import dequantize as hf_torch_dequantize
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagellm.layers.rotary import compute_rope
 from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header, unpermute_qk_rows
-from gguf_builders import TinyDims, llama_cpp_permute, write_tiny_gguf
+from pagellm.loader.model_loader import load_model
+from gguf_builders import (TinyDims, convert_llama_checkpoint, llama_cpp_permute, llama_cpp_rope_factors,
+                           write_tiny_gguf)
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+
+from hf_reference import hf_greedy, hf_logits, random_tokens  # noqa: E402
+from paged_harness import PagedHarness, greedy_generate  # noqa: E402
+from tiny_checkpoints import TINY_CONFIGS, write_tiny_checkpoint  # noqa: E402
 
 # One tensor per storage type the loader must handle. K-quants need rows of 256 values, which
 # only ffn_down has (intermediate = 256); the gguf package cannot quantize them, so the builder
@@ -141,6 +154,85 @@ def test_rope_scaling(tmp_path):
     config = load_gguf_config(write_tiny_gguf(tmp_path / "b.gguf", extra_metadata=yarn).path)
     assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 2.0
     assert config.rope_parameters["original_max_position_embeddings"] == 64
+
+
+@pytest.mark.parametrize("stored", [T.F32, T.F16])
+def test_rope_freqs_become_freq_factors_that_divide_the_frequencies(tmp_path, stored):
+    factors = np.array([1.0, 1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 8.0], dtype=np.float32)  # head_dim 16: 8 frequencies
+    raw = factors.astype(np.float16) if stored == T.F16 else factors
+    path = write_tiny_gguf(tmp_path / "r.gguf", extra_tensors={"rope_freqs.weight": raw}).path
+    config = load_gguf_config(path)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e4, "freq_factors": factors.tolist()}
+    plain, _ = compute_rope(16, {"rope_type": "default", "rope_theta": 1e4}, 128)
+    ours, _ = compute_rope(config.head_dim, config.rope_parameters, config.max_position_embeddings)
+    assert torch.equal(ours, plain / torch.from_numpy(factors))
+
+
+# (head_dim, rope_theta, factor, original_max_position_embeddings): Llama 3.1 8B, Llama 3.2 1B, the tiny model below
+LLAMA3_ROPES = [(128, 5e5, 8.0, 8192), (64, 5e5, 32.0, 8192), (16, 1e4, 8.0, 64)]
+
+
+@pytest.mark.parametrize("head_dim,theta,factor,original", LLAMA3_ROPES)
+def test_llama_cpp_rope_factors_give_hf_llama3_frequencies(head_dim, theta, factor, original):
+    """inv_freq / (llama.cpp's factors) against HF's own llama3 inv_freq: equal within fp32 rounding."""
+    rope = dict(rope_type="llama3", rope_theta=theta, factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=original)
+    hf_config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, rope_parameters=rope,
+                            original_max_position_embeddings=original)  # the top-level copy the converter reads
+    factors = llama_cpp_rope_factors(hf_config.to_dict())
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    ours, _ = compute_rope(head_dim, {"rope_type": "default", "rope_theta": theta, "freq_factors": factors}, 131072)
+    torch.testing.assert_close(ours, theirs, rtol=4 * 2**-24, atol=0)
+    assert (factors == 1).any() and (factors == factor).any() and ((factors > 1) & (factors < factor)).any()
+
+
+def _llama31_config() -> LlamaConfig:
+    """tiny_checkpoints' llama3-rope model (original context 64, so kept, divided and interpolated frequencies all
+    occur at head_dim 16), as Llama 3.x has it: no attention bias. Its original_max_position_embeddings is also
+    set at the top level, where llama.cpp's converter reads it (8192 when absent)."""
+    config = TINY_CONFIGS["llama3-rope-tied"]()
+    config.attention_bias = False
+    config.original_max_position_embeddings = config.rope_parameters["original_max_position_embeddings"]
+    return config
+
+
+@pytest.fixture(scope="module")
+def llama31(tmp_path_factory):
+    """(HF model, the GGUF converted from its checkpoint as llama.cpp converts it, the rope factors written)."""
+    directory = tmp_path_factory.mktemp("llama31")
+    hf_model = write_tiny_checkpoint("llama3-rope-tied", directory / "hf", config=_llama31_config(), redraw=True)
+    factors = convert_llama_checkpoint(directory / "hf", directory / "model.gguf")
+    return hf_model, directory / "model.gguf", factors
+
+
+def test_llama31_gguf_rope_frequencies_are_hf_llama3(llama31):
+    hf_model, path, factors = llama31
+    config = load_gguf_config(path)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e4, "freq_factors": factors.tolist()}
+    ours, _ = compute_rope(config.head_dim, config.rope_parameters, config.max_position_embeddings)
+    torch.testing.assert_close(ours, hf_model.model.rotary_emb.inv_freq, rtol=4 * 2**-24, atol=0)
+
+
+def test_llama31_gguf_logits_and_greedy_tokens_match_hf(llama31):
+    hf_model, path, _ = llama31
+    model = load_model(str(path), torch.float32, torch.device("cpu"), with_tokenizer=False).model
+    prompt = random_tokens(48, seed=0)  # positions 0..63, past the original context (64) with the generated tokens
+    expected_logits = hf_logits(hf_model, prompt)
+    torch.testing.assert_close(PagedHarness(model).prefill("a", prompt), expected_logits, atol=1e-4, rtol=1e-4)
+    expected = hf_greedy(hf_model, prompt, 16)
+    assert greedy_generate(model, prompt, max_new_tokens=16) == expected
+    # guards the test: without the llama3 scaling the same weights give other logits and other tokens
+    unscaled = LlamaForCausalLM(_unscaled(hf_model.config)).eval()
+    unscaled.load_state_dict(hf_model.state_dict())
+    assert (hf_logits(unscaled, prompt) - expected_logits).abs().max() > 0.1
+    assert hf_greedy(unscaled, prompt, 16) != expected and len(set(expected)) > 2
+
+
+def _unscaled(config: LlamaConfig) -> LlamaConfig:
+    plain = LlamaConfig.from_dict(config.to_dict())
+    plain.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
+    plain._attn_implementation = "eager"
+    return plain
 
 
 def test_gemma3_config_follows_llama_cpp(tmp_path):

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from paged_harness import PagedHarness
 from tiny_checkpoints import write_tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
+from gguf_builders import T, write_tiny_gguf  # noqa: E402
 
 from pagellm import SamplingParams
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
@@ -50,6 +56,21 @@ def test_bound_layers_equal_the_modules(tmp_path, family, quantization, dtype):
     del harness
     prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(3)).tolist()
     bound, modules = _prefill_both_ways(model, prompt)
+    assert torch.equal(bound, modules)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_layers_equal_the_modules_on_gguf_blocks(tmp_path, dtype):
+    """A Gemma 3 GGUF as Q4_K_M files mix formats: q/k Q5_0 with v Q8_0 (one joined layer of two formats)."""
+    types = {**{f"blk.{i}.{name}.weight": kind for i in range(2) for name, kind in (
+        ("attn_q", T.Q5_0), ("attn_k", T.Q5_0), ("attn_v", T.Q8_0), ("attn_output", T.Q4_0), ("ffn_gate", T.Q5_0),
+        ("ffn_up", T.Q5_0), ("ffn_down", T.Q4_K))}, "token_embd.weight": T.Q8_0}
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", "gemma3", types=types, tie_embeddings=True)
+    model = load_model(str(tiny.path), dtype, torch.device("cpu"), False, "auto").model
+    harness = PagedHarness(model)
+    assert BoundModel.of(model.model, gemma3_norms) is not None
+    del harness
+    bound, modules = _prefill_both_ways(model, torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(5)).tolist())
     assert torch.equal(bound, modules)
 
 

@@ -1,11 +1,17 @@
 """Greedy tokens do not depend on the CPU: the same engine at every instruction-set level this host executes
-(kernels/native.py) gives the same ids, dense and int4 (int8 activations), fp32 and bf16."""
+(kernels/native.py) gives the same ids, dense, int4 (int8 activations) and GGUF blocks, fp32 and bf16."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from tiny_checkpoints import write_tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
+from gguf_builders import T, write_tiny_gguf  # noqa: E402
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
@@ -17,12 +23,27 @@ from pagellm.kernels import native
 def test_greedy_ids_identical_at_every_level(tmp_path, family, quantization, dtype):
     write_tiny_checkpoint(family, tmp_path)
     prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 30)]
-    params = SamplingParams(max_tokens=10, temperature=0.0)
+    assert_same_ids_at_every_level(str(tmp_path), dtype, quantization, prompts)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_ids_identical_at_every_level_on_gguf_blocks(tmp_path, dtype):
+    types = {**{f"blk.{i}.{name}.weight": kind for i in range(2) for name, kind in (
+        ("attn_q", T.Q4_1), ("attn_k", T.Q5_1), ("attn_v", T.Q8_0), ("attn_output", T.Q4_0), ("ffn_gate", T.Q5_0),
+        ("ffn_up", T.Q5_0))}, "blk.0.ffn_down.weight": T.Q4_K, "blk.1.ffn_down.weight": T.Q6_K,
+        "token_embd.weight": T.Q8_0}
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", types=types)
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 30)]
+    assert_same_ids_at_every_level(str(tiny.path), dtype, "auto", prompts)
+
+
+def assert_same_ids_at_every_level(model: str, dtype: str, quantization: str, prompts: list[list[int]]) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     previous = native.level()
     ids = {}
     try:
         for level in native.host_levels():
-            llm = LLM(model=str(tmp_path), dtype=dtype, quantization=quantization, cpu_isa=level,
+            llm = LLM(model=model, dtype=dtype, quantization=quantization, cpu_isa=level,
                       skip_tokenizer_init=True, kv_cache_memory=0.01)
             assert llm.stats()["kernels"].startswith(level)
             ids[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -93,9 +93,16 @@ def _jitter_dense(name: str, param: torch.Tensor) -> None:
     param.add_(torch.randn_like(param) * scale)
 
 
-def write_tiny_checkpoint(family: str, directory: Path, seed: int = 0) -> PreTrainedModel:
-    """Build the family's tiny HF model (eager attention, fp32), save it to `directory`, return it."""
-    return _save_jittered(TINY_CONFIGS[family](), directory, seed, _jitter_dense)
+def write_tiny_checkpoint(family: str, directory: Path, seed: int = 0, config=None,
+                          redraw: bool = False) -> PreTrainedModel:
+    """Build the family's tiny HF model (eager attention, fp32), save it to `directory`, return it.
+
+    config: a variant of the family's config to use instead of TINY_CONFIGS[family]().
+    redraw: weights drawn as write_hybrid_checkpoint draws them (matrices std 0.1): with the default
+    jitter's near-uniform logits a greedy run soon repeats one token, whatever the positions.
+    """
+    config = config if config is not None else TINY_CONFIGS[family]()
+    return _save_jittered(config, directory, seed, _jitter_hybrid if redraw else _jitter_dense)
 
 
 # Hybrid / MoE families (tests/models/test_hybrid_parity.py). 8 experts, top-2; Gated

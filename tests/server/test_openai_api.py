@@ -175,6 +175,35 @@ def test_chat_logprobs(client):
         assert entry.bytes == list(entry.token.encode("utf-8"))
 
 
+def test_completion_prompt_logprobs(client, http):
+    """vLLM's extra field: per choice, None and then {token id: {logprob, rank, decoded_token}} per prompt token."""
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    out, after_prefix = concurrently(
+        lambda: greedy_completion(client, prompt=ids, n=2, extra_body={"prompt_logprobs": 2}),
+        lambda: client.completions.create(model=MODEL, prompt=ids[:-1], max_tokens=1, temperature=0, logprobs=0))
+    scored = out.choices[0].prompt_logprobs
+    assert out.choices[1].prompt_logprobs == scored  # the n choices share their prompt's
+    assert len(scored) == len(ids) and scored[0] is None
+    for position, token in enumerate(ids[1:], start=1):
+        entries = scored[position]
+        assert str(token) in entries and len(entries) in (2, 3)
+        assert sorted(e["rank"] for e in entries.values() if e["rank"] <= 2) == [1, 2]
+        assert all(e["logprob"] <= 0 for e in entries.values())
+    assert "".join(scored[i][str(t)]["decoded_token"] for i, t in enumerate(ids) if i) == PROMPT
+    # the last prompt position's best token is what greedy decoding picks after the rest of the prompt
+    best = next(e for e in scored[-1].values() if e["rank"] == 1)
+    assert best["decoded_token"] == after_prefix.choices[0].text
+    assert abs(best["logprob"] - after_prefix.choices[0].logprobs.token_logprobs[0]) < 1e-3
+
+
+def test_chat_prompt_logprobs_sit_beside_the_choices(http):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}
+    response = http.post("/v1/chat/completions", json=body).json()
+    scored = response["prompt_logprobs"]
+    assert len(scored) == response["usage"]["prompt_tokens"] and scored[0] is None
+    assert all(len(entries) == 1 for entries in scored[1:])  # prompt_logprobs 0: the prompt token alone
+
+
 def test_ignore_eos_and_penalties_are_accepted(client):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.7, top_p=0.9,
                                     presence_penalty=0.5, frequency_penalty=0.5, seed=3,
@@ -212,6 +241,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": "2"}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
@@ -232,6 +264,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": -1},
+     "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
      "max_completion_tokens"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),

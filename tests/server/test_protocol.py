@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pagellm.core.types import TokenLogprobs
-from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.server.protocol import (APIError, ChatCompletionRequest, ChatFormatter, CompletionFormatter,
-                                     CompletionRequest, parse_request, usage)
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from pagellm.server.responses import ChatFormatter, CompletionFormatter, usage
 
 
 def parse(model, body: str):
@@ -20,6 +20,9 @@ def parse(model, body: str):
     ('{"prompt": [[1], "a"]}', "prompt"),
     ('{"prompt": "x", "stop": [""]}', None),  # caught when the SamplingParams are built
     ('{"max_tokens": 3}', "prompt"),
+    ('{"prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs"),
+    ('{"prompt": "x", "prompt_logprobs": -1}', "prompt_logprobs"),
+    ('{"prompt": "x", "prompt_logprobs": 1, "stream": true}', "prompt_logprobs"),
 ])
 def test_completion_errors_name_the_field(body, param):
     if param is None:
@@ -91,3 +94,26 @@ def test_chat_response_shape():
     assert response["object"] == "chat.completion" and response["id"].startswith("chatcmpl-")
     assert [c["message"] for c in response["choices"]] == [{"role": "assistant", "content": "one"},
                                                             {"role": "assistant", "content": "two"}]
+
+
+def test_prompt_logprobs_go_to_the_first_child_only_and_never_to_a_stream():
+    request = parse(CompletionRequest, '{"prompt": "a", "n": 2, "prompt_logprobs": 3}')
+    assert [request.sampling_params(4, None, child).prompt_logprobs for child in range(2)] == [3, None]
+    streamed = parse(CompletionRequest, '{"prompt": "a", "prompt_logprobs": 0, "stream": true}')  # vLLM accepts 0
+    assert streamed.sampling_params(4, None, 0).prompt_logprobs is None
+
+
+def test_prompt_logprobs_wire_shape_per_choice_and_beside_chat_choices():
+    scored = [None, {7: Logprob(-0.25, 2, "x"), 9: Logprob(float("-inf"), 1, "y")}]
+    outputs = [_output("a", "one", [5], True), _output("b", "two", [6], True)]
+    outputs[0].prompt_logprobs = scored  # child 0 of the prompt computed them for both choices
+    wire = [None, {"7": {"logprob": -0.25, "rank": 2, "decoded_token": "x"},
+                   "9": {"logprob": -9999.0, "rank": 1, "decoded_token": "y"}}]
+    completion = CompletionFormatter("m", parse(CompletionRequest, '{"prompt": "a", "n": 2}'), _Tokenizer())
+    response = completion.response(outputs, usage([3], outputs, 2))
+    assert [c["prompt_logprobs"] for c in response["choices"]] == [wire, wire]
+    chat = ChatFormatter("m", parse(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "hi"}]}'),
+                         _Tokenizer())
+    assert chat.response(outputs[:1], usage([3], outputs[:1], 1))["prompt_logprobs"] == wire
+    outputs[0].prompt_logprobs = None
+    assert chat.response(outputs[:1], usage([3], outputs[:1], 1))["prompt_logprobs"] is None

@@ -1,0 +1,71 @@
+"""One text through pagellm's own forward, outside the engine: the logits of every position it scores.
+
+Shared by `pagellm eval perplexity` and `pagellm bench accuracy`. A sequence runs alone over a paged KV
+cache of its own, prefilled in chunks as the engine does, so the figures are the engine's arithmetic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pagellm.engine import DTYPES
+from pagellm.kernels.selection import compute_dtype
+from pagellm.loader.model_loader import load_model
+from pagellm.loader.tokenizer import load_tokenizer
+from pagellm.runner.attention_metadata import AttentionMetadata
+
+_BLOCK = 16  # tokens per KV block of the sequence's private cache
+
+
+def mode_dtype(name: str | None) -> torch.dtype:
+    """The compute dtype --dtype names on CPU; None / "auto" as the engine resolves it, so after the kernel
+    level is selected (native.select)."""
+    return DTYPES[compute_dtype(name, "cpu")]
+
+
+def is_dense_mode(path: Path, quantization: str, dtype: torch.dtype) -> bool:
+    """Whether the mode is the dense fp32 reference itself ("auto" keeps an HF checkpoint dense)."""
+    dense_weights = quantization == "none" or (quantization == "auto" and not path.is_file())
+    return dense_weights and dtype == torch.float32
+
+
+def load_mode(path: Path, quantization: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of `path` on CPU in one mode. Quantization and dtype are always passed: the loader's
+    defaults may differ by file type, and the dense reference must be dense whatever they are."""
+    return load_model(str(path), dtype, torch.device("cpu"), with_tokenizer=False, quantization=quantization).model
+
+
+def load_dense_reference(path: Path) -> torch.nn.Module:
+    """The dense fp32 model of the same file (a GGUF's blocks dequantized): what every mode is measured against."""
+    return load_mode(path, "none", torch.float32)
+
+
+def tokenize_text(path: Path, text_file: str) -> tuple[list[int], int | None]:
+    """The text's token ids with the model's tokenizer, and the BOS id it put first (None when it adds none)."""
+    tokenizer = load_tokenizer(path)
+    ids = tokenizer.encode(Path(text_file).read_text())
+    bos = tokenizer.bos_token_id
+    return ids, (bos if bos is not None and ids[:1] == [bos] else None)
+
+
+def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype, chunk: int = 128,
+                   first: int = 0) -> torch.Tensor:
+    """[len(tokens) - first, V] fp32 logits of positions first .. end, one sequence prefilled `chunk` tokens
+    per step; positions before `first` only build the cache (their logits are never computed)."""
+    if getattr(model, "state_layers", list)():
+        raise ValueError("this evaluation does not drive hybrid (recurrent-state) models yet")
+    blocks = -(-len(tokens) // _BLOCK)
+    for layer in model.attention_layers():
+        shape = (blocks, _BLOCK, layer.num_kv_heads, layer.head_dim)
+        layer.bind_kv_cache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    table, out = list(range(blocks)), []
+    with torch.inference_mode():
+        for start in range(0, len(tokens), chunk):
+            piece = tokens[start : start + chunk]
+            meta = AttentionMetadata.build([len(piece)], [start + len(piece)], [table], _BLOCK)
+            hidden = model(torch.tensor(piece), torch.arange(start, start + len(piece)), meta)  # [T, E]
+            if start + len(piece) > first:
+                out.append(model.compute_logits(hidden[max(0, first - start):]).float())  # [T', V]
+    return torch.cat(out)

@@ -1,0 +1,93 @@
+"""A linear layer whose weight stays in its GGUF file's block formats (kernels/gguf_blocks.py).
+
+    GGUFLinear   y = x W^T + b; W one or more row segments side by side, each in its own format (a joined
+                 q/k/v whose parts the file stores as Q5_0, Q5_0 and Q8_0 is one layer, one output)
+
+The matmul quantizes x to int8 per 32 columns and runs integer dot products on the stored codes at every M (one
+kernel: no crossovers by batch size); `rows` dequantizes looked-up rows exactly as the gguf package does, so a
+token table held this way (QuantizedEmbedding) embeds the same vectors as the dense model of the file.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.kernels import gguf_blocks
+from pagellm.kernels.gguf_blocks import GGUFWeight
+
+
+class GGUFLinear(nn.Module):
+    scheme = "gguf"
+
+    def __init__(self, segments: list[GGUFWeight], bias: torch.Tensor | None = None):
+        super().__init__()
+        segments = _merged(segments)
+        self.in_features, self.out_features = segments[0].cols, sum(s.rows for s in segments)
+        self.formats = tuple(s.ggml_type for s in segments)
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, False)
+        for i, segment in enumerate(segments):
+            for name, tensor in zip(("qs", "gp", "sp"), segment.tensors()):
+                self.register_buffer(f"{name}{i}", tensor)
+
+    @classmethod
+    def from_blocks(cls, weight: GGUFWeight, bias: torch.Tensor | None = None) -> GGUFLinear:
+        return cls([weight], bias)
+
+    def segments(self) -> list[GGUFWeight]:
+        """The weight's segments over the current buffers (a buffer replaced or moved is seen at once)."""
+        buffers = self._buffers
+        return [GGUFWeight(t, buffers[f"qs{i}"].shape[0] * gguf_blocks.BLOCK_ROWS, self.in_features,
+                           buffers[f"qs{i}"], buffers[f"gp{i}"], buffers[f"sp{i}"]) for i, t in enumerate(self.formats)]
+
+    def bound(self) -> gguf_blocks.BoundMatmul:
+        """The kernel bound to this layer's tensors: built once, again if a buffer or the bias was replaced."""
+        segments = self.segments()
+        bound = self.__dict__.get("_bound")
+        if bound is None or not bound.binds(segments, self.bias):
+            bound = self.__dict__["_bound"] = gguf_blocks.BoundMatmul(segments, self.bias)
+        return bound
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_bound", None)  # raw pointers into this module's tensors: a copy binds its own
+        return state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bound()(x)  # [..., K] -> [..., N] in x's dtype
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized rows `ids` [T, K] (a token table's lookup: one segment)."""
+        segments = self.segments()
+        if len(segments) != 1:
+            raise ValueError("row lookups read a single-segment GGUFLinear (a token table)")
+        return gguf_blocks.rows(segments[0], ids, dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense [N, K] float32 weight (tests and references only)."""
+        return torch.cat([gguf_blocks.rows(s, torch.arange(s.rows)) for s in self.segments()])
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"formats={'+'.join(t.name for t in self.formats)}")
+
+
+def _merged(segments: list[GGUFWeight]) -> list[GGUFWeight]:
+    """Neighbouring segments of one format concatenated: one kernel call for them."""
+    out = [segments[0]]
+    for s in segments[1:]:
+        last = out[-1]
+        if s.ggml_type == last.ggml_type and s.cols == last.cols:
+            out[-1] = GGUFWeight(s.ggml_type, last.rows + s.rows, s.cols, *(torch.cat([a, b]) for a, b in zip(
+                last.tensors(), s.tensors())))
+        else:
+            out.append(s)
+    return out
+
+
+def concat_gguf_linears(parts: list[GGUFLinear]) -> GGUFLinear | None:
+    """One GGUFLinear computing the parts' outputs side by side, or None where they cannot be joined."""
+    if any(p.in_features != parts[0].in_features or (p.bias is None) != (parts[0].bias is None) for p in parts):
+        return None
+    bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+    return GGUFLinear([s for p in parts for s in p.segments()], bias)
