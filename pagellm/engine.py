@@ -141,6 +141,7 @@ class LLMEngine:
         loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
                             quantization=mc.quantization, shard=shard, kernels=config.kernels)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        self.quantization = loaded.quantization  # {module path: scheme}; empty when every weight is dense
         self.model_path = loaded.path
         context = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         self.max_model_len = min(mc.max_model_len or context, context)

@@ -1,4 +1,5 @@
-"""End-to-end tests of LLM.generate on the embedded Gemma 3 270M (CPU, fp32)."""
+"""End-to-end tests of LLM.generate on the embedded Gemma 3 270M with default settings (the GGUF's blocks as
+stored, the level's dtype); against HF transformers, the dense fp32 model of the same file."""
 
 import pytest
 
@@ -36,18 +37,20 @@ def test_output_shape_is_vllms(llm):
     assert completion.text == llm.tokenizer.decode(completion.token_ids)
 
 
-def test_greedy_matches_hf_transformers_on_the_same_gguf(llm, reference_ids):
+def test_greedy_matches_hf_transformers_on_the_same_gguf():
     """HF's Gemma3ForCausalLM, given the GGUF's weights (checked against transformers' own GGUF
-    conventions in tests/loader/test_default_model.py), generates the same greedy ids."""
+    conventions in tests/loader/test_default_model.py), generates the same greedy ids as the dense fp32 model."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_config(llm.engine.hf_config, dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = hf.load_state_dict(checkpoint_state_dict(llm.engine.model), strict=False)
+    dense = LLM(kv_cache_memory=0.05, dtype="float32", quantization="none")
+    ids_of_ours = [out.outputs[0].token_ids for out in dense.generate(PROMPTS[:3], GREEDY, use_tqdm=False)]
+    hf = AutoModelForCausalLM.from_config(dense.engine.hf_config, dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = hf.load_state_dict(checkpoint_state_dict(dense.engine.model), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     hf.tie_weights()
-    for prompt, ours in zip(PROMPTS[:3], reference_ids):
-        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+    for prompt, ours in zip(PROMPTS[:3], ids_of_ours):
+        ids = torch.tensor([dense.tokenizer.encode(prompt)])
         with torch.inference_mode():
             out = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out[0, ids.shape[1]:].tolist() == ours
@@ -164,7 +167,7 @@ def test_preemption_recomputes_and_keeps_greedy_ids(llm, reference_ids):
 
     from pagellm.runner.model_runner import kv_cache_bytes_per_block
 
-    per_block = kv_cache_bytes_per_block(llm.engine.model, 16, torch.float32)
+    per_block = kv_cache_bytes_per_block(llm.engine.model, 16, llm.engine.dtype)
     small = LLM(kv_cache_memory=6 * per_block / 2**30)  # 6 blocks for 5 requests needing 2 each
     assert small.stats()["kv_blocks_total"] == 6
     out = small.generate(PROMPTS, GREEDY, use_tqdm=False)

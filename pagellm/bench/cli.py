@@ -16,16 +16,21 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def add_model_mode_args(parser: argparse.ArgumentParser) -> None:
+    """The model and the mode it runs in (also `pagellm eval perplexity`'s)."""
     parser.add_argument("--model", default=None,
                         help="GGUF file or HF checkpoint directory (default: the embedded Gemma 3 270M Q4_K_M)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="pagellm compute dtype (default float32 on CPU)")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"],
-                        help="pagellm weights kept quantized (see `pagellm serve --help`; default none)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="pagellm compute dtype (default auto: bfloat16 at the avx512 level, else float32)")
+    parser.add_argument("--quantization", default="auto", choices=["none", "int8", "int4", "auto"],
+                        help="pagellm weights kept quantized (see `pagellm serve --help`; default auto: GGUF as stored)")
     parser.add_argument("--cpu-isa", default=None, choices=["auto", "avx512", "avx2", "generic"],
                         help="pagellm's native kernel level (default: $PAGELLM_CPU_ISA or auto, the fastest here)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    add_model_mode_args(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=float, default=None,
@@ -104,7 +109,7 @@ def add_bench_parser(subparsers) -> None:
     serve.set_defaults(func=_run_serve)
 
 
-def _set_threads(threads: int | None) -> None:
+def set_threads(threads: int | None) -> None:
     if threads is not None:
         import torch
 
@@ -114,7 +119,7 @@ def _set_threads(threads: int | None) -> None:
 def _run_accuracy(args: argparse.Namespace) -> int:
     from pagellm.bench import accuracy
 
-    _set_threads(args.threads)
+    set_threads(args.threads)
     return accuracy.main(args)
 
 
@@ -123,7 +128,7 @@ def _run_batched(args: argparse.Namespace) -> int:
     from pagellm.config import ParallelConfig
 
     report.check_out_path(args.out)
-    _set_threads(args.threads)
+    set_threads(args.threads)
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), max(args.pp), max(args.tg),
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                                   quantization=args.quantization, cpu_isa=args.cpu_isa,
@@ -137,6 +142,15 @@ def _run_batched(args: argparse.Namespace) -> int:
         engine.shutdown()
 
 
+def memory_line(stats: dict) -> str:
+    """Weights and the process's resident memory as loaded (KV pool still empty), against the model file."""
+    mb = lambda n: "?" if n is None else f"{n / 1e6:.0f} MB"  # noqa: E731
+    file_bytes = stats.get("model_file_bytes")
+    ratio = f" ({stats['weight_bytes'] / file_bytes:.2f}x the file)" if file_bytes else ""
+    return (f"memory: weights {mb(stats['weight_bytes'])}{ratio}, process resident after load "
+            f"{mb(stats['rss_after_load_bytes'])}, model file {mb(file_bytes)}")
+
+
 def _report_batched(args: argparse.Namespace, engine) -> int:
     from pagellm.bench import batched, report
 
@@ -146,7 +160,8 @@ def _report_batched(args: argparse.Namespace, engine) -> int:
           f"engine: max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens}, "
           f"block_size {engine.kv_cache.block_size}, KV blocks {engine.kv_cache.pool.num_blocks}, "
           f"prefix caching {'on' if args.enable_prefix_caching else 'off'}, shared prompt {args.shared_prompt}, "
-          f"tensor parallel {engine.executor.world_size}\n")
+          f"tensor parallel {engine.executor.world_size}")
+    print(memory_line(engine.stats()) + "\n")
     columns = batched.COLUMNS + (batched.PREFIX_COLUMNS if args.shared_prompt else ())
     rows, profiles = batched.run_sweep(engine, args.pp, args.tg, args.npl, args.shared_prompt, args.seed,
                                        on_row=lambda row: print(f"  done B={row['B']}", file=sys.stderr))
@@ -208,5 +223,5 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _run_compare(args: argparse.Namespace) -> int:
     from pagellm.bench import compare
 
-    _set_threads(args.threads)
+    set_threads(args.threads)
     return compare.main(args)

@@ -38,7 +38,8 @@ def _pagellm_runner(engine):
 def make_runners(args: argparse.Namespace, engine) -> tuple[dict, dict[str, str], dict[str, str]]:
     """name -> run(prompts, tg); name -> description of what ran; peer -> why it did not run."""
     runners = {PAGELLM: _pagellm_runner(engine)}
-    quantized = engine.config.model.quantization
+    # what was asked (auto on an HF checkpoint is none), unless no layer ended up quantized
+    quantized = engine.config.model.quantization if engine.quantization else "none"
     described = {PAGELLM: f"LLMEngine, {report.dtype_name(engine.dtype)}, weights {quantized}, "
                           f"{torch.get_num_threads()} torch threads"}
     skipped: dict[str, str] = {}

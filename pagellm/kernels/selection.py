@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from pagellm.config import KernelConfig
-from pagellm.kernels import attention, gated_delta_native, layer_ops, logits, native, quant_gemv
+from pagellm.kernels import attention, gated_delta_native, gguf_blocks, layer_ops, logits, native, quant_gemv
 
 logger = logging.getLogger("pagellm.kernels")
 
@@ -37,6 +37,7 @@ def describe() -> str:
     if level is None:
         return "off (torch reference ops)"
     present = [name for name, available in (
+        ("GGUF blocks x int8 matmul", gguf_blocks.available()),
         ("int4 x int8 matmul", quant_gemv.q8_available()),
         ("int4/int8 x bf16 matmul", quant_gemv.available()),
         ("paged attention", attention._native_kernel() is not None),

@@ -1,7 +1,8 @@
 """A linear layer whose weight stays in its GGUF file's block formats (kernels/gguf_blocks.py).
 
-    GGUFLinear   y = x W^T + b; W one or more row segments side by side, each in its own format (a joined
-                 q/k/v whose parts the file stores as Q5_0, Q5_0 and Q8_0 is one layer, one output)
+    GGUFLinear      y = x W^T + b; W one or more row segments side by side, each in its own format (a joined
+                    q/k/v whose parts the file stores as Q5_0, Q5_0 and Q8_0 is one layer, one output)
+    (GGUFMoeExperts, a MoE layer's experts in their blocks: layers/gguf_moe.py)
 
 The matmul quantizes x to int8 per 32 columns and runs integer dot products on the stored codes at every M (one
 kernel: no crossovers by batch size); `rows` dequantizes looked-up rows exactly as the gguf package does, so a
@@ -22,7 +23,7 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, segments: list[GGUFWeight], bias: torch.Tensor | None = None):
         super().__init__()
-        segments = _merged(segments)
+        segments = merged_segments(segments)
         self.in_features, self.out_features = segments[0].cols, sum(s.rows for s in segments)
         self.formats = tuple(s.ggml_type for s in segments)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, False)
@@ -72,7 +73,7 @@ class GGUFLinear(nn.Module):
                 f"formats={'+'.join(t.name for t in self.formats)}")
 
 
-def _merged(segments: list[GGUFWeight]) -> list[GGUFWeight]:
+def merged_segments(segments: list[GGUFWeight]) -> list[GGUFWeight]:
     """Neighbouring segments of one format concatenated: one kernel call for them."""
     out = [segments[0]]
     for s in segments[1:]:
@@ -91,3 +92,4 @@ def concat_gguf_linears(parts: list[GGUFLinear]) -> GGUFLinear | None:
         return None
     bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
     return GGUFLinear([s for p in parts for s in p.segments()], bias)
+

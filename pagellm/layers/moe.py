@@ -45,7 +45,7 @@ from pagellm.layers.mlp import _ACTIVATIONS, GatedMLP, gated_act
 PER_TOKEN_MAX_TOKENS = 1
 
 
-_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +208,7 @@ def stack_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     modules = {name: m for name, m in model.named_modules() if isinstance(m, MoeExperts)}
     pending: dict[str, _ExpertStack] = {}
     for name, tensor in weights:
-        match = _EXPERT_KEY.match(name)
+        match = EXPERT_KEY.match(name)
         if match is None or match["prefix"] not in modules:
             yield name, tensor
             continue

@@ -11,7 +11,7 @@ from torch import nn
 from pagellm.config import KernelConfig
 from pagellm.distributed.sharding import ShardSpec, install_expert_parallel, local_config, shard_weights
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
-from pagellm.loader.quantization import load_quantized, plan_quantization
+from pagellm.loader.quantization import load_quantized, plan_quantization, weight_schemes
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.kernels import quant_gemv
 from pagellm.layers.quantized import Int4Linear
@@ -109,7 +109,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
                          f"not on device {str(device)!r}")
     if is_gguf:
-        weights = iter_gguf_weights(path, hf_config, quantized={f"{p}.weight": s for p, s in plan.items()})
+        weights = iter_gguf_weights(path, hf_config, quantized=weight_schemes(net, plan))
     else:
         weights = iter_safetensors_weights(path)
     if shard:

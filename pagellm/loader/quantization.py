@@ -35,7 +35,8 @@ from torch import nn
 
 from pagellm.config import QUANTIZATION_SCHEMES
 from pagellm.kernels import gguf_blocks
-from pagellm.layers.moe import SparseMoeBlock
+from pagellm.layers.gguf_moe import GGUFMoeExperts
+from pagellm.layers.moe import EXPERT_KEY, MoeExperts, SparseMoeBlock
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.quantized import GroupAffine, QuantizedLinear, can_quantize, quantized_module
 
@@ -64,6 +65,8 @@ def plan_quantization(model: nn.Module, scheme: str,
     blocks = scheme == "auto" and keep_blocks and gguf_blocks.available()
     plan, routers, dequantized = {}, router_paths(model), {}
     for path, module in model.named_modules():
+        if blocks and isinstance(module, MoeExperts) and _experts_in_blocks(path, module, weight_types):
+            plan[path] = "gguf_experts"
         if not isinstance(module, (nn.Linear, nn.Embedding)) or path in routers:
             continue
         stored = weight_types.get(f"{path}.weight") if scheme == "auto" else None
@@ -79,6 +82,31 @@ def plan_quantization(model: nn.Module, scheme: str,
         warnings.warn(f"pagellm: {len(paths)} {name} tensor(s) (e.g. {paths[0]}) have no block kernel here and are "
                       f"dequantized at load", RuntimeWarning, stacklevel=2)
     return plan
+
+
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _expert_names(path: str, experts: MoeExperts) -> list[str]:
+    return [f"{path}.{e}.{proj}.weight" for e in range(experts.num_experts) for proj in _EXPERT_PROJECTIONS]
+
+
+def _experts_in_blocks(path: str, experts: MoeExperts, weight_types: Mapping[str, gguf.GGMLQuantizationType]) -> bool:
+    """Whether every expert of the layer is stored in a kernel format its shapes allow."""
+    inter, hidden = experts.intermediate_size, experts.hidden_size
+    return all(_block_scheme(weight_types.get(name), *((hidden, inter) if ".down_proj." in name else (inter, hidden)))
+               for name in _expert_names(path, experts))
+
+
+def weight_schemes(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """{weight name: scheme} of a plan, as the GGUF reader takes it (experts kept in blocks: each expert's)."""
+    schemes = {}
+    for path, scheme in plan.items():
+        if scheme == "gguf_experts":
+            schemes.update(dict.fromkeys(_expert_names(path, model.get_submodule(path)), "gguf"))
+        else:
+            schemes[f"{path}.weight"] = scheme
+    return schemes
 
 
 def _block_scheme(ggml_type: gguf.GGMLQuantizationType | None, rows: int, cols: int) -> str | None:
@@ -107,16 +135,22 @@ class _PendingWeight(nn.Module):
 def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | GroupAffine]],
                    plan: Mapping[str, str]) -> None:
     """`model.load_weights(weights)`, quantizing the weight of each layer in `plan` as it arrives."""
-    pending = {}
+    pending, experts = {}, {}
     for path, scheme in plan.items():
-        pending[path] = _PendingWeight(model.get_submodule(path), scheme)
+        module = model.get_submodule(path)
+        if scheme == "gguf_experts":
+            experts[path] = GGUFMoeExperts(module.num_experts, module.hidden_size, module.intermediate_size,
+                                           module.activation)
+            replace_module(model, path, experts[path])
+            continue
+        pending[path] = _PendingWeight(module, scheme)
         replace_module(model, path, pending[path])
     renames = getattr(model, "checkpoint_renames", None)
     if renames is not None:  # match names as load_weights will see them (it renames again: a no-op then)
         weights = renames(weights)
-    model.load_weights(_quantize_as_loaded(model, pending, weights))
-    if pending:
-        missing = sorted(f"{path}.weight" for path in pending)
+    model.load_weights(_quantize_as_loaded(model, pending, _experts_as_loaded(experts, weights)))
+    if pending or experts:
+        missing = sorted(f"{path}.weight" for path in pending) + sorted(f"{path}.*" for path in experts)
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s) of {type(model).__name__}: "
                          + ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else ""))
 
@@ -133,6 +167,18 @@ def _quantize_as_loaded(model: nn.Module, pending: dict[str, _PendingWeight],
         if tuple(tensor.shape) != placeholder.shape:
             raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {placeholder.shape}")
         replace_module(model, path, placeholder.build(tensor))
+
+
+def _experts_as_loaded(experts: dict[str, GGUFMoeExperts], weights: Iterable) -> Iterator:
+    """Pass every weight through, except the per-expert blocks of layers kept in blocks: those go to the layer
+    (removed from `experts` once it has them all)."""
+    for name, tensor in weights:
+        match = EXPERT_KEY.match(name)
+        layer = experts.get(match["prefix"]) if match else None
+        if layer is None:
+            yield name, tensor
+        elif layer.put(int(match["expert"]), match["proj"], tensor):
+            del experts[match["prefix"]]
 
 
 def replace_module(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -157,7 +203,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Resident bytes of parameters and quantized-weight buffers, each storage counted once (tied tables)."""
     tensors = list(model.parameters())
     for module in model.modules():
-        if isinstance(module, (QuantizedLinear, GGUFLinear)):
+        if isinstance(module, (QuantizedLinear, GGUFLinear, GGUFMoeExperts)):
             tensors += list(module.buffers(recurse=False))
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}
     return sum(storages.values())

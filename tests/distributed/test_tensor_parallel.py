@@ -21,6 +21,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
 
 
 def _generate(path, **kwargs):
+    kwargs = {"dtype": "float32", **kwargs}  # ranks sum partial products in another order: exact in fp32 only
     with LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, **kwargs) as llm:
         return [out.outputs[0] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)], llm.stats()
 
@@ -44,6 +45,24 @@ def test_two_ranks_match_one_process(checkpoint, family, expert_parallel):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+def test_prompt_logprobs_over_two_ranks_match_one_process(checkpoint):
+    """Prompt rows, chunked, go through the vocab-parallel LM head in the same passes on every rank."""
+    params = [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2), GREEDY,
+              SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=0)]
+    outs = []
+    for parallel in ({}, {"tensor_parallel_size": 2, "distributed_timeout": 30}):
+        with LLM(str(checkpoint("llama")), dtype="float32", quantization="none", skip_tokenizer_init=True,
+                 kv_cache_memory=0.01, max_num_batched_tokens=16, n_ubatch=16, **parallel) as llm:
+            assert not parallel or llm.engine.model.vocab_parallel_head
+            outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+    for one, two in zip(*outs):
+        assert [o.token_ids for o in one.outputs] == [o.token_ids for o in two.outputs]
+        assert (one.prompt_logprobs is None) == (two.prompt_logprobs is None)
+        for a, b in zip(one.prompt_logprobs or (), two.prompt_logprobs or ()):
+            assert (a is None and b is None) or (a.keys() == b.keys() and all(
+                abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a))
+
+
 def _start_remote_worker(port: int, world_size: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pagellm", "worker", "--master-addr", "127.0.0.1",
                              "--master-port", str(port), "--rank", "1", "--world-size", str(world_size),
@@ -51,14 +70,14 @@ def _start_remote_worker(port: int, world_size: int, *extra: str) -> subprocess.
 
 
 def _remote_head(path, port: int, **parallel) -> LLMEngine:
-    config = EngineConfig(model=ModelConfig(model=str(path)), cache=CacheConfig(kv_cache_memory=0.01),
+    config = EngineConfig(model=ModelConfig(model=str(path), dtype="float32"), cache=CacheConfig(kv_cache_memory=0.01),
                           parallel=ParallelConfig(tensor_parallel_size=2, spawn_workers=False, master_port=port,
                                                   join_timeout=60, **parallel))
     return LLMEngine(config, skip_tokenizer_init=True)
 
 
 def _run_alone(path, prompt, params):
-    with LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01) as llm:
+    with LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32") as llm:
         return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
 

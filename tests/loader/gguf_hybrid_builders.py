@@ -29,6 +29,7 @@ from transformers import AutoConfig, PreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 
+from gguf_builders import random_k_quant_blocks  # noqa: E402
 from tiny_checkpoints import HYBRID_CONFIGS, write_hybrid_checkpoint  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -44,15 +45,18 @@ class Conversion:
     fused_experts: bool = False  # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
     recurrent_layers_array: bool = False  # {arch}.attention.recurrent_layers instead of full_attention_interval
     mtp_layers: int = 0  # junk MTP (nextn) layers appended and counted in block_count, as --mtp files do
-    types: dict[str, T] = field(default_factory=dict)  # GGUF name -> storage type of a 2-D tensor (default F32)
+    types: dict[str, T] = field(default_factory=dict)  # GGUF name -> storage type (default F32)
     extra_tensors: dict[str, np.ndarray] = field(default_factory=dict)  # written as they are, F32
     drop_metadata: tuple[str, ...] = ()  # keys left out of the file (to test the loader's error)
 
 
-def write_hf_checkpoint(family: str, directory: Path, seed: int = 0) -> PreTrainedModel:
+def write_hf_checkpoint(family: str, directory: Path, seed: int = 0, **overrides) -> PreTrainedModel:
     """tiny_checkpoints' hybrid model, in the form a GGUF can hold: llama.cpp makes every layer MoE and
-    always renormalises the router's top-k weights. Weights redrawn as write_hybrid_checkpoint does."""
+    always renormalises the router's top-k weights. Weights redrawn as write_hybrid_checkpoint does.
+    `overrides`: config fields changed (e.g. sizes that K-quant blocks of 256 columns fit)."""
     config = HYBRID_CONFIGS[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
     if hasattr(config, "mlp_only_layers"):
         config.mlp_only_layers = []
     if hasattr(config, "norm_topk_prob"):
@@ -82,13 +86,13 @@ def convert_to_gguf(hf_dir: Path, path: Path, conversion: Conversion | None = No
     _write_metadata(writer, arch, config, conversion)
     for key in conversion.drop_metadata:
         del writer.kv_data[0][key]
-    stored = {}
+    stored, rng = {}, np.random.default_rng(0)
     for name, values in tensors.items():
         qtype = conversion.types.get(name, T.F32)
         if qtype == T.F32:
             raw = stored[name] = np.ascontiguousarray(values, dtype=np.float32)
         else:
-            raw = gguf.quants.quantize(values, qtype)
+            raw = _blocks_of(values, qtype, rng)
             stored[name] = gguf.quants.dequantize(raw, qtype).astype(np.float32)
         writer.add_tensor(name, raw, raw_dtype=qtype if qtype != T.F32 else None)
     writer.write_header_to_file()
@@ -96,6 +100,16 @@ def convert_to_gguf(hf_dir: Path, path: Path, conversion: Conversion | None = No
     writer.write_tensors_to_file()
     writer.close()
     return stored
+
+
+def _blocks_of(values: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
+    """Raw blocks of `values` (any leading dims): quantized by the gguf package, or for the K formats it cannot
+    quantize, random valid blocks of the same shape (their values then replace the checkpoint's)."""
+    if qtype not in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K):
+        return gguf.quants.quantize(values, qtype)
+    rows = values.reshape(-1, values.shape[-1])
+    blocks = random_k_quant_blocks(rng, rows.shape[0], rows.shape[1], qtype)
+    return blocks.reshape(*values.shape[:-1], -1)
 
 
 def _family_of(config) -> str:

@@ -158,3 +158,39 @@ def test_auto_quantization_keeps_the_files_blocks_through_reorder_and_merge(tmp_
         assert isinstance(module, torch.nn.Linear) == (family == "qwen3.5" and name.endswith("out_proj"))
         weight = module.weight if isinstance(module, torch.nn.Linear) else module.dequantize()
         assert torch.equal(weight, dense.model.get_submodule(name).weight)
+
+
+def test_moe_experts_stay_in_their_k_quant_blocks(tmp_path):
+    """A Qwen3-MoE GGUF with Q4_K gate/up and Q6_K down experts: every expert stays in its blocks (resident
+    weights about the file's size, not 4-8x), holds exactly the file's weights, and the model's logits stay
+    within the activations' int8 rounding of the dense model of the same file."""
+    types = {f"blk.{i}.{name}.weight": kind for i in range(3) for name, kind in (
+        ("ffn_gate_exps", T.Q4_K), ("ffn_up_exps", T.Q4_K), ("ffn_down_exps", T.Q6_K))}
+    write_hf_checkpoint("qwen3-moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=256,
+                        intermediate_size=256)
+    convert_to_gguf(tmp_path / "hf", tmp_path / "model.gguf", Conversion(types=types))
+    path = str(tmp_path / "model.gguf")
+    dense = load_model(path, torch.float32, torch.device("cpu"), with_tokenizer=False)
+    blocks = load_model(path, torch.float32, torch.device("cpu"), with_tokenizer=False, quantization="auto")
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(3)]
+    assert all(blocks.quantization[p] == "gguf_experts" for p in experts)
+    for p in experts:
+        layer, reference = blocks.model.get_submodule(p), dense.model.get_submodule(p)
+        gate_up, down = layer.dequantized()
+        assert torch.equal(gate_up, reference.gate_up_proj) and torch.equal(down, reference.down_proj)
+    file_bytes = sum(t.data.nbytes for t in read_gguf_header(path).tensors if t.name.endswith("_exps.weight"))
+    expert_bytes = sum(b.numel() for p in experts for b in blocks.model.get_submodule(p).buffers())
+    assert file_bytes <= expert_bytes <= 1.03 * file_bytes
+    layer, reference = blocks.model.get_submodule(experts[0]), dense.model.get_submodule(experts[0])
+    for tokens in (1, 24):  # one token per expert call, and tokens grouped by expert
+        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
+        weights, ids = torch.rand(tokens, 2), torch.randint(0, 8, (tokens, 2)).sort(dim=1).values
+        ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % 8, ids[:, 1])
+        expected = reference(x, weights, ids)
+        assert ((layer(x, weights, ids) - expected).norm() / expected.norm()).item() < 0.02  # int8 activations
+    prompt = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = PagedHarness(dense.model).prefill("a", prompt)
+    got = PagedHarness(blocks.model).prefill("a", prompt)
+    agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"\nMoE GGUF as stored vs dense: top-1 agreement {agreement:.3f}", end="")
+    assert agreement >= 0.75  # routing is discrete: a small error can pick other experts, downstream

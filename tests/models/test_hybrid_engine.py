@@ -37,7 +37,7 @@ def _generate(llm: LLM) -> list[list[int]]:
 
 def _llm(path, **kwargs) -> LLM:
     return LLM(model=str(path), skip_tokenizer_init=True, block_size=4,
-               **{"kv_cache_memory": 0.01, **kwargs})
+               **{"kv_cache_memory": 0.01, "dtype": "float32", **kwargs})  # compared with HF fp32
 
 
 @pytest.mark.parametrize("settings", [

@@ -45,12 +45,12 @@ def checkpoint(request, tmp_path_factory):
 
 def _llm(path, block_size: int, **kwargs) -> LLM:
     return LLM(model=str(path), skip_tokenizer_init=True, block_size=block_size,
-               **{"kv_cache_memory": 0.01, **kwargs})
+               **{"kv_cache_memory": 0.01, "dtype": "float32", **kwargs})  # compared with HF fp32
 
 
 def _llm_with_snapshot_budget(path, block_size: int, gib: float) -> LLM:
     """LLM() has no state_snapshot_memory argument: build its engine from an EngineConfig."""
-    config = EngineConfig(model=ModelConfig(model=str(path)),
+    config = EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
                           cache=CacheConfig(block_size=block_size, kv_cache_memory=0.01, state_snapshot_memory=gib))
     llm = LLM.__new__(LLM)
     llm.engine = LLMEngine(config, skip_tokenizer_init=True)

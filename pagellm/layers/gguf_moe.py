@@ -1,0 +1,87 @@
+"""A MoE layer's experts kept in their GGUF file's block formats (kernels/gguf_blocks.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.kernels import gguf_blocks
+from pagellm.kernels.gguf_blocks import GGUFWeight
+from pagellm.layers.gguf_linear import merged_segments
+from pagellm.layers.mlp import gated_act
+from pagellm.layers.moe import PER_TOKEN_MAX_TOKENS, MoeExperts
+
+
+class GGUFMoeExperts(MoeExperts):
+    """MoeExperts with every expert in its GGUF blocks (a MoE GGUF then needs about its file size in memory):
+    per projection one stacked buffer [X, ...] of the experts' repacked blocks (within a layer every expert
+    shares its tensor's format). The routing, grouping and summation are MoeExperts'; each active expert runs
+    the block kernels over its rows, gate and up as one call when they share a format."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
+        nn.Module.__init__(self)  # no dense parameters: experts arrive as blocks (put), then `finish`
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.activation = activation
+        self._arriving: dict[str, dict[int, GGUFWeight]] = {"gate_proj": {}, "up_proj": {}, "down_proj": {}}
+        self.formats: dict[str, object] = {}
+
+    def put(self, expert: int, proj: str, weight: GGUFWeight) -> bool:
+        """One expert's projection; returns whether every expert's every projection has arrived (then stacked)."""
+        expected = (self.hidden_size, self.intermediate_size) if proj == "down_proj" else (
+            self.intermediate_size, self.hidden_size)
+        if weight.shape != expected or not 0 <= expert < self.num_experts or expert in self._arriving[proj]:
+            raise ValueError(f"expert {expert} {proj}: shape {weight.shape} (model {expected}), out of range or repeated")
+        self._arriving[proj][expert] = weight
+        if any(len(got) < self.num_experts for got in self._arriving.values()):
+            return False
+        self._stack()
+        return True
+
+    def _stack(self) -> None:
+        arriving, self._arriving = self._arriving, {}
+        gate, up = arriving["gate_proj"], arriving["up_proj"]
+        joined = all(gate[e].ggml_type == up[e].ggml_type == gate[0].ggml_type for e in range(self.num_experts))
+        groups = {"gate_up": [merged_segments([gate[e], up[e]])[0] for e in range(self.num_experts)]} if joined else {
+            "gate": [gate[e] for e in range(self.num_experts)], "up": [up[e] for e in range(self.num_experts)]}
+        groups["down"] = [arriving["down_proj"][e] for e in range(self.num_experts)]
+        for name, weights in groups.items():
+            if len({w.ggml_type for w in weights}) != 1:
+                raise ValueError(f"experts of one layer stored in several formats: {sorted({w.ggml_type.name for w in weights})}")
+            self.formats[name] = weights[0].ggml_type
+            for part, tensors in zip(("qs", "gp", "sp"), zip(*(w.tensors() for w in weights))):
+                self.register_buffer(f"{name}_{part}", torch.stack(tensors))  # [X, ...]
+
+    def _weight(self, name: str, e: int) -> GGUFWeight:
+        qs = self._buffers[f"{name}_qs"][e]
+        return GGUFWeight(self.formats[name], qs.shape[0] * gguf_blocks.BLOCK_ROWS, self.hidden_size if name != "down"
+                          else self.intermediate_size, qs, self._buffers[f"{name}_gp"][e], self._buffers[f"{name}_sp"][e])
+
+    def _bound(self, e: int) -> tuple[gguf_blocks.BoundMatmul, gguf_blocks.BoundMatmul]:
+        """Expert e's (gate_up, down) kernels, bound once (views into the stacked buffers)."""
+        bound = self.__dict__.setdefault("_bound_experts", {})
+        if e not in bound:
+            first = [self._weight("gate_up", e)] if "gate_up" in self.formats else [self._weight("gate", e),
+                                                                                    self._weight("up", e)]
+            bound[e] = (gguf_blocks.BoundMatmul(first, None), gguf_blocks.BoundMatmul([self._weight("down", e)], None))
+        return bound[e]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_bound_experts", None)  # raw pointers: a copy binds its own
+        return state
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [n, E] -> [n, E] through expert e
+        gate_up, down = self._bound(e)
+        return down(gated_act(gate_up(x), self.activation).contiguous())
+
+    def dispatch(self, x: torch.Tensor) -> str:
+        return "per_token" if x.shape[0] <= PER_TOKEN_MAX_TOKENS else "grouped_loop"  # no grouped_mm on blocks
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [X, 2I, E], down [X, E, I]) float32, as MoeExperts holds them (tests and references only)."""
+        def rows(name, e):
+            w = self._weight(name, e)
+            return gguf_blocks.rows(w, torch.arange(w.rows))
+        names = ["gate_up"] if "gate_up" in self.formats else ["gate", "up"]
+        gate_up = torch.stack([torch.cat([rows(n, e) for n in names]) for e in range(self.num_experts)])
+        return gate_up, torch.stack([rows("down", e) for e in range(self.num_experts)])
