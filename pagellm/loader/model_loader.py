@@ -101,10 +101,11 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     net = build_model(local_config(hf_config, shard) if shard else hf_config, dtype, device)
     if shard and shard.expert_parallel:
         install_expert_parallel(net, hf_config, shard)
-    if quantization == "auto" and torch.device(device).type != "cpu":
-        quantization = "none"  # the block kernels are CPU code; the default must not refuse other devices
+    if quantization == "auto" and (torch.device(device).type != "cpu" or shard is not None):
+        # the block kernels are CPU code, and shards split float weights: the default must not refuse either
+        quantization = "none"
     types = gguf_weight_types(path, hf_config) if is_gguf and quantization == "auto" else None
-    plan = plan_quantization(net, quantization, types, keep_blocks=shard is None)  # shards split floats / int4
+    plan = plan_quantization(net, quantization, types)
     if plan and torch.device(device).type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
                          f"not on device {str(device)!r}")

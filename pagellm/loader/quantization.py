@@ -7,8 +7,8 @@
     auto   GGUF: every tensor as the file stores it. The kernel formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
            Q5_K, Q6_K) stay in their blocks, bit for bit (layers/gguf_linear.py); float tensors stay dense; other
            quantized types are dequantized at load, with a warning naming them. Where the block kernels cannot
-           run (no compiler, native kernels off) or weights are sharded across ranks, `auto` falls back to
-           the file's precision budget: <= 5.5 bits per weight -> int4, other quantized types -> int8.
+           run (no compiler, native kernels off), `auto` falls back to the file's precision budget: <= 5.5 bits
+           per weight -> int4, other quantized types -> int8. Sharded loads (model_loader) take `auto` as none.
            An HF checkpoint stores floats, so `auto` is `none` there.
 
 A layer the kernels cannot take (K not a multiple of 32; for int4, N not a multiple of 16) stays dense, and so

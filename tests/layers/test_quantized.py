@@ -258,7 +258,7 @@ def test_gguf_auto_load_keeps_every_tensor_as_stored(tmp_path):
 
 
 def test_gguf_auto_falls_back_to_int4_int8_without_block_kernels(tmp_path):
-    """Sharded loads (keep_blocks=False) and hosts without the kernels follow the file's bits per weight."""
+    """Hosts without the block kernels (keep_blocks=False) follow the file's bits per weight."""
     types = {"blk.0.attn_q.weight": T.Q4_0, "blk.0.attn_k.weight": T.Q8_0, "blk.0.ffn_up.weight": T.F16}
     tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", types=types)
     config = load_gguf_config(tiny.path)
