@@ -87,9 +87,14 @@ def repack(data: np.ndarray, ggml_type: T, shape: tuple[int, int]) -> GGUFWeight
         raise ValueError(f"a {ggml_type.name} tensor of shape {shape} cannot be kept in its blocks "
                          f"(formats {sorted(t.name for t in FORMAT_IDS)}, rows a multiple of {BLOCK_ROWS})")
     by_row = np.asarray(data).reshape(rows, -1)
-    parts = [_repack_rows(by_row[start:start + _CHUNK_ROWS], ggml_type, cols)
-             for start in range(0, rows, _CHUNK_ROWS)]
-    qs, gp, sp = (torch.from_numpy(np.concatenate([p[i] for p in parts])) for i in range(3))
+    out = None  # filled chunk by chunk: a big tensor (a 128k-row vocab head) is never held twice
+    for start in range(0, rows, _CHUNK_ROWS):
+        parts = _repack_rows(by_row[start:start + _CHUNK_ROWS], ggml_type, cols)
+        if out is None:
+            out = [np.empty((rows // BLOCK_ROWS, *p.shape[1:]), np.uint8) for p in parts]
+        for whole, part in zip(out, parts):
+            whole[start // BLOCK_ROWS:start // BLOCK_ROWS + part.shape[0]] = part
+    qs, gp, sp = (torch.from_numpy(t) for t in out)
     return GGUFWeight(ggml_type, rows, cols, qs, gp, sp)
 
 

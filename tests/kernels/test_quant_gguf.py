@@ -113,3 +113,10 @@ def test_weights_side_by_side_write_one_output():
     joined = gguf_blocks.BoundMatmul(weights, bias)(x)
     separate = torch.cat([gguf_blocks.matmul(x, w) for w in weights], dim=1) + bias
     assert torch.equal(joined, separate)
+
+
+def test_repacking_in_chunks_keeps_every_row():
+    """repack works 1024 rows at a time: a tensor of more than one chunk, not a whole number of them."""
+    data = gguf_tensor(T.Q6_K, 2064, 256)
+    weight = gguf_blocks.repack(data, T.Q6_K, (2064, 256))
+    assert torch.equal(gguf_blocks.rows(weight, torch.arange(2064)), dequantized(data, T.Q6_K, (2064, 256)))
