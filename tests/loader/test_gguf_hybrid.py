@@ -8,6 +8,7 @@ match the HF-loaded model (itself checked against transformers in tests/models/t
 from __future__ import annotations
 
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf_hybrid_builders import Conversion, convert_to_gguf, write_hf_checkpoint
 
+from pagellm.layers.gguf_linear import GGUFLinear
+from pagellm.layers.gguf_moe import GGUFMoeExperts
 from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header
 from pagellm.loader.gguf_quant import group_affine_of
 from pagellm.loader.model_loader import load_model
@@ -194,3 +197,38 @@ def test_moe_experts_stay_in_their_k_quant_blocks(tmp_path):
     agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"\nMoE GGUF as stored vs dense: top-1 agreement {agreement:.3f}", end="")
     assert agreement >= 0.75  # routing is discrete: a small error can pick other experts, downstream
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_family_runs_with_its_blocks_as_stored(tmp_path, name):
+    """Every 2-D weight and the experts stored Q8_0: the default load keeps them in blocks; on the dense model's
+    own activations each block layer computes its output within the activations' int8 rounding, and the whole
+    model runs. (Whole-model logits are no test here: a tiny random MoE model is chaotic, a 0.5% error in one
+    layer flips routing and moves some tokens' logits by half their norm, dense weights or not.)"""
+    family, conversion = CASES[name]
+    write_hf_checkpoint(family, tmp_path / "hf")
+    probe = convert_to_gguf(tmp_path / "hf", tmp_path / "probe.gguf", conversion)
+    types = {n: T.Q8_0 for n, v in probe.items() if v.ndim >= 2 and v.shape[-1] % 32 == 0 and v.shape[-2] % 16 == 0}
+    convert_to_gguf(tmp_path / "hf", tmp_path / "model.gguf", dataclasses.replace(conversion, types=types))
+    path = str(tmp_path / "model.gguf")
+    dense = load_model(path, torch.float32, torch.device("cpu"), with_tokenizer=False).model
+    blocks = load_model(path, torch.float32, torch.device("cpu"), with_tokenizer=False, quantization="auto").model
+    kept = {n: m for n, m in blocks.named_modules()  # token tables: lookups (exact), checked in test_quantized
+            if isinstance(m, (GGUFLinear, GGUFMoeExperts)) and not n.endswith(".table")}
+    assert any(isinstance(m, GGUFMoeExperts) for m in kept.values()) == ("moe" in name or "next" in name)
+    seen = {}
+
+    def keep_first_call(name):
+        def hook(module, args, out) -> None:  # None: the output is left as it is
+            seen.setdefault(name, (args, out))
+        return hook
+
+    hooks = [dense.get_submodule(n).register_forward_hook(keep_first_call(n)) for n in kept]
+    prompt = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    PagedHarness(dense).prefill("a", prompt)
+    for hook in hooks:
+        hook.remove()
+    assert set(seen) == set(kept)
+    for n, (args, expected) in seen.items():
+        assert ((kept[n](*args) - expected).norm() / expected.norm()).item() < 0.03, n
+    assert torch.isfinite(PagedHarness(blocks).prefill("a", prompt)).all()
