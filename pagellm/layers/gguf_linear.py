@@ -42,11 +42,13 @@ class GGUFLinear(nn.Module):
                            buffers[f"qs{i}"], buffers[f"gp{i}"], buffers[f"sp{i}"]) for i, t in enumerate(self.formats)]
 
     def bound(self) -> gguf_blocks.BoundMatmul:
-        """The kernel bound to this layer's tensors: built once, again if a buffer or the bias was replaced."""
-        segments = self.segments()
-        bound = self.__dict__.get("_bound")
-        if bound is None or not bound.binds(segments, self.bias):
-            bound = self.__dict__["_bound"] = gguf_blocks.BoundMatmul(segments, self.bias)
+        """The kernel bound to this layer's tensors: built once, again if a buffer or the bias was replaced
+        (checked by identity: a forward pays a few attribute reads, not a rebuild of the segments)."""
+        tensors = (*self._buffers.values(), self.bias)
+        bound, key = self.__dict__.get("_bound", (None, ()))
+        if bound is None or len(key) != len(tensors) or any(a is not b for a, b in zip(key, tensors)):
+            bound = gguf_blocks.BoundMatmul(self.segments(), self.bias)
+            self.__dict__["_bound"] = (bound, tensors)
         return bound
 
     def __getstate__(self) -> dict:

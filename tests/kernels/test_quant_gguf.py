@@ -120,3 +120,13 @@ def test_repacking_in_chunks_keeps_every_row():
     data = gguf_tensor(T.Q6_K, 2064, 256)
     weight = gguf_blocks.repack(data, T.Q6_K, (2064, 256))
     assert torch.equal(gguf_blocks.rows(weight, torch.arange(2064)), dequantized(data, T.Q6_K, (2064, 256)))
+
+
+def test_layer_rebinds_when_a_buffer_is_replaced():
+    from pagellm.layers.gguf_linear import GGUFLinear
+
+    first, second = (gguf_blocks.repack(gguf_tensor(T.Q8_0, 32, 256, seed=s), T.Q8_0, (32, 256)) for s in (1, 2))
+    layer, x = GGUFLinear([first]), torch.randn(2, 256)
+    assert torch.equal(layer(x), gguf_blocks.matmul(x, first))
+    layer.qs0, layer.gp0 = second.qs, second.gp
+    assert torch.equal(layer(x), gguf_blocks.matmul(x, second))
