@@ -56,8 +56,9 @@ def auto_scheme(ggml_type: gguf.GGMLQuantizationType | None) -> str | None:
 def plan_quantization(model: nn.Module, scheme: str,
                       weight_types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
                       keep_blocks: bool = True) -> dict[str, str]:
-    """{module path: "int8" | "int4" | "gguf"}; `weight_types` ({HF name: ggml type}) is what `auto` follows,
-    keeping tensors in their GGUF blocks where `keep_blocks` and the kernels run here."""
+    """{module path: "int8" | "int4" | "gguf" | "gguf_experts" (a MoE layer's experts)}; `weight_types`
+    ({HF name: ggml type}) is what `auto` follows, keeping tensors in their GGUF blocks where `keep_blocks`
+    and the kernels run here."""
     if scheme not in QUANTIZATION_SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {scheme!r}")
     if scheme == "none" or (scheme == "auto" and weight_types is None):
