@@ -66,8 +66,12 @@ def plan_quantization(model: nn.Module, scheme: str,
     blocks = scheme == "auto" and keep_blocks and gguf_blocks.available()
     plan, routers, dequantized = {}, router_paths(model), {}
     for path, module in model.named_modules():
-        if blocks and isinstance(module, MoeExperts) and _experts_in_blocks(path, module, weight_types):
-            plan[path] = "gguf_experts"
+        if blocks and isinstance(module, MoeExperts):
+            if _experts_in_blocks(path, module, weight_types):
+                plan[path] = "gguf_experts"
+            else:  # dense experts: note the quantized types that had no kernel
+                for stored in {weight_types.get(name) for name in _expert_names(path, module)} - {None, *_FLOAT_TYPES}:
+                    dequantized.setdefault(stored.name, []).append(path)
         if not isinstance(module, (nn.Linear, nn.Embedding)) or path in routers:
             continue
         stored = weight_types.get(f"{path}.weight") if scheme == "auto" else None

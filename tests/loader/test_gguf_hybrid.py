@@ -232,3 +232,13 @@ def test_every_family_runs_with_its_blocks_as_stored(tmp_path, name):
     for n, (args, expected) in seen.items():
         assert ((kept[n](*args) - expected).norm() / expected.norm()).item() < 0.03, n
     assert torch.isfinite(PagedHarness(blocks).prefill("a", prompt)).all()
+
+
+def test_experts_without_a_block_kernel_are_dequantized_with_a_warning(tmp_path):
+    types = {f"blk.{i}.ffn_down_exps.weight": T.Q3_K for i in range(3)}
+    write_hf_checkpoint("qwen3-moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=256,
+                        intermediate_size=256)
+    convert_to_gguf(tmp_path / "hf", tmp_path / "model.gguf", Conversion(types=types))
+    with pytest.warns(RuntimeWarning, match="Q3_K tensor"):
+        loaded = load_model(str(tmp_path / "model.gguf"), torch.float32, torch.device("cpu"), False, "auto")
+    assert not any(scheme == "gguf_experts" for scheme in loaded.quantization.values())
