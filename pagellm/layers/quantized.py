@@ -86,7 +86,7 @@ INT8_ACTIVATIONS_FROM_ROWS = MappingProxyType({False: 1, True: 1})
 def int8_activations_default() -> bool:
     """int4 layers take int8 activations where the kernel runs (every level with a compiler; the loader applies
     KernelConfig.int8_activations after): ~2x the speed of bf16 activations, for an activation rounding error of
-    0.5-1.5% of an output row's norm (the int4 weights' own error is ~7%); see the README's accuracy figures."""
+    0.5-1.5% of an output row's norm (the int4 weights' own error is ~7%); see docs/benchmarks/ for the measured figures."""
     return quant_gemv.q8_available()
 
 
