@@ -217,10 +217,6 @@ class BoundMatmul:
                        for o, w in zip(offsets, weights)]
         self._biases = {}  # dtype -> the bias in it
 
-    def binds(self, weights: list[GGUFWeight], bias: torch.Tensor | None) -> bool:
-        return self.bias is bias and len(weights) == len(self.weights) and all(
-            a.qs is b.qs and a.gp is b.gp and a.sp is b.sp for a, b in zip(weights, self.weights))
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (fp32 or bf16, CPU) -> [..., N] in x's dtype, bias added."""
         cols = self.cols

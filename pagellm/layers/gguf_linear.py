@@ -16,9 +16,10 @@ from torch import nn
 
 from pagellm.kernels import gguf_blocks
 from pagellm.kernels.gguf_blocks import GGUFWeight
+from pagellm.layers.kernel_binding import KernelBinding
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(KernelBinding, nn.Module):
     scheme = "gguf"
 
     def __init__(self, segments: list[GGUFWeight], bias: torch.Tensor | None = None):
@@ -51,10 +52,6 @@ class GGUFLinear(nn.Module):
             self.__dict__["_bound"] = (bound, tensors)
         return bound
 
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state.pop("_bound", None)  # raw pointers into this module's tensors: a copy binds its own
-        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bound()(x)  # [..., K] -> [..., N] in x's dtype

@@ -8,11 +8,12 @@ from torch import nn
 from pagellm.kernels import gguf_blocks
 from pagellm.kernels.gguf_blocks import GGUFWeight
 from pagellm.layers.gguf_linear import merged_segments
+from pagellm.layers.kernel_binding import KernelBinding
 from pagellm.layers.mlp import gated_act
 from pagellm.layers.moe import PER_TOKEN_MAX_TOKENS, MoeExperts
 
 
-class GGUFMoeExperts(MoeExperts):
+class GGUFMoeExperts(KernelBinding, MoeExperts):
     """MoeExperts with every expert in its GGUF blocks (a MoE GGUF then needs about its file size in memory):
     per projection one stacked buffer [X, ...] of the experts' repacked blocks (within a layer every expert
     shares its tensor's format). The routing, grouping and summation are MoeExperts'; each active expert runs
@@ -56,22 +57,18 @@ class GGUFMoeExperts(MoeExperts):
         return GGUFWeight(self.formats[name], qs.shape[0] * gguf_blocks.BLOCK_ROWS, self.hidden_size if name != "down"
                           else self.intermediate_size, qs, self._buffers[f"{name}_gp"][e], self._buffers[f"{name}_sp"][e])
 
-    def _bound(self, e: int) -> tuple[gguf_blocks.BoundMatmul, gguf_blocks.BoundMatmul]:
+    def _kernels(self, e: int) -> tuple[gguf_blocks.BoundMatmul, gguf_blocks.BoundMatmul]:
         """Expert e's (gate_up, down) kernels, bound once (views into the stacked buffers)."""
-        bound = self.__dict__.setdefault("_bound_experts", {})
+        bound = self.__dict__.setdefault("_bound", {})
         if e not in bound:
             first = [self._weight("gate_up", e)] if "gate_up" in self.formats else [self._weight("gate", e),
                                                                                     self._weight("up", e)]
             bound[e] = (gguf_blocks.BoundMatmul(first, None), gguf_blocks.BoundMatmul([self._weight("down", e)], None))
         return bound[e]
 
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state.pop("_bound_experts", None)  # raw pointers: a copy binds its own
-        return state
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [n, E] -> [n, E] through expert e
-        gate_up, down = self._bound(e)
+        gate_up, down = self._kernels(e)
         return down(gated_act(gate_up(x), self.activation).contiguous())
 
     def dispatch(self, x: torch.Tensor) -> str:

@@ -37,6 +37,7 @@ from torch import nn
 from pagellm.kernels import quant_gemv
 from pagellm.kernels.gguf_blocks import GGUFWeight
 from pagellm.layers.gguf_linear import GGUFLinear, concat_gguf_linears
+from pagellm.layers.kernel_binding import KernelBinding
 from pagellm.layers.quant_codes import (  # noqa: F401  -- GROUP_SIZE, GroupAffine, can_quantize: the loader's
     GROUP_SIZE, KERNEL_DTYPE, GroupAffine, Int4Layout, can_quantize, group_affine_from_float, int4_row_codes,
     pack_int4, quantize_int8, unpack_tile)
@@ -95,7 +96,7 @@ def _aligned_kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % _ALIGN == 0 else x.clone()
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(KernelBinding, nn.Module):
     """y = x W^T + b with W held quantized. Subclasses supply the int kernels, rows, and dense tiles."""
 
     scheme = ""
@@ -139,10 +140,6 @@ class QuantizedLinear(nn.Module):
             bound = self.__dict__["_bound"][q8] = quant_gemv.BoundMatmul(self.scheme, weight, scales, self.bias, q8)
         return bound
 
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state.pop("_bound", None)  # raw pointers into this module's tensors: a copy binds its own
-        return state
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize TILE_ROWS rows at a time into one scratch buffer; a dense matmul per tile."""
