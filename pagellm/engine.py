@@ -26,6 +26,7 @@ from pagellm.engine_stats import EngineStats
 from pagellm.kernels.selection import compute_dtype, select_kernels
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import weight_bytes
+from pagellm.models.bound_layers import layer_plan
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
 from pagellm.request import Request, RequestStatus
@@ -282,5 +283,6 @@ class LLMEngine:
         stats = self.counters.as_dict(self.kv_cache, self.scheduler)
         stats["tensor_parallel_size"] = self.executor.world_size
         stats["kernels"] = self.kernels
+        stats["layers"] = layer_plan(self.model)  # bound to the kernels, or modules and why
         stats.update(self.memory)  # weights, and the process with its KV pool still empty, as loaded
         return stats

@@ -49,6 +49,7 @@ def test_llm_runs_the_level_asked_and_reports_it():
         llm = LLM(cpu_isa="generic", kv_cache_memory=0.05, max_model_len=64, skip_tokenizer_init=True)
         assert native.level() == "generic"
         assert llm.stats()["kernels"].startswith("generic (GGUF blocks x int8 matmul, int4 x int8 matmul, paged attention, fused layer ops")
+        assert llm.stats()["layers"] == "bound to the kernels (18 layers)"  # the embedded model, planned once
         out = llm.generate([[2, 818, 5279, 529, 7001, 563]], use_tqdm=False)[0].outputs[0].token_ids
         assert len(out) > 0
         llm.shutdown()

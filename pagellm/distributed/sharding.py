@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagellm.models.bound_layers import PlannedBackbone
+
 from pagellm.layers.moe import MoeExperts, SparseMoeBlock
 from pagellm.layers.quantized import GroupAffine
 from pagellm.models.llama import head_dim_of
@@ -87,7 +89,8 @@ def install_expert_parallel(model: nn.Module, hf_config, spec: ShardSpec) -> Non
 
 
 def install_all_reduce(model: nn.Module, all_reduce_) -> None:
-    """Sum the partial outputs of every attention / linear-attention / MLP block over ranks, in place."""
+    """Sum the partial outputs of every attention / linear-attention / MLP block over ranks, in place: as a
+    forward hook on each block for the module path, and in the plan of a bound backbone (planned again)."""
     def hook(module, args, output):
         return all_reduce_(output)
 
@@ -96,6 +99,8 @@ def install_all_reduce(model: nn.Module, all_reduce_) -> None:
             block = getattr(layer, name, None)
             if block is not None:
                 block.register_forward_hook(hook)
+    if isinstance(model.model, PlannedBackbone):
+        model.model.replan(all_reduce_)
 
 
 def install_vocab_parallel_head(model: nn.Module, state) -> bool:

@@ -19,6 +19,7 @@ import ctypes
 import torch
 
 from pagellm.kernels import native
+from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor
 from pagellm.runner.attention_metadata import AttentionMetadata
 
 
@@ -106,29 +107,28 @@ def paged_attention_reference(
     return out
 
 
-_NATIVE_DTYPES = native.DTYPE_CODES
-
-
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_LIBRARY = native.Library("paged_attention", {"pagellm_paged_attention": (
-    [_PTR] * 7  # out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens
-    + [_I64] * 14  # sizes and strides, in the order of the call below
-    + [ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int], ctypes.c_int)})
+_I64S = (torch.int64,)
+_PAGED_ATTENTION = Function("pagellm_paged_attention", (
+    Tensor("out", FLOATS), Tensor("query", FLOATS, rows=True), Tensor("key_cache", FLOATS, rows=True),
+    Tensor("value_cache", FLOATS, rows=True), Tensor("block_tables", _I64S, rows=True),
+    Tensor("query_start_loc", _I64S), Tensor("seq_lens", _I64S),
+    *map(Int, ("num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size", "table_stride", "q_stride_tok",
+               "q_stride_head", "k_stride_block", "k_stride_tok", "k_stride_head", "v_stride_block",
+               "v_stride_tok", "v_stride_head")),
+    Float("scale"), Int("window"), Float("soft_cap"), DtypeCode("query"), Flag("num_threads")), returns=ctypes.c_int)
+_LIBRARY = native.Library("paged_attention", [_PAGED_ATTENTION])
 
 
 def _native_kernel(at: str | None = None):
-    """The C++ entry point at level `at` (default: the selected one), typed for ctypes, or None."""
-    return _LIBRARY.function("pagellm_paged_attention", at)
+    """The C++ entry point's unchecked caller at level `at` (default: the selected one), or None."""
+    return _LIBRARY.unchecked(_PAGED_ATTENTION.symbol, at)
 
 
 def _native_supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    # (cheap attribute checks only: this runs for every layer of every step)
-    dtype = query.dtype
-    return (dtype in _NATIVE_DTYPES and key_cache.dtype == dtype and value_cache.dtype == dtype
-            and query.is_cpu and key_cache.is_cpu and value_cache.is_cpu
-            and query.shape[-1] % 16 == 0  # the AVX-512 loops step 16 lanes
-            and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1  # a copy of the cache would cost more
-            and not (query.requires_grad and torch.is_grad_enabled()))
+    # a copy of the cache would cost more than the reference: rows of unit stride are what the kernel takes
+    return (query.shape[-1] % 16 == 0  # the AVX-512 loops step 16 lanes
+            and _PAGED_ATTENTION.accepts(query=query, key_cache=key_cache, value_cache=value_cache)
+            and key_cache.dtype == value_cache.dtype == query.dtype)
 
 
 def _int64_rows(t: torch.Tensor) -> torch.Tensor:
@@ -155,11 +155,10 @@ def paged_attention_native(
     if num_tokens == 0:
         return out
     status = _native_kernel()(
-        native.ptr(out), native.ptr(query), native.ptr(key_cache), native.ptr(value_cache),
-        native.ptr(tables), native.ptr(starts), native.ptr(lens),
+        out, query, key_cache, value_cache, tables, starts, lens,
         meta.num_seqs, num_heads, num_kv_heads, head_dim, meta.block_size, tables.stride(0),
         query.stride(0), query.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
-        scale, sliding_window or 0, logits_soft_cap or 0.0, _NATIVE_DTYPES[query.dtype], torch.get_num_threads())
+        scale, sliding_window or 0, logits_soft_cap or 0.0, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"pagellm_paged_attention failed with status {status}")
     return out

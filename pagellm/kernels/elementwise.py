@@ -8,57 +8,48 @@ which stays the oracle the kernels are tested against.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from pagellm.kernels import native
+from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor
 
-_DTYPE_FLAG = native.DTYPE_CODES
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {  # library (csrc/<name>.cpp) -> its function's argtypes
-    "rms_norm": [_P, _P, _P, _I64, _I64, ctypes.c_float, _INT, _INT],
-    "rotary": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
-}
-
-
-_LIBRARIES = {name: native.Library(name, {f"pagellm_{name}": (argtypes, None)}) for name, argtypes in _SIGNATURES.items()}
+_RMS_NORM = Function("pagellm_rms_norm", (
+    Tensor("x", FLOATS), Tensor("weight", FLOATS), Tensor("out", FLOATS), Int("rows"), Int("dim"), Float("eps"),
+    DtypeCode("x"), Flag("unit_offset")))
+_ROTARY = Function("pagellm_rotary", (
+    Tensor("x", FLOATS), Tensor("cos", FLOATS), Tensor("sin", FLOATS), Tensor("out", FLOATS), Int("tokens"),
+    Int("heads"), Int("dim"), DtypeCode("x")))
+_LIBRARIES = {"rms_norm": native.Library("rms_norm", [_RMS_NORM]), "rotary": native.Library("rotary", [_ROTARY])}
 
 
 def _kernel(name: str):
-    """pagellm_<name> of csrc/<name>.cpp at the selected level, or None."""
-    return _LIBRARIES[name].function(f"pagellm_{name}")
-
-
-def _handled(*tensors: torch.Tensor) -> bool:
-    first = tensors[0]
-    return (first.device.type == "cpu" and first.dtype in _DTYPE_FLAG and first.numel() > 0
-            and not (first.requires_grad and torch.is_grad_enabled())  # the kernels have no backward
-            and all(t.is_contiguous() for t in tensors))
+    """pagellm_<name> of csrc/<name>.cpp at the selected level (unchecked caller), or None."""
+    return _LIBRARIES[name].unchecked(f"pagellm_{name}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor | None:
     """x [..., dim] -> normalised [..., dim]; weight fp32 when unit_offset, else x's dtype. None: not handled."""
-    if not _handled(x, weight) or weight.dtype != (torch.float32 if unit_offset else x.dtype):
+    if (x.numel() == 0 or not _RMS_NORM.accepts(x=x, weight=weight)
+            or weight.dtype != (torch.float32 if unit_offset else x.dtype)):
         return None
     fn = _kernel("rms_norm")
     if fn is None:
         return None
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
-       _DTYPE_FLAG[x.dtype], int(unit_offset))
+    fn(x, weight, out, x.numel() // dim, dim, eps, int(unit_offset))
     return out
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x [T, H, D] rotated by cos/sin [T, D/2] (same dtype as x). None: not handled."""
-    if x.dim() != 3 or not _handled(x, cos, sin) or not cos.dtype == sin.dtype == x.dtype:
+    if (x.dim() != 3 or x.numel() == 0 or not _ROTARY.accepts(x=x, cos=cos, sin=sin)
+            or not cos.dtype == sin.dtype == x.dtype):
         return None
     fn = _kernel("rotary")
     if fn is None:
         return None
     out = torch.empty_like(x)
     tokens, heads, dim = x.shape
-    fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, dim, _DTYPE_FLAG[x.dtype])
+    fn(x, cos, sin, out, tokens, heads, dim)
     return out

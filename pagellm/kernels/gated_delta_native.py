@@ -10,54 +10,45 @@ has then touched nothing; the caller runs the torch reference
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from pagellm.kernels import native
+from pagellm.kernels.binding import FLOATS, DtypeCode, Function, Int, Tensor
 
-_DTYPE_FLAG = native.DTYPE_CODES
-
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "conv": ("pagellm_gdn_conv_decode", [_P, _P, _P, _P, _P, _I64, _I64, _I64, _INT]),
-    "rule": ("pagellm_gdn_rule_decode", [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64]),
-}
-
-
-_LIBRARY = native.Library("gated_delta_decode",
-                          {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()})
+_F32, _SLOTS = (torch.float32,), (torch.int64,)
+_CONV = Function("pagellm_gdn_conv_decode", (
+    Tensor("conv_state", FLOATS), Tensor("slots", _SLOTS), Tensor("x", FLOATS), Tensor("weight", FLOATS),
+    Tensor("out", FLOATS), Int("batch"), Int("channels"), Int("taps"), DtypeCode("x")))
+_RULE = Function("pagellm_gdn_rule_decode", (
+    Tensor("state", _F32), Tensor("slots", _SLOTS),
+    *(Tensor(name, _F32) for name in ("q", "k", "v", "g", "beta", "out")),
+    Int("batch"), Int("k_heads"), Int("v_heads"), Int("dk"), Int("dv")))
+_LIBRARY = native.Library("gated_delta_decode", [_CONV, _RULE])
+_SYMBOLS = {"conv": _CONV.symbol, "rule": _RULE.symbol}
 
 
 def _kernel(which: str):
-    """A function of csrc/gated_delta_decode.cpp at the selected level, or None."""
-    return _LIBRARY.function(_SIGNATURES[which][0])
+    """A function of csrc/gated_delta_decode.cpp at the selected level (unchecked caller), or None."""
+    return _LIBRARY.unchecked(_SYMBOLS[which])
 
 
-def _on_cpu_contiguous(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-
-
-def _slots_ok(slots: torch.Tensor, num_slots: int) -> bool:
+def _slots_ok(function: Function, slots: torch.Tensor, num_slots: int) -> bool:
     # The kernel indexes raw memory by slot: an out-of-range slot would write outside the tensor.
-    return (slots.dtype == torch.int64 and slots.dim() == 1 and _on_cpu_contiguous(slots)
+    return (slots.dim() == 1 and function.accepts(slots=slots)
             and (slots.numel() == 0 or (int(slots.min()) >= 0 and int(slots.max()) < num_slots)))
 
 
 def decode_handled(conv_state: torch.Tensor, recurrent_state: torch.Tensor, x: torch.Tensor,
                    weight: torch.Tensor, slots: list[int]) -> bool:
     """Whether both kernels take this decode step (checked before either touches a state)."""
-    return (x.dtype in _DTYPE_FLAG and conv_state.dtype == weight.dtype == x.dtype
-            and recurrent_state.dtype == torch.float32 and _on_cpu_contiguous(conv_state, recurrent_state, weight)
-            and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
-            and bool(slots) and 0 <= min(slots) and max(slots) < min(conv_state.shape[0], recurrent_state.shape[0])
+    return (_CONV.accepts(conv_state=conv_state, x=x, weight=weight) and _RULE.accepts(state=recurrent_state)
+            and conv_state.dtype == weight.dtype == x.dtype and bool(slots) and 0 <= min(slots) and max(slots) < min(conv_state.shape[0], recurrent_state.shape[0])
             and _kernel("conv") is not None and _kernel("rule") is not None)
 
 
 def slot_index_usable(index: torch.Tensor | None, count: int) -> bool:
     """Whether a given slot tensor can be passed to the kernels as is (else one is built from the list)."""
-    return index is not None and index.numel() == count and index.dtype == torch.int64 and \
-        _on_cpu_contiguous(index)
+    return index is not None and index.numel() == count and _CONV.accepts(slots=index)
 
 
 def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
@@ -66,16 +57,15 @@ def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
 
     All of conv_state, x, weight in one dtype (fp32 or bf16). None: not handled.
     """
-    if (x.dtype not in _DTYPE_FLAG or not conv_state.dtype == weight.dtype == x.dtype
-            or not _on_cpu_contiguous(conv_state, x, weight) or not _slots_ok(slots, conv_state.shape[0])):
+    if (not _CONV.accepts(conv_state=conv_state, x=x, weight=weight) or not conv_state.dtype == weight.dtype == x.dtype
+            or not _slots_ok(_CONV, slots, conv_state.shape[0])):
         return None
     fn = _kernel("conv")
     if fn is None:
         return None
     batch, channels = x.shape
     out = torch.empty_like(x)
-    fn(conv_state.data_ptr(), slots.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(),
-       batch, channels, weight.shape[1], _DTYPE_FLAG[x.dtype])
+    fn(conv_state, slots, x, weight, out, batch, channels, weight.shape[1])
     return out
 
 
@@ -87,9 +77,7 @@ def rule_decode_(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: t
     per key head (value head h reads key head h // (Hv / Hk)); v [B, Hv, dv], g, beta [B, Hv]
     fp32. None: not handled.
     """
-    tensors = (state, q, k, v, g, beta)
-    if (any(t.dtype != torch.float32 for t in tensors) or not _on_cpu_contiguous(*tensors)
-            or not _slots_ok(slots, state.shape[0])):
+    if not _RULE.accepts(state=state, q=q, k=k, v=v, g=g, beta=beta) or not _slots_ok(_RULE, slots, state.shape[0]):
         return None
     fn = _kernel("rule")
     if fn is None:
@@ -97,6 +85,5 @@ def rule_decode_(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: t
     _, v_heads, dk, dv = state.shape
     batch, k_heads = q.shape[:2]
     out = torch.empty(batch, v_heads, dv, dtype=torch.float32)
-    fn(state.data_ptr(), slots.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-       out.data_ptr(), batch, k_heads, v_heads, dk, dv)
+    fn(state, slots, q, k, v, g, beta, out, batch, k_heads, v_heads, dk, dv)
     return out

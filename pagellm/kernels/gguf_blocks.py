@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from pagellm.kernels import native
+from pagellm.kernels.binding import FLOATS, Address, DtypeCode, Flag, Function, Int, Tensor
 
 T = gguf.GGMLQuantizationType
 BLOCK_ROWS = 16
@@ -38,18 +39,20 @@ _BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q4_K: 4, T.Q5_
 _SUPER = frozenset({T.Q4_K, T.Q5_K, T.Q6_K})  # 256-column blocks with per-block factors
 _CHUNK_ROWS = 1024  # rows repacked at a time: temporaries stay small
 
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "pagellm_gguf_matmul_q8": ([_P, _INT, _I64, _I64, _INT, _P, _P, _P, _I64, _I64, _P, _P, _INT], _INT),
-    "pagellm_gguf_rows": ([_INT, _P, _P, _P, _I64, _I64, _P, _I64, _P, _INT], _I64),
-}
-_KERNELS = native.Library("quant_gguf", _SIGNATURES, extensions=("avx_vnni",))
+_BLOCKS = (Flag("format"), Tensor("qs"), Tensor("gp"), Tensor("sp"))  # a GGUFWeight's format and tensors
+# the output (and bias) are addresses: a joined layer's parts write side by side into one output, at offsets
+_MATMUL = Function("pagellm_gguf_matmul_q8", (
+    Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("N"), Int("ldo"), Address("bias"),
+    Address("out"), DtypeCode("x")), returns=ctypes.c_int)
+_ROWS = Function("pagellm_gguf_rows", (*_BLOCKS, Int("N"), Int("K"), Tensor("ids", (torch.int64,)), Int("T"),
+                                       Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int64)
+_KERNELS = native.Library("quant_gguf", [_MATMUL, _ROWS], extensions=("avx_vnni",))
 _DTYPE_FLAG = native.DTYPE_CODES
 
 
 def available() -> bool:
     """Whether the kernels run here: at every level with a compiler (and native kernels on)."""
-    return _KERNELS.current() is not None
+    return _KERNELS.available()
 
 
 def supports(ggml_type: T, rows: int, cols: int) -> bool:
@@ -211,10 +214,9 @@ class BoundMatmul:
         self.cols, self.rows = weights[0].cols, sum(w.rows for w in weights)
         if any(w.cols != self.cols for w in weights):
             raise ValueError(f"weights side by side need one input width, got {[w.cols for w in weights]}")
-        self._fn = _KERNELS.current().pagellm_gguf_matmul_q8
+        self._fn = _KERNELS.unchecked(_MATMUL.symbol)
         offsets = np.cumsum([0] + [w.rows for w in weights])[:-1].tolist()
-        self._calls = [(int(o), (w.format_id, w.qs.data_ptr(), w.gp.data_ptr(), w.sp.data_ptr(), w.rows))
-                       for o, w in zip(offsets, weights)]
+        self._calls = [(int(o), (w.format_id, w.qs, w.gp, w.sp, w.rows)) for o, w in zip(offsets, weights)]
         self._biases = {}  # dtype -> the bias in it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,16 +224,15 @@ class BoundMatmul:
         cols = self.cols
         if x.shape[-1] != cols or not x.is_cpu:  # the kernel reads raw memory: K must match
             raise ValueError(f"expected a CPU input of {cols} features, got {tuple(x.shape)} on {x.device}")
-        flag = _DTYPE_FLAG.get(x.dtype)
-        if flag is None:
+        if x.dtype not in _DTYPE_FLAG:
             return self(x.float()).to(x.dtype)
         x = x.contiguous()
         out = torch.empty(*x.shape[:-1], self.rows, dtype=x.dtype)
         bias = self._bias_in(x.dtype)
-        size, rows = out.element_size(), x.numel() // cols
+        size, rows, out_at = out.element_size(), x.numel() // cols, out.data_ptr()
         for offset, args in self._calls:
-            self._fn(x.data_ptr(), flag, rows, cols, *args, self.rows, None if bias is None else bias + offset * size,
-                     out.data_ptr() + offset * size, flag)
+            self._fn(x, rows, cols, *args, self.rows, None if bias is None else bias + offset * size,
+                     out_at + offset * size)
         return out
 
     def _bias_in(self, dtype: torch.dtype) -> int | None:
@@ -246,9 +247,8 @@ def rows(weight: GGUFWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float
     """The dequantized rows `ids` [T, K] (fp32 or bf16): exactly gguf.quants.dequantize's values."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), weight.cols, dtype=dtype if dtype in _DTYPE_FLAG else torch.float32)
-    bad = _KERNELS.current().pagellm_gguf_rows(weight.format_id, weight.qs.data_ptr(), weight.gp.data_ptr(),
-                                               weight.sp.data_ptr(), weight.rows, weight.cols, ids.data_ptr(),
-                                               ids.numel(), out.data_ptr(), _DTYPE_FLAG[out.dtype])
+    bad = _KERNELS.unchecked(_ROWS.symbol)(weight.format_id, *weight.tensors(), weight.rows, weight.cols, ids,
+                                           ids.numel(), out)
     if bad:  # checked in the kernel: a reduction and a host read here cost more than the lookup
         raise IndexError(f"{bad} row index(es) out of range for {weight.rows} rows")
     return out.to(dtype)

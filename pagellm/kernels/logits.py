@@ -10,32 +10,27 @@ kernels are tested against (tests/kernels/test_logits_kernels.py).
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from pagellm.kernels import native
+from pagellm.kernels.binding import FLOATS, DtypeCode, Float, Function, Int, Tensor
 
-_IN_BF16 = native.DTYPE_CODES
-
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {
-    "logits_to_f32": ("pagellm_logits_to_f32", [_P, _INT, _I64, _I64, ctypes.c_float, _P]),
-    "argmax_rows": ("pagellm_argmax_rows", [_P, _I64, _I64, _P]),
-}
-
-
-_LIBRARY = native.Library("logits", {symbol: (argtypes, None) for symbol, argtypes in _SIGNATURES.values()})
+_TO_F32 = Function("pagellm_logits_to_f32", (
+    Tensor("logits", FLOATS), DtypeCode("logits"), Int("rows"), Int("V"), Float("cap"),
+    Tensor("out", (torch.float32,))))
+_ARGMAX = Function("pagellm_argmax_rows", (Tensor("x", (torch.float32,)), Int("rows"), Int("V"),
+                                           Tensor("out", (torch.int64,))))
+_LIBRARY = native.Library("logits", [_TO_F32, _ARGMAX])
+_SYMBOLS = {"logits_to_f32": _TO_F32.symbol, "argmax_rows": _ARGMAX.symbol}
 
 
 def _kernel(name: str):
-    """A function of csrc/logits.cpp at the selected level, or None."""
-    return _LIBRARY.function(_SIGNATURES[name][0])
+    """A function of csrc/logits.cpp at the selected level (unchecked caller), or None."""
+    return _LIBRARY.unchecked(_SYMBOLS[name])
 
 
-def _handled(x: torch.Tensor, dtypes) -> bool:
-    return (x.device.type == "cpu" and x.dtype in dtypes and x.dim() >= 1 and x.shape[-1] > 0
-            and x.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled()))  # no backward here
+def _handled(function: Function, x: torch.Tensor) -> bool:
+    return x.dim() >= 1 and x.shape[-1] > 0 and function.accepts(**{function.params[0]: x})
 
 
 def _check_out(out: torch.Tensor, logits: torch.Tensor) -> None:
@@ -56,7 +51,7 @@ def logits_to_f32(logits: torch.Tensor, cap: float | None, out: torch.Tensor | N
     Without `out`, fp32 logits with no cap are returned as they are (as `.float()` does).
     None: not handled here; use torch.
     """
-    if not _handled(logits, _IN_BF16):
+    if not _handled(_TO_F32, logits):
         return None
     if out is not None:
         _check_out(out, logits)
@@ -71,8 +66,7 @@ def logits_to_f32(logits: torch.Tensor, cap: float | None, out: torch.Tensor | N
     if out.data_ptr() == logits.data_ptr() and not capped:
         return out  # fp32 in place with nothing to do
     V = logits.shape[-1]
-    fn(logits.data_ptr(), _IN_BF16[logits.dtype], logits.numel() // V, V, float(cap) if capped else 0.0,
-       out.data_ptr())
+    fn(logits, logits.numel() // V, V, float(cap) if capped else 0.0, out)
     return out
 
 
@@ -81,7 +75,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     the maximum (the first NaN wins), as torch's CPU argmax. int64, shape x.shape[:-1].
     None: not handled here (not fp32, empty last dim, ...); use torch.
     """
-    if not _handled(x, (torch.float32,)):
+    if not _handled(_ARGMAX, x):
         return None
     fn = _kernel("argmax_rows")
     if fn is None:
@@ -89,5 +83,5 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     V = x.shape[-1]
     out = torch.empty(x.shape[:-1], dtype=torch.int64)
     if out.numel():
-        fn(x.data_ptr(), x.numel() // V, V, out.data_ptr())
+        fn(x, x.numel() // V, V, out)
     return out

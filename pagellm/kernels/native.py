@@ -41,9 +41,10 @@ from types import MappingProxyType
 import torch  # noqa: F401  -- imported first so torch's libgomp is the one our libraries bind to
 
 from pagellm.config import KernelConfig
+from pagellm.kernels import binding
 
 CSRC = Path(__file__).with_name("csrc")
-DTYPE_CODES = MappingProxyType({torch.float32: 0, torch.bfloat16: 1})  # the kernels' dtype argument (is_bf16)
+DTYPE_CODES = binding.DTYPE_CODES  # the kernels' dtype argument (is_bf16)
 # -ffp-contract=off: a*b+c stays two roundings unless the source asks for fma, so every level computes alike
 CXX_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 LEVELS = ("avx512", "avx2", "generic")
@@ -205,23 +206,15 @@ def load(name: str, at: str | None = None, extensions: tuple[str, ...] = ()) -> 
     return None if at is None else _load(name, at, tuple(extensions))
 
 
-@functools.cache
-def _bound(name: str, at: str, extensions: tuple[str, ...], signatures: tuple) -> ctypes.CDLL | None:
-    lib = _load(name, at, extensions)
+def bind(name: str, functions, at: str | None = None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """`load(name, at, extensions)` with each of `functions` (binding.Function) typed for ctypes (tests use it
+    for one-off probes; kernel wrappers go through Library)."""
+    lib = load(name, at, extensions)
     if lib is not None:
-        for symbol, (argtypes, restype) in signatures:
-            fn = getattr(lib, symbol)
-            fn.argtypes, fn.restype = list(argtypes), restype
+        for function in functions:
+            fn = getattr(lib, function.symbol)
+            fn.argtypes, fn.restype = function.ctypes_signature()
     return lib
-
-
-def bind(name: str, signatures: Mapping[str, tuple[list, object]], at: str | None = None,
-         extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """`load(name, at, extensions)` with each function of `signatures` ({symbol: (argtypes, restype)}) typed."""
-    at = level() if at is None else resolve(at)
-    if at is None or load(name, at, extensions) is None:
-        return None
-    return _bound(name, at, tuple(extensions), tuple((s, (tuple(a), r)) for s, (a, r) in signatures.items()))
 
 
 def host_extensions(at: str, wanted: tuple[str, ...]) -> tuple[str, ...]:
@@ -230,47 +223,54 @@ def host_extensions(at: str, wanted: tuple[str, ...]) -> tuple[str, ...]:
 
 
 class Library:
-    """csrc/<name>.cpp's entry points declared once ({symbol: (argtypes, restype)}), loaded and typed per level
-    on first use: the one loader every kernel wrapper goes through. `exports_if`: a symbol of the library
-    answering whether this build exports the declared functions (0: it does not, e.g. below a needed ISA);
-    the library then counts as unavailable at that level. `extensions`: keys of EXTENSIONS the source uses
-    where the CPU has them (built in by default; `at(level, extensions=())` gives the build without)."""
+    """csrc/<name>.cpp's entry points declared once (binding.Function), loaded per level on first use, with
+    their checked and unchecked callers generated from the declarations: the one loader every kernel wrapper
+    goes through. `exports_if`: a symbol of the library answering whether this build exports the declared
+    functions (0: it does not, e.g. below a needed ISA); the library then counts as unavailable at that level.
+    `extensions`: keys of EXTENSIONS the source uses where the CPU has them (built in by default;
+    `at(level, extensions=())` gives the build without)."""
 
-    def __init__(self, name: str, signatures: Mapping[str, tuple[list, object]], exports_if: str | None = None,
-                 extensions: tuple[str, ...] = ()):
-        self.name, self.signatures, self.exports_if = name, MappingProxyType(dict(signatures)), exports_if
-        self.extensions = extensions
-        self._builds: dict[tuple, ctypes.CDLL | None] = {}
+    def __init__(self, name: str, functions, exports_if: str | None = None, extensions: tuple[str, ...] = ()):
+        self.name, self.exports_if, self.extensions = name, exports_if, extensions
+        self.functions = MappingProxyType({f.symbol: f for f in functions})
+        self._builds: dict[tuple, dict | None] = {}
 
-    def at(self, at: str | None, extensions: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
-        """The library built for level `at` (and the host's extensions of it, unless given) with its functions
-        typed (None: unavailable, or `at` is None)."""
+    def at(self, at: str | None, extensions: tuple[str, ...] | None = None) -> dict | None:
+        """{symbol: (unchecked, checked)} of the library built for level `at` (and the host's extensions of it,
+        unless given), or None (unavailable, or `at` is None)."""
         if at is None:
             return None
         key = (at, extensions)  # extensions None: the host's, resolved on the first call only (hot path)
         if key not in self._builds:
-            self._builds[key] = self._typed(at, host_extensions(at, self.extensions) if extensions is None
-                                            else tuple(extensions))
+            self._builds[key] = self._callers(at, host_extensions(at, self.extensions) if extensions is None
+                                              else tuple(extensions))
         return self._builds[key]
 
-    def _typed(self, at: str, extensions: tuple[str, ...]) -> ctypes.CDLL | None:
+    def _callers(self, at: str, extensions: tuple[str, ...]) -> dict | None:
         lib = load(self.name, at, extensions)
         if lib is not None and self.exports_if is not None:
             probe = getattr(lib, self.exports_if)
             probe.argtypes, probe.restype = [], ctypes.c_int
             lib = lib if probe() else None
-        return None if lib is None else bind(self.name, self.signatures, at, extensions)
+        if lib is None:
+            return None
+        bind(self.name, self.functions.values(), at, extensions)
+        return {symbol: f.callers(getattr(lib, symbol)) for symbol, f in self.functions.items()}
 
-    def current(self) -> ctypes.CDLL | None:
-        """The library at the selected level."""
-        return self.at(level())
+    def available(self, at: str | None = None) -> bool:
+        """Whether the library runs at level `at` (default: the selected one)."""
+        return self.at(level() if at is None else at) is not None
 
-    def function(self, symbol: str, at: str | None = None):
-        """One declared function at level `at` (default: the selected one), or None where unavailable."""
-        lib = self.at(level() if at is None else at)
-        return None if lib is None else getattr(lib, symbol)
+    def unchecked(self, symbol: str, at: str | None = None):
+        """The unchecked caller of one function at level `at` (default: the selected one), or None."""
+        callers = self.at(level() if at is None else at)
+        return None if callers is None else callers[symbol][0]
 
+    def checked(self, symbol: str, at: str | None = None):
+        """The checked caller (binding.KernelArgumentError on a tensor it cannot take), or None."""
+        callers = self.at(level() if at is None else at)
+        return None if callers is None else callers[symbol][1]
 
-def ptr(tensor: torch.Tensor | None) -> ctypes.c_void_p:
-    """Data pointer of a tensor for a ctypes call (None -> NULL)."""
-    return ctypes.c_void_p(0 if tensor is None else tensor.data_ptr())
+    def accepts(self, symbol: str, **tensors) -> bool:
+        """Whether the named tensors pass `symbol`'s checks (whatever the level)."""
+        return self.functions[symbol].accepts(**tensors)

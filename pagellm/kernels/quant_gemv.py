@@ -33,50 +33,42 @@ import ctypes
 import torch
 
 from pagellm.kernels import native
+from pagellm.kernels.binding import FLOATS, DtypeCode, Function, Int, Tensor
 
 BLOCK_ROWS = 16  # int4 rows per block of the layout
 GROUP_SIZE = 32
 _CHUNK_ROWS = 1024  # rows packed at a time at load (a multiple of BLOCK_ROWS)
 _DTYPE_FLAG = native.DTYPE_CODES
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_MATMUL = ([_P, _INT, _I64, _I64, _P, _P, _I64, _P, _P, _INT], None)  # x, x_bf16, M, K, W, scales, N, bias, out, ..
-_MATMUL_SIGNATURES = {"pagellm_int4_matmul": _MATMUL, "pagellm_int8_matmul": _MATMUL}  # AVX-512 BF16 builds only
-_LAYOUT_SIGNATURES = {
-    "pagellm_int4_rows": ([_P, _P, _I64, _I64, _P, _I64, _P, _INT], _I64),
-    "pagellm_int4_tile_t": ([_P, _P, _I64, _I64, _I64, _P, _I64, _INT], None),
-}
 
 
-_LAYOUT = native.Library("quant_gemv", _LAYOUT_SIGNATURES)
-_MATMULS = native.Library("quant_gemv", _MATMUL_SIGNATURES, exports_if="pagellm_quant_gemv_vectorized")
+def _matmul_function(symbol: str) -> Function:
+    """x [M, K] @ W^T (+ bias) -> out [M, N]: the signature every matmul of this layout shares."""
+    return Function(symbol, (Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), Tensor("weight"),
+                             Tensor("scales"), Int("N"), Tensor("bias", FLOATS, optional=True), Tensor("out", FLOATS),
+                             DtypeCode("out")))
+
+
+_INT4, _INT8, _INT4_Q8 = map(_matmul_function, ("pagellm_int4_matmul", "pagellm_int8_matmul",
+                                                "pagellm_int4_matmul_q8"))
+_ROWS = Function("pagellm_int4_rows", (Tensor("codes"), Tensor("sz"), Int("N"), Int("K"), Tensor("ids", (torch.int64,)),
+                                       Int("T"), Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int64)
+_TILE_T = Function("pagellm_int4_tile_t", (Tensor("codes"), Tensor("sz"), Int("K"), Int("first"), Int("rows"),
+                                           Tensor("out", FLOATS, rows=True), Int("ld"), DtypeCode("out")))
+_LAYOUT = native.Library("quant_gemv", [_ROWS, _TILE_T])
+_MATMULS = native.Library("quant_gemv", [_INT4, _INT8], exports_if="pagellm_quant_gemv_vectorized")  # AVX-512 BF16
 Q8_EXTENSIONS = ("avx_vnni",)  # built into the avx2 level's int8-activation kernel where the CPU has them
-_Q8 = native.Library("quant_gemv_q8", {"pagellm_int4_matmul_q8": _MATMUL}, extensions=Q8_EXTENSIONS)
-
-
-def _lib() -> ctypes.CDLL | None:
-    """csrc/quant_gemv.cpp's bf16-activation matmuls at the selected level (AVX-512 BF16 only), or None."""
-    return _MATMULS.current()
-
-
-def _layout_lib() -> ctypes.CDLL | None:
-    """csrc/quant_gemv.cpp's int4-layout dequantizers (every level), or None."""
-    return _LAYOUT.current()
-
-
-def _q8_lib() -> ctypes.CDLL | None:
-    """csrc/quant_gemv_q8.cpp (int8 activations, every level) at the selected level; with the layout's
-    dequantizers, which come with it, or None."""
-    return _Q8.current() if _LAYOUT.current() is not None else None
+_Q8 = native.Library("quant_gemv_q8", [_INT4_Q8], extensions=Q8_EXTENSIONS)
 
 
 def available() -> bool:
     """Whether the bf16-activation int4 / int8 kernels run here (AVX-512 BF16)."""
-    return _lib() is not None
+    return _MATMULS.available()
 
 
 def q8_available() -> bool:
-    """Whether int4_matmul_q8 (and with it the native int4 layout) runs here: at every level with a compiler."""
-    return _q8_lib() is not None
+    """Whether int4_matmul_q8 (and with it the native int4 layout, whose dequantizers come with it) runs here: at
+    every level with a compiler."""
+    return _Q8.available() and _LAYOUT.available()
 
 
 def native_layout_available() -> bool:
@@ -121,6 +113,7 @@ def int4_scale_zero(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _matmul(fn, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
             cols: int) -> torch.Tensor:
+    """fn: a matmul's unchecked caller; x converted to what it takes, K checked."""
     if x.shape[-1] != cols or not x.is_cpu:  # the kernel reads raw memory: K must match
         raise ValueError(f"expected a CPU input of {cols} features, got {tuple(x.shape)} on {x.device}")
     if x.dtype not in _DTYPE_FLAG:  # torch's kernels too see only bf16 activations
@@ -129,29 +122,27 @@ def _matmul(fn, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
-    flag = _DTYPE_FLAG[x.dtype]
-    fn(x.data_ptr(), flag, x.numel() // cols, cols, weight.data_ptr(), scales.data_ptr(), weight.shape[0],
-       None if bias is None else bias.data_ptr(), out.data_ptr(), flag)
+    fn(x, x.numel() // cols, cols, weight, scales, weight.shape[0], bias, out)
     return out
 
 
 def int4_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype."""
-    return _matmul(_lib().pagellm_int4_matmul, x, codes, sz, bias, 2 * codes.shape[1])
+    return _matmul(_MATMULS.unchecked(_INT4.symbol), x, codes, sz, bias, 2 * codes.shape[1])
 
 
 def int4_matmul_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """int4_matmul with x quantized to int8 per row and 32-column group (see the module docstring): ~1.8x the
     throughput, at the cost of the activations' int8 rounding. Needs q8_available()."""
-    return _matmul(_q8_lib().pagellm_int4_matmul_q8, x, codes, sz, bias, 2 * codes.shape[1])
+    return _matmul(_Q8.unchecked(_INT4_Q8.symbol), x, codes, sz, bias, 2 * codes.shape[1])
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (qweight [N, K] int8 * scale [N] bf16)^T (+ bias) -> [..., N] in x's dtype."""
-    return _matmul(_lib().pagellm_int8_matmul, x, qweight, scale, bias, qweight.shape[1])
+    return _matmul(_MATMULS.unchecked(_INT8.symbol), x, qweight, scale, bias, qweight.shape[1])
 
 
 class BoundMatmul:
@@ -165,22 +156,20 @@ class BoundMatmul:
         if q8 and scheme != "int4":
             raise ValueError(f"the int8-activation kernel takes int4 weights, not {scheme}")
         self.tensors = (weight, scales, bias)
-        self._fn = _q8_lib().pagellm_int4_matmul_q8 if q8 else getattr(_lib(), f"pagellm_{scheme}_matmul")
+        self._fn = _Q8.unchecked(_INT4_Q8.symbol) if q8 else _MATMULS.unchecked(f"pagellm_{scheme}_matmul")
         self._rows, self._cols = weight.shape[0], weight.shape[1] * (2 if scheme == "int4" else 1)  # N, K
-        self._pointers = (weight.data_ptr(), scales.data_ptr())
 
     def binds(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> bool:
         return self.tensors[0] is weight and self.tensors[1] is scales and self.tensors[2] is bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype, bias added."""
-        bias, flag = self.tensors[2], _DTYPE_FLAG.get(x.dtype)
-        if (flag is None or not x.is_contiguous() or not x.is_cpu or x.shape[-1] != self._cols
+        bias = self.tensors[2]
+        if (x.dtype not in _DTYPE_FLAG or not x.is_contiguous() or not x.is_cpu or x.shape[-1] != self._cols
                 or (bias is not None and bias.dtype != x.dtype)):
             return _matmul(self._fn, x, *self.tensors, self._cols)  # the general path: checks and converts
         out = torch.empty((x.shape[0], self._rows) if x.dim() == 2 else (*x.shape[:-1], self._rows), dtype=x.dtype)
-        self._fn(x.data_ptr(), flag, x.numel() // self._cols, self._cols, *self._pointers, self._rows,
-                 None if bias is None else bias.data_ptr(), out.data_ptr(), flag)
+        self._fn(x, x.numel() // self._cols, self._cols, self.tensors[0], self.tensors[1], self._rows, bias, out)
         return out
 
 
@@ -188,8 +177,7 @@ def int4_rows(codes: torch.Tensor, sz: torch.Tensor, ids: torch.Tensor, out: tor
     """The dequantized rows `ids` into out [len(ids), K] (fp32 or bf16): exactly the weights the kernel uses."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     target = out if out.dtype in _DTYPE_FLAG and out.is_contiguous() else torch.empty(out.shape)
-    bad = _layout_lib().pagellm_int4_rows(codes.data_ptr(), sz.data_ptr(), codes.shape[0], 2 * codes.shape[1],
-                                   ids.data_ptr(), ids.numel(), target.data_ptr(), _DTYPE_FLAG[target.dtype])
+    bad = _LAYOUT.unchecked(_ROWS.symbol)(codes, sz, codes.shape[0], 2 * codes.shape[1], ids, ids.numel(), target)
     if bad:  # checked in the kernel: a reduction and a host read here cost more than the lookup
         raise IndexError(f"{bad} row index(es) out of range for {codes.shape[0]} rows")
     return out if target is out else out.copy_(target)
@@ -203,6 +191,5 @@ def int4_tile_t(codes: torch.Tensor, sz: torch.Tensor, start: int, stop: int, ou
         raise IndexError(f"rows [{start}, {stop}) of {codes.shape[0]} are not whole blocks of {BLOCK_ROWS}")
     if out.dtype not in _DTYPE_FLAG or out.stride(1) != 1:
         return out.copy_(int4_tile_t(codes, sz, start, stop, torch.empty(cols, rows)))
-    _layout_lib().pagellm_int4_tile_t(codes.data_ptr(), sz.data_ptr(), cols, start, rows, out.data_ptr(), out.stride(0),
-                               _DTYPE_FLAG[out.dtype])
+    _LAYOUT.unchecked(_TILE_T.symbol)(codes, sz, cols, start, rows, out, out.stride(0))
     return out

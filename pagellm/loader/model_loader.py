@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,10 @@ from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.kernels import quant_gemv
 from pagellm.layers.quantized import Int4Linear
 from pagellm.loader.tokenizer import Tokenizer, load_tokenizer
+from pagellm.models.bound_layers import PlannedBackbone, layer_plan
 from pagellm.models.registry import build_model
+
+logger = logging.getLogger("pagellm.loader")
 
 
 @dataclass
@@ -28,16 +32,24 @@ class LoadedModel:
     quantization: dict[str, str] = field(default_factory=dict)  # {module path: "int8" | "int4" | "gguf"}
 
 
-def plan_layers(model: nn.Module, kernels: KernelConfig) -> None:
-    """Settle once, after loading, how layers run under the kernel switches: int4 layers in the native layout
-    take int8 activations where that kernel runs (every level with a compiler) unless switched off; models
-    that can bind their layers to the kernels (bound_layers.py) do so unless switched off."""
+def settle_activations(model: nn.Module, kernels: KernelConfig) -> None:
+    """int4 layers in the native layout take int8 activations where that kernel runs (every level with a
+    compiler) unless switched off. Before join_projections: a joined layer copies its parts' setting."""
     for module in model.modules():
         if isinstance(module, Int4Linear):
             module.int8_activations = (module.layout.native and kernels.int8_activations
                                        and quant_gemv.q8_available())
-        if hasattr(type(module), "bind_layers"):
-            module.bind_layers = kernels.bound_layers
+
+
+def plan_layers(model: nn.Module, kernels: KernelConfig, dtype: torch.dtype) -> str:
+    """Settle once, after loading and joining, how the decoder layers run, and say how (logged): backbones that
+    can bind their layers to the kernels (models/bound_layers.py) do so unless switched off; the rest run the
+    modules."""
+    for module in model.modules():
+        if isinstance(module, PlannedBackbone):
+            module.plan_layers(kernels.bound_layers, dtype)
+    logger.info("layers: %s", layer_plan(model))
+    return layer_plan(model)
 
 
 def join_projections(model: nn.Module) -> int:
@@ -116,8 +128,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if shard:
         weights = shard_weights(weights, hf_config, shard)
     load_quantized(net, weights, plan)
-    plan_layers(net, kernels)
+    settle_activations(net, kernels)
     join_projections(net)
+    plan_layers(net, kernels, dtype)
     net.eval()
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     return LoadedModel(net, hf_config, tokenizer, path, plan)

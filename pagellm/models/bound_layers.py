@@ -1,15 +1,17 @@
-"""Llama-family decoder layers bound once to their native kernels: a step's layer runs as 9 direct calls.
+"""The plan of a Llama-family backbone: chosen once after loading, its decoder layers bound to the native kernels.
 
-Why: at decode a Gemma 3 270M layer spent ~206 us with its weights in cache, of which ~95 us in kernels; the
-rest was nn.Module dispatch and the per-call checks of each kernel wrapper (7-16 us each, 9 of them per layer).
-Here everything that does not change between steps (weight pointers, norm flavours, eps, head counts, cache
-pointers) is resolved once, and a step only checks what the step brings (dtype, contiguity).
+`plan_backbone` decides once per model (the loader calls it; tensor parallel calls it again with its all-reduce)
+whether the layers run bound, and says why not where they cannot; the backbone's forward then runs the plan
+it was given, with no per-step choice. Bound, a step's layer is 9 direct kernel calls: everything that does not
+change between steps (weight pointers, norm flavours, eps, head counts, the cache objects) is resolved at
+planning time. Why: at decode a Gemma 3 270M layer spent more time in nn.Module dispatch and in the per-call
+checks of each kernel wrapper than in its kernels.
 
-It applies when every linear layer is dense, in GGUF blocks, or int4 with int8 activations (one kernel at every M, so no
-dispatch by batch size), the norms, q/k preparation, attention and act * up have their native kernels, and no
-module has forward hooks (tensor parallel's all-reduce); otherwise, or with KernelConfig.bound_layers off, the
-modules run. The same kernels with the same arguments: results are bit-identical to the module path
-(tests/models/test_bound_layers.py).
+Bound applies when every linear layer is dense, in GGUF blocks, or int4 with int8 activations (one kernel at
+every M, so no dispatch by batch size), the norms, q/k preparation, attention and act * up have their native
+kernels, and no module has a forward hook the plan does not know; otherwise, or with KernelConfig.bound_layers
+off, the modules run (they are the reference: tests/models/test_bound_layers.py checks the two bit for bit). A
+change to the layers after planning (a linear replaced, a hook added) takes effect at the next plan_backbone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from pagellm.kernels import attention, layer_ops, native
 from pagellm.layers.gguf_linear import GGUFLinear
+from pagellm.layers.kernel_binding import KernelBinding
 from pagellm.layers.mlp import _FUSED_NAMES
 from pagellm.layers.quantized import Int4Linear
 
@@ -38,23 +41,16 @@ def _linear(module: nn.Module):
     return None
 
 
-def _path_settings(module: nn.Module) -> tuple:
-    """What a linear's path depends on that may be changed after binding (plain attributes: a cheap read)."""
-    return module.__dict__.get("dense_from_rows"), module.__dict__.get("int8_activations")
-
-
 class BoundLayer:
     """One decoder layer's step: (h, pending) -> (h, pending), pending = (MLP output, its post-norm weight)."""
 
-    def __init__(self, layer: nn.Module, norms: tuple):
+    def __init__(self, layer: nn.Module, norms: tuple, all_reduce=None):
         attn, mlp = layer.self_attn, layer.mlp
         self.modules = (attn, mlp)
         self.norm_in, self.norm_mid, self.post_mid, self.post_mlp = norms
-        # (owner's module dict, name, module, its path settings): checked each step, as module dispatch would
-        self.linears = [(block._modules, name, block._modules[name], _path_settings(block._modules[name]))
-                        for block, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
-                                            (mlp, "down_proj"))]
-        self.qkv, self.o, self.gate_up, self.down = (_linear(entry[2]) for entry in self.linears)
+        self.all_reduce = all_reduce  # tensor parallel: sums each block's partial output over ranks, in place
+        self.qkv, self.o, self.gate_up, self.down = (_linear(getattr(attn, "qkv_proj", None)), _linear(attn.o_proj),
+                                                     _linear(getattr(mlp, "gate_up_proj", None)), _linear(mlp.down_proj))
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.qk_args = attn.qk_norm_args()
         self.paged = attn.attn
@@ -63,11 +59,6 @@ class BoundLayer:
         self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down) and attn.head_dim % 16 == 0
                    and attn.head_dim <= layer_ops.MAX_HEAD_DIM  # known here, not mid-step
                    and all(self.norm_in.same_kind(n) for n in norms if n is not None) and attn.qk_norms_fuse())
-
-    def current(self) -> bool:
-        """No linear replaced or switched to another path since binding."""
-        return all(modules.get(name) is module and _path_settings(module) == settings
-                   for modules, name, module, settings in self.linears)
 
     def hooked(self) -> bool:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
@@ -91,54 +82,90 @@ class BoundLayer:
         out = attention.paged_attention_native(q, paged.key_cache, paged.value_cache, meta, paged.scale,
                                                paged.sliding_window, paged.logits_soft_cap)
         post = None if self.post_mid is None else self.post_mid.flavour_weight()
-        h, x = self.residual(h, self.o(out.view(tokens, heads * head_dim)), post, self.norm_mid)
+        attended = self.o(out.view(tokens, heads * head_dim))  # [T, E]
+        if self.all_reduce is not None:
+            attended = self.all_reduce(attended)
+        h, x = self.residual(h, attended, post, self.norm_mid)
         hidden = layer_ops.act_mul_unchecked(self.gate_up(x), self.activation)  # [T, 2I] -> [T, I]
-        return h, (self.down(hidden), None if self.post_mlp is None else self.post_mlp.flavour_weight())
+        mlp_out = self.down(hidden)  # [T, E]
+        if self.all_reduce is not None:
+            mlp_out = self.all_reduce(mlp_out)
+        return h, (mlp_out, None if self.post_mlp is None else self.post_mlp.flavour_weight())
 
 
 class BoundModel:
-    """Every layer of a Llama-family model bound (`usable`: whether every layer could be)."""
+    """Every layer of a Llama-family backbone bound: h [T, E] embedded -> the final norm's output [T, E]."""
 
-    usable = False
-
-    def __init__(self, model: nn.Module, norms_of):
-        self.layer_list = model.layers
-        self.final_norm = model.norm
-        self.layers: list[BoundLayer] = []
-        if layer_ops._lib() is None or attention._native_kernel() is None:
-            return
-        try:
-            self.layers = [BoundLayer(layer, norms_of(layer)) for layer in model.layers]
-        except (AttributeError, KeyError):  # not joined, an activation without a native kernel, ...
-            self.layers = []
-        self.usable = (bool(self.layers) and all(layer.ok for layer in self.layers)
-                       and self.layers[-1].norm_in.same_kind(model.norm))  # the final add + norm is fused too
-
-    @classmethod
-    def of(cls, model: nn.Module, norms_of) -> BoundModel | None:
-        """The model's binding (kept on it, redone when a linear changed), or None if it cannot be used."""
-        if not model.bind_layers:  # KernelConfig.bound_layers, set at load
-            return None
-        bound = model.__dict__.get("_bound_layers")
-        if (bound is None or bound.layer_list is not model.layers
-                or not all(layer.current() for layer in bound.layers)):
-            bound = model.__dict__["_bound_layers"] = cls(model, norms_of)
-        return bound if bound.usable else None
-
-    def applies(self, h: torch.Tensor, ropes: list) -> bool:
-        """Whether this step's inputs are ones the bound kernels take (checked once for all layers)."""
-        dtype = h.dtype
-        caches = self.layers[0].paged.key_cache
-        return (dtype in _DTYPE_CODES and h.is_cpu and h.is_contiguous() and h.shape[0] > 0
-                and caches is not None and caches.dtype == dtype
-                and all(c.dtype == dtype and c.is_contiguous() and s.is_contiguous() for c, s in dict(
-                    (id(r), r) for r in ropes).values())
-                and not (torch.is_grad_enabled() and h.requires_grad)
-                and not any(layer.hooked() for layer in self.layers))  # e.g. tensor parallel's all-reduce
+    def __init__(self, layers: list[BoundLayer], final_norm: nn.Module, dtype: torch.dtype):
+        self.layers, self.final_norm, self.dtype = layers, final_norm, dtype
 
     def __call__(self, h: torch.Tensor, ropes: list, meta) -> torch.Tensor:
-        """h [T, E] (embedded) -> the final norm's output [T, E]; ropes: (cos, sin) per layer."""
+        """ropes: (cos, sin) [T, D/2] per layer, in the model dtype."""
+        caches = self.layers[0].paged.key_cache
+        if h.dtype != self.dtype or caches is None or caches.dtype != self.dtype:  # the runner's invariants
+            raise RuntimeError(f"the bound layers were planned for {self.dtype} activations and KV cache; got "
+                               f"{h.dtype} and {None if caches is None else caches.dtype}")
         pending = (None, None)
         for layer, (cos, sin) in zip(self.layers, ropes):
             h, pending = layer(h, cos, sin, meta, pending)
         return BoundLayer.residual(h, *pending, self.final_norm)[1]
+
+
+def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dtype,
+                  all_reduce=None) -> tuple[BoundModel | None, str]:
+    """(the bound plan, "") if every layer of `backbone` (compute dtype `dtype`) can run bound, else (None, why
+    not). `all_reduce`: tensor parallel's sum over ranks after each attention and MLP block (the modules'
+    forward hooks do the same on the module path, so those hooks are expected then)."""
+    if not enabled:
+        return None, "bound layers switched off (KernelConfig.bound_layers)"
+    why = (("native kernels unavailable (no compiler, or switched off)"
+            if layer_ops._lib() is None or attention._native_kernel() is None else "")
+           or ("" if dtype in _DTYPE_CODES else f"the kernels take fp32 and bf16, not {dtype}")
+           or ("" if backbone.norm.weight.is_cpu else "not on the CPU")
+           or ("" if len(backbone.layers) else "no layers"))
+    layers = []
+    for index, layer in enumerate(backbone.layers):
+        if why:
+            break
+        try:
+            bound = BoundLayer(layer, norms_of(layer), all_reduce)
+        except (AttributeError, KeyError) as e:  # not joined, an activation without a native kernel, ...
+            why = f"layer {index} cannot be bound ({type(e).__name__}: {e})"
+            break
+        why = (("" if bound.ok else f"layer {index} has a linear, head size or norm the kernels do not take")
+               or ("" if all_reduce is not None or not bound.hooked() else f"layer {index} has forward hooks"))
+        layers.append(bound)
+    if not why and not layers[-1].norm_in.same_kind(backbone.norm):  # the final add + norm is fused too
+        why = "the final norm differs in kind from the layers' norms"
+    return (None, why) if why else (BoundModel(layers, backbone.norm, dtype), "")
+
+
+class PlannedBackbone(KernelBinding):
+    """Mixin of a backbone whose forward runs its plan: `bound` where the layers could be bound, else the
+    modules. `norms_of(layer)`: the layer's norms in BoundLayer's order."""
+
+    norms_of = None
+    plan_description = "modules: not planned yet"
+
+    def plan_layers(self, enabled: bool, dtype: torch.dtype, all_reduce=None) -> str:
+        """Choose, once, how the layers run; returns the choice in words."""
+        bound, why = plan_backbone(self, type(self).norms_of, enabled, dtype, all_reduce)
+        self.__dict__["_bound"] = bound
+        self.__dict__["_plan_settings"] = (enabled, dtype)
+        self.plan_description = f"bound to the kernels ({len(bound.layers)} layers)" if bound else f"modules: {why}"
+        return self.plan_description
+
+    def replan(self, all_reduce=None) -> str:
+        """plan_layers again with the first plan's settings (after tensor parallel installed its all-reduce)."""
+        enabled, dtype = self.__dict__.get("_plan_settings", (False, None))
+        return self.plan_layers(enabled, dtype, all_reduce)
+
+    @property
+    def bound(self) -> BoundModel | None:
+        return self.__dict__.get("_bound")
+
+
+def layer_plan(model: nn.Module) -> str:
+    """How a loaded model's decoder layers run, in words (the plan of its backbone, if it has one)."""
+    backbones = [m for m in model.modules() if isinstance(m, PlannedBackbone)]
+    return backbones[0].plan_description if backbones else "modules"

@@ -22,7 +22,7 @@ from torch import nn
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
-from pagellm.models.bound_layers import BoundModel
+from pagellm.models.bound_layers import PlannedBackbone
 from pagellm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, Pending, head_dim_of
 from pagellm.runner.attention_metadata import AttentionMetadata
 
@@ -62,8 +62,8 @@ def gemma3_norms(layer: Gemma3DecoderLayer) -> tuple:
             layer.post_feedforward_layernorm)
 
 
-class Gemma3Model(nn.Module):
-    bind_layers = True  # run as bound_layers.BoundModel where it applies (KernelConfig.bound_layers)
+class Gemma3Model(PlannedBackbone, nn.Module):
+    norms_of = staticmethod(gemma3_norms)  # for the plan (models/bound_layers.py)
 
     def __init__(self, config):
         super().__init__()
@@ -85,9 +85,9 @@ class Gemma3Model(nn.Module):
         h = h * self.embed_scale.to(h.dtype)  # sqrt(E) rounded to the dtype, as HF does
         rope = {layer_type: emb(positions, h.dtype) for layer_type, emb in self.rotary_emb.items()}
         ropes = [rope[layer.layer_type] for layer in self.layers]  # (cos, sin) [T, D/2] each
-        bound = BoundModel.of(self, gemma3_norms)
-        if bound is not None and bound.applies(h, ropes):
-            return bound(h, ropes, meta)  # the same kernels, bound once (models/bound_layers.py)
+        bound = self.bound  # chosen once after loading (models/bound_layers.py)
+        if bound is not None:
+            return bound(h, ropes, meta)  # the same kernels as the modules, bound
         pending = (None, None)
         for layer, (cos, sin) in zip(self.layers, ropes):
             h, pending = layer(h, cos, sin, meta, pending)

@@ -24,7 +24,7 @@ from pagellm.kernels.layer_ops import qkv_prepare
 from pagellm.kernels.logits import logits_to_f32
 from pagellm.layers.quantized import concat_linears, lm_head_logits
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagellm.models.bound_layers import BoundModel
+from pagellm.models.bound_layers import PlannedBackbone
 from pagellm.runner.attention_metadata import AttentionMetadata
 
 
@@ -143,8 +143,8 @@ def llama_norms(layer: LlamaDecoderLayer) -> tuple:
     return layer.input_layernorm, layer.post_attention_layernorm, None, None
 
 
-class LlamaModel(nn.Module):
-    bind_layers = True  # run as bound_layers.BoundModel where it applies (KernelConfig.bound_layers)
+class LlamaModel(PlannedBackbone, nn.Module):
+    norms_of = staticmethod(llama_norms)  # for the plan (models/bound_layers.py)
 
     def __init__(self, config, options: AttentionOptions):
         super().__init__()
@@ -158,9 +158,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary_emb(positions, h.dtype)  # [T, D/2] each
-        bound = BoundModel.of(self, llama_norms)
-        if bound is not None and bound.applies(h, [(cos, sin)]):
-            return bound(h, [(cos, sin)] * len(self.layers), meta)  # the same kernels, bound once
+        bound = self.bound  # chosen once after loading (models/bound_layers.py)
+        if bound is not None:
+            return bound(h, [(cos, sin)] * len(self.layers), meta)  # the same kernels as the modules, bound
         pending = (None, None)
         for layer in self.layers:
             h, pending = layer(h, cos, sin, meta, pending)

@@ -9,6 +9,7 @@ import torch
 
 from pagellm.kernels import logits as native_logits
 from pagellm.kernels import native
+from pagellm.kernels.binding import Flag, Function, Int, Tensor
 
 pytestmark = pytest.mark.skipif(native_logits._kernel("argmax_rows") is None,
                                 reason="native logits kernels could not be built here")
@@ -195,7 +196,10 @@ def test_argmax_declines_what_it_does_not_handle():
 # 16, 8 and 1 lanes; tanh built alike; fma where the vector code fuses): their outputs must be the
 # same bits, which the per-level tests above cannot see (they only hold each level to torch).
 
-_EXP_SIGNATURE = {"pagellm_exp_f32": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p], ctypes.c_int)}
+_EXP = Function("pagellm_exp_f32", (Tensor("x", (torch.float32,)), Int("n"), Flag("which"),
+                                    Tensor("out", (torch.float32,))), returns=ctypes.c_int)
+_FMA = Function("pagellm_fma_f32", (*(Tensor(n, (torch.float32,)) for n in "abc"), Int("n"),
+                                    Tensor("out", (torch.float32,))))
 
 
 def per_level(fn):
@@ -212,9 +216,9 @@ EXP_FORMS = {16: "exp512", 8: "exp256", 1: "exp_scalar", 0: "exp_lanes<8>"}
 
 def vector_exp(x: torch.Tensor, level: str, form: int) -> torch.Tensor | None:
     """exp512.h's exp of x (fp32) by the `level` build in one of its forms (EXP_FORMS); None: not built in."""
-    lib = native.bind("logits", _EXP_SIGNATURE, level)
+    exp = _EXP.callers(getattr(native.bind("logits", [_EXP], level), _EXP.symbol))[1]
     out = torch.empty_like(x)
-    return None if lib.pagellm_exp_f32(x.data_ptr(), x.numel(), form, out.data_ptr()) else out
+    return None if exp(x, x.numel(), form, out) else out
 
 
 def exp_inputs() -> torch.Tensor:
@@ -299,12 +303,10 @@ def test_fma_is_rounded_once_at_every_level():
     # Builds without an FMA instruction (generic x86-64) emulate it (fma_f32.h): the same bits as the
     # instruction, which the avx2 / avx512 builds use.
     a, b, c = fma_inputs()
-    signature = {"pagellm_fma_f32": ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p], None)}
 
     def fma():
         out = torch.empty_like(a)
-        native.bind("logits", signature).pagellm_fma_f32(a.data_ptr(), b.data_ptr(), c.data_ptr(), a.numel(),
-                                                         out.data_ptr())
+        _FMA.callers(getattr(native.bind("logits", [_FMA]), _FMA.symbol))[1](a, b, c, a.numel(), out)
         return out
 
     results = per_level(fma)

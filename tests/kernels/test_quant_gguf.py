@@ -79,10 +79,9 @@ def test_avx_vnni_build_equals_the_plain_avx2_build(ggml_type):
     x = torch.randn(9, 512)
     outs = []
     for extensions in (("avx_vnni",), ()):
-        fn = gguf_blocks._KERNELS.at("avx2", extensions).pagellm_gguf_matmul_q8
+        fn = gguf_blocks._KERNELS.at("avx2", extensions)["pagellm_gguf_matmul_q8"][1]  # the checked caller
         out = torch.empty(9, 32)
-        fn(x.data_ptr(), 0, 9, 512, weight.format_id, weight.qs.data_ptr(), weight.gp.data_ptr(),
-           weight.sp.data_ptr(), 32, 32, None, out.data_ptr(), 0)
+        fn(x, 9, 512, weight.format_id, *weight.tensors(), 32, 32, None, out.data_ptr())
         outs.append(out)
     assert torch.equal(*outs)
 

@@ -191,6 +191,6 @@ def test_avx_vnni_build_equals_the_plain_avx2_build():
     x = torch.randn(11, 640, generator=g)
     outputs = []
     for extensions in (("avx_vnni",), ()):
-        fn = quant_gemv._Q8.at("avx2", extensions).pagellm_int4_matmul_q8
+        fn = quant_gemv._Q8.at("avx2", extensions)["pagellm_int4_matmul_q8"][1]  # the checked caller
         outputs.append(quant_gemv._matmul(fn, x, layer.packed, layer.scales_and_zeros, None, 640))
     assert torch.equal(outputs[0], outputs[1])

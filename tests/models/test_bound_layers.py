@@ -17,21 +17,16 @@ from pagellm import SamplingParams
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from pagellm.engine import LLMEngine
 from pagellm.loader.model_loader import load_model
-from pagellm.models.bound_layers import BoundModel
-from pagellm.models.gemma3 import gemma3_norms
-from pagellm.models.llama import llama_norms
+from pagellm.models.bound_layers import layer_plan
 
 FAMILIES = ["llama", "qwen2", "qwen3-yarn", "gemma3"]  # plain, q/k/v bias, q/k norm, Gemma's sandwich norms
-
-
-def _norms_of(family: str):
-    return gemma3_norms if family == "gemma3" else llama_norms
 
 
 def _prefill_both_ways(model, prompt) -> tuple[torch.Tensor, torch.Tensor]:
     logits = []
     for bound in (True, False):
-        model.model.bind_layers = bound  # as the loader sets it from KernelConfig.bound_layers
+        model.model.plan_layers(bound, model.model.norm.weight.dtype)  # as the loader plans from KernelConfig
+        assert (model.model.bound is not None) is bound  # the path under test does apply
         logits.append(PagedHarness(model).prefill("a", prompt))
     return logits[0], logits[1]
 
@@ -51,9 +46,6 @@ def _greedy_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
 def test_bound_layers_equal_the_modules(tmp_path, family, quantization, dtype):
     write_tiny_checkpoint(family, tmp_path)
     model = load_model(str(tmp_path), dtype, torch.device("cpu"), False, quantization).model
-    harness = PagedHarness(model)  # binds the KV caches the bound layers read
-    assert BoundModel.of(model.model, _norms_of(family)) is not None  # the path under test does apply
-    del harness
     prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(3)).tolist()
     bound, modules = _prefill_both_ways(model, prompt)
     assert torch.equal(bound, modules)
@@ -67,9 +59,6 @@ def test_bound_layers_equal_the_modules_on_gguf_blocks(tmp_path, dtype):
         ("ffn_up", T.Q5_0), ("ffn_down", T.Q4_K))}, "token_embd.weight": T.Q8_0}
     tiny = write_tiny_gguf(tmp_path / "m.gguf", "gemma3", types=types, tie_embeddings=True)
     model = load_model(str(tiny.path), dtype, torch.device("cpu"), False, "auto").model
-    harness = PagedHarness(model)
-    assert BoundModel.of(model.model, gemma3_norms) is not None
-    del harness
     bound, modules = _prefill_both_ways(model, torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(5)).tolist())
     assert torch.equal(bound, modules)
 
@@ -83,25 +72,35 @@ def test_engine_greedy_ids_equal_with_and_without_bound_layers(tmp_path):
         engine = LLMEngine(EngineConfig(ModelConfig(model=str(tmp_path), quantization="int4", dtype="bfloat16"),
                                         CacheConfig(kv_cache_memory=0.01), kernels=KernelConfig(bound_layers=bound)),
                            skip_tokenizer_init=True)
-        assert engine.model.model.bind_layers is bound
+        assert (engine.model.model.bound is not None) is bound
         ids.append(_greedy_ids(engine, prompts, params))
     assert ids[0] == ids[1]
 
 
-def test_binding_follows_changed_paths_and_declines_hooks(tmp_path, monkeypatch):
-    """A linear switched to another path after loading rebinds (here: unbindable); a forward hook (tensor
-    parallel's all-reduce) sends the step through the modules."""
+def test_plan_says_why_layers_run_as_modules(tmp_path):
+    """The plan is chosen once and says why it cannot bind: a batch-size-dependent linear, a forward hook it does
+    not know (one tensor parallel installs comes with its all-reduce, and binds); planning again follows."""
     write_tiny_checkpoint("llama", tmp_path)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), False, "int4").model
-    harness = PagedHarness(model)
-    bound = BoundModel.of(model.model, llama_norms)
-    assert bound is not None
-    h = torch.zeros(3, model.config.hidden_size)
-    ropes = [model.model.rotary_emb(torch.arange(3), h.dtype)]
-    assert bound.applies(h, ropes)
-    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
-    assert not bound.applies(h, ropes)
+    backbone = model.model
+    assert layer_plan(model) == f"bound to the kernels ({len(backbone.layers)} layers)"
+    handle = backbone.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
+    assert backbone.replan() == "modules: layer 1 has forward hooks" and backbone.bound is None
+    assert backbone.replan(all_reduce=lambda t: t).startswith("bound") and backbone.bound is not None
     handle.remove()
-    model.model.layers[0].self_attn.o_proj.dense_from_rows = 1  # dense tiles from one row: batch-size dependent
-    assert BoundModel.of(model.model, llama_norms) is None
-    del harness
+    backbone.layers[0].self_attn.o_proj.dense_from_rows = 1  # dense tiles from one row: batch-size dependent
+    assert backbone.replan().startswith("modules: layer 0 has a linear") and backbone.bound is None
+    assert backbone.plan_layers(False, torch.float32) == ("modules: bound layers switched off "
+                                                          "(KernelConfig.bound_layers)")
+
+
+def test_a_copy_drops_the_plan_and_runs_the_modules(tmp_path):
+    """The plan holds raw pointers into the model's tensors: a deep copy must not carry them over."""
+    import copy
+
+    write_tiny_checkpoint("gemma3", tmp_path)
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), False, "int4").model
+    twin = copy.deepcopy(model)
+    assert model.model.bound is not None and twin.model.bound is None
+    prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert torch.equal(PagedHarness(model).prefill("a", prompt), PagedHarness(twin).prefill("a", prompt))
