@@ -51,12 +51,12 @@ class RequestState:
             self.stop_reason = token_id
         if self.detokenizer is None:
             return None
+        searched = len(self.text)  # no stop string ends within this text (checked as it came)
         self.text += self.detokenizer.add(token_id)
-        if not self.stop:
+        if not self.stop or len(self.text) == searched:
             return None
-        # Only the tail can hold a new match: what was added plus a stop string's length before it.
-        search_from = max(0, self._sent - max(len(s) for s in self.stop))
-        hits = [(self.text.find(s, search_from), s) for s in self.stop]
+        # A new match ends in the added text, so it starts at most len(s) - 1 characters before it.
+        hits = [(self.text.find(s, max(0, searched - len(s) + 1)), s) for s in self.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return None

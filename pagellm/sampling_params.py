@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 # Above this a softmax over fp32 logits is numerically meaningless; vLLM caps top-n logprobs similarly.
 MAX_LOGPROBS = 20
+# Stop strings are matched on the engine thread after every token of the request: bounded so one request cannot
+# slow the batch (each string is searched over its own length of tail, output_processor.py). OpenAI allows 4.
+MAX_STOP_STRINGS = 128
+MAX_STOP_LENGTH = 1024  # characters; a stream holds back this many minus one
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -71,6 +75,11 @@ class SamplingParams:
             stop = (stop,)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        longest = max(map(len, stop), default=0)
+        if longest > MAX_STOP_LENGTH:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {longest}")
         object.__setattr__(self, "stop", tuple(stop))
         ids = tuple(self.stop_token_ids or ())
         for i in ids:

@@ -39,7 +39,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers) -> None:
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: batched (llama-batched-bench), compare (vs peers), serve (vllm bench serve)")
+        "bench", help="benchmarks: batched (llama-batched-bench), compare (vs peers), serve (vllm bench serve), "
+                      "serve-compare (vs llama-server)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
     batched = kinds.add_parser("batched", help="llama-batched-bench columns over a sweep of batch sizes")
@@ -95,18 +96,48 @@ def add_bench_parser(subparsers) -> None:
     serve.add_argument("--model", default=None, help="with --start-server: the model to serve (default embedded)")
     serve.add_argument("--serve-args", default="", help="with --start-server: more `pagellm serve` flags, one string")
     serve.add_argument("--api-key", default=None)
-    serve.add_argument("--num-prompts", type=int, default=64)
-    serve.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request (after the prefix)")
-    serve.add_argument("--output-len", type=int, default=32, help="tokens generated per request (ignore_eos)")
-    serve.add_argument("--shared-prefix-len", type=int, default=0,
-                       help="a system prompt of this many tokens shared by every request (default 0)")
-    serve.add_argument("--request-rate", type=float, default=float("inf"),
-                       help="Poisson arrival rate in requests/s (default inf: all at once)")
-    serve.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
-    serve.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(serve)
     serve.add_argument("--out", default=None, help="write the summary and every request to FILE.json")
     serve.add_argument("--plot", default=None, metavar="FILE.png", help="CDF of TTFT and end-to-end latency")
     serve.set_defaults(func=_run_serve)
+
+    both = kinds.add_parser("serve-compare", help="pagellm serve and llama-server on one GGUF, the same clients")
+    both.add_argument("--llama-server", default=None, metavar="PATH",
+                      help="the llama-server binary (default: on PATH; ../shared/peers/build-llama-cpp.sh builds it)")
+    both.add_argument("--model", default=None, help="the GGUF file both serve (default: the embedded model)")
+    both.add_argument("--slots", type=int, default=16, help="sequences at once, each server (default %(default)s)")
+    both.add_argument("--ctx", type=int, default=1024, help="context tokens per sequence (default %(default)s)")
+    both.add_argument("--threads", type=int, default=2, help="llama-server threads (default %(default)s)")
+    both.add_argument("--serve-args", default="", help="more `pagellm serve` flags, one string")
+    both.add_argument("--llama-args", default="", help="more llama-server flags, one string")
+    both.add_argument("--load", choices=["poisson", "burst", "sweep"], default="poisson")
+    both.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")], default=[0.5, 1, 2, 4],
+                      help="sweep: Poisson rates in requests/s, comma-separated (default 0.5,1,2,4)")
+    both.add_argument("--ttft-bound", type=float, default=5.0, help="sweep: p99 TTFT bound in seconds")
+    add_workload_arguments(both, workload="text", shared_prefix_len=300, output_len=64, request_rate=0.5)
+    both.add_argument("--out", default=None, help="write every row and request to FILE.json")
+    both.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT and ITL CDFs of each server")
+    both.set_defaults(func=_run_serve_compare)
+
+
+def add_workload_arguments(serve: argparse.ArgumentParser, workload: str = "random", shared_prefix_len: int = 0,
+                           output_len: int = 32, request_rate: float = float("inf")) -> None:
+    """The client side of bench serve / serve-compare: what is sent, how fast, and what counts tokens."""
+    serve.add_argument("--tokenizer", default=None,
+                       help="GGUF file or HF directory whose tokenizer builds and counts prompts (default: --model)")
+    serve.add_argument("--workload", choices=["text", "random"], default=workload,
+                       help="text: a shared prefix of real text plus a question each; random: random ids")
+    serve.add_argument("--text", default=None, help="text workload: the file the shared prefix is cut from")
+    serve.add_argument("--num-prompts", type=int, default=64)
+    serve.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request (after the prefix)")
+    serve.add_argument("--output-len", type=int, default=output_len,
+                       help="tokens generated per request (ignore_eos; default %(default)s)")
+    serve.add_argument("--shared-prefix-len", type=int, default=shared_prefix_len,
+                       help="a system prompt of this many tokens shared by every request (default %(default)s)")
+    serve.add_argument("--request-rate", type=float, default=request_rate,
+                       help="Poisson arrival rate in requests/s (default %(default)s; inf: all at once)")
+    serve.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    serve.add_argument("--seed", type=int, default=0)
 
 
 def set_threads(threads: int | None) -> None:
@@ -218,6 +249,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     from pagellm.bench import serve
 
     return serve.main(args)
+
+
+def _run_serve_compare(args: argparse.Namespace) -> int:
+    from pagellm.bench import serve_compare
+
+    return serve_compare.main(args)
 
 
 def _run_compare(args: argparse.Namespace) -> int:

@@ -1,16 +1,21 @@
-"""`pagellm bench serve`: streaming clients against an OpenAI-compatible server, as `vllm bench serve`.
+"""`pagellm bench serve`: streaming clients against any OpenAI-compatible server, as `vllm bench serve`.
 
-Requests go to /v1/completions with token-id prompts (random ids drawn from
-what the server's /tokenize returns for a fixed text, so every id is valid),
-`ignore_eos` so each produces exactly --output-len tokens, and stream=true.
-They are sent at a Poisson --request-rate (default: all at once), at most
---concurrency in flight. Per request:
+Requests go to /v1/completions, stream=true, `ignore_eos` so each produces --output-len tokens. Prompts come
+from the model's tokenizer on the client side (--tokenizer, default the model's), so the server needs nothing
+beyond /v1/completions and /v1/models (llama-server and vLLM work unchanged):
+
+    --workload text     real text: a shared system prompt of --shared-prefix-len tokens cut from --text (the
+                        GPL-3 Debian ships, else a built-in paragraph) and a unique question per request
+    --workload random   --input-len random token ids (drawn from a fixed text's ids) after a shared prefix
+
+They are sent at a Poisson --request-rate (default: all at once), at most --concurrency in flight. Per request:
 
     TTFT  send -> first streamed chunk        E2E  send -> end of stream
     ITL   gaps between successive chunks      TPOT (E2E - TTFT) / (output tokens - 1)
 
-The server's prefix-cache hit ratio and preemptions are the change of its
-/metrics counters over the run.
+Output tokens are the server's `usage` where it sends one, else the client tokenizer's count of the text.
+Against a pagellm server the prefix-cache hit ratio and preemptions are the change of its /metrics counters
+over the run (other servers: not reported).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +35,9 @@ from pagellm.bench.report import Column
 
 SEED_TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches; "
              "meanwhile, a curious engineer measures latency, throughput and memory on two small cores. ") * 8
+DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
+TOPICS = ("copying", "distribution", "source code", "patents", "warranty", "liability", "modification", "licensees",
+          "conveying", "termination", "installation information", "additional terms", "acceptance", "the program")
 
 
 @dataclass
@@ -57,10 +66,40 @@ def build_prompts(token_pool: list[int], n: int, input_len: int, shared_prefix_l
     return [prefix + [rng.choice(token_pool) for _ in range(input_len)] for _ in range(n)]
 
 
-async def _one_request(client, url: str, model: str, prompt: list[int], output_len: int, headers) -> RequestResult:
+def text_prompts(tokenizer, text: str, n: int, shared_prefix_len: int, seed: int) -> list[str]:
+    """n prompts of real text: the first shared_prefix_len tokens of `text` (one system prompt for all), then a
+    question of its own per request."""
+    prefix = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:shared_prefix_len])
+    rng = random.Random(seed)
+    return [f"{prefix}\n\nQuestion {i + 1}: in two sentences, what does the text above say about "
+            f"{rng.choice(TOPICS)}, and why does it matter to {rng.choice(TOPICS)}?\nAnswer:" for i in range(n)]
+
+
+def client_tokenizer(path: str | None):
+    """The tokenizer prompts are built and counted with: a GGUF file or HF directory (None: the embedded model)."""
+    from pagellm.loader.default_model import default_model_path
+    from pagellm.loader.tokenizer import load_tokenizer
+
+    return load_tokenizer(path or default_model_path())
+
+
+def workload_prompts(args, tokenizer) -> list[str | list[int]]:
+    if args.workload == "random":
+        # ids a real text uses; a vocabulary that cannot spell it (a test's) gives its whole range
+        pool = sorted(set(tokenizer.encode(SEED_TEXT, add_special_tokens=False))) or list(range(tokenizer.hf_tokenizer.vocab_size))
+        return build_prompts(pool, args.num_prompts, args.input_len, args.shared_prefix_len, args.seed)
+    path = Path(args.text) if args.text else DEFAULT_TEXT
+    text = path.read_text() if args.text or path.is_file() else SEED_TEXT
+    return text_prompts(tokenizer, text, args.num_prompts, args.shared_prefix_len, args.seed)
+
+
+async def _one_request(client, url: str, model: str, prompt: str | list[int], output_len: int, headers,
+                       tokenizer) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    result = RequestResult(ok=False, prompt_len=len(prompt))
+    prompt_len = len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
+    result = RequestResult(ok=False, prompt_len=prompt_len)
+    pieces = []
     t0 = last = time.perf_counter()
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
@@ -74,6 +113,7 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices"):
+                    pieces.append(chunk["choices"][0].get("text") or "")
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - t0
@@ -85,10 +125,13 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
         return result
     result.e2e = time.perf_counter() - t0
     result.ok = result.ttft > 0
+    if not result.output_tokens:  # no usage from this server: count the text with the client's tokenizer
+        result.output_tokens = len(tokenizer.encode("".join(pieces), add_special_tokens=False))
     return result
 
 
-async def _run_clients(url, model, prompts, output_len, rate: float, concurrency: int | None, headers, seed):
+async def _run_clients(url, model, prompts, output_len, rate: float, concurrency: int | None, headers, seed,
+                       tokenizer):
     httpx = _httpx()
     rng = random.Random(seed + 1)
     limit = asyncio.Semaphore(concurrency or len(prompts))
@@ -96,7 +139,7 @@ async def _run_clients(url, model, prompts, output_len, rate: float, concurrency
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         async def limited(prompt):
             async with limit:
-                return await _one_request(client, url, model, prompt, output_len, headers)
+                return await _one_request(client, url, model, prompt, output_len, headers, tokenizer)
 
         tasks = []
         for prompt in prompts:
@@ -107,8 +150,9 @@ async def _run_clients(url, model, prompts, output_len, rate: float, concurrency
 
 
 def scrape_metrics(url: str, headers) -> dict[str, float]:
-    """The un-labelled pagellm: samples of /metrics ('_total' dropped from counters)."""
-    text = _httpx().get(url + "/metrics", headers=headers, timeout=30).text
+    """The un-labelled pagellm: samples of /metrics ('_total' dropped from counters); {} from other servers."""
+    response = _httpx().get(url + "/metrics", headers=headers, timeout=30)
+    text = response.text if response.status_code == 200 else ""
     values = {}
     for line in text.splitlines():
         if line.startswith("pagellm:") and "{" not in line:
@@ -134,12 +178,13 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
     queried = after.get("prefix_cache_queried_tokens", 0) - before.get("prefix_cache_queried_tokens", 0)
     hits = after.get("prefix_cache_hit_tokens", 0) - before.get("prefix_cache_hit_tokens", 0)
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    known = "num_preemptions" in after  # a pagellm server: its counters
     summary = {
         "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
         "request_throughput": len(done) / duration, "output_token_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_len for r in done)) / duration,
-        "prefix_cache_hit_ratio": hits / queried if queried else 0.0,
-        "preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
+        "prefix_cache_hit_ratio": (hits / queried if queried else 0.0) if known else None,
+        "preemptions": after["num_preemptions"] - before.get("num_preemptions", 0) if known else None,
     }
     for name, values in (("ttft_ms", [r.ttft for r in done]), ("tpot_ms", tpots),
                          ("itl_ms", [x for r in done for x in r.itls]), ("e2e_ms", [r.e2e for r in done])):
@@ -158,26 +203,32 @@ def latency_rows(summary: dict) -> list[dict]:
             for m in ("ttft", "tpot", "itl", "e2e")]
 
 
-class StartedServer:
-    """`pagellm serve` in a subprocess on a free port, stopped (by its own pid) on exit."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, serve_args: list[str], startup_timeout: float = 600.0):
-        import socket
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagellm.cli", "serve", "--port", str(self.port), *serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.timeout = startup_timeout
+@dataclass
+class Server:
+    """A server process the bench starts (`cmd` listens on `port`), healthy once /health answers 200."""
 
-    def wait_ready(self) -> None:
+    name: str
+    cmd: list[str]
+    port: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> None:
         httpx = _httpx()
-        deadline = time.monotonic() + self.timeout
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pagellm serve exited with {self.proc.returncode}:\n"
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
                                    f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
@@ -185,10 +236,11 @@ class StartedServer:
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
-        raise RuntimeError(f"pagellm serve not healthy after {self.timeout:.0f} s")
+        self.stop()
+        raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=30)
@@ -197,18 +249,21 @@ class StartedServer:
                 self.proc.wait()
 
 
-def run(url: str, args, headers: dict) -> tuple[dict, list[RequestResult], str]:
-    httpx = _httpx()
-    model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    resp = httpx.post(url + "/tokenize", json={"model": model, "prompt": SEED_TEXT}, headers=headers, timeout=60)
-    if resp.status_code != 200:
-        raise ValueError(f"bench serve draws prompt ids from the server's /tokenize, which answered {resp.status_code}")
-    pool = sorted(set(resp.json()["tokens"]))
-    prompts = build_prompts(pool, args.num_prompts, args.input_len, args.shared_prefix_len, args.seed)
+def pagellm_server(serve_args: list[str]) -> Server:
+    """`pagellm serve` on a free port."""
+    port = free_port()
+    return Server("pagellm", [sys.executable, "-m", "pagellm.cli", "serve", "--port", str(port), *serve_args], port)
+
+
+def run(url: str, args, headers: dict, tokenizer, prompts, request_rate: float | None = None
+        ) -> tuple[dict, list[RequestResult], str]:
+    """One run of `prompts` against the server at `url` (at args.request_rate unless given)."""
+    model = _httpx().get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     before = scrape_metrics(url, headers)
     t0 = time.perf_counter()
-    results = asyncio.run(_run_clients(url, model, prompts, args.output_len, args.request_rate,
-                                       args.concurrency, headers, args.seed))
+    rate = args.request_rate if request_rate is None else request_rate
+    results = asyncio.run(_run_clients(url, model, prompts, args.output_len, rate, args.concurrency, headers,
+                                       args.seed, tokenizer))
     duration = time.perf_counter() - t0
     after = scrape_metrics(url, headers)
     return summarize(results, duration, before, after), results, model
@@ -221,8 +276,9 @@ def print_and_save(summary: dict, results: list[RequestResult], args, settings: 
     print(f"request throughput {summary['request_throughput']:.3f} req/s, output token throughput "
           f"{summary['output_token_throughput']:.2f} tok/s, total token throughput "
           f"{summary['total_token_throughput']:.2f} tok/s")
-    print(f"server: prefix cache hit ratio {summary['prefix_cache_hit_ratio']:.3f}, "
-          f"preemptions {summary['preemptions']:.0f}")
+    if summary["preemptions"] is not None:
+        print(f"server: prefix cache hit ratio {summary['prefix_cache_hit_ratio']:.3f}, "
+              f"preemptions {summary['preemptions']:.0f}")
     print(report.format_table(latency_rows(summary), LATENCY_COLUMNS))
     errors = sorted({r.error for r in results if r.error})
     for error in errors[:5]:
@@ -256,19 +312,21 @@ def main(args) -> int:
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (inf = all at once), got {args.request_rate}")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    settings = {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "shared_prefix_len",
-                                              "request_rate", "concurrency", "seed")}
+    settings = {k: getattr(args, k) for k in ("workload", "num_prompts", "input_len", "output_len",
+                                              "shared_prefix_len", "request_rate", "concurrency", "seed")}
+    tokenizer = client_tokenizer(args.tokenizer or args.model)
+    prompts = workload_prompts(args, tokenizer)
     server = None
     url = args.base_url.rstrip("/")
     if args.start_server:
         serve_args = ["--model", args.model] if args.model else []
         serve_args += args.serve_args.split() if args.serve_args else []
-        server = StartedServer(serve_args)
+        server = pagellm_server(serve_args)
         url = server.url
     try:
         if server is not None:
-            server.wait_ready()
-        summary, results, model = run(url, args, headers)
+            server.start()
+        summary, results, model = run(url, args, headers, tokenizer, prompts)
     finally:
         if server is not None:
             server.stop()

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagellm.loader.gguf import read_gguf_header
@@ -124,10 +125,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 class IncrementalDetokenizer:
     """Turns generated ids into text as they arrive, without ever cutting a character in half.
 
-    As in vLLM, each step decodes a short window twice: ids[prefix:read] (text already emitted)
-    and ids[prefix:] (the same plus the new ids), and emits the difference. Decoding from a few
-    ids back keeps SentencePiece's leading spaces right (a lone "▁Paris" may decode as "Paris"),
-    and a text ending in U+FFFD is held back until the ids that complete the character arrive.
+    With a Rust (fast) tokenizer, `tokenizers.decoders.DecodeStream` does it in one call per id: it keeps
+    a few ids of left context (seeded with the prompt's tail, so SentencePiece's leading spaces come out
+    right: a lone "▁Paris" may decode as "Paris") and answers nothing until the ids complete a
+    character. Why: the Python form below costs two `decode` calls per id on the engine thread, several
+    times the time (docs/PERFORMANCE.md). Other tokenizers take that form, as vLLM does it: decode
+    ids[prefix:read] and ids[prefix:] and emit the difference, holding back a text that ends in U+FFFD.
+    `flush` gives what is held back at the end (an incomplete character as U+FFFD), as decode would.
     """
 
     _CONTEXT = 5  # prompt ids kept as left context for the first decoded window
@@ -135,15 +139,26 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids = list(prompt_ids)
-        self._read = len(self._ids)  # ids before this are already emitted (or are the prompt)
-        self._prefix = max(self._read - self._CONTEXT, 0)  # window start: left context for decoding
+        self._ids = list(prompt_ids[-self._CONTEXT:])  # left context, then the generated ids
+        self._read = len(self._ids)  # ids before this are already emitted (or are the context)
+        self._prefix = 0  # window start: left context for decoding
         self._text_parts: list[str] = []
+        backend = getattr(tokenizer.hf_tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        self._stream = None if backend is None else DecodeStream(self._ids, skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one generated id; returns the text it completes (often "", sometimes several chars)."""
         self._ids.append(token_id)
-        return self._emit(final=False)
+        if self._stream is None:
+            return self._emit(final=False)
+        text = self._stream.step(self._backend, token_id)
+        if not text:
+            return ""
+        # the stream has emitted every id so far: the Python form's window restarts here, for flush
+        self._prefix, self._read = max(len(self._ids) - self._CONTEXT, 0), len(self._ids)
+        self._text_parts.append(text)
+        return text
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character shows as U+FFFD); for a finished request."""

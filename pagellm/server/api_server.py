@@ -11,14 +11,16 @@ OpenAI-style body: {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
@@ -47,6 +49,15 @@ class ServerState:
     served_model_name: str
     api_key: str | None
     created: int
+    # Tokenization, chat templating and body parsing run here, never on the event loop: a multi-megabyte
+    # prompt takes seconds to tokenize, and every other request (/health too) would wait on the loop. The
+    # Rust tokenizer releases the GIL while it works, so the loop keeps serving meanwhile.
+    text_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagellm-text"))
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the text pool, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, functools.partial(fn, *args))
 
 
 def served_model_name(model: str | None) -> str:
@@ -66,6 +77,7 @@ def build_app(config: EngineConfig, max_waiting: int = 1024, api_key: str | None
         engine.start()  # loads the model on the engine thread; /health says 503 until it is ready
         yield
         await asyncio.to_thread(engine.shutdown)
+        state.text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagellm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -157,23 +169,27 @@ async def _models(request: Request) -> dict:
 
 async def _tokenize(request: Request) -> dict:
     state = _ready_state(request)
-    body = parse_request(await request.body(), TokenizeRequest)
+    body = await state.off_loop(parse_request, await request.body(), TokenizeRequest)
     _check_model(state, body.model)
     tokenizer = _tokenizer(state)
-    if body.messages is not None:
-        text = _render_chat(tokenizer, body.messages, body.add_generation_prompt)
-    else:
-        text = body.prompt
-    tokens = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+    def tokenize() -> list[int]:
+        if body.messages is not None:
+            text = _render_chat(tokenizer, body.messages, body.add_generation_prompt)
+        else:
+            text = body.prompt
+        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+    tokens = await state.off_loop(tokenize)
     return {"count": len(tokens), "max_model_len": state.engine.engine.max_model_len, "tokens": tokens}
 
 
 async def _detokenize(request: Request) -> dict:
     state = _ready_state(request)
-    body = parse_request(await request.body(), DetokenizeRequest)
+    body = await state.off_loop(parse_request, await request.body(), DetokenizeRequest)
     _check_model(state, body.model)
     _check_token_ids(state, body.tokens, "tokens")
-    return {"prompt": _tokenizer(state).decode(body.tokens)}
+    return {"prompt": await state.off_loop(_tokenizer(state).decode, body.tokens)}
 
 
 def _tokenizer(state: ServerState):
@@ -202,12 +218,12 @@ def _render_chat(tokenizer, messages, add_generation_prompt: bool) -> str:
 async def _completions(request: Request) -> Response:
     arrival = time.monotonic()
     state = _ready_state(request)
-    body = parse_request(await request.body(), CompletionRequest)
+    body = await state.off_loop(parse_request, await request.body(), CompletionRequest)
     _check_model(state, body.model)
     prompt_ids = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
-            prompt_ids.append(_tokenizer(state).encode(prompt))
+            prompt_ids.append(await state.off_loop(_tokenizer(state).encode, prompt))
         else:
             _check_token_ids(state, prompt, "prompt")
             prompt_ids.append(list(prompt))
@@ -219,11 +235,11 @@ async def _completions(request: Request) -> Response:
 async def _chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
     state = _ready_state(request)
-    body = parse_request(await request.body(), ChatCompletionRequest)
+    body = await state.off_loop(parse_request, await request.body(), ChatCompletionRequest)
     _check_model(state, body.model)
     tokenizer = _tokenizer(state)
-    text = _render_chat(tokenizer, body.messages, body.add_generation_prompt)
-    prompt_ids = [tokenizer.encode(text)]
+    text = await state.off_loop(_render_chat, tokenizer, body.messages, body.add_generation_prompt)
+    prompt_ids = [await state.off_loop(tokenizer.encode, text)]
     formatter = ChatFormatter(state.served_model_name, body, tokenizer)
     return await _generate(request, state, body, prompt_ids, body.requested_max_tokens, body.num_logprobs,
                            "messages", formatter, arrival)

@@ -313,3 +313,30 @@ def test_metrics_are_exported(server):
         assert name in metrics, name
     assert metrics["generation_tokens_total"] >= metrics["e2e_request_latency_seconds_count"]
     assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]  # idle: every block back in the pool
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server, client):
+    """While a 5 MB prompt is tokenized (seconds), /health and a short completion still answer: both finish before
+    it does. On the event loop they could not even be read until it was done."""
+    import time
+
+    huge = "All work and no play makes Jack a dull boy. " * 115_000  # ~5 MB
+    done = {}
+
+    def big():
+        with httpx.Client(base_url=server.url, timeout=300) as http:
+            response = http.post("/tokenize", json={"prompt": huge})
+        done["big"] = time.monotonic()
+        return response
+
+    def small():
+        time.sleep(0.5)  # the big body is in by then (loopback), and being tokenized
+        assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+        done["health"] = time.monotonic()
+        assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+        done["small"] = time.monotonic()
+
+    started = time.monotonic()
+    big_response, _ = concurrently(big, small)
+    assert big_response.status_code == 200 and big_response.json()["count"] > 1_000_000
+    assert done["health"] < done["big"] and done["small"] < done["big"], (done, started)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pagellm.core.types import TokenLogprobs
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from pagellm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from pagellm.server.responses import ChatFormatter, CompletionFormatter, usage
 
@@ -19,6 +22,8 @@ def parse(model, body: str):
     ('{"prompt": "x", "temperature": "hot"}', "temperature"),
     ('{"prompt": [[1], "a"]}', "prompt"),
     ('{"prompt": "x", "stop": [""]}', None),  # caught when the SamplingParams are built
+    (json.dumps({"prompt": "x", "stop": ["a"] * (MAX_STOP_STRINGS + 1)}), None),
+    (json.dumps({"prompt": "x", "stop": "a" * (MAX_STOP_LENGTH + 1)}), None),
     ('{"max_tokens": 3}', "prompt"),
     ('{"prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs"),
     ('{"prompt": "x", "prompt_logprobs": -1}', "prompt_logprobs"),

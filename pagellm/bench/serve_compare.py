@@ -1,0 +1,135 @@
+"""`pagellm bench serve-compare`: pagellm's server and llama-server on the same model file, the same clients.
+
+Each server is started in turn on a free port with matched capacity (pagellm `--max-num-seqs N`; llama-server
+`-np N -c N*ctx --cont-batching`, its prompt cache on as by default), warmed with one request, and given the
+same seeded workload (bench/serve.py: real text with a shared system prompt, streaming). Per server: completed
+/ failed, output tok/s, TTFT / ITL / E2E p50 and p99, and the peak RSS of its process (VmHWM). Workloads:
+
+    poisson   --num-prompts at a Poisson --request-rate
+    burst     --num-prompts at once
+    sweep     the Poisson workload at each of --rates (ascending) until p99 TTFT passes --ttft-bound or a
+              request fails; the highest rate held is reported
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pagellm.bench import serve
+from pagellm.bench.report import Column, format_table
+
+COLUMNS = (Column("server", "server"), Column("load", "load"), Column("completed", "done"),
+           Column("failed", "failed"), Column("output_token_throughput", "out tok/s", "{:.1f}"),
+           Column("median_ttft_ms", "TTFT p50 ms", "{:.0f}"), Column("p99_ttft_ms", "TTFT p99 ms", "{:.0f}"),
+           Column("median_itl_ms", "ITL p50 ms", "{:.0f}"), Column("p99_itl_ms", "ITL p99 ms", "{:.0f}"),
+           Column("median_e2e_ms", "E2E p50 ms", "{:.0f}"), Column("peak_rss_mb", "peak RSS MB", "{:.0f}"))
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def servers(args, model: str) -> list[serve.Server]:
+    """pagellm and llama-server with the same model file and the same number of sequences at once."""
+    llama = args.llama_server or shutil.which("llama-server")
+    if llama is None or not Path(llama).is_file():
+        raise ValueError("--llama-server PATH is needed (../shared/peers/build-llama-cpp.sh builds it), "
+                         f"got {args.llama_server!r}")
+    if not model.endswith(".gguf"):
+        raise ValueError(f"serve-compare serves one GGUF file with both servers, got --model {model!r}")
+    ours = serve.pagellm_server(["--model", model, "--max-num-seqs", str(args.slots), "--max-model-len",
+                                 str(args.ctx), *args.serve_args.split()])
+    peer = serve.Server("llama-server", [], serve.free_port())
+    peer.cmd = [llama, "-m", model, "--host", "127.0.0.1", "--port", str(peer.port), "-np", str(args.slots),
+                "-c", str(args.slots * args.ctx), "--cont-batching", "-t", str(args.threads),
+                "-tb", str(args.threads), *args.llama_args.split()]
+    return [ours, peer]
+
+
+def _measure(server: serve.Server, args, tokenizer, prompts, rate: float, load: str) -> tuple[dict, list]:
+    summary, results, _ = serve.run(server.url, args, {}, tokenizer, prompts, request_rate=rate)
+    return {"server": server.name, "load": load, **summary}, results
+
+
+def _loads(args) -> list[tuple[str, float]]:
+    if args.load == "burst":
+        return [("burst", float("inf"))]
+    if args.load == "sweep":
+        return [(f"{rate:g}/s", rate) for rate in sorted(args.rates)]
+    return [(f"{args.request_rate:g}/s", args.request_rate)]
+
+
+def run_one_server(server: serve.Server, args, tokenizer, prompts) -> tuple[list[dict], dict]:
+    """Every load against one server (a sweep stops past the TTFT bound); rows and each row's requests."""
+    rows, requests = [], {}
+    server.start()
+    try:
+        serve.run(server.url, args, {}, tokenizer, prompts[:1], request_rate=float("inf"))  # warm-up
+        for load, rate in _loads(args):
+            row, results = _measure(server, args, tokenizer, prompts, rate, load)
+            rows.append(row)
+            requests[load] = results
+            if args.load == "sweep" and (row["failed"] or row["p99_ttft_ms"] > args.ttft_bound * 1e3):
+                break
+        peak = peak_rss_mb(server.proc.pid)
+    finally:
+        server.stop()
+    for row in rows:
+        row["peak_rss_mb"] = peak
+    return rows, requests
+
+
+def held_rate(rows: list[dict], bound_s: float) -> float:
+    """The highest swept rate with every request done and p99 TTFT under the bound (0: none)."""
+    held = [float(r["load"].removesuffix("/s")) for r in rows if not r["failed"] and r["p99_ttft_ms"] <= bound_s * 1e3]
+    return max(held, default=0.0)
+
+
+def main(args) -> int:
+    from pagellm.loader.default_model import default_model_path
+
+    model = str(args.model or default_model_path())
+    tokenizer = serve.client_tokenizer(args.tokenizer or model)
+    prompts = serve.workload_prompts(args, tokenizer)
+    rows, requests = [], {}
+    for server in servers(args, model):
+        server_rows, server_requests = run_one_server(server, args, tokenizer, prompts)
+        rows += server_rows
+        requests[server.name] = server_requests
+    print(f"model {model}; {args.slots} sequences at once, {args.ctx} tokens each; workload {args.workload}, "
+          f"{args.num_prompts} requests, shared prefix {args.shared_prefix_len} tokens, {args.output_len} out")
+    print(format_table(rows, COLUMNS))
+    if args.load == "sweep":
+        for name in requests:
+            rate = held_rate([r for r in rows if r["server"] == name], args.ttft_bound)
+            print(f"{name}: highest rate held with p99 TTFT <= {args.ttft_bound:g} s: {rate:g} req/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows, "requests": {
+            name: {load: [r.__dict__ for r in results] for load, results in by_load.items()}
+            for name, by_load in requests.items()}}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    if args.plot:
+        _plot(args.plot, requests)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot(path: str, requests: dict) -> None:
+    from pagellm.bench.report import finish_plot, pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, by_load in requests.items():
+        load, results = list(by_load.items())[-1]
+        for metric, values in (("TTFT", [r.ttft for r in results if r.ok]),
+                               ("ITL", [x for r in results if r.ok for x in r.itls])):
+            ordered = sorted(values)
+            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=f"{name} {metric} ({load})")
+    ax.set_xscale("log")
+    finish_plot(plt, fig, ax, path, "seconds", "fraction", "pagellm serve vs llama-server: latency CDFs")
