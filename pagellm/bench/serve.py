@@ -179,12 +179,22 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
     hits = after.get("prefix_cache_hit_tokens", 0) - before.get("prefix_cache_hit_tokens", 0)
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     known = "num_preemptions" in after  # a pagellm server: its counters
+
+    def delta(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    steps = delta("num_steps")
+    host_ms = (after.get("host_ms_per_step", 0) * after.get("num_steps", 0)
+               - before.get("host_ms_per_step", 0) * before.get("num_steps", 0))  # the run's, from the means
+    decode_steps = delta("step_reuse_hits") + delta("step_reuse_misses")
     summary = {
         "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
         "request_throughput": len(done) / duration, "output_token_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_len for r in done)) / duration,
         "prefix_cache_hit_ratio": (hits / queried if queried else 0.0) if known else None,
         "preemptions": after["num_preemptions"] - before.get("num_preemptions", 0) if known else None,
+        "host_ms_per_step": host_ms / steps if known and steps else None,
+        "step_reuse_rate": delta("step_reuse_hits") / decode_steps if known and decode_steps else None,
     }
     for name, values in (("ttft_ms", [r.ttft for r in done]), ("tpot_ms", tpots),
                          ("itl_ms", [x for r in done for x in r.itls]), ("e2e_ms", [r.e2e for r in done])):
@@ -278,7 +288,8 @@ def print_and_save(summary: dict, results: list[RequestResult], args, settings: 
           f"{summary['total_token_throughput']:.2f} tok/s")
     if summary["preemptions"] is not None:
         print(f"server: prefix cache hit ratio {summary['prefix_cache_hit_ratio']:.3f}, "
-              f"preemptions {summary['preemptions']:.0f}")
+              f"preemptions {summary['preemptions']:.0f}, host ms per step {summary['host_ms_per_step'] or 0:.2f}, "
+              f"step reuse rate {summary['step_reuse_rate'] or 0:.2f}")
     print(report.format_table(latency_rows(summary), LATENCY_COLUMNS))
     errors = sorted({r.error for r in results if r.error})
     for error in errors[:5]:

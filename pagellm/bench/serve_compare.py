@@ -24,7 +24,8 @@ COLUMNS = (Column("server", "server"), Column("load", "load"), Column("completed
            Column("failed", "failed"), Column("output_token_throughput", "out tok/s", "{:.1f}"),
            Column("median_ttft_ms", "TTFT p50 ms", "{:.0f}"), Column("p99_ttft_ms", "TTFT p99 ms", "{:.0f}"),
            Column("median_itl_ms", "ITL p50 ms", "{:.0f}"), Column("p99_itl_ms", "ITL p99 ms", "{:.0f}"),
-           Column("median_e2e_ms", "E2E p50 ms", "{:.0f}"), Column("peak_rss_mb", "peak RSS MB", "{:.0f}"))
+           Column("median_e2e_ms", "E2E p50 ms", "{:.0f}"), Column("peak_rss_mb", "peak RSS MB", "{:.0f}"),
+           Column("host_ms_per_step", "host ms/step", "{:.2f}"), Column("step_reuse_rate", "step reuse", "{:.2f}"))
 
 
 def peak_rss_mb(pid: int) -> float:

@@ -9,6 +9,7 @@ Nothing is fetched from the network (local_files_only).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -101,6 +102,12 @@ class Tokenizer:
         return self.hf_tokenizer.apply_chat_template(
             messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token can stand for (its longest vocabulary piece), doubled for normalizers
+        that shrink text: a text longer than this times n cannot encode to n tokens or fewer."""
+        return 2 * max(map(len, self.hf_tokenizer.get_vocab()), default=1)
 
     @property
     def _bos_text(self) -> str:

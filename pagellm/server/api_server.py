@@ -14,9 +14,11 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -52,12 +54,32 @@ class ServerState:
     # Tokenization, chat templating and body parsing run here, never on the event loop: a multi-megabyte
     # prompt takes seconds to tokenize, and every other request (/health too) would wait on the loop. The
     # Rust tokenizer releases the GIL while it works, so the loop keeps serving meanwhile.
-    text_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagellm-text"))
+    text_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=2, thread_name_prefix="pagellm-text", initializer=_yield_to_the_engine))
 
     async def off_loop(self, fn, *args):
         """fn(*args) on the text pool, awaited."""
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, functools.partial(fn, *args))
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """The prompt's ids, tokenized off the loop; a text too long to fit the context in any tokenization is
+        refused before tokenizing (a 400 naming `param`): its seconds of work could only end in that 400."""
+        engine = self.engine.engine
+        tokenizer = _tokenizer(self)
+        if len(text) > engine.max_model_len * tokenizer.max_chars_per_token:
+            raise APIError(f"this model's maximum context length is {engine.max_model_len} tokens, and the "
+                           f"{param} has {len(text)} characters: more than that many tokens can hold; shorten it",
+                           param)
+        return await self.off_loop(tokenizer.encode, text)
+
+
+def _yield_to_the_engine() -> None:
+    """Text threads run at a lower priority than the engine: on a machine with as many cores as the engine has
+    threads, a long tokenization otherwise takes a core from every decode step (Linux: per-thread niceness)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def served_model_name(model: str | None) -> str:
@@ -223,7 +245,7 @@ async def _completions(request: Request) -> Response:
     prompt_ids = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
-            prompt_ids.append(await state.off_loop(_tokenizer(state).encode, prompt))
+            prompt_ids.append(await state.encode(prompt, "prompt"))
         else:
             _check_token_ids(state, prompt, "prompt")
             prompt_ids.append(list(prompt))
@@ -239,7 +261,7 @@ async def _chat_completions(request: Request) -> Response:
     _check_model(state, body.model)
     tokenizer = _tokenizer(state)
     text = await state.off_loop(_render_chat, tokenizer, body.messages, body.add_generation_prompt)
-    prompt_ids = [await state.off_loop(tokenizer.encode, text)]
+    prompt_ids = [await state.encode(text, "messages")]
     formatter = ChatFormatter(state.served_model_name, body, tokenizer)
     return await _generate(request, state, body, prompt_ids, body.requested_max_tokens, body.num_logprobs,
                            "messages", formatter, arrival)

@@ -30,6 +30,9 @@ _COUNTERS = (
     ("num_preemptions", "Requests preempted (KV freed, recomputed later).", "num_preemptions"),
     ("request_success", "Requests that finished (stop or length).", "num_requests_finished"),
     ("request_aborted", "Requests aborted (client gone, shutdown).", "num_requests_aborted"),
+    ("step_reuse_hits", "Pure-decode steps whose inputs were prepared by diff from the previous step.",
+     "step_reuse_hits"),
+    ("step_reuse_misses", "Pure-decode steps whose inputs were rebuilt.", "step_reuse_misses"),
 )
 _GAUGES = (
     ("num_requests_running", "Requests running (holding KV blocks and a slot).", "num_requests_running"),

@@ -39,4 +39,5 @@ def test_serve_bench_reports_latencies_throughput_and_prefix_hits(tmp_path, caps
     # 48 shared tokens = 3 full blocks: every request after the first ones finds them cached.
     assert summary["prefix_cache_hit_ratio"] > 0
     assert summary["preemptions"] == 0
+    assert summary["host_ms_per_step"] > 0 and 0 <= summary["step_reuse_rate"] <= 1  # the run's, from /metrics
     assert png.read_bytes()[:4] == b"\x89PNG"
