@@ -112,24 +112,29 @@ def iter_gguf_weights(
     hf_names = _gguf_to_hf_names(header, config)  # checks every tensor has an HF name, up front
     _check_dequantizable(header)
     for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
-        permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
-        scheme = quantized.get(hf_names[tensor.name])
-        if scheme == "gguf":
-            yield hf_names[tensor.name], _blocks_of(tensor, config if permuted else None)
-            continue
-        if scheme == "int4" and tensor.ggml_type in EXACT_INT4_TYPES:
-            weight = group_affine_of(tensor.data, tensor.ggml_type, tensor.shape)
-        elif scheme is not None and not permuted and len(tensor.shape) == 2:
-            weight = LazyRows(tensor.data, tensor.ggml_type, tensor.shape)
-        else:
-            weight = dequantize(tensor)  # [*shape] float32
-        if permuted:
-            n_heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
-            unpermute = lambda rows: unpermute_qk_rows(rows, n_heads)  # noqa: E731
-            weight = weight.map_rows(unpermute) if isinstance(weight, GroupAffine) else unpermute(weight)
-        elif arch == "gemma3" and tensor.name.endswith("norm.weight"):
-            weight = weight - 1.0  # llama.cpp stores Gemma's RMSNorm weight as w + 1
-        yield hf_names[tensor.name], weight
+        yield _hf_weight(tensor, hf_names[tensor.name], arch, config, quantized.get(hf_names[tensor.name]))
+        tensor.release()  # the consumer has built its weight from the file's pages: out of the resident set
+
+
+def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: PretrainedConfig,
+               scheme: str | None) -> tuple[str, torch.Tensor | GroupAffine | LazyRows | gguf_blocks.GGUFWeight]:
+    """(HF name, the weight as the layer taking it wants it) of one tensor of the file."""
+    permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
+    if scheme == "gguf":
+        return hf_name, _blocks_of(tensor, config if permuted else None)
+    if scheme == "int4" and tensor.ggml_type in EXACT_INT4_TYPES:
+        weight = group_affine_of(tensor.data, tensor.ggml_type, tensor.shape)
+    elif scheme is not None and not permuted and len(tensor.shape) == 2:
+        weight = LazyRows(tensor.data, tensor.ggml_type, tensor.shape)
+    else:
+        weight = dequantize(tensor)  # [*shape] float32
+    if permuted:
+        n_heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
+        unpermute = lambda rows: unpermute_qk_rows(rows, n_heads)  # noqa: E731
+        weight = weight.map_rows(unpermute) if isinstance(weight, GroupAffine) else unpermute(weight)
+    elif arch == "gemma3" and tensor.name.endswith("norm.weight"):
+        weight = weight - 1.0  # llama.cpp stores Gemma's RMSNorm weight as w + 1
+    return hf_name, weight
 
 
 def gguf_weight_types(path: str | Path, config: PretrainedConfig) -> dict[str, gguf.GGMLQuantizationType]:

@@ -107,6 +107,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     """
     kernels = kernels or KernelConfig()
     path = resolve_model_path(model)
+    # First: rebuilding a GGUF's tokenizer peaks at a few hundred MB of temporaries, which then never stack on
+    # the weights already loaded (the process's peak RSS is what a user sees).
+    tokenizer = load_tokenizer(path) if with_tokenizer else None
     is_gguf = path.is_file()
     hf_config = load_gguf_config(path) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None
@@ -132,5 +135,4 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     join_projections(net)
     plan_layers(net, kernels, dtype)
     net.eval()
-    tokenizer = load_tokenizer(path) if with_tokenizer else None
     return LoadedModel(net, hf_config, tokenizer, path, plan)
