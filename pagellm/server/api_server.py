@@ -57,6 +57,15 @@ class ServerState:
     text_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         max_workers=2, thread_name_prefix="pagellm-text", initializer=_yield_to_the_engine))
 
+    unknown_fields_seen: set[str] = field(default_factory=set)
+
+    def note_unknown_fields(self, body) -> None:
+        """Log each request field no model field knows, once per name per server: it was ignored."""
+        for name in body.unknown_fields():
+            if name not in self.unknown_fields_seen:
+                self.unknown_fields_seen.add(name)
+                logger.warning("ignoring request field %r, which pagellm does not know (logged once)", name)
+
     async def off_loop(self, fn, *args):
         """fn(*args) on the text pool, awaited."""
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, functools.partial(fn, *args))
@@ -242,6 +251,7 @@ async def _completions(request: Request) -> Response:
     state = _ready_state(request)
     body = await state.off_loop(parse_request, await request.body(), CompletionRequest)
     _check_model(state, body.model)
+    state.note_unknown_fields(body)
     prompt_ids = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
@@ -259,6 +269,7 @@ async def _chat_completions(request: Request) -> Response:
     state = _ready_state(request)
     body = await state.off_loop(parse_request, await request.body(), ChatCompletionRequest)
     _check_model(state, body.model)
+    state.note_unknown_fields(body)
     tokenizer = _tokenizer(state)
     text = await state.off_loop(_render_chat, tokenizer, body.messages, body.add_generation_prompt)
     prompt_ids = [await state.encode(text, "messages")]
@@ -284,6 +295,7 @@ def _max_tokens(state: ServerState, prompt_len: int, requested: int | None, prom
 async def _generate(request: Request, state: ServerState, body, prompt_ids: list[list[int]],
                     requested_max_tokens: int | None, num_logprobs: int | None, prompt_param: str,
                     formatter, arrival: float) -> Response:
+    _check_token_ids(state, body.stop_token_ids or [], "stop_token_ids")  # an id past the vocabulary never stops
     token_lists, params = [], []
     for ids in prompt_ids:
         max_tokens = _max_tokens(state, len(ids), requested_max_tokens, prompt_param)

@@ -48,10 +48,32 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def _absent(value: Any) -> bool:
+    return value is None or value == {} or value == [] or value is False or value == 0
+
+
+def _plain_text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
+
+
+def _no_tool_forced(value: Any) -> bool:
+    return value is None or value in ("none", "auto")
+
+
+# Fields pagellm does not honour yet (structured output, tool calls, logit processors): name -> whether a value
+# asks for nothing, so the field can be dropped with no change to the output. Anything else is a 400 naming it.
+_NOT_YET = {
+    "logit_bias": _absent, "min_tokens": _absent, "allowed_token_ids": _absent, "bad_words": _absent,
+    "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent, "guided_grammar": _absent,
+    "structured_outputs": _absent, "response_format": _plain_text_format,
+    "functions": _absent, "function_call": _no_tool_forced, "tool_choice": _no_tool_forced,
+}
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra: refused (_NOT_YET) or reported as unknown
 
     model: StrictStr | None = None
     max_tokens: Annotated[Int, Field(ge=1)] | None = None
@@ -72,11 +94,22 @@ class _SamplingRequest(BaseModel):
     user: StrictStr | None = None
     prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's extra field
 
+    best_of: Annotated[Int, Field(ge=1)] | None = None
+
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options can only be set when stream is true", "stream_options")
         if self.stream and self.prompt_logprobs:  # vLLM's rule: a stream has no place for them (0 passes)
             raise APIError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        if self.best_of is not None and self.best_of != self.n:  # best_of = n is plain sampling
+            raise APIError(f"best_of other than n ({self.n}) is not supported", "best_of")
+        for name, value in (self.model_extra or {}).items():
+            if name in _NOT_YET and not _NOT_YET[name](value):
+                raise APIError(f"{name} is not supported yet (got {value!r:.100}); leave it out", name)
+
+    def unknown_fields(self) -> list[str]:
+        """Names of fields sent that no model field or _NOT_YET entry knows: ignored (the server logs them)."""
+        return sorted(name for name in (self.model_extra or {}) if name not in _NOT_YET)
 
     @property
     def include_usage(self) -> bool:

@@ -352,3 +352,13 @@ def test_a_prompt_too_long_in_any_tokenization_is_refused_before_tokenizing(http
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["param"] == param and "characters" in error["message"] and "256 tokens" in error["message"]
+
+
+def test_fields_not_honoured_are_refused_and_stop_token_ids_range_checked(http):
+    """Through the server: a constraint pagellm would ignore is a 400 naming it; a stop token id past the
+    vocabulary is a 400 like a prompt id."""
+    for body, param in (({"logit_bias": {"5": 10}}, "logit_bias"), ({"min_tokens": 3}, "min_tokens"),
+                        ({"guided_json": {"type": "object"}}, "guided_json"),
+                        ({"stop_token_ids": [10**9]}, "stop_token_ids")):
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

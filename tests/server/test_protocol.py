@@ -122,3 +122,41 @@ def test_prompt_logprobs_wire_shape_per_choice_and_beside_chat_choices():
     assert chat.response(outputs[:1], usage([3], outputs[:1], 1))["prompt_logprobs"] == wire
     outputs[0].prompt_logprobs = None
     assert chat.response(outputs[:1], usage([3], outputs[:1], 1))["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize("model, field, value", [
+    (CompletionRequest, "logit_bias", {"42": 5}), (CompletionRequest, "min_tokens", 4),
+    (CompletionRequest, "best_of", 3), (CompletionRequest, "response_format", {"type": "json_object"}),
+    (CompletionRequest, "guided_json", {"type": "object"}), (CompletionRequest, "guided_choice", ["a", "b"]),
+    (ChatCompletionRequest, "logit_bias", {"42": 5}), (ChatCompletionRequest, "min_tokens", 4),
+    (ChatCompletionRequest, "functions", [{"name": "f"}]), (ChatCompletionRequest, "function_call", {"name": "f"}),
+    (ChatCompletionRequest, "tool_choice", "required"), (ChatCompletionRequest, "structured_outputs", {"json": {}}),
+])
+def test_fields_not_honoured_yet_are_refused_by_name(model, field, value):
+    """A constraint the server would ignore is a 400 naming it, never a 200 that silently breaks it."""
+    base = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(APIError) as info:
+        parse(model, json.dumps({**base, field: value}))
+    assert info.value.status == 400 and info.value.param == field
+
+
+@pytest.mark.parametrize("field, value", [("logit_bias", {}), ("min_tokens", 0), ("best_of", 1),
+                                          ("response_format", {"type": "text"}), ("tool_choice", "none"),
+                                          ("function_call", "auto"), ("guided_json", None)])
+def test_values_that_ask_for_nothing_pass_and_unknown_fields_are_reported(field, value):
+    request = parse(ChatCompletionRequest, json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], field: value, "temperatur": 0.5, "metadata": {"a": 1}}))
+    assert request.unknown_fields() == ["metadata", "temperatur"]
+
+
+def test_the_server_logs_each_unknown_field_once(caplog):
+    from pagellm.server.api_server import ServerState
+
+    state = ServerState(engine=None, metrics=None, served_model_name="m", api_key=None, created=0)
+    body = '{"prompt": "x", "temperatur": 0.5}'
+    with caplog.at_level("WARNING", logger="pagellm.server"):
+        for _ in range(3):
+            state.note_unknown_fields(parse(CompletionRequest, body))
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring request field 'temperatur', which pagellm does not know (logged once)"]
+    state.text_pool.shutdown()
