@@ -220,6 +220,11 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        vocab = self.hf_config.vocab_size  # the sampler indexes logits by these: a row of V values
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} token ids out of range [0, {vocab}): {bad[:5]}")
         request = Request(request_id, token_ids, params, self.config.cache.block_size,
                           self.eos_token_ids, arrival_time)
         self.scheduler.add_request(request)

@@ -55,6 +55,8 @@ class RequestState:
         self.text += self.detokenizer.add(token_id)
         if not self.stop or len(self.text) == searched:
             return None
+        if len(self.request.output_token_ids) < self.request.sampling_params.min_tokens:
+            return None  # vLLM's min_tokens: no stop string ends the output before it (matches may span it)
         # A new match ends in the added text, so it starts at most len(s) - 1 characters before it.
         hits = [(self.text.find(s, max(0, searched - len(s) + 1)), s) for s in self.stop]
         hits = [(i, s) for i, s in hits if i >= 0]

@@ -100,6 +100,11 @@ class Request:
         bs = self._block_size
         return tuple(self.all_token_ids[index * bs : (index + 1) * bs])
 
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end this request when sampled: EOS (unless ignore_eos) and stop_token_ids, sorted."""
+        params = self.sampling_params
+        return tuple(sorted((set() if params.ignore_eos else set(self.eos_token_ids)) | set(params.stop_token_ids)))
+
     def check_stop_token(self) -> RequestStatus | None:
         """Finish on EOS, a stop token id or max_tokens (stop strings are checked on text by the engine)."""
         params, last = self.sampling_params, self.output_token_ids[-1]

@@ -10,6 +10,7 @@ MAX_LOGPROBS = 20
 # slow the batch (each string is searched over its own length of tail, output_processor.py). OpenAI allows 4.
 MAX_STOP_STRINGS = 128
 MAX_STOP_LENGTH = 1024  # characters; a stream holds back this many minus one
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: +-100 bans or forces a token
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -33,6 +34,20 @@ def _check_float(name: str, value, low: float, high: float) -> None:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 
 
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    items = bias.items() if isinstance(bias, dict) else (bias or ())
+    pairs = {}
+    for key, value in items:
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r} "
+                             f"for token {token}")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -51,6 +66,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling; kept as sorted
+    # (id, bias) pairs so the object stays hashable. JSON's string keys ("42") are accepted.
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    min_tokens: int = 0  # vLLM's: no EOS, stop token id or stop string ends the output before this many tokens
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, 1)
@@ -87,10 +106,19 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_logit_processing(self) -> bool:
+        """logit_bias or min_tokens: the logits are changed per row before sampling."""
+        return bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def needs_penalties(self) -> bool:

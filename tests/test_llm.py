@@ -174,3 +174,17 @@ def test_preemption_recomputes_and_keeps_greedy_ids(llm, reference_ids):
     assert [o.outputs[0].token_ids for o in out] == reference_ids
     stats = small.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_min_tokens_and_logit_bias_through_the_engine(llm, reference_ids):
+    """min_tokens keeps a stop token id from ending the output early; a +100 bias forces its token."""
+    ids = reference_ids[0]
+    stop = ids[0]  # the greedy first token: a stop id that would end the output at once
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop],
+                                                  min_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 3 and stop not in out.token_ids[:2]
+    forced = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={"818": 100}),
+                          use_tqdm=False)[0].outputs[0]
+    assert forced.token_ids == [818, 818, 818]
+    with pytest.raises(ValueError, match="logit_bias token ids out of range"):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**9: 1}), use_tqdm=False)

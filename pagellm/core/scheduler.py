@@ -231,7 +231,7 @@ class Scheduler:
         new = None
         if is_new:
             new = NewRequestData(tuple(request.prompt_token_ids), tuple(request.output_token_ids),
-                                 request.sampling_params)
+                                 request.sampling_params, request.stop_ids())
         return ScheduledRequest(
             request_id=request.request_id,
             slot=request.slot,

@@ -14,6 +14,7 @@ class NewRequestData:
     prompt_token_ids: tuple[int, ...]  # for penalties over the prompt
     output_token_ids: tuple[int, ...]  # non-empty only on resume: recomputed like prompt tokens
     sampling_params: SamplingParams
+    stop_ids: tuple[int, ...] = ()  # ids that end it (EOS unless ignored, stop_token_ids): banned before min_tokens
 
 
 @dataclass(frozen=True)

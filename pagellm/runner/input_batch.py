@@ -26,6 +26,7 @@ class SlotState:
     output_token_ids: list[int]
     block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    stop_ids: tuple[int, ...] = ()  # masked while fewer than sampling_params.min_tokens are out
 
     def reseed(self) -> None:
         """Derive this step's random stream from (seed, number of tokens generated so far).
@@ -55,7 +56,7 @@ class InputBatch:
         for item in scheduled:
             if item.new is not None:
                 state = SlotState(item.request_id, item.new.sampling_params, list(item.new.prompt_token_ids),
-                                  list(item.new.output_token_ids))
+                                  list(item.new.output_token_ids), stop_ids=item.new.stop_ids)
                 if state.sampling_params.seed is not None:
                     state.generator = torch.Generator(device=self.device)
                 self.slots[item.slot] = state

@@ -46,6 +46,11 @@ class SamplingRow(Protocol):
         """Set by the engine iff sampling_params.seed is not None, seeded with it, on the logits' device."""
         ...
 
+    @property
+    def stop_ids(self) -> Sequence[int]:
+        """The ids that would end the request (EOS unless ignored, stop_token_ids): banned before min_tokens."""
+        ...
+
 
 @dataclass(frozen=True)
 class LogprobsTensors:
@@ -72,12 +77,15 @@ class Sampler:
         params = [row.sampling_params for row in rows]
         wants_logprobs = any(p.logprobs is not None for p in params)
         needs_penalties = any(p.needs_penalties for p in params)
-        if not wants_logprobs and not needs_penalties and all(p.is_greedy for p in params):
+        processed = any(p.needs_logit_processing for p in params)
+        if not wants_logprobs and not needs_penalties and not processed and all(p.is_greedy for p in params):
             return SamplerOutput(token_ids=greedy_ids(logits), logprobs=None)
 
         logits = logits.float()  # sampling maths in fp32 whatever the model's dtype; no copy if already fp32
         # vLLM returns logprobs of the raw model distribution, before penalties and temperature.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        if processed:
+            logits = apply_logit_bias_and_min_tokens(logits, rows)
         if needs_penalties:
             logits = apply_penalties(logits, rows)
         token_ids = self._pick_tokens(logits, rows)
@@ -147,6 +155,20 @@ def sample_exponential_race_no_sync(probs: torch.Tensor, noise: torch.Tensor) ->
     # argmax picks NaN. Flooring q keeps filtered tokens at 0 and only makes a kept token win outright.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return greedy_ids(probs.div_(noise))
+
+
+def apply_logit_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Logits [B, V] with each row's logit_bias added, and its stop ids at -inf while fewer than min_tokens
+    tokens are out (vLLM's order: before penalties and temperature), as a new tensor."""
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        params = row.sampling_params
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias)
+            logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        if len(row.output_token_ids) < params.min_tokens and row.stop_ids:
+            logits[i, list(row.stop_ids)] = float("-inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -296,6 +296,7 @@ async def _generate(request: Request, state: ServerState, body, prompt_ids: list
                     requested_max_tokens: int | None, num_logprobs: int | None, prompt_param: str,
                     formatter, arrival: float) -> Response:
     _check_token_ids(state, body.stop_token_ids or [], "stop_token_ids")  # an id past the vocabulary never stops
+    _check_token_ids(state, [int(k) for k in body.logit_bias or {} if k.strip().isdigit()], "logit_bias")
     token_lists, params = [], []
     for ids in prompt_ids:
         max_tokens = _max_tokens(state, len(ids), requested_max_tokens, prompt_param)

@@ -63,7 +63,7 @@ def _no_tool_forced(value: Any) -> bool:
 # Fields pagellm does not honour yet (structured output, tool calls, logit processors): name -> whether a value
 # asks for nothing, so the field can be dropped with no change to the output. Anything else is a 400 naming it.
 _NOT_YET = {
-    "logit_bias": _absent, "min_tokens": _absent, "allowed_token_ids": _absent, "bad_words": _absent,
+    "allowed_token_ids": _absent, "bad_words": _absent,
     "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent, "guided_grammar": _absent,
     "structured_outputs": _absent, "response_format": _plain_text_format,
     "functions": _absent, "function_call": _no_tool_forced, "tool_choice": _no_tool_forced,
@@ -95,6 +95,8 @@ class _SamplingRequest(BaseModel):
     prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's extra field
 
     best_of: Annotated[Int, Field(ge=1)] | None = None
+    logit_bias: dict[StrictStr, Float | Int] | None = None  # token id (as JSON keys are strings) -> [-100, 100]
+    min_tokens: Annotated[Int, Field(ge=0)] = 0  # vLLM's extra field
 
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -122,7 +124,8 @@ class _SamplingRequest(BaseModel):
         hits) and never to a stream, which does not return them.
         """
         values: dict[str, Any] = dict(max_tokens=max_tokens, logprobs=num_logprobs, ignore_eos=self.ignore_eos,
-                                      stop=self.stop, stop_token_ids=self.stop_token_ids)
+                                      stop=self.stop, stop_token_ids=self.stop_token_ids, logit_bias=self.logit_bias,
+                                      min_tokens=self.min_tokens)
         if child == 0 and not self.stream:
             values["prompt_logprobs"] = self.prompt_logprobs
         if self.seed is not None:

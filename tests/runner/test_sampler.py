@@ -24,6 +24,7 @@ class Row:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         # As the engine does: a generator iff the request has a seed.
@@ -396,3 +397,34 @@ def test_empty_vocab_filters_are_noops_for_large_top_k():
     """top_k >= V means the whole vocabulary, like top_k=-1."""
     counts = token_counts(Sampler(seed=0)(logits_for(PROBS, DRAWS), rows_of(DRAWS, temperature=1.0, top_k=100)))
     assert set(counts) == {0, 1, 2, 3}
+
+
+# ---- logit_bias and min_tokens ------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_the_pick_per_row_and_leaves_other_rows_alone():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    rows = [Row(SamplingParams(temperature=0.0, logit_bias={7: 100})), Row(SamplingParams(temperature=0.0)),
+            Row(SamplingParams(temperature=0.0, logit_bias={int(logits[2].argmax()): -100}))]
+    out = Sampler(seed=0)(logits, rows).token_ids.tolist()
+    assert out[0] == 7 and out[1] == int(logits[1].argmax())
+    assert out[2] == int(logits[2].topk(2).indices[1])  # the best one banned: the runner-up
+    sampled = Sampler(seed=0)(logits[:1].expand(2000, -1).contiguous(),
+                              [Row(SamplingParams(temperature=1.0, logit_bias={3: 100}))] * 2000)
+    assert set(sampled.token_ids.tolist()) == {3}
+
+
+def test_min_tokens_bans_the_stop_ids_until_enough_are_out():
+    logits = torch.zeros(2, 10)
+    logits[:, 1] = 5.0  # EOS would win greedily
+    params = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=8)
+    early = Row(params, output_token_ids=[4], stop_ids=(1,))
+    done = Row(params, output_token_ids=[4, 4], stop_ids=(1,))
+    assert Sampler(seed=0)(logits, [early, done]).token_ids.tolist() == [0, 1]
+
+
+def test_logprobs_stay_those_of_the_raw_distribution_under_a_bias():
+    logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(2))
+    out = Sampler(seed=0)(logits, [Row(SamplingParams(temperature=0.0, logprobs=1, logit_bias={5: 100}))])
+    assert out.token_ids.tolist() == [5]
+    assert out.logprobs.sampled_logprobs[0].item() == pytest.approx(logits.log_softmax(-1)[0, 5].item())

@@ -355,9 +355,9 @@ def test_a_prompt_too_long_in_any_tokenization_is_refused_before_tokenizing(http
 
 
 def test_fields_not_honoured_are_refused_and_stop_token_ids_range_checked(http):
-    """Through the server: a constraint pagellm would ignore is a 400 naming it; a stop token id past the
-    vocabulary is a 400 like a prompt id."""
-    for body, param in (({"logit_bias": {"5": 10}}, "logit_bias"), ({"min_tokens": 3}, "min_tokens"),
+    """Through the server: a constraint pagellm would ignore is a 400 naming it; a stop token or logit_bias id
+    past the vocabulary is a 400 like a prompt id."""
+    for body, param in (({"logit_bias": {"999999999": 10}}, "logit_bias"), ({"best_of": 3}, "best_of"),
                         ({"guided_json": {"type": "object"}}, "guided_json"),
                         ({"stop_token_ids": [10**9]}, "stop_token_ids")):
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **body})

@@ -125,10 +125,8 @@ def test_prompt_logprobs_wire_shape_per_choice_and_beside_chat_choices():
 
 
 @pytest.mark.parametrize("model, field, value", [
-    (CompletionRequest, "logit_bias", {"42": 5}), (CompletionRequest, "min_tokens", 4),
     (CompletionRequest, "best_of", 3), (CompletionRequest, "response_format", {"type": "json_object"}),
     (CompletionRequest, "guided_json", {"type": "object"}), (CompletionRequest, "guided_choice", ["a", "b"]),
-    (ChatCompletionRequest, "logit_bias", {"42": 5}), (ChatCompletionRequest, "min_tokens", 4),
     (ChatCompletionRequest, "functions", [{"name": "f"}]), (ChatCompletionRequest, "function_call", {"name": "f"}),
     (ChatCompletionRequest, "tool_choice", "required"), (ChatCompletionRequest, "structured_outputs", {"json": {}}),
 ])
@@ -140,7 +138,7 @@ def test_fields_not_honoured_yet_are_refused_by_name(model, field, value):
     assert info.value.status == 400 and info.value.param == field
 
 
-@pytest.mark.parametrize("field, value", [("logit_bias", {}), ("min_tokens", 0), ("best_of", 1),
+@pytest.mark.parametrize("field, value", [("allowed_token_ids", []), ("best_of", 1),
                                           ("response_format", {"type": "text"}), ("tool_choice", "none"),
                                           ("function_call", "auto"), ("guided_json", None)])
 def test_values_that_ask_for_nothing_pass_and_unknown_fields_are_reported(field, value):
@@ -160,3 +158,20 @@ def test_the_server_logs_each_unknown_field_once(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "ignoring request field 'temperatur', which pagellm does not know (logged once)"]
     state.text_pool.shutdown()
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias"), ('{"prompt": "x", "logit_bias": {"a": 1}}', "logit_bias"),
+    ('{"prompt": "x", "logit_bias": {"5": "up"}}', "logit_bias"), ('{"prompt": "x", "min_tokens": -1}', "min_tokens"),
+    ('{"prompt": "x", "min_tokens": 9, "max_tokens": 4}', "min_tokens"),
+])
+def test_logit_bias_and_min_tokens_are_checked(body, param):
+    with pytest.raises(APIError) as info:
+        parse(CompletionRequest, body).sampling_params(4 if "max_tokens" in body else 16, None, 0)
+    assert info.value.param == param
+
+
+def test_logit_bias_and_min_tokens_reach_the_sampling_params():
+    params = parse(CompletionRequest, '{"prompt": "x", "logit_bias": {"7": -100, "3": 2.5}, "min_tokens": 2}'
+                   ).sampling_params(8, None, 0)
+    assert params.logit_bias == ((3, 2.5), (7, -100.0)) and params.min_tokens == 2
