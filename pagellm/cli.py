@@ -79,6 +79,8 @@ def _add_serve_parser(sub) -> None:
                        help="Most requests waiting to run; beyond it a request gets HTTP 429.")
     serve.add_argument("--served-model-name", default=None,
                        help="The model name clients send (default: the model file/dir name, or gemma-3-270m).")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="A Jinja chat template file used instead of the model's own (as vLLM's flag).")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

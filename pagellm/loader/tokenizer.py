@@ -92,16 +92,18 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation: [{"role": "user", "content": "..."}, ...]."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template: str | None = None, **template_kwargs: Any) -> str:
+        """The prompt text for a conversation: [{"role": "user", "content": "..."}, ...]. `template` replaces the
+        model's own; `template_kwargs` are extra template variables (e.g. Qwen3's enable_thinking)."""
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
         return self.hf_tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+            messages, chat_template=template or self.chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **template_kwargs)
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:

@@ -11,18 +11,13 @@ OpenAI-style body: {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
-import os
 import secrets
 import signal
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
@@ -36,59 +31,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagellm.config import EngineConfig
 from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from pagellm.server.metrics import ServerMetrics
+from pagellm.server.reasoning import opened_by_prompt, thinks
 from pagellm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, error_body, parse_request)
 from pagellm.server.responses import ChatFormatter, CompletionFormatter, usage
+from pagellm.server.state import ServerState
 
 logger = logging.getLogger("pagellm.server")
 DEFAULT_MODEL_NAME = "gemma-3-270m"
-
-
-@dataclass
-class ServerState:
-    engine: AsyncEngine
-    metrics: ServerMetrics
-    served_model_name: str
-    api_key: str | None
-    created: int
-    # Tokenization, chat templating and body parsing run here, never on the event loop: a multi-megabyte
-    # prompt takes seconds to tokenize, and every other request (/health too) would wait on the loop. The
-    # Rust tokenizer releases the GIL while it works, so the loop keeps serving meanwhile.
-    text_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
-        max_workers=2, thread_name_prefix="pagellm-text", initializer=_yield_to_the_engine))
-
-    unknown_fields_seen: set[str] = field(default_factory=set)
-
-    def note_unknown_fields(self, body) -> None:
-        """Log each request field no model field knows, once per name per server: it was ignored."""
-        for name in body.unknown_fields():
-            if name not in self.unknown_fields_seen:
-                self.unknown_fields_seen.add(name)
-                logger.warning("ignoring request field %r, which pagellm does not know (logged once)", name)
-
-    async def off_loop(self, fn, *args):
-        """fn(*args) on the text pool, awaited."""
-        return await asyncio.get_running_loop().run_in_executor(self.text_pool, functools.partial(fn, *args))
-
-    async def encode(self, text: str, param: str) -> list[int]:
-        """The prompt's ids, tokenized off the loop; a text too long to fit the context in any tokenization is
-        refused before tokenizing (a 400 naming `param`): its seconds of work could only end in that 400."""
-        engine = self.engine.engine
-        tokenizer = _tokenizer(self)
-        if len(text) > engine.max_model_len * tokenizer.max_chars_per_token:
-            raise APIError(f"this model's maximum context length is {engine.max_model_len} tokens, and the "
-                           f"{param} has {len(text)} characters: more than that many tokens can hold; shorten it",
-                           param)
-        return await self.off_loop(tokenizer.encode, text)
-
-
-def _yield_to_the_engine() -> None:
-    """Text threads run at a lower priority than the engine: on a machine with as many cores as the engine has
-    threads, a long tokenization otherwise takes a core from every decode step (Linux: per-thread niceness)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
 
 
 def served_model_name(model: str | None) -> str:
@@ -96,12 +46,13 @@ def served_model_name(model: str | None) -> str:
 
 
 def build_app(config: EngineConfig, max_waiting: int = 1024, api_key: str | None = None,
-              model_name: str | None = None) -> FastAPI:
+              model_name: str | None = None, chat_template: str | None = None) -> FastAPI:
+    """chat_template: a Jinja template used instead of the model's own for every chat request."""
     engine = AsyncEngine(config, max_waiting)
     metrics = ServerMetrics(engine.stats)
     engine.metrics = metrics
     state = ServerState(engine, metrics, model_name or served_model_name(config.model.model), api_key,
-                        int(time.time()))
+                        int(time.time()), chat_template=chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -206,7 +157,7 @@ async def _tokenize(request: Request) -> dict:
 
     def tokenize() -> list[int]:
         if body.messages is not None:
-            text = _render_chat(tokenizer, body.messages, body.add_generation_prompt)
+            text = _render_chat(tokenizer, body.messages, body.add_generation_prompt, state.chat_template)
         else:
             text = body.prompt
         return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
@@ -224,10 +175,7 @@ async def _detokenize(request: Request) -> dict:
 
 
 def _tokenizer(state: ServerState):
-    tokenizer = state.engine.engine.tokenizer
-    if tokenizer is None:
-        raise APIError("this model has no tokenizer: send token ids", "prompt")
-    return tokenizer
+    return state.tokenizer()
 
 
 def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
@@ -237,9 +185,11 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
         raise APIError(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param)
 
 
-def _render_chat(tokenizer, messages, add_generation_prompt: bool) -> str:
+def _render_chat(tokenizer, messages, add_generation_prompt: bool, template: str | None = None,
+                 template_kwargs: dict | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt)
+        return tokenizer.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt,
+                                             template=template, **(template_kwargs or {}))
     except (jinja2.TemplateError, ValueError) as exc:  # e.g. roles that do not alternate
         raise APIError(f"messages: {exc}", "messages") from None
 
@@ -271,9 +221,11 @@ async def _chat_completions(request: Request) -> Response:
     _check_model(state, body.model)
     state.note_unknown_fields(body)
     tokenizer = _tokenizer(state)
-    text = await state.off_loop(_render_chat, tokenizer, body.messages, body.add_generation_prompt)
+    text = await state.off_loop(_render_chat, tokenizer, body.messages, body.add_generation_prompt,
+                                state.chat_template, body.chat_template_kwargs)
     prompt_ids = [await state.encode(text, "messages")]
-    formatter = ChatFormatter(state.served_model_name, body, tokenizer)
+    formatter = ChatFormatter(state.served_model_name, body, tokenizer,
+                              opened_by_prompt(text) if thinks(tokenizer) else None)
     return await _generate(request, state, body, prompt_ids, body.requested_max_tokens, body.num_logprobs,
                            "messages", formatter, arrival)
 
@@ -413,9 +365,15 @@ def run_server(args) -> int:
     config = engine_config_from_args(args)
     if config.model.model:
         resolve_model_path(config.model.model)  # a wrong path fails now, not after the server is up
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as exc:
+            raise ValueError(f"--chat-template {args.chat_template}: {exc.strerror}") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(config, max_waiting=args.max_waiting, api_key=args.api_key,
-                    model_name=args.served_model_name)
+                    model_name=args.served_model_name, chat_template=template)
     engine: AsyncEngine = app.state.server.engine
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
     server = _Server(uv_config, engine)

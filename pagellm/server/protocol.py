@@ -183,6 +183,11 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
+# apply_chat_template's own arguments: not template variables a request may set
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "chat_template", "template", "tokenize",
+                                 "add_generation_prompt", "tools", "documents", "return_dict", "return_tensors"})
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
@@ -191,6 +196,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: extra variables for the template
 
     def check(self) -> None:
         super().check()
@@ -198,6 +204,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise APIError("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.tools:
             raise APIError("tools are not supported", "tools")
+        taken = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise APIError(f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError("only response_format {'type': 'text'} is supported", "response_format")
 

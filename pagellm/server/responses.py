@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 import uuid
 
+from pagellm.server.reasoning import ReasoningSplitter, split
+
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
@@ -141,6 +143,13 @@ class ChatFormatter(_Formatter):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(self, model_name: str, body, tokenizer, opened_reasoning: bool | None = None):
+        """opened_reasoning: None for a model that does not think (no split); else whether the prompt left
+        `<think>` open (server/reasoning.py)."""
+        super().__init__(model_name, body, tokenizer)
+        self._opened = opened_reasoning
+        self._splitters: dict[int, ReasoningSplitter] = {}
+
     def first_chunks(self, num_choices: int, include_usage: bool) -> list[dict]:
         """As OpenAI and vLLM do: each choice opens with a delta carrying the role."""
         chunks = []
@@ -160,12 +169,20 @@ class ChatFormatter(_Formatter):
     def _final_choice(self, index: int, output) -> dict:
         finish, stop = self._finish(output)
         completion = output.outputs[0]
-        return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                "logprobs": self._logprobs(completion.logprobs), "finish_reason": finish, "stop_reason": stop}
+        message = {"role": "assistant", "content": completion.text}
+        if self._opened is not None:
+            message["reasoning_content"], message["content"] = split(completion.text, self._opened)
+        return {"index": index, "message": message, "logprobs": self._logprobs(completion.logprobs),
+                "finish_reason": finish, "stop_reason": stop}
 
     def _chunk_choice(self, index: int, output, logprobs) -> dict:
         finish, stop = self._finish(output)
-        delta = {"content": output.new_text} if output.new_text else {}
+        if self._opened is None:
+            delta = {"content": output.new_text} if output.new_text else {}
+        else:
+            splitter = self._splitters.setdefault(index, ReasoningSplitter(self._opened))
+            reasoning, content = splitter.feed(output.new_text or "", final=output.finished)
+            delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
         return {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish,
                 "stop_reason": stop}
 

@@ -157,3 +157,12 @@ def test_decode_stream_gives_what_the_python_form_gives(gemma, seed):
     assert stream._stream is not None
     assert [stream.add(i) for i in ids] == [python.add(i) for i in ids]
     assert stream.flush() == python.flush() != ""
+
+
+def test_a_template_override_and_template_variables(gemma):
+    """--chat-template replaces the model's template; chat_template_kwargs become template variables."""
+    messages = [{"role": "user", "content": "hi"}]
+    template = "{% if enable_thinking is defined and not enable_thinking %}[quiet]{% endif %}{{ messages[0]['content'] }}"
+    assert gemma.apply_chat_template(messages, template=template) == "hi"
+    assert gemma.apply_chat_template(messages, template=template, enable_thinking=False) == "[quiet]hi"
+    assert gemma.apply_chat_template(messages).startswith("<bos><start_of_turn>user")  # the model's own

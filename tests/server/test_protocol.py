@@ -148,7 +148,7 @@ def test_values_that_ask_for_nothing_pass_and_unknown_fields_are_reported(field,
 
 
 def test_the_server_logs_each_unknown_field_once(caplog):
-    from pagellm.server.api_server import ServerState
+    from pagellm.server.state import ServerState
 
     state = ServerState(engine=None, metrics=None, served_model_name="m", api_key=None, created=0)
     body = '{"prompt": "x", "temperatur": 0.5}'
@@ -175,3 +175,20 @@ def test_logit_bias_and_min_tokens_reach_the_sampling_params():
     params = parse(CompletionRequest, '{"prompt": "x", "logit_bias": {"7": -100, "3": 2.5}, "min_tokens": 2}'
                    ).sampling_params(8, None, 0)
     assert params.logit_bias == ((3, 2.5), (7, -100.0)) and params.min_tokens == 2
+
+
+def test_chat_template_kwargs_may_not_set_the_template_call_s_own_arguments():
+    ok = parse(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "x"}], '
+                                      '"chat_template_kwargs": {"enable_thinking": false}}')
+    assert ok.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(APIError) as info:
+        parse(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "x"}], '
+                                     '"chat_template_kwargs": {"tokenize": true}}')
+    assert info.value.param == "chat_template_kwargs"
+
+
+def test_serve_refuses_a_chat_template_file_it_cannot_read(tmp_path, capsys):
+    from pagellm.cli import main
+
+    assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "--chat-template" in capsys.readouterr().err

@@ -1,0 +1,72 @@
+"""ServerState: what the HTTP routes share (the engine, metrics, settings), and the text work kept off the
+event loop (body parsing, chat templating, tokenization) on a small pool of lower-priority threads."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pagellm.server.async_engine import AsyncEngine
+from pagellm.server.metrics import ServerMetrics
+from pagellm.server.protocol import APIError
+
+logger = logging.getLogger("pagellm.server")
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    served_model_name: str
+    api_key: str | None
+    created: int
+    chat_template: str | None = None  # --chat-template: used instead of the model's own
+    # Tokenization, chat templating and body parsing run here, never on the event loop: a multi-megabyte
+    # prompt takes seconds to tokenize, and every other request (/health too) would wait on the loop. The
+    # Rust tokenizer releases the GIL while it works, so the loop keeps serving meanwhile.
+    text_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=2, thread_name_prefix="pagellm-text", initializer=_yield_to_the_engine))
+
+    unknown_fields_seen: set[str] = field(default_factory=set)
+
+    def note_unknown_fields(self, body) -> None:
+        """Log each request field no model field knows, once per name per server: it was ignored."""
+        for name in body.unknown_fields():
+            if name not in self.unknown_fields_seen:
+                self.unknown_fields_seen.add(name)
+                logger.warning("ignoring request field %r, which pagellm does not know (logged once)", name)
+
+    def tokenizer(self):
+        tokenizer = self.engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer: send token ids", "prompt")
+        return tokenizer
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the text pool, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, functools.partial(fn, *args))
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """The prompt's ids, tokenized off the loop; a text too long to fit the context in any tokenization is
+        refused before tokenizing (a 400 naming `param`): its seconds of work could only end in that 400."""
+        engine = self.engine.engine
+        tokenizer = self.tokenizer()
+        if len(text) > engine.max_model_len * tokenizer.max_chars_per_token:
+            raise APIError(f"this model's maximum context length is {engine.max_model_len} tokens, and the "
+                           f"{param} has {len(text)} characters: more than that many tokens can hold; shorten it",
+                           param)
+        return await self.off_loop(tokenizer.encode, text)
+
+
+def _yield_to_the_engine() -> None:
+    """Text threads run at a lower priority than the engine: on a machine with as many cores as the engine has
+    threads, a long tokenization otherwise takes a core from every decode step (Linux: per-thread niceness)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
