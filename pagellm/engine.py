@@ -206,11 +206,16 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be a string or a list of integer token ids")
-        vocab = self.hf_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        self._check_ids("prompt", prompt)
         return list(prompt)
+
+    def _check_ids(self, field: str, ids) -> None:
+        """A ValueError naming `field` (its first word: the server maps it to the request field) for ids the
+        model has no row for."""
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{field} token ids out of range [0, {vocab}): {bad[:5]}")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
@@ -220,11 +225,8 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")
-        vocab = self.hf_config.vocab_size  # the sampler indexes logits by these: a row of V values
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} token ids out of range [0, {vocab}): {bad[:5]}")
+        self._check_ids("logit_bias", [t for t, _ in params.logit_bias])  # the sampler indexes logits by them
+        self._check_ids("stop_token_ids", params.stop_token_ids)
         request = Request(request_id, token_ids, params, self.config.cache.block_size,
                           self.eos_token_ids, arrival_time)
         self.scheduler.add_request(request)

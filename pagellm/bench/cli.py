@@ -89,7 +89,11 @@ def add_bench_parser(subparsers) -> None:
     from pagellm.bench.collectives import add_arguments
     add_arguments(collectives)
     collectives.set_defaults(func=_run_collectives)
+    _add_serve_parsers(kinds)
 
+
+def _add_serve_parsers(kinds) -> None:
+    """`bench serve` (clients against a server) and `bench serve-compare` (pagellm and llama-server in turn)."""
     serve = kinds.add_parser("serve", help="streaming clients against an OpenAI-compatible server (vllm bench serve)")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running server (default %(default)s)")
     serve.add_argument("--start-server", action="store_true", help="start `pagellm serve` on a free port instead")

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagellm.models.bound_layers import PlannedBackbone
-
 from pagellm.layers.moe import MoeExperts, SparseMoeBlock
 from pagellm.layers.quantized import GroupAffine
+from pagellm.models.bound_layers import PlannedBackbone
 from pagellm.models.llama import head_dim_of
 
 Weight = torch.Tensor | GroupAffine

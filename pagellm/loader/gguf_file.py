@@ -25,11 +25,6 @@ import gguf
 import numpy as np
 import torch
 
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None)
-
-
 _GGUF_VERSIONS = (2, 3)  # v1 counted with 32-bit integers and is long gone
 _DEFAULT_ALIGNMENT = 32
 # metadata value types: fixed-size scalars by struct format; 8 = string, 9 = array
@@ -46,6 +41,11 @@ PLAIN_DTYPES = {
     gguf.GGMLQuantizationType.I32: np.int32,
     gguf.GGMLQuantizationType.I64: np.int64,
 }
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
 
 
 @dataclass(frozen=True)

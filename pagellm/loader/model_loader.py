@@ -48,8 +48,9 @@ def plan_layers(model: nn.Module, kernels: KernelConfig, dtype: torch.dtype) -> 
     for module in model.modules():
         if isinstance(module, PlannedBackbone):
             module.plan_layers(kernels.bound_layers, dtype)
-    logger.info("layers: %s", layer_plan(model))
-    return layer_plan(model)
+    description = layer_plan(model)
+    logger.info("layers: %s", description)
+    return description
 
 
 def join_projections(model: nn.Module) -> int:

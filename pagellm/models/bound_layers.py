@@ -151,14 +151,15 @@ class PlannedBackbone(KernelBinding):
         """Choose, once, how the layers run; returns the choice in words."""
         bound, why = plan_backbone(self, type(self).norms_of, enabled, dtype, all_reduce)
         self.__dict__["_bound"] = bound
-        self.__dict__["_plan_settings"] = (enabled, dtype)
+        self.__dict__["_plan_settings"] = (enabled, dtype, all_reduce)
         self.plan_description = f"bound to the kernels ({len(bound.layers)} layers)" if bound else f"modules: {why}"
         return self.plan_description
 
     def replan(self, all_reduce=None) -> str:
-        """plan_layers again with the first plan's settings (after tensor parallel installed its all-reduce)."""
-        enabled, dtype = self.__dict__.get("_plan_settings", (False, None))
-        return self.plan_layers(enabled, dtype, all_reduce)
+        """plan_layers again with the last plan's settings (and its all-reduce, unless one is given): after tensor
+        parallel installed its all-reduce, or after a layer changed."""
+        enabled, dtype, kept = self.__dict__.get("_plan_settings", (False, None, None))
+        return self.plan_layers(enabled, dtype, all_reduce or kept)
 
     @property
     def bound(self) -> BoundModel | None:

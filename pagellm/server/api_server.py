@@ -247,8 +247,6 @@ def _max_tokens(state: ServerState, prompt_len: int, requested: int | None, prom
 async def _generate(request: Request, state: ServerState, body, prompt_ids: list[list[int]],
                     requested_max_tokens: int | None, num_logprobs: int | None, prompt_param: str,
                     formatter, arrival: float) -> Response:
-    _check_token_ids(state, body.stop_token_ids or [], "stop_token_ids")  # an id past the vocabulary never stops
-    _check_token_ids(state, [int(k) for k in body.logit_bias or {} if k.strip().isdigit()], "logit_bias")
     token_lists, params = [], []
     for ids in prompt_ids:
         max_tokens = _max_tokens(state, len(ids), requested_max_tokens, prompt_param)
@@ -257,8 +255,9 @@ async def _generate(request: Request, state: ServerState, body, prompt_ids: list
             params.append(body.sampling_params(max_tokens, num_logprobs, child))
     try:
         stream = await state.engine.add(token_lists, params, arrival, formatter.request_id)
-    except ValueError as exc:
-        raise APIError(str(exc), prompt_param) from None
+    except ValueError as exc:  # the engine names the field first (prompt, logit_bias, stop_token_ids)
+        field = str(exc).split(" ", 1)[0]
+        raise APIError(str(exc), field if field in type(body).model_fields else prompt_param) from None
     except QueueFullError as exc:
         raise APIError(str(exc), status=429) from None
     except EngineDeadError as exc:

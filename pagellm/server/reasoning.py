@@ -14,8 +14,7 @@ START, END = "<think>", "</think>"
 
 def thinks(tokenizer) -> bool:
     """Whether the model's vocabulary has both markers as tokens: only then is the answer split."""
-    vocab = tokenizer.hf_tokenizer.get_vocab() if tokenizer is not None else {}
-    return START in vocab and END in vocab
+    return tokenizer is not None and None not in (tokenizer.token_id(START), tokenizer.token_id(END))
 
 
 def opened_by_prompt(prompt_text: str) -> bool:

@@ -62,3 +62,19 @@ def test_chat_formatter_sends_reasoning_content_whole_and_as_deltas():
                                                                     "content": "<think>Hmm.</think>Yes."}
     message = formatter.response([whole], {})["choices"][0]["message"]
     assert message == {"role": "assistant", "reasoning_content": "Hmm.", "content": "Yes."}
+
+
+def test_only_a_vocabulary_with_both_markers_thinks():
+    from pagellm.loader.default_model import default_model_path
+    from pagellm.loader.tokenizer import load_tokenizer
+    from pagellm.server.reasoning import thinks
+
+    gemma = load_tokenizer(default_model_path())
+    assert gemma.token_id("<start_of_turn>") == 105 and gemma.token_id("<think>") is None
+    assert not thinks(gemma) and not thinks(None)
+
+    class Qwen:
+        def token_id(self, token):
+            return {"<think>": 151667, "</think>": 151668}.get(token)
+
+    assert thinks(Qwen())
