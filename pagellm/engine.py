@@ -29,7 +29,8 @@ from pagellm.loader.quantization import weight_bytes
 from pagellm.models.bound_layers import layer_plan
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
-from pagellm.request import Request, RequestStatus
+from pagellm.request import Request, RequestStatus, stop_ids_of
+from pagellm.runner.grammar import Grammars
 from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
 
@@ -159,9 +160,11 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.state_pool)
         setup = self._runner_setup()
+        # Structured output needs the vocabulary's text; nothing is built until a request asks for it.
+        self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size) if self.tokenizer is not None else None
         self.runner = ModelRunner(self.model, setup.num_blocks, cc.block_size, config.scheduler.max_num_seqs,
                                   self.dtype, self.device, num_state_slots=setup.num_state_slots,
-                                  num_snapshot_slots=setup.num_snapshot_slots)
+                                  num_snapshot_slots=setup.num_snapshot_slots, grammars=self.grammars)
         self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
                        "model_file_bytes": self.model_path.stat().st_size if self.model_path.is_file() else None}
 
@@ -229,11 +232,20 @@ class LLMEngine:
         self._check_ids("stop_token_ids", params.stop_token_ids)
         request = Request(request_id, token_ids, params, self.config.cache.block_size,
                           self.eos_token_ids, arrival_time)
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params)
         self.scheduler.add_request(request)
         self._states[request_id] = RequestState(request, prompt if isinstance(prompt, str) else None,
                                                 self.tokenizer)
         self.counters.prompt_tokens += len(token_ids)
         return request_id
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (cached for its slot; the server calls this off its event loop):
+        a ValueError naming structured_outputs if it cannot run."""
+        if self.grammars is None:
+            raise ValueError("structured_outputs need the model's tokenizer; this engine was started without one")
+        self.grammars.matcher(params.structured_outputs, stop_ids_of(params, self.eos_token_ids))
 
     def abort(self, request_id: str) -> bool:
         self._states.pop(request_id, None)

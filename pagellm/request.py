@@ -33,6 +33,11 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: 
     return hash((parent_hash, token_ids, extra_keys))
 
 
+def stop_ids_of(params: SamplingParams, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
+    """The ids that end a request when sampled: EOS (unless ignore_eos) and stop_token_ids, sorted."""
+    return tuple(sorted((set() if params.ignore_eos else set(eos_token_ids)) | set(params.stop_token_ids)))
+
+
 class Request:
     def __init__(
         self,
@@ -101,9 +106,7 @@ class Request:
         return tuple(self.all_token_ids[index * bs : (index + 1) * bs])
 
     def stop_ids(self) -> tuple[int, ...]:
-        """The ids that end this request when sampled: EOS (unless ignore_eos) and stop_token_ids, sorted."""
-        params = self.sampling_params
-        return tuple(sorted((set() if params.ignore_eos else set(self.eos_token_ids)) | set(params.stop_token_ids)))
+        return stop_ids_of(self.sampling_params, self.eos_token_ids)
 
     def check_stop_token(self) -> RequestStatus | None:
         """Finish on EOS, a stop token id or max_tokens (stop strings are checked on text by the engine)."""

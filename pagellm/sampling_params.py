@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 # Above this a softmax over fp32 logits is numerically meaningless; vLLM caps top-n logprobs similarly.
@@ -49,6 +50,52 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match (vLLM's StructuredOutputsParams): exactly one of a JSON schema, any JSON
+    object, a regular expression, one of a list of strings, or an EBNF grammar (xgrammar's / GBNF syntax).
+
+    Only the form is checked here; whether the schema, regex or grammar compiles is checked against the
+    model's vocabulary when the request is added (runner/grammar.py), as a ValueError naming the field.
+    """
+
+    json: str | dict | None = None  # a JSON schema, as an object or its JSON text; kept as canonical text
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.100}")
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {choice!r:.100}")
+            object.__setattr__(self, "choice", tuple(choice))
+
+
+def _schema_text(schema) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {schema!r:.100}")
+    return json.dumps(schema, sort_keys=True)  # one text per schema: compiled grammars are cached by it
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
@@ -70,6 +117,8 @@ class SamplingParams:
     # (id, bias) pairs so the object stays hashable. JSON's string keys ("42") are accepted.
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     min_tokens: int = 0  # vLLM's: no EOS, stop token id or stop string ends the output before this many tokens
+    # The output is held to a grammar: each step's logits are masked to the tokens it allows (runner/grammar.py).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, 1)
@@ -110,6 +159,11 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError(f"structured_outputs must be a StructuredOutputs, got {self.structured_outputs!r:.100}")
+            if self.min_tokens:  # a grammar may end before min_tokens, when it allows nothing but a stop token
+                raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     @property
     def is_greedy(self) -> bool:
@@ -117,8 +171,8 @@ class SamplingParams:
 
     @property
     def needs_logit_processing(self) -> bool:
-        """logit_bias or min_tokens: the logits are changed per row before sampling."""
-        return bool(self.logit_bias) or self.min_tokens > 0
+        """logit_bias, min_tokens or a grammar: the logits are changed per row before sampling."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None
 
     @property
     def needs_penalties(self) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.core.types import ScheduledRequest
+from pagellm.runner.grammar import Grammars
 from pagellm.sampling_params import SamplingParams
 
 # Spreads per-step seeds of one request far apart (a large odd constant; any would do).
@@ -27,6 +28,7 @@ class SlotState:
     block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     stop_ids: tuple[int, ...] = ()  # masked while fewer than sampling_params.min_tokens are out
+    grammar: object | None = None  # xgrammar GrammarMatcher of structured_outputs (runner/grammar.py)
 
     def reseed(self) -> None:
         """Derive this step's random stream from (seed, number of tokens generated so far).
@@ -41,8 +43,9 @@ class SlotState:
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, device: torch.device, grammars: Grammars | None = None):
         self.device = device
+        self.grammars = grammars  # None where this runner does not sample (a tensor-parallel worker)
         self.slots: list[SlotState | None] = [None] * max_num_seqs
         self._slot_of: dict[str, int] = {}
 
@@ -59,6 +62,9 @@ class InputBatch:
                                   list(item.new.output_token_ids), stop_ids=item.new.stop_ids)
                 if state.sampling_params.seed is not None:
                     state.generator = torch.Generator(device=self.device)
+                spec = state.sampling_params.structured_outputs
+                if spec is not None and self.grammars is not None:
+                    state.grammar = self.grammars.matcher(spec, state.stop_ids, state.output_token_ids)
                 self.slots[item.slot] = state
                 self._slot_of[item.request_id] = item.slot
             state = self.slots[item.slot]

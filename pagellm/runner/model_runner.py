@@ -15,6 +15,7 @@ import torch
 from pagellm.core.types import ModelOutput, SchedulerOutput, TokenLogprobs
 from pagellm.runner.attention_metadata import AttentionMetadata
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
+from pagellm.runner.grammar import Grammars, accept_sampled
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_prompt_rows
 from pagellm.runner.sampler import Sampler, SamplerOutput
@@ -53,12 +54,13 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
                  dtype: torch.dtype, device: torch.device, seed: int | None = None, step_reuse: bool = True,
-                 num_state_slots: int = 0, num_snapshot_slots: int = 0, samples: bool = True):
+                 num_state_slots: int = 0, num_snapshot_slots: int = 0, samples: bool = True,
+                 grammars: Grammars | None = None):
         self.model = model
         self.samples = samples  # False on a tensor-parallel worker: the head alone computes logits and samples
         self.block_size = block_size
         self.device = device
-        self.input_batch = InputBatch(max_num_seqs, device)
+        self.input_batch = InputBatch(max_num_seqs, device, grammars if samples else None)
         self.decode_inputs = DecodeInputs(max_num_seqs, block_size, device) if step_reuse else None
         self.sampler = Sampler(seed)
         self.last_timings = StepTimings()
@@ -117,6 +119,8 @@ class ModelRunner:
         t3 = time.perf_counter()
         for state, token in zip(sampled, token_ids):
             state.output_token_ids.append(token)
+            if state.grammar is not None:
+                accept_sampled(state.request_id, state.grammar, token)
         self.last_timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1 + prompt_syncs, reused)
         return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs, prompt_logprobs)
 

@@ -5,6 +5,9 @@ Each stage runs only if some row in the batch needs it:
     raw logits ─► log_softmax ─────────────────────────────────────────► logprobs (raw model distribution)
         │
         ▼
+    logit_bias, min_tokens' ban on stop ids, grammar masks (runner/grammar.py)
+        │
+        ▼
     penalties (repetition over prompt + output; presence, frequency over output)
         ├─► argmax ───────────────────────────────────────────────────► greedy rows
         ▼
@@ -26,6 +29,7 @@ from typing import Protocol
 import torch
 
 from pagellm.kernels.logits import argmax_rows
+from pagellm.runner.grammar import GrammarMasks
 from pagellm.sampling_params import SamplingParams
 
 
@@ -51,6 +55,11 @@ class SamplingRow(Protocol):
         """The ids that would end the request (EOS unless ignored, stop_token_ids): banned before min_tokens."""
         ...
 
+    @property
+    def grammar(self):
+        """The request's xgrammar GrammarMatcher when it has structured_outputs, else None."""
+        ...
+
 
 @dataclass(frozen=True)
 class LogprobsTensors:
@@ -72,6 +81,7 @@ class Sampler:
         # Rows without a seed draw from here. One generator per device, made on first use because
         # the device is only known once logits arrive.
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._grammar_masks = GrammarMasks()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         params = [row.sampling_params for row in rows]
@@ -86,6 +96,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if processed:
             logits = apply_logit_bias_and_min_tokens(logits, rows)
+            self._grammar_masks.apply(logits, [row.grammar for row in rows])
         if needs_penalties:
             logits = apply_penalties(logits, rows)
         token_ids = self._pick_tokens(logits, rows)

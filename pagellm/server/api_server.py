@@ -36,6 +36,7 @@ from pagellm.server.protocol import (APIError, ChatCompletionRequest, Completion
                                      TokenizeRequest, error_body, parse_request)
 from pagellm.server.responses import ChatFormatter, CompletionFormatter, usage
 from pagellm.server.state import ServerState
+from pagellm.server.structured_fields import compile_error
 
 logger = logging.getLogger("pagellm.server")
 DEFAULT_MODEL_NAME = "gemma-3-270m"
@@ -253,6 +254,11 @@ async def _generate(request: Request, state: ServerState, body, prompt_ids: list
         for child in range(body.n):
             token_lists.append(ids)
             params.append(body.sampling_params(max_tokens, num_logprobs, child))
+    if body.structured is not None:  # compiled here, off the loop, so the engine thread finds it cached
+        try:
+            await state.off_loop(state.engine.engine.check_structured_outputs, params[0])
+        except ValueError as exc:
+            raise compile_error(exc, body.structured[1]) from None
     try:
         stream = await state.engine.add(token_lists, params, arrival, formatter.request_id)
     except ValueError as exc:  # the engine names the field first (prompt, logit_bias, stop_token_ids)

@@ -12,30 +12,13 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, ValidationError
 
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagellm.server.errors import APIError, error_body  # noqa: F401  (error_body: part of this module's API)
+from pagellm.server.structured_fields import structured_outputs_of
 
 MAX_N = 128  # completions per prompt; each is an engine request
-
-
-class APIError(Exception):
-    """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
-
-    _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-              405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
-        self.kind = kind or self._TYPES.get(status, "internal_server_error")
-
-    def body(self) -> dict:
-        return error_body(self.message, self.kind, self.param)
-
-
-def error_body(message: str, kind: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 Float = Annotated[float, Field(strict=True)]  # strict: a number, never a numeric string
@@ -52,20 +35,14 @@ def _absent(value: Any) -> bool:
     return value is None or value == {} or value == [] or value is False or value == 0
 
 
-def _plain_text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
-
-
 def _no_tool_forced(value: Any) -> bool:
     return value is None or value in ("none", "auto")
 
 
-# Fields pagellm does not honour yet (structured output, tool calls, logit processors): name -> whether a value
-# asks for nothing, so the field can be dropped with no change to the output. Anything else is a 400 naming it.
+# Fields pagellm does not honour yet (vLLM's token filters, OpenAI's deprecated functions): name -> whether a
+# value asks for nothing, so the field can be dropped with no change to the output. Anything else is a 400.
 _NOT_YET = {
     "allowed_token_ids": _absent, "bad_words": _absent,
-    "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent, "guided_grammar": _absent,
-    "structured_outputs": _absent, "response_format": _plain_text_format,
     "functions": _absent, "function_call": _no_tool_forced, "tool_choice": _no_tool_forced,
 }
 
@@ -97,6 +74,16 @@ class _SamplingRequest(BaseModel):
     best_of: Annotated[Int, Field(ge=1)] | None = None
     logit_bias: dict[StrictStr, Float | Int] | None = None  # token id (as JSON keys are strings) -> [-100, 100]
     min_tokens: Annotated[Int, Field(ge=0)] = 0  # vLLM's extra field
+    # Structured output (server/structured_fields.py): OpenAI's response_format, vLLM's two forms
+    response_format: dict[StrictStr, Any] | None = None
+    structured_outputs: dict[StrictStr, Any] | None = None
+    guided_json: dict[StrictStr, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
+    _structured: tuple | None = PrivateAttr(default=None)  # set by check(): (StructuredOutputs, its field)
 
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -108,10 +95,16 @@ class _SamplingRequest(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name in _NOT_YET and not _NOT_YET[name](value):
                 raise APIError(f"{name} is not supported yet (got {value!r:.100}); leave it out", name)
+        self._structured = structured_outputs_of(self)
 
     def unknown_fields(self) -> list[str]:
         """Names of fields sent that no model field or _NOT_YET entry knows: ignored (the server logs them)."""
         return sorted(name for name in (self.model_extra or {}) if name not in _NOT_YET)
+
+    @property
+    def structured(self) -> tuple | None:
+        """(StructuredOutputs, the request field that asked for it), or None."""
+        return self._structured
 
     @property
     def include_usage(self) -> bool:
@@ -125,7 +118,8 @@ class _SamplingRequest(BaseModel):
         """
         values: dict[str, Any] = dict(max_tokens=max_tokens, logprobs=num_logprobs, ignore_eos=self.ignore_eos,
                                       stop=self.stop, stop_token_ids=self.stop_token_ids, logit_bias=self.logit_bias,
-                                      min_tokens=self.min_tokens)
+                                      min_tokens=self.min_tokens,
+                                      structured_outputs=self.structured[0] if self.structured else None)
         if child == 0 and not self.stream:
             values["prompt_logprobs"] = self.prompt_logprobs
         if self.seed is not None:
@@ -195,7 +189,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: extra variables for the template
 
     def check(self) -> None:
@@ -207,8 +200,6 @@ class ChatCompletionRequest(_SamplingRequest):
         taken = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
         if taken:
             raise APIError(f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("only response_format {'type': 'text'} is supported", "response_format")
 
     @property
     def requested_max_tokens(self) -> int | None:

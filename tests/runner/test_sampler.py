@@ -25,6 +25,7 @@ class Row:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     stop_ids: tuple[int, ...] = ()
+    grammar: object | None = None
 
     def __post_init__(self):
         # As the engine does: a generator iff the request has a seed.

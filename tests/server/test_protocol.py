@@ -125,10 +125,10 @@ def test_prompt_logprobs_wire_shape_per_choice_and_beside_chat_choices():
 
 
 @pytest.mark.parametrize("model, field, value", [
-    (CompletionRequest, "best_of", 3), (CompletionRequest, "response_format", {"type": "json_object"}),
-    (CompletionRequest, "guided_json", {"type": "object"}), (CompletionRequest, "guided_choice", ["a", "b"]),
+    (CompletionRequest, "best_of", 3), (CompletionRequest, "allowed_token_ids", [3]),
+    (CompletionRequest, "bad_words", ["x"]),
     (ChatCompletionRequest, "functions", [{"name": "f"}]), (ChatCompletionRequest, "function_call", {"name": "f"}),
-    (ChatCompletionRequest, "tool_choice", "required"), (ChatCompletionRequest, "structured_outputs", {"json": {}}),
+    (ChatCompletionRequest, "tool_choice", "required"),
 ])
 def test_fields_not_honoured_yet_are_refused_by_name(model, field, value):
     """A constraint the server would ignore is a 400 naming it, never a 200 that silently breaks it."""

@@ -1,0 +1,28 @@
+"""One `pagellm serve` of the embedded model, shared by the test files that need no special flags."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import openai
+import pytest
+from server_harness import BASE_ARGS, start_server, stop_with
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    server = start_server(BASE_ARGS, tmp_path_factory.mktemp("serve"))
+    yield server
+    stop_with(server, signal.SIGINT)  # Ctrl-C: a clean exit, status 0, no traceback
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        yield http
