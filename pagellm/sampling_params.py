@@ -52,7 +52,7 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
 @dataclass(frozen=True)
 class StructuredOutputs:
     """What the output must match (vLLM's StructuredOutputsParams): exactly one of a JSON schema, any JSON
-    object, a regular expression, one of a list of strings, or an EBNF grammar (xgrammar's / GBNF syntax).
+    object, a regular expression, one of a list of strings, or a grammar (GBNF, as llama.cpp and vLLM take it, or Lark).
 
     Only the form is checked here; whether the schema, regex or grammar compiles is checked against the
     model's vocabulary when the request is added (runner/grammar.py), as a ValueError naming the field.

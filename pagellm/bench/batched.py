@@ -17,6 +17,9 @@ The engine is sized so that one step holds the whole prefill of a row (the two
 phases then do not overlap), every sequence fits the KV pool at once, and the
 prefix cache is emptied between rows so a row never reads another row's blocks.
 What the prefix cache did within a row (shared prompt) is reported with it.
+
+With a JSON schema (--json-schema), every second request's output is held to it, so the
+cost of the grammar masks shows beside rows that have none; its output must run past TG.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from pagellm.bench.report import Column
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagellm.engine import LLMEngine
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputs
 
 COLUMNS = (
     Column("PP", "PP"), Column("TG", "TG"), Column("B", "B"), Column("N_KV", "N_KV"),
@@ -61,8 +64,10 @@ def batched_row(pp: int, tg: int, b: int, t_pp: float, t_tg: float, shared_promp
 def build_engine(model: str | None, dtype: str | None, max_batch: int, max_prompt: int, max_new: int, *,
                  block_size: int = 16, kv_cache_memory: float | None = None, quantization: str = "auto",
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 parallel: ParallelConfig | None = None, cpu_isa: str | None = None) -> LLMEngine:
-    """An engine (no tokenizer: benches feed token ids) that holds `max_batch` sequences at once."""
+                 parallel: ParallelConfig | None = None, cpu_isa: str | None = None,
+                 with_tokenizer: bool = False) -> LLMEngine:
+    """An engine that holds `max_batch` sequences at once; no tokenizer (benches feed token ids) unless
+    grammars need its vocabulary."""
     batched_tokens = max_num_batched_tokens or max(max_batch * max_prompt, 64)
     config = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
@@ -73,7 +78,7 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
         parallel=parallel or ParallelConfig(),
         kernels=KernelConfig() if cpu_isa is None else KernelConfig(cpu_isa=cpu_isa),
     )
-    engine = LLMEngine(config, skip_tokenizer_init=True)
+    engine = LLMEngine(config, skip_tokenizer_init=not with_tokenizer)
     check_capacity(engine, max_batch, max_prompt + max_new)
     return engine
 
@@ -112,12 +117,15 @@ class PhaseTimes:
     stats_end: dict
 
 
-def run_phases(engine: LLMEngine, prompts: list[list[int]], tg: int) -> PhaseTimes:
-    """Queue all prompts, step until each has its first token (prefill), then until each has TG more."""
+def run_phases(engine: LLMEngine, prompts: list[list[int]], tg: int,
+               structured: StructuredOutputs | None = None) -> PhaseTimes:
+    """Queue all prompts, step until each has its first token (prefill), then until each has TG more.
+    `structured`: the grammar every second request is held to."""
     if engine.has_unfinished_requests():
         raise RuntimeError("the bench needs an idle engine")
     params = SamplingParams(max_tokens=tg + 1, temperature=0.0, ignore_eos=True)
-    ids = {engine.add_request(p, params) for p in prompts}
+    held = SamplingParams(max_tokens=tg + 1, temperature=0.0, structured_outputs=structured) if structured else None
+    ids = {engine.add_request(p, held if held and i % 2 else params) for i, p in enumerate(prompts)}
     started: set[str] = set()
     counts: dict[str, int] = {}
     stats_start = dataclasses.asdict(engine.counters)
@@ -133,7 +141,8 @@ def run_phases(engine: LLMEngine, prompts: list[list[int]], tg: int) -> PhaseTim
     t_end = time.perf_counter()
     if set(counts) != ids or set(counts.values()) != {tg + 1}:
         got = sorted(set(counts.values()))
-        raise RuntimeError(f"expected {tg + 1} tokens from each of {len(ids)} requests, got {got}")
+        hint = "; the JSON schema's output ended first: give one whose output is longer" if structured else ""
+        raise RuntimeError(f"expected {tg + 1} tokens from each of {len(ids)} requests, got {got}{hint}")
     return PhaseTimes(t_first - t0, t_end - t_first, stats_start, stats_prefill_end,
                       dataclasses.asdict(engine.counters))
 
@@ -157,11 +166,12 @@ def step_profile(before: dict, after: dict) -> dict:
     }
 
 
-def measure(engine: LLMEngine, pp: int, tg: int, b: int, shared_prompt: bool, rng: random.Random):
+def measure(engine: LLMEngine, pp: int, tg: int, b: int, shared_prompt: bool, rng: random.Random,
+            structured: StructuredOutputs | None = None):
     """One row: the llama-batched-bench figures and the per-phase step instrumentation."""
     engine.reset_prefix_cache()
     prompts = random_prompts(rng, b, pp, engine.hf_config.vocab_size, shared_prompt)
-    times = run_phases(engine, prompts, tg)
+    times = run_phases(engine, prompts, tg, structured)
     prefill = step_profile(times.stats_start, times.stats_prefill_end)
     decode = step_profile(times.stats_prefill_end, times.stats_end)
     row = batched_row(pp, tg, b, times.t_pp, times.t_tg, shared_prompt)
@@ -179,7 +189,7 @@ def warm_up(engine: LLMEngine, rng: random.Random) -> None:
 
 
 def run_sweep(engine: LLMEngine, pp_list, tg_list, npl, shared_prompt: bool = False, seed: int = 0,
-              on_row=None):
+              on_row=None, structured: StructuredOutputs | None = None):
     """All rows in llama-batched-bench order (PP, then TG, then B); `on_row(row)` is called as each ends."""
     rng = random.Random(seed)
     warm_up(engine, rng)
@@ -187,7 +197,7 @@ def run_sweep(engine: LLMEngine, pp_list, tg_list, npl, shared_prompt: bool = Fa
     for pp in pp_list:
         for tg in tg_list:
             for b in npl:
-                row, prof = measure(engine, pp, tg, b, shared_prompt, rng)
+                row, prof = measure(engine, pp, tg, b, shared_prompt, rng, structured)
                 rows.append(row)
                 profiles += prof
                 if on_row is not None:

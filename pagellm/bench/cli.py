@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def int_list(text: str) -> list[int]:
@@ -56,6 +57,9 @@ def add_bench_parser(subparsers) -> None:
     batched.add_argument("--tensor-parallel-size", type=int, default=1,
                          help="ranks the model is split over (local worker processes share this host's cores)")
     batched.add_argument("--enable-expert-parallel", action="store_true", help="MoE: shard whole experts")
+    batched.add_argument("--json-schema", default=None, metavar="FILE",
+                         help="hold every second request's output to this JSON schema (the cost of grammar masks); "
+                              "its output must be longer than TG tokens")
     batched.add_argument("--out", default=None, help="write the rows to FILE.json or FILE.csv")
     batched.add_argument("--plot", default=None, metavar="FILE.png", help="plot S_PP and S_TG against B")
     batched.set_defaults(func=_run_batched)
@@ -170,11 +174,23 @@ def _run_batched(args: argparse.Namespace) -> int:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_prefix_caching=args.enable_prefix_caching,
                                   parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                                          enable_expert_parallel=args.enable_expert_parallel))
+                                                          enable_expert_parallel=args.enable_expert_parallel),
+                                  with_tokenizer=args.json_schema is not None)
     try:
         return _report_batched(args, engine)
     finally:
         engine.shutdown()
+
+
+def _json_schema(path: str | None):
+    from pagellm.sampling_params import StructuredOutputs
+
+    if path is None:
+        return None
+    try:
+        return StructuredOutputs(json=Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--json-schema {path}: {exc.strerror}") from None
 
 
 def memory_line(stats: dict) -> str:
@@ -198,8 +214,12 @@ def _report_batched(args: argparse.Namespace, engine) -> int:
           f"tensor parallel {engine.executor.world_size}")
     print(memory_line(engine.stats()) + "\n")
     columns = batched.COLUMNS + (batched.PREFIX_COLUMNS if args.shared_prompt else ())
+    structured = _json_schema(args.json_schema)
+    if structured is not None:
+        print(f"JSON schema {args.json_schema} on every second request\n")
     rows, profiles = batched.run_sweep(engine, args.pp, args.tg, args.npl, args.shared_prompt, args.seed,
-                                       on_row=lambda row: print(f"  done B={row['B']}", file=sys.stderr))
+                                       on_row=lambda row: print(f"  done B={row['B']}", file=sys.stderr),
+                                       structured=structured)
     print(report.format_table(rows, columns))
     print("\nstep instrumentation per phase (ms per step; copy = building input tensors)")
     print(report.format_table(profiles, batched.PROFILE_COLUMNS))

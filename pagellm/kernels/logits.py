@@ -20,8 +20,10 @@ _TO_F32 = Function("pagellm_logits_to_f32", (
     Tensor("out", (torch.float32,))))
 _ARGMAX = Function("pagellm_argmax_rows", (Tensor("x", (torch.float32,)), Int("rows"), Int("V"),
                                            Tensor("out", (torch.int64,))))
-_LIBRARY = native.Library("logits", [_TO_F32, _ARGMAX])
-_SYMBOLS = {"logits_to_f32": _TO_F32.symbol, "argmax_rows": _ARGMAX.symbol}
+_MASK = Function("pagellm_mask_rows", (Tensor("logits", (torch.float32,)), Int("V"), Tensor("bitmask", (torch.int32,)),
+                                       Int("words"), Tensor("rows", (torch.int64,)), Int("count")))
+_LIBRARY = native.Library("logits", [_TO_F32, _ARGMAX, _MASK])
+_SYMBOLS = {"logits_to_f32": _TO_F32.symbol, "argmax_rows": _ARGMAX.symbol, "mask_rows": _MASK.symbol}
 
 
 def _kernel(name: str):
@@ -85,3 +87,25 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     if out.numel():
         fn(x, x.numel() // V, V, out)
     return out
+
+
+def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: logits[rows[j], t] = -inf wherever bit t % 32 of bitmask[j, t // 32] is 0 (a grammar's packed
+    allowed-token mask, xgrammar's layout). logits [B, V] fp32, bitmask [len(rows), ceil(V / 32)] int32."""
+    fn = _kernel("mask_rows") if logits.dim() == 2 and _handled(_MASK, logits) else None
+    if not rows:
+        return
+    if fn is None or not _MASK.accepts(bitmask=bitmask):
+        _mask_rows_torch(logits, bitmask, rows)
+        return
+    V = logits.shape[-1]
+    fn(logits, V, bitmask, bitmask.shape[1], torch.tensor(rows, dtype=torch.int64), len(rows))
+
+
+def _mask_rows_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The oracle, and the path off the CPU: unpack the bits into a [len(rows), V] bool tensor."""
+    V = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :V].bool().to(logits.device)
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.core.types import ScheduledRequest
-from pagellm.runner.grammar import Grammars
+from pagellm.runner.grammar import Grammars, RowGrammar
 from pagellm.sampling_params import SamplingParams
 
 # Spreads per-step seeds of one request far apart (a large odd constant; any would do).
@@ -28,7 +28,7 @@ class SlotState:
     block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     stop_ids: tuple[int, ...] = ()  # masked while fewer than sampling_params.min_tokens are out
-    grammar: object | None = None  # xgrammar GrammarMatcher of structured_outputs (runner/grammar.py)
+    grammar: RowGrammar | None = None  # the matcher of structured_outputs
 
     def reseed(self) -> None:
         """Derive this step's random stream from (seed, number of tokens generated so far).

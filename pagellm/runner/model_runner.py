@@ -114,7 +114,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         for state in sampled:
             state.reseed()
-        result = self.sampler(logits, sampled)
+        result = self.sampler(logits, sampled, overwrite=True)
         token_ids, logprobs = self._read_back(result, sampled)  # the step's one host sync (or its second)
         t3 = time.perf_counter()
         for state, token in zip(sampled, token_ids):

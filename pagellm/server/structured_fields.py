@@ -16,7 +16,7 @@ from pagellm.server.errors import APIError
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-BACKENDS = ("xgrammar", "auto")  # vLLM's guided_decoding_backend values we can honour
+BACKENDS = ("guidance", "auto")  # vLLM's guided_decoding_backend values we can honour
 
 
 def structured_outputs_of(body) -> tuple[StructuredOutputs, str] | None:
@@ -36,7 +36,7 @@ def structured_outputs_of(body) -> tuple[StructuredOutputs, str] | None:
     if len(found) > 1:
         raise APIError(f"give one way of structuring the output, got {', '.join(f for _, f in found)}", found[1][1])
     if body.guided_decoding_backend not in (None, *BACKENDS):
-        raise APIError(f"guided_decoding_backend must be one of {list(BACKENDS)} (pagellm runs xgrammar), got "
+        raise APIError(f"guided_decoding_backend must be one of {list(BACKENDS)} (pagellm runs llguidance), got "
                        f"{body.guided_decoding_backend!r}", "guided_decoding_backend")
     if body.guided_whitespace_pattern is not None:
         raise APIError("guided_whitespace_pattern is not supported: JSON output is compact", "guided_whitespace_pattern")

@@ -364,3 +364,26 @@ def test_argmax_between_vector_body_and_tail(vocab):
     cases.append(torch.full((vocab,), -float("inf")))
     x = torch.stack(cases)
     assert torch.equal(native_logits.argmax_rows(x), x.argmax(dim=-1))
+
+
+# ---- grammar masks ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000, 262144])
+def test_mask_rows_matches_the_torch_unpacking(vocab):
+    """Rows listed get -inf where their packed bit is 0 (words of all ones, all zeros and mixed); others untouched."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=generator)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
+    bitmask[0, ::3] = -1
+    bitmask[1, ::2] = 0
+    bitmask[2, 0] = -2**31  # only the top bit: token 31
+    rows = [4, 0, 2]
+    got, want = logits.clone(), logits.clone()
+    native_logits.mask_rows(got, bitmask, rows)
+    native_logits._mask_rows_torch(want, bitmask, rows)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 3]], logits[[1, 3]])
+    bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :vocab].bool()
+    assert torch.equal(torch.isinf(want[rows]), ~bits)  # the oracle itself: -inf exactly where the bit is 0

@@ -72,7 +72,7 @@ def test_completions_with_vllm_fields(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
-    ({"guided_grammar": "root ::= "}, "guided_grammar"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
     ({"guided_json": {"type": "object"}, "ignore_eos": True}, "ignore_eos"),
 ])
 def test_a_schema_that_does_not_compile_is_a_400_naming_the_field(http, body, param):

@@ -52,7 +52,7 @@ def test_plain_text_asks_for_nothing():
     ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs"),
     ({"structured_outputs": {"lark": "a"}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-    ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ({"guided_json": SCHEMA, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ({"guided_json": SCHEMA, "min_tokens": 3}, "min_tokens"),
 ])
