@@ -11,6 +11,7 @@ import types
 import typing
 
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagellm.server.tool_calls import PARSERS
 
 _ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
                     ("parallel", ParallelConfig), ("kernels", KernelConfig))
@@ -81,6 +82,8 @@ def _add_serve_parser(sub) -> None:
                        help="The model name clients send (default: the model file/dir name, or gemma-3-270m).")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="A Jinja chat template file used instead of the model's own (as vLLM's flag).")
+    serve.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
+                       help="The format tool calls are parsed in (default: chosen from the chat template).")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

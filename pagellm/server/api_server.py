@@ -37,6 +37,7 @@ from pagellm.server.protocol import (APIError, ChatCompletionRequest, Completion
 from pagellm.server.responses import ChatFormatter, CompletionFormatter, usage
 from pagellm.server.state import ServerState
 from pagellm.server.structured_fields import compile_error
+from pagellm.server.tool_calls import parser_for_template
 
 logger = logging.getLogger("pagellm.server")
 DEFAULT_MODEL_NAME = "gemma-3-270m"
@@ -47,13 +48,15 @@ def served_model_name(model: str | None) -> str:
 
 
 def build_app(config: EngineConfig, max_waiting: int = 1024, api_key: str | None = None,
-              model_name: str | None = None, chat_template: str | None = None) -> FastAPI:
-    """chat_template: a Jinja template used instead of the model's own for every chat request."""
+              model_name: str | None = None, chat_template: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """chat_template: a Jinja template used instead of the model's own for every chat request; tool_call_parser:
+    the format tool calls are parsed in (server/tool_calls.py; default: chosen from the template)."""
     engine = AsyncEngine(config, max_waiting)
     metrics = ServerMetrics(engine.stats)
     engine.metrics = metrics
     state = ServerState(engine, metrics, model_name or served_model_name(config.model.model), api_key,
-                        int(time.time()), chat_template=chat_template)
+                        int(time.time()), chat_template=chat_template, tool_call_parser=tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -187,10 +190,11 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
 
 
 def _render_chat(tokenizer, messages, add_generation_prompt: bool, template: str | None = None,
-                 template_kwargs: dict | None = None) -> str:
+                 template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
+    kwargs = dict(template_kwargs or {}, **({"tools": tools} if tools else {}))
     try:
         return tokenizer.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt,
-                                             template=template, **(template_kwargs or {}))
+                                             template=template, **kwargs)
     except (jinja2.TemplateError, ValueError) as exc:  # e.g. roles that do not alternate
         raise APIError(f"messages: {exc}", "messages") from None
 
@@ -222,11 +226,16 @@ async def _chat_completions(request: Request) -> Response:
     _check_model(state, body.model)
     state.note_unknown_fields(body)
     tokenizer = _tokenizer(state)
+    template = state.chat_template or tokenizer.chat_template
+    if body.tool_choice_mode.mode == "auto" and "tools" not in template:
+        raise APIError("this model's chat template does not take tools; serve it with --chat-template FILE of one "
+                       "that does, or force a call with tool_choice", "tools")
     text = await state.off_loop(_render_chat, tokenizer, body.messages, body.add_generation_prompt,
-                                state.chat_template, body.chat_template_kwargs)
+                                state.chat_template, body.chat_template_kwargs, body.template_tools)
     prompt_ids = [await state.encode(text, "messages")]
     formatter = ChatFormatter(state.served_model_name, body, tokenizer,
-                              opened_by_prompt(text) if thinks(tokenizer) else None)
+                              opened_by_prompt(text) if thinks(tokenizer) else None,
+                              state.tool_call_parser or parser_for_template(template))
     return await _generate(request, state, body, prompt_ids, body.requested_max_tokens, body.num_logprobs,
                            "messages", formatter, arrival)
 
@@ -378,7 +387,8 @@ def run_server(args) -> int:
             raise ValueError(f"--chat-template {args.chat_template}: {exc.strerror}") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(config, max_waiting=args.max_waiting, api_key=args.api_key,
-                    model_name=args.served_model_name, chat_template=template)
+                    model_name=args.served_model_name, chat_template=template,
+                    tool_call_parser=args.tool_call_parser)
     engine: AsyncEngine = app.state.server.engine
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
     server = _Server(uv_config, engine)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Stri
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagellm.server.errors import APIError, error_body  # noqa: F401  (error_body: part of this module's API)
 from pagellm.server.structured_fields import structured_outputs_of
+from pagellm.server.tool_calls import ToolChoice, check_tools, forced_grammar
 
 MAX_N = 128  # completions per prompt; each is an engine request
 
@@ -43,7 +44,7 @@ def _no_tool_forced(value: Any) -> bool:
 # value asks for nothing, so the field can be dropped with no change to the output. Anything else is a 400.
 _NOT_YET = {
     "allowed_token_ids": _absent, "bad_words": _absent,
-    "functions": _absent, "function_call": _no_tool_forced, "tool_choice": _no_tool_forced,
+    "functions": _absent, "function_call": _no_tool_forced,
 }
 
 
@@ -163,18 +164,50 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
+    name: StrictStr | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         # The template has no notion of "developer": it is the system prompt under its new name.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            # Templates write arguments with `| tojson`: an object, or they would quote the JSON text again.
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 # apply_chat_template's own arguments: not template variables a request may set
@@ -189,17 +222,39 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[StrictStr, Any] | None = None
+    parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: extra variables for the template
+    _tools: tuple = PrivateAttr(default=((), None))  # set by check(): (tools for the template, ToolChoice)
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise APIError("tools are not supported", "tools")
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and message.tool_call_id is None:
+                raise APIError(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+        tools, choice = check_tools(self.tools, self.tool_choice)
+        self._tools = (tools, choice)
+        grammar = forced_grammar(tools, choice)
+        if grammar is not None:
+            if self.structured is not None:
+                raise APIError(f"tool_choice {choice.mode} cannot be combined with {self.structured[1]}",
+                               self.structured[1])
+            self._structured = (grammar, "tool_choice")
         taken = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
         if taken:
             raise APIError(f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template is given: none under tool_choice "none"."""
+        tools, choice = self._tools
+        return list(tools) if tools and choice.mode != "none" else None
+
+    @property
+    def tool_choice_mode(self) -> ToolChoice:
+        return self._tools[1]
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -11,6 +11,7 @@ import time
 import uuid
 
 from pagellm.server.reasoning import ReasoningSplitter, split
+from pagellm.server.tool_calls import ToolCallStream, parse_auto, parse_forced
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -143,12 +144,17 @@ class ChatFormatter(_Formatter):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model_name: str, body, tokenizer, opened_reasoning: bool | None = None):
+    def __init__(self, model_name: str, body, tokenizer, opened_reasoning: bool | None = None,
+                 tool_call_parser: str = "hermes"):
         """opened_reasoning: None for a model that does not think (no split); else whether the prompt left
-        `<think>` open (server/reasoning.py)."""
+        `<think>` open (server/reasoning.py). tool_call_parser: the model's call format (server/tool_calls.py)."""
         super().__init__(model_name, body, tokenizer)
         self._opened = opened_reasoning
         self._splitters: dict[int, ReasoningSplitter] = {}
+        choice = getattr(body, "tool_choice_mode", None)
+        self._tool_choice = choice if choice is not None and choice.mode != "none" else None
+        self._parser = tool_call_parser
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def first_chunks(self, num_choices: int, include_usage: bool) -> list[dict]:
         """As OpenAI and vLLM do: each choice opens with a delta carrying the role."""
@@ -172,17 +178,43 @@ class ChatFormatter(_Formatter):
         message = {"role": "assistant", "content": completion.text}
         if self._opened is not None:
             message["reasoning_content"], message["content"] = split(completion.text, self._opened)
+        if self._tool_choice is not None:
+            message["content"], calls = self._tool_calls(message["content"] or "")
+            if calls:
+                message["tool_calls"] = calls
+                finish = self._tool_finish(finish)
         return {"index": index, "message": message, "logprobs": self._logprobs(completion.logprobs),
                 "finish_reason": finish, "stop_reason": stop}
+
+    def _tool_calls(self, content: str) -> tuple[str | None, list[dict]]:
+        if self._tool_choice.forced:
+            calls = parse_forced(content, self._tool_choice)
+            return (None if calls else content), self._limit(calls)
+        rest, calls = parse_auto(content, self._parser)
+        return rest, self._limit(calls)
+
+    def _limit(self, calls: list[dict]) -> list[dict]:
+        return calls if self.body.parallel_tool_calls else calls[:1]
+
+    def _tool_finish(self, finish: str | None) -> str | None:
+        """OpenAI: "tool_calls" when the model chose to call, "stop" when a named call was forced."""
+        return "tool_calls" if finish == "stop" and self._tool_choice.mode != "named" else finish
 
     def _chunk_choice(self, index: int, output, logprobs) -> dict:
         finish, stop = self._finish(output)
         if self._opened is None:
-            delta = {"content": output.new_text} if output.new_text else {}
+            reasoning, content = "", output.new_text or ""
         else:
             splitter = self._splitters.setdefault(index, ReasoningSplitter(self._opened))
             reasoning, content = splitter.feed(output.new_text or "", final=output.finished)
-            delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        calls = []
+        if self._tool_choice is not None:
+            stream = self._tool_streams.setdefault(index, ToolCallStream(self._tool_choice, self._parser))
+            content, calls = stream.feed(content, final=output.finished)
+        delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        if calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(self._limit(calls))]
+            finish = self._tool_finish(finish)
         return {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish,
                 "stop_reason": stop}
 

@@ -26,6 +26,7 @@ class ServerState:
     api_key: str | None
     created: int
     chat_template: str | None = None  # --chat-template: used instead of the model's own
+    tool_call_parser: str | None = None  # --tool-call-parser; None: chosen from the chat template
     # Tokenization, chat templating and body parsing run here, never on the event loop: a multi-megabyte
     # prompt takes seconds to tokenize, and every other request (/health too) would wait on the loop. The
     # Rust tokenizer releases the GIL while it works, so the loop keeps serving meanwhile.

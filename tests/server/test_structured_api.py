@@ -86,3 +86,15 @@ def test_a_bad_schema_is_an_openai_bad_request(client):
     with pytest.raises(openai.BadRequestError, match="nonsense"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+
+
+def test_tools_on_a_template_that_does_not_take_them_are_a_400(http):
+    """The embedded Gemma's template has no tools: calling them 'auto' would silently drop them from the prompt."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "tools": [tool]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
+    forced = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MESSAGES, "tools": [tool], "max_tokens": 8,
+        "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert forced.status_code == 200 and forced.json()["choices"][0]["message"]["tool_calls"][0]["function"][
+        "name"] == "f"

@@ -1,0 +1,110 @@
+"""Tool calling through `pagellm serve` and the openai client, on a tiny random-weight Qwen3 checkpoint whose chat
+template takes tools (Hermes format): a forced call parses, its result goes back, the final answer streams."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+from server_harness import BASE_ARGS, start_server, stop_with
+from transformers import Qwen3Config
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from tiny_checkpoints import _COMMON, write_tiny_checkpoint  # noqa: E402
+
+from pagellm.loader.default_model import default_model_path  # noqa: E402
+from pagellm.loader.tokenizer import load_tokenizer  # noqa: E402
+
+TEMPLATE = Path(__file__).parent / "templates" / "hermes_tools.jinja"
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                               "unit": {"type": "string", "enum": ["C", "F"]}},
+              "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": PARAMETERS}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    """A tiny Qwen3 with the embedded model's tokenizer (262k ids) and a Hermes tools template, served."""
+    directory = tmp_path_factory.mktemp("tiny-tools")
+    tokenizer = load_tokenizer(default_model_path())
+    config = Qwen3Config(**{**_COMMON, "vocab_size": 262144, "eos_token_id": sorted(tokenizer.eos_token_ids),
+                            "max_position_embeddings": 1024},
+                         num_hidden_layers=2, head_dim=32, architectures=["Qwen3ForCausalLM"])
+    write_tiny_checkpoint("qwen3-yarn", directory, config=config, redraw=True)
+    tokenizer.hf_tokenizer.chat_template = TEMPLATE.read_text()
+    tokenizer.hf_tokenizer.save_pretrained(directory)
+    server = start_server(["--model", str(directory), "--served-model-name", "m", *BASE_ARGS,
+                           "--max-model-len", "1024"], tmp_path_factory.mktemp("serve-tools"))
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    stop_with(server, signal.SIGINT)
+
+
+def test_forced_call_then_the_tool_result_and_a_streamed_answer(client):
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=forced,
+                                           temperature=1.0, seed=0, max_tokens=40)
+    choice = first.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS)
+
+    messages = [*QUESTION, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(model="m", messages=messages, tools=[WEATHER, TIME], stream=True,
+                                                temperature=0, max_tokens=8):
+        for delta_choice in chunk.choices:
+            pieces.append(delta_choice.delta.content or "")
+            finish = delta_choice.finish_reason or finish
+    assert len([p for p in pieces if p]) > 1 and finish in ("stop", "length")
+
+
+def test_required_calls_stream_as_tool_call_deltas(client):
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER, TIME], stream=True,
+                                                tool_choice="required", temperature=1.0, seed=3, max_tokens=120):
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and calls
+    schemas = {"get_weather": PARAMETERS, "get_time": TIME["function"]["parameters"]}
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["arguments"]), schemas[entry["name"]])
+
+
+def test_tool_messages_reach_the_template(client):
+    import httpx
+
+    base = str(client.base_url).removesuffix("/v1/")
+    messages = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    tokens = httpx.post(base + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    text = httpx.post(base + "/detokenize", json={"tokens": tokens}, timeout=60).json()["prompt"]
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}' in text
+    assert "<tool_response>\n18 degrees and sunny\n</tool_response>" in text
+
+
+def test_bad_tool_requests_are_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        client.chat.completions.create(model="m", messages=[*QUESTION, {"role": "tool", "content": "x"}])
