@@ -40,12 +40,27 @@ def _no_tool_forced(value: Any) -> bool:
     return value is None or value in ("none", "auto")
 
 
-# Fields pagellm does not honour yet (vLLM's token filters, OpenAI's deprecated functions): name -> whether a
-# value asks for nothing, so the field can be dropped with no change to the output. Anything else is a 400.
+def _is(*values: Any):
+    return lambda value: value is None or value in values
+
+
+# Fields of the OpenAI and vLLM request shapes that pagellm does not honour: name -> whether a value asks for
+# nothing, so the field can be dropped with no change to the output. Anything else is a 400 naming it.
 _NOT_YET = {
-    "allowed_token_ids": _absent, "bad_words": _absent,
-    "functions": _absent, "function_call": _no_tool_forced,
+    # vLLM
+    "allowed_token_ids": _absent, "bad_words": _absent, "use_beam_search": _absent, "length_penalty": _is(1, 1.0),
+    "include_stop_str_in_output": _absent, "skip_special_tokens": _is(True), "truncate_prompt_tokens": _is(),
+    "continue_final_message": _absent, "logits_processors": _absent, "priority": _absent, "documents": _absent,
+    "chat_template": _is(), "mm_processor_kwargs": _absent, "return_tokens_as_token_ids": _absent,
+    "kv_transfer_params": _absent, "vllm_xargs": _absent, "add_special_tokens": _is(False),
+    "spaces_between_special_tokens": _is(True), "echo": _absent,
+    # OpenAI
+    "functions": _absent, "function_call": _no_tool_forced, "audio": _absent, "modalities": _is(["text"]),
+    "prediction": _absent, "web_search_options": _absent, "store": _absent, "reasoning_effort": _is(),
+    "verbosity": _is(), "cache_salt": _is(),
 }
+# Hints that change nothing in the output (bookkeeping and cache routing): accepted and not reported as unknown.
+_NO_EFFECT = frozenset({"metadata", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"})
 
 
 class _SamplingRequest(BaseModel):
@@ -99,8 +114,9 @@ class _SamplingRequest(BaseModel):
         self._structured = structured_outputs_of(self)
 
     def unknown_fields(self) -> list[str]:
-        """Names of fields sent that no model field or _NOT_YET entry knows: ignored (the server logs them)."""
-        return sorted(name for name in (self.model_extra or {}) if name not in _NOT_YET)
+        """Names of fields sent that no model field, _NOT_YET or _NO_EFFECT entry knows: ignored (the server logs
+        them)."""
+        return sorted(name for name in (self.model_extra or {}) if name not in _NOT_YET and name not in _NO_EFFECT)
 
     @property
     def structured(self) -> tuple | None:

@@ -128,7 +128,11 @@ def test_prompt_logprobs_wire_shape_per_choice_and_beside_chat_choices():
     (CompletionRequest, "best_of", 3), (CompletionRequest, "allowed_token_ids", [3]),
     (CompletionRequest, "bad_words", ["x"]),
     (ChatCompletionRequest, "functions", [{"name": "f"}]), (ChatCompletionRequest, "function_call", {"name": "f"}),
-    (ChatCompletionRequest, "tool_choice", "required"),
+    (ChatCompletionRequest, "tool_choice", "required"), (ChatCompletionRequest, "use_beam_search", True),
+    (ChatCompletionRequest, "include_stop_str_in_output", True), (ChatCompletionRequest, "audio", {"voice": "x"}),
+    (ChatCompletionRequest, "modalities", ["text", "audio"]), (ChatCompletionRequest, "chat_template", "{{ x }}"),
+    (ChatCompletionRequest, "reasoning_effort", "high"), (CompletionRequest, "skip_special_tokens", False),
+    (CompletionRequest, "truncate_prompt_tokens", 5), (ChatCompletionRequest, "echo", True),
 ])
 def test_fields_not_honoured_yet_are_refused_by_name(model, field, value):
     """A constraint the server would ignore is a 400 naming it, never a 200 that silently breaks it."""
@@ -143,8 +147,9 @@ def test_fields_not_honoured_yet_are_refused_by_name(model, field, value):
                                           ("function_call", "auto"), ("guided_json", None)])
 def test_values_that_ask_for_nothing_pass_and_unknown_fields_are_reported(field, value):
     request = parse(ChatCompletionRequest, json.dumps(
-        {"messages": [{"role": "user", "content": "x"}], field: value, "temperatur": 0.5, "metadata": {"a": 1}}))
-    assert request.unknown_fields() == ["metadata", "temperatur"]
+        {"messages": [{"role": "user", "content": "x"}], field: value, "temperatur": 0.5, "metadat": {"a": 1},
+         "metadata": {"a": 1}, "service_tier": "auto", "modalities": ["text"], "skip_special_tokens": True}))
+    assert request.unknown_fields() == ["metadat", "temperatur"]
 
 
 def test_the_server_logs_each_unknown_field_once(caplog):
