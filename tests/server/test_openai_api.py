@@ -341,3 +341,29 @@ def test_fields_not_honoured_are_refused_and_stop_token_ids_range_checked(http):
                         ({"stop_token_ids": [10**9]}, "stop_token_ids")):
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_logit_bias_and_min_tokens_through_the_server(client, expected):
+    """-100 on the greedy first token changes the output; min_tokens outlasts an answer that would end on EOS."""
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
+                                       logit_bias={str(_token_id(client, first.choices[0].text)): -100})
+    assert banned.choices[0].text != expected.choices[0].text
+    assert not banned.choices[0].text.startswith(first.choices[0].text)
+    # ignore_eos off: EOS and stop_token_ids end the output, except before min_tokens
+    stop = _token_id(client, first.choices[0].text)
+    ended = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
+                                      extra_body={"stop_token_ids": [stop]})
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0,
+                                     extra_body={"stop_token_ids": [stop], "min_tokens": 3})
+    assert held.usage.completion_tokens >= 3
+
+
+def _token_id(client, text: str) -> int:
+    import httpx
+
+    base = str(client.base_url).removesuffix("/v1/")
+    (token,) = httpx.post(base + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60).json()[
+        "tokens"]
+    return token
