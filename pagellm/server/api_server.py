@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagellm.config import EngineConfig
 from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from pagellm.server.metrics import ServerMetrics
+from pagellm.server.openapi import ModelList, install_openapi, route_docs
 from pagellm.server.reasoning import opened_by_prompt, thinks
 from pagellm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, error_body, parse_request)
@@ -69,14 +70,15 @@ def build_app(config: EngineConfig, max_waiting: int = 1024, api_key: str | None
     app.state.server = state
     _add_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key)])
-    v1.add_api_route("/completions", _completions, methods=["POST"])
-    v1.add_api_route("/chat/completions", _chat_completions, methods=["POST"])
-    v1.add_api_route("/models", _models, methods=["GET"])
+    v1.add_api_route("/completions", _completions, methods=["POST"], **route_docs("/v1/completions"))
+    v1.add_api_route("/chat/completions", _chat_completions, methods=["POST"], **route_docs("/v1/chat/completions"))
+    v1.add_api_route("/models", _models, methods=["GET"], response_model=ModelList)
     app.include_router(v1)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
-    app.add_api_route("/tokenize", _tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", _detokenize, methods=["POST"])
+    app.add_api_route("/tokenize", _tokenize, methods=["POST"], **route_docs("/tokenize"))
+    app.add_api_route("/detokenize", _detokenize, methods=["POST"], **route_docs("/detokenize"))
+    install_openapi(app)
     return app
 
 

@@ -367,3 +367,34 @@ def _token_id(client, text: str) -> int:
     (token,) = httpx.post(base + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60).json()[
         "tokens"]
     return token
+
+
+def test_answers_match_the_published_response_models(http):
+    """Every answer shape validates against the models /openapi.json publishes (extra fields forbidden)."""
+    from server_harness import sse_events
+
+    from pagellm.server import openapi
+
+    schema = http.get("/openapi.json").json()
+    post = schema["paths"]["/v1/chat/completions"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionRequest")
+    assert post["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletion")
+    assert {"ChatCompletionRequest", "CompletionRequest", "ChatCompletionChunk", "ErrorResponse"} <= set(
+        schema["components"]["schemas"])
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    openapi.ChatCompletion.model_validate(http.post("/v1/chat/completions", json={
+        **chat, "logprobs": True, "top_logprobs": 2, "prompt_logprobs": 1, "n": 2}).json())
+    openapi.Completion.model_validate(http.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 3, "logprobs": 2, "prompt_logprobs": 1}).json())
+    for path, body, model in (("/v1/chat/completions", {**chat, "logprobs": True}, openapi.ChatCompletionChunk),
+                              ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3}, openapi.Completion)):
+        with http.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]" and len(events) > 3
+        for event in events[:-1]:
+            model.model_validate(event)
+    openapi.ErrorResponse.model_validate(http.post("/v1/completions", json={"prompt": 5}).json())
+    openapi.ModelList.model_validate(http.get("/v1/models").json())
+    tokens = openapi.Tokens.model_validate(http.post("/tokenize", json={"prompt": PROMPT}).json())
+    openapi.Detokenized.model_validate(http.post("/detokenize", json={"tokens": tokens.tokens}).json())

@@ -19,6 +19,7 @@ from tiny_checkpoints import _COMMON, write_tiny_checkpoint  # noqa: E402
 
 from pagellm.loader.default_model import default_model_path  # noqa: E402
 from pagellm.loader.tokenizer import load_tokenizer  # noqa: E402
+from pagellm.server.openapi import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
 TEMPLATE = Path(__file__).parent / "templates" / "hermes_tools.jinja"
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
@@ -53,6 +54,7 @@ def test_forced_call_then_the_tool_result_and_a_streamed_answer(client):
     forced = {"type": "function", "function": {"name": "get_weather"}}
     first = client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=forced,
                                            temperature=1.0, seed=0, max_tokens=40)
+    ChatCompletion.model_validate(first.model_dump(exclude_unset=True))
     choice = first.choices[0]
     assert choice.finish_reason == "stop" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -75,6 +77,7 @@ def test_required_calls_stream_as_tool_call_deltas(client):
     finish = None
     for chunk in client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER, TIME], stream=True,
                                                 tool_choice="required", temperature=1.0, seed=3, max_tokens=120):
+        ChatCompletionChunk.model_validate(chunk.model_dump(exclude_unset=True))
         for choice in chunk.choices:
             assert not choice.delta.content
             for delta in choice.delta.tool_calls or []:

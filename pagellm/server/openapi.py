@@ -1,0 +1,221 @@
+"""The wire shapes of responses as pydantic models, and /openapi.json with request and response bodies.
+
+responses.py builds answers as plain dicts (a pydantic model per SSE chunk would cost the event loop a
+validation per token); these models describe the same fields, and the tests validate real answers against them
+(extra fields forbidden), so the schema a client or a fuzzer reads cannot drift from what is sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+
+from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Shape):
+    cached_tokens: int
+
+
+class Usage(_Shape):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(_Shape):
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]
+
+
+class PromptLogprob(_Shape):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None] | None  # vLLM's: None, then one dict per prompt token
+
+
+class CompletionChoice(_Shape):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: str | int | None
+    prompt_logprobs: PromptLogprobs = None
+
+
+class Completion(_Shape):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # a stream's chunks carry null, its last chunk the totals (include_usage)
+
+
+class ToolCallFunction(_Shape):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Shape):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
+class TopLogprob(_Shape):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Shape):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(_Shape):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None = None  # models that think (server/reasoning.py)
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(_Shape):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
+    stop_reason: str | int | None
+
+
+class ChatCompletion(_Shape):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs = None
+
+
+class Delta(_Shape):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChunkChoice(_Shape):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(_Shape):
+    """One SSE event of a streamed chat answer (the stream ends with `data: [DONE]`)."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ErrorDetail(_Shape):
+    message: str
+    type: str
+    param: str | None
+    code: Any
+
+
+class ErrorResponse(_Shape):
+    error: ErrorDetail
+
+
+class ModelCard(_Shape):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str | None
+    max_model_len: int | None
+
+
+class ModelList(_Shape):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Tokens(_Shape):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class Detokenized(_Shape):
+    prompt: str
+
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 429, 503)}
+# path -> (request model, response model, the event model of a stream or None)
+ROUTES = {
+    "/v1/completions": (CompletionRequest, Completion, Completion),
+    "/v1/chat/completions": (ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
+    "/tokenize": (TokenizeRequest, Tokens, None),
+    "/detokenize": (DetokenizeRequest, Detokenized, None),
+}
+
+
+def route_docs(path: str) -> dict:
+    """add_api_route keyword arguments documenting `path`'s body, answer and errors."""
+    request, response, event = ROUTES[path]
+    responses: dict = {**_ERRORS, 200: {"model": response}}
+    if event is not None:
+        responses[200]["content"] = {"text/event-stream": {"schema": {
+            "description": f"stream: true; each `data:` line is a {event.__name__}, then `data: [DONE]`"}}}
+    body = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request.__name__}"}}},
+            "required": True}
+    return {"responses": responses, "openapi_extra": {"requestBody": body}}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """/openapi.json: FastAPI's schema plus the request models the routes parse from raw bytes themselves."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for request, _, event in ROUTES.values():
+                for model in (request, event):
+                    if model is None:
+                        continue
+                    model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                    components.update(model_schema.pop("$defs", {}))
+                    components[model.__name__] = model_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
