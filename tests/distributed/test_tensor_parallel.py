@@ -130,3 +130,27 @@ def test_unreachable_head_is_a_clear_error():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert f"cannot reach the head at 127.0.0.1:{port}" in result.stderr
+
+
+def test_structured_output_over_two_ranks_matches_one_process(tmp_path):
+    """The head samples with the grammar masks; workers, which hold no matcher, still follow the same steps."""
+    import json
+    import re
+
+    from tiny_checkpoints import write_tiny_checkpoint_with_tokenizer
+
+    from pagellm.sampling_params import StructuredOutputs
+
+    path = write_tiny_checkpoint_with_tokenizer(tmp_path)
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=schema)),
+              SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=StructuredOutputs(regex=r"[a-c]{3}-\d")),
+              SamplingParams(max_tokens=8, temperature=0.0)]
+    runs = []
+    for size in (1, 2):
+        with LLM(str(path), kv_cache_memory=0.01, tensor_parallel_size=size) as llm:
+            runs.append([o.outputs[0] for o in llm.generate(["Answer:"] * 3, params, use_tqdm=False)])
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    json_out, regex_out, _ = runs[1]
+    assert json.loads(json_out.text)["a"] in ("x", "yy") and re.fullmatch(r"[a-c]{3}-\d", regex_out.text)

@@ -165,3 +165,22 @@ def _jitter_hybrid(name: str, param: torch.Tensor) -> None:
         param.add_(torch.randn_like(param) * 0.1)
     else:
         param.normal_(0.0, 0.1)
+
+
+def write_tiny_checkpoint_with_tokenizer(directory: Path, chat_template: str | None = None) -> Path:
+    """A tiny Qwen3 with the embedded Gemma tokenizer (262k ids) saved beside it: for what needs text (structured
+    output, chat templates, tool calls). Weights as write_tiny_checkpoint(redraw=True) draws them."""
+    from transformers import Qwen3Config
+
+    from pagellm.loader.default_model import default_model_path
+    from pagellm.loader.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    config = Qwen3Config(**{**_COMMON, "vocab_size": 262144, "eos_token_id": sorted(tokenizer.eos_token_ids),
+                            "max_position_embeddings": 1024},
+                         num_hidden_layers=2, head_dim=32, architectures=["Qwen3ForCausalLM"])
+    write_tiny_checkpoint("qwen3-yarn", directory, config=config, redraw=True)
+    if chat_template is not None:
+        tokenizer.hf_tokenizer.chat_template = chat_template
+    tokenizer.hf_tokenizer.save_pretrained(directory)
+    return directory

@@ -12,13 +12,10 @@ import jsonschema
 import openai
 import pytest
 from server_harness import BASE_ARGS, start_server, stop_with
-from transformers import Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from tiny_checkpoints import _COMMON, write_tiny_checkpoint  # noqa: E402
+from tiny_checkpoints import write_tiny_checkpoint_with_tokenizer  # noqa: E402
 
-from pagellm.loader.default_model import default_model_path  # noqa: E402
-from pagellm.loader.tokenizer import load_tokenizer  # noqa: E402
 from pagellm.server.openapi import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
 TEMPLATE = Path(__file__).parent / "templates" / "hermes_tools.jinja"
@@ -36,14 +33,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     """A tiny Qwen3 with the embedded model's tokenizer (262k ids) and a Hermes tools template, served."""
-    directory = tmp_path_factory.mktemp("tiny-tools")
-    tokenizer = load_tokenizer(default_model_path())
-    config = Qwen3Config(**{**_COMMON, "vocab_size": 262144, "eos_token_id": sorted(tokenizer.eos_token_ids),
-                            "max_position_embeddings": 1024},
-                         num_hidden_layers=2, head_dim=32, architectures=["Qwen3ForCausalLM"])
-    write_tiny_checkpoint("qwen3-yarn", directory, config=config, redraw=True)
-    tokenizer.hf_tokenizer.chat_template = TEMPLATE.read_text()
-    tokenizer.hf_tokenizer.save_pretrained(directory)
+    directory = write_tiny_checkpoint_with_tokenizer(tmp_path_factory.mktemp("tiny-tools"), TEMPLATE.read_text())
     server = start_server(["--model", str(directory), "--served-model-name", "m", *BASE_ARGS,
                            "--max-model-len", "1024"], tmp_path_factory.mktemp("serve-tools"))
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
