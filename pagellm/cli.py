@@ -65,17 +65,42 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pagellm.server.api_server import run_server
+    from pagellm.server.run import run_server
 
-    return run_server(args)
+    return run_server(args, args.given_flags)
 
 
-def _add_serve_parser(sub) -> None:
+def given_flags_of(argv: list[str]) -> set[str]:
+    """The dests of the options that appear in argv (they override a config file): --max-num-seqs and
+    --max-num-seqs=8 give max_num_seqs, --no-enable-prefix-caching gives enable_prefix_caching."""
+    given = set()
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0]
+            given.add(name.replace("-", "_"))
+            if name.startswith("no-"):
+                given.add(name[3:].replace("-", "_"))
+    return given
+
+
+def _add_serve_parser(sub) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     serve.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    serve.add_argument("--api-key", default=None,
-                       help="When set, /v1 requests must send 'Authorization: Bearer <key>' (else 401).")
+    serve.add_argument("--config", default=None, metavar="FILE",
+                       help="YAML or JSON settings: sections model, cache, scheduler, parallel, kernels, server; "
+                            "flags given here override it.")
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="A key clients must send as 'Authorization: Bearer <key>' on every route but /health "
+                            "(else 401); may be given more than once.")
+    serve.add_argument("--api-key-file", default=None, metavar="FILE",
+                       help="More keys, one per line (blank lines and # comments skipped).")
+    serve.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                       help="Largest request body accepted (default 4 MiB); above it HTTP 413.")
+    serve.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                       help="Enable CORS for this origin (repeat, or '*' for any); off by default.")
+    serve.add_argument("--log-format", default="text", choices=["text", "json"],
+                       help="Log lines as text or as one JSON object per line.")
     serve.add_argument("--max-waiting", type=int, default=1024,
                        help="Most requests waiting to run; beyond it a request gets HTTP 429.")
     serve.add_argument("--served-model-name", default=None,
@@ -86,6 +111,7 @@ def _add_serve_parser(sub) -> None:
                        help="The format tool calls are parsed in (default: chosen from the chat template).")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+    return serve
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -129,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.given_flags = given_flags_of(argv)
     if not logging.getLogger().handlers:  # start-up lines (e.g. which kernels run) on stderr
         logging.basicConfig(level=logging.INFO, format="pagellm: %(message)s")
     try:

@@ -173,3 +173,41 @@ class EngineConfig(_FromDict):
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+
+
+LOG_FORMATS = ("text", "json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")  # server/tool_calls.py
+
+
+@dataclass(frozen=True)
+class ServerConfig(_FromDict):
+    """`pagellm serve`'s own settings (the engine's are EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Each a key clients may send as 'Authorization: Bearer <key>'; empty: no auth. Every route but /health.
+    api_keys: tuple[str, ...] = ()
+    max_waiting: int = 1024  # most requests waiting to run; beyond it 429
+    served_model_name: str | None = None
+    chat_template: str | None = None  # a Jinja template's text, used instead of the model's own
+    tool_call_parser: str | None = None  # None: chosen from the chat template
+    max_request_bytes: int = 4 << 20  # a request body above this is a 413
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers; "*" allows any origin
+    log_format: str = "text"
+
+    def __post_init__(self):
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        if any(not isinstance(k, str) or not k for k in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")

@@ -13,23 +13,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
-import signal
-import sys
 import time
-from contextlib import asynccontextmanager
 from pathlib import Path
+from contextlib import asynccontextmanager
 
 import jinja2
-import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, ServerConfig
 from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from pagellm.server.guards import ApiKeyMiddleware, read_body
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.openapi import ModelList, install_openapi, route_docs
 from pagellm.server.reasoning import opened_by_prompt, thinks
@@ -48,16 +46,13 @@ def served_model_name(model: str | None) -> str:
     return Path(model).name if model else DEFAULT_MODEL_NAME
 
 
-def build_app(config: EngineConfig, max_waiting: int = 1024, api_key: str | None = None,
-              model_name: str | None = None, chat_template: str | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
-    """chat_template: a Jinja template used instead of the model's own for every chat request; tool_call_parser:
-    the format tool calls are parsed in (server/tool_calls.py; default: chosen from the template)."""
-    engine = AsyncEngine(config, max_waiting)
+def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastAPI:
+    server = server or ServerConfig()
+    engine = AsyncEngine(config, server.max_waiting)
     metrics = ServerMetrics(engine.stats)
     engine.metrics = metrics
-    state = ServerState(engine, metrics, model_name or served_model_name(config.model.model), api_key,
-                        int(time.time()), chat_template=chat_template, tool_call_parser=tool_call_parser)
+    state = ServerState(engine, metrics, server.served_model_name or served_model_name(config.model.model),
+                        int(time.time()), server)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -69,7 +64,12 @@ def build_app(config: EngineConfig, max_waiting: int = 1024, api_key: str | None
     app = FastAPI(title="pagellm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     _add_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key)])
+    if server.api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=server.api_keys)
+    if server.allowed_origins:  # added last: outermost, so a CORS preflight is answered before auth
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    v1 = APIRouter(prefix="/v1")
     v1.add_api_route("/completions", _completions, methods=["POST"], **route_docs("/v1/completions"))
     v1.add_api_route("/chat/completions", _chat_completions, methods=["POST"], **route_docs("/v1/chat/completions"))
     v1.add_api_route("/models", _models, methods=["GET"], response_model=ModelList)
@@ -87,7 +87,9 @@ def build_app(config: EngineConfig, max_waiting: int = 1024, api_key: str | None
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        # A 429 says when to come back: the queue drains as requests finish, within seconds.
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {"Retry-After": "1"} \
+            if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -103,13 +105,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return JSONResponse(error_body(f"internal error: {exc}", "internal_server_error"), status_code=500)
-
-
-async def _require_api_key(request: Request) -> None:
-    key = request.app.state.server.api_key
-    sent = request.headers.get("authorization", "")
-    if key is not None and not secrets.compare_digest(sent.encode(), f"Bearer {key}".encode()):
-        raise APIError("invalid or missing API key: send 'Authorization: Bearer <key>'", status=401)
 
 
 def _ready_state(request: Request) -> ServerState:
@@ -157,7 +152,7 @@ async def _models(request: Request) -> dict:
 
 async def _tokenize(request: Request) -> dict:
     state = _ready_state(request)
-    body = await state.off_loop(parse_request, await request.body(), TokenizeRequest)
+    body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), TokenizeRequest)
     _check_model(state, body.model)
     tokenizer = _tokenizer(state)
 
@@ -174,7 +169,7 @@ async def _tokenize(request: Request) -> dict:
 
 async def _detokenize(request: Request) -> dict:
     state = _ready_state(request)
-    body = await state.off_loop(parse_request, await request.body(), DetokenizeRequest)
+    body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), DetokenizeRequest)
     _check_model(state, body.model)
     _check_token_ids(state, body.tokens, "tokens")
     return {"prompt": await state.off_loop(_tokenizer(state).decode, body.tokens)}
@@ -206,9 +201,10 @@ def _render_chat(tokenizer, messages, add_generation_prompt: bool, template: str
 async def _completions(request: Request) -> Response:
     arrival = time.monotonic()
     state = _ready_state(request)
-    body = await state.off_loop(parse_request, await request.body(), CompletionRequest)
+    body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), CompletionRequest)
     _check_model(state, body.model)
     state.note_unknown_fields(body)
+    _check_capacity(state, body, len(body.prompts()))
     prompt_ids = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
@@ -224,9 +220,10 @@ async def _completions(request: Request) -> Response:
 async def _chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
     state = _ready_state(request)
-    body = await state.off_loop(parse_request, await request.body(), ChatCompletionRequest)
+    body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), ChatCompletionRequest)
     _check_model(state, body.model)
     state.note_unknown_fields(body)
+    _check_capacity(state, body, 1)
     tokenizer = _tokenizer(state)
     template = state.chat_template or tokenizer.chat_template
     if body.tool_choice_mode.mode == "auto" and "tools" not in template:
@@ -242,7 +239,17 @@ async def _chat_completions(request: Request) -> Response:
                            "messages", formatter, arrival)
 
 
-def _max_tokens(state: ServerState, prompt_len: int, requested: int | None, prompt_param: str) -> int:
+def _check_capacity(state: ServerState, body, num_prompts: int) -> None:
+    """A request of more completions than the waiting queue can ever hold is a 400, not a 429 to retry forever."""
+    count, limit = num_prompts * body.n, state.config.max_waiting
+    if count > limit:
+        field = "n" if body.n > 1 else "prompt"
+        raise APIError(f"{num_prompts} prompt(s) x n={body.n} is {count} completions, more than this server ever "
+                       f"queues at once ({limit}, --max-waiting); split the request", field)
+
+
+def _max_tokens(state: ServerState, prompt_len: int, requested: int | None, prompt_param: str,
+                tokens_param: str = "max_tokens") -> int:
     """vLLM's rule: the prompt must leave room, and a requested max_tokens must fit the context."""
     limit = state.engine.engine.max_model_len
     if prompt_len >= limit:
@@ -252,7 +259,7 @@ def _max_tokens(state: ServerState, prompt_len: int, requested: int | None, prom
         return limit - prompt_len
     if prompt_len + requested > limit:
         raise APIError(f"this model's maximum context length is {limit} tokens; {prompt_len} in the "
-                       f"{prompt_param} plus max_tokens {requested} is {prompt_len + requested}", "max_tokens")
+                       f"{prompt_param} plus {tokens_param} {requested} is {prompt_len + requested}", tokens_param)
     return requested
 
 
@@ -261,7 +268,8 @@ async def _generate(request: Request, state: ServerState, body, prompt_ids: list
                     formatter, arrival: float) -> Response:
     token_lists, params = [], []
     for ids in prompt_ids:
-        max_tokens = _max_tokens(state, len(ids), requested_max_tokens, prompt_param)
+        max_tokens = _max_tokens(state, len(ids), requested_max_tokens, prompt_param,
+                                 getattr(body, "max_tokens_field", "max_tokens"))
         for child in range(body.n):
             token_lists.append(ids)
             params.append(body.sampling_params(max_tokens, num_logprobs, child))
@@ -349,54 +357,3 @@ async def _sse(stream: RequestStream, formatter, prompt_lens: list[int], n: int,
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-# ---- running ----------------------------------------------------------------------------------------
-
-class _Server(uvicorn.Server):
-    """uvicorn, except that SIGINT / SIGTERM first stop the engine and then exit 0.
-
-    Stopping the engine ends every open stream with an error event, so uvicorn's graceful
-    shutdown (which waits for open responses) does not wait for generations to finish. uvicorn
-    re-raises a captured signal after shutting down, which would end the process with a
-    KeyboardInterrupt traceback or status 143; not recording the signal keeps the exit clean.
-    """
-
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
-        super().__init__(config)
-        self._engine = engine
-
-    def handle_exit(self, sig, frame) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
-        self.should_exit = True
-        self._engine.begin_shutdown()
-
-
-def run_server(args) -> int:
-    """`pagellm serve`: build the app from parsed CLI args and serve until SIGINT / SIGTERM."""
-    from pagellm.cli import engine_config_from_args
-    from pagellm.loader.model_loader import resolve_model_path
-
-    config = engine_config_from_args(args)
-    if config.model.model:
-        resolve_model_path(config.model.model)  # a wrong path fails now, not after the server is up
-    template = None
-    if args.chat_template is not None:
-        try:
-            template = Path(args.chat_template).read_text()
-        except OSError as exc:
-            raise ValueError(f"--chat-template {args.chat_template}: {exc.strerror}") from None
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(config, max_waiting=args.max_waiting, api_key=args.api_key,
-                    model_name=args.served_model_name, chat_template=template,
-                    tool_call_parser=args.tool_call_parser)
-    engine: AsyncEngine = app.state.server.engine
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
-    server = _Server(uv_config, engine)
-    engine.on_load_error = lambda: setattr(server, "should_exit", True)
-    server.run()
-    if engine.load_error is not None:
-        print(f"pagellm: error: model load failed: {engine.load_error}", file=sys.stderr)
-        return 1
-    return 0

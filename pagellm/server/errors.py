@@ -7,7 +7,8 @@ class APIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
 
     _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-              405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+              405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+              503: "service_unavailable_error"}
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str | None = None):
         super().__init__(message)

@@ -20,6 +20,8 @@ from pagellm.server.structured_fields import structured_outputs_of
 from pagellm.server.tool_calls import ToolChoice, check_tools, forced_grammar
 
 MAX_N = 128  # completions per prompt; each is an engine request
+MAX_PROMPTS = 1024  # prompts in one completions request
+MAX_JSON_DEPTH = 64  # nesting of a request body (a JSON schema inside it included)
 
 
 Float = Annotated[float, Field(strict=True)]  # strict: a number, never a numeric string
@@ -166,6 +168,8 @@ class CompletionRequest(_SamplingRequest):
             raise APIError("suffix is not supported", "suffix")
         if isinstance(self.prompt, list) and (not self.prompt or any(p == [] for p in self.prompt)):
             raise APIError("prompt must not be empty", "prompt")
+        if len(self.prompts()) > MAX_PROMPTS:
+            raise APIError(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(self.prompts())}", "prompt")
 
     def prompts(self) -> list[str | list[int]]:
         """A string, a list of token ids, or a list of either, as a list of prompts."""
@@ -273,6 +277,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._tools[1]
 
     @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -322,6 +330,10 @@ def parse_request(raw: bytes, model: type[BaseModel]):
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise APIError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    if _depth_exceeds(data, MAX_JSON_DEPTH):
+        raise APIError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object")
     try:
@@ -330,6 +342,20 @@ def parse_request(raw: bytes, model: type[BaseModel]):
         raise _validation_error(exc) from None
     request.check()
     return request
+
+
+def _depth_exceeds(data: Any, limit: int) -> bool:
+    """Whether lists / objects nest deeper than `limit` (iterative: a deep body must not overflow the stack)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _validation_error(exc: ValidationError) -> APIError:

@@ -11,6 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pagellm.config import ServerConfig
 from pagellm.server.async_engine import AsyncEngine
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.protocol import APIError
@@ -23,10 +24,16 @@ class ServerState:
     engine: AsyncEngine
     metrics: ServerMetrics
     served_model_name: str
-    api_key: str | None
     created: int
-    chat_template: str | None = None  # --chat-template: used instead of the model's own
-    tool_call_parser: str | None = None  # --tool-call-parser; None: chosen from the chat template
+    config: ServerConfig = field(default_factory=ServerConfig)
+
+    @property
+    def chat_template(self) -> str | None:  # --chat-template: used instead of the model's own
+        return self.config.chat_template
+
+    @property
+    def tool_call_parser(self) -> str | None:  # --tool-call-parser; None: chosen from the chat template
+        return self.config.tool_call_parser
     # Tokenization, chat templating and body parsing run here, never on the event loop: a multi-megabyte
     # prompt takes seconds to tokenize, and every other request (/health too) would wait on the loop. The
     # Rust tokenizer releases the GIL while it works, so the loop keeps serving meanwhile.

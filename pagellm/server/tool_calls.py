@@ -21,10 +21,11 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from pagellm.config import TOOL_CALL_PARSERS
 from pagellm.sampling_params import StructuredOutputs
 from pagellm.server.errors import APIError
 
-PARSERS = ("hermes", "llama3_json", "pythonic")
+PARSERS = TOOL_CALL_PARSERS
 _HERMES_START, _HERMES_CALL = "<tool_call>", re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _PYTHON_TAG = "<|python_tag|>"
 

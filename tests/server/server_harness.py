@@ -61,7 +61,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """The un-labelled pagellm: samples of /metrics."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers(), timeout=10).text
         values = {}
         for line in text.splitlines():
             if line.startswith("pagellm:") and "{" not in line:

@@ -15,13 +15,17 @@ import pytest
 from server_harness import BASE_ARGS, sse_events, start_server, stop_with
 
 KEY = "secret-key"
+SECOND_KEY = "second-key"  # from --api-key-file
 NAME = "limits-test"
 LONG = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    args = [*BASE_ARGS, "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", NAME]
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text(f"# operators\n{SECOND_KEY}\n\n")
+    args = [*BASE_ARGS, "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", NAME,
+            "--api-key-file", str(key_file), "--max-request-bytes", "65536"]
     server = start_server(args, tmp_path_factory.mktemp("limits"), api_key=KEY)
     yield server
     server.kill()  # normally already stopped by the SIGTERM test
@@ -52,6 +56,41 @@ def test_health_answers_503_while_loading_then_200(server):
     assert httpx.get(server.url + "/health").status_code == 200  # no API key needed
 
 
+ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+          ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/openapi.json"),
+          ("GET", "/"), ("GET", "/nope")]
+
+
+@pytest.mark.parametrize("method, path", ROUTES)
+def test_every_route_but_health_needs_a_key(server, method, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
+        response = httpx.request(method, server.url + path, headers=headers, json={})
+        assert response.status_code == 401, (path, headers, response.text)
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.headers["www-authenticate"] == "Bearer"
+    for key in (KEY, SECOND_KEY):  # --api-key and --api-key-file both open it
+        response = httpx.request(method, server.url + path, headers={"Authorization": f"Bearer {key}"}, json={})
+        assert response.status_code != 401, (path, response.text)
+
+
+def test_bodies_too_large_or_too_deep_and_requests_that_can_never_fit(http):
+    big = http.post("/v1/completions", content=b'{"prompt": "' + b"x" * 70000 + b'"}',
+                    headers={"content-type": "application/json"})
+    assert big.status_code == 413 and "65536" in big.json()["error"]["message"]
+    chunked = http.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * 70000, b'"}']))
+    assert chunked.status_code == 413  # no Content-Length: counted as it streams in
+    deep = http.post("/v1/completions", content=b'{"prompt": ' + b"[" * 20000 + b"]" * 20000 + b"}")
+    assert deep.status_code == 400 and "nested" in deep.json()["error"]["message"]
+    deep_messages = http.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": '
+                              + b"[" * 5000 + b"]" * 5000 + b"}]}")
+    assert deep_messages.status_code == 400
+    never = http.post("/v1/completions", json={"model": NAME, "prompt": "x", "n": 2, "max_tokens": 1})
+    assert never.status_code == 400 and never.json()["error"]["param"] == "n", never.text  # --max-waiting 1
+    too_many = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                                       "max_completion_tokens": 10**9})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_completion_tokens"
+
+
 def test_api_key_is_required_on_v1(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         response = httpx.get(server.url + "/v1/models", headers=headers)
@@ -80,6 +119,7 @@ def test_full_waiting_queue_is_a_429_and_accepted_requests_finish(server, http):
             refused = http.post("/v1/completions", json={**LONG, "max_tokens": 3})
             assert refused.status_code == 429, refused.text
             assert refused.json()["error"]["type"] == "rate_limit_error"
+            assert refused.headers["retry-after"] == "1"
             running.close()  # the client goes away: its request is aborted, the queued one runs
             events = sse_events(queued.iter_lines())
         finally:

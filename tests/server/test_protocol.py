@@ -155,7 +155,7 @@ def test_values_that_ask_for_nothing_pass_and_unknown_fields_are_reported(field,
 def test_the_server_logs_each_unknown_field_once(caplog):
     from pagellm.server.state import ServerState
 
-    state = ServerState(engine=None, metrics=None, served_model_name="m", api_key=None, created=0)
+    state = ServerState(engine=None, metrics=None, served_model_name="m", created=0)
     body = '{"prompt": "x", "temperatur": 0.5}'
     with caplog.at_level("WARNING", logger="pagellm.server"):
         for _ in range(3):

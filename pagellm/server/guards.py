@@ -1,0 +1,59 @@
+"""What every request passes before a route reads it: the API key (every route but /health) and a bounded body."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from fastapi import Request
+
+from pagellm.server.errors import APIError, error_body
+
+OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+
+
+class ApiKeyMiddleware:
+    """401 unless 'Authorization: Bearer <key>' carries one of the keys. Every key is compared, in constant time,
+    so the answer's timing tells nothing about which key or how much of one matched."""
+
+    def __init__(self, app, keys: tuple[str, ...]):
+        self.app = app
+        self._expected = [f"Bearer {key}".encode() for key in keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        sent = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        matched = False
+        for expected in self._expected:
+            matched |= secrets.compare_digest(sent, expected)
+        if matched:
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                     "authentication_error")).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or APIError(413) as soon as it is known to exceed `limit` bytes (from Content-Length, or
+    while it streams in): a client cannot make the server buffer or tokenize more than that."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
+                    status=413)
