@@ -20,8 +20,10 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.core.state_pool import StatePool
 from pagellm.distributed.executor import HeadExecutor, LocalExecutor
+from pagellm.distributed.parallel_state import DistributedError
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, install_vocab_parallel_head
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
+from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
 from pagellm.kernels.selection import compute_dtype, select_kernels
 from pagellm.loader.model_loader import load_model
@@ -270,7 +272,14 @@ class LLMEngine:
         schedule_ms = (time.perf_counter() - t0) * 1e3
         if output.is_empty:
             return []
-        model_output = self.executor.execute(output)
+        try:
+            model_output = self.executor.execute(output)
+        except DistributedError:
+            raise
+        except Exception as exc:
+            self.runner.reset_step_reuse()
+            self.scheduler.recover_failed_step(output)
+            raise StepError(tuple(item.request_id for item in output.scheduled), exc) from exc
         updated = self.scheduler.update(output, model_output)
         self.counters.record_step(output, schedule_ms, self.runner.last_timings, self.scheduler,
                                   self.executor.last_message_bytes)
@@ -279,16 +288,33 @@ class LLMEngine:
             state = self._states.get(chunk.request_id)
             if state is not None:  # None: aborted while the step ran
                 state.add_prompt_logprobs(chunk)
-        results = []
+        results = [self.fail_request(rid, why) for rid, why in model_output.failed if rid in self._states]
         for request in updated:
             state = self._states[request.request_id]
-            finish = state.add_token(request.output_token_ids[-1], logprobs.get(request.request_id))
+            try:
+                finish = state.add_token(request.output_token_ids[-1], logprobs.get(request.request_id))
+            except Exception as exc:  # noqa: BLE001 - detokenizing or stop strings of this request alone
+                results.append(self.fail_request(request.request_id, f"{type(exc).__name__}: {exc}"))
+                continue
             status = finish or self.scheduler.check_length_stop(request)
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
                 del self._states[request.request_id]
             results.append(state.make_output(status))
         return results
+
+    def hold(self, request_ids) -> None:
+        """Leave these requests out of the next steps until hold(()): a StepError's requests, split to find
+        which one fails."""
+        self.scheduler.hold(request_ids)
+
+    def fail_request(self, request_id: str, why: str) -> RequestOutput:
+        """Finish one request with an error (its output so far, finish_reason "abort", `error` set)."""
+        state = self._states.pop(request_id)
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        output = state.make_output(RequestStatus.FINISHED_ABORTED)
+        output.error = why
+        return output
 
     def shutdown(self) -> None:
         """Stop the worker ranks of a parallel engine (nothing to do for one process); safe to call twice."""

@@ -39,3 +39,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {token id: Logprob} holding the
     # prompt token and the top-k; None when not asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # set when this request alone failed inside the engine (it is finished, "abort")

@@ -97,3 +97,21 @@ def test_ignore_eos_needs_a_stop_token_id(llm):
     eos = sorted(llm.engine.eos_token_ids)[0]
     out = llm.generate(PROMPT, json_params(ignore_eos=True, stop_token_ids=[eos], temperature=0.0), use_tqdm=False)
     jsonschema.validate(json.loads(out[0].outputs[0].text), SCHEMA)
+
+
+def test_a_row_whose_grammar_refuses_its_token_fails_alone(llm, monkeypatch):
+    """The runner's per-row failure path: the other rows' tokens of that step stand."""
+    from pagellm.runner.grammar import RowGrammar
+
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PLAIN, greedy, use_tqdm=False)]
+    accept = RowGrammar.accept
+    monkeypatch.setattr(RowGrammar, "accept", lambda self, token: False if len(self.stop_ids) == 1 else
+                        accept(self, token))  # the request with one stop id (below) refuses its first token
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    odd = json_params(temperature=0.0, ignore_eos=True, stop_token_ids=[eos])
+    outputs = llm.generate([PLAIN[0], PROMPT, PLAIN[1]], [greedy, odd, greedy], use_tqdm=False)
+    assert outputs[1].error is not None and "outside its grammar" in outputs[1].error
+    assert outputs[1].outputs[0].finish_reason == "abort"
+    assert [outputs[0].outputs[0].token_ids, outputs[2].outputs[0].token_ids] == alone
+    assert llm.stats()["kv_blocks_used"] == 0

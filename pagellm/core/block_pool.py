@@ -119,6 +119,10 @@ class BlockPool:
                     self.on_evict(block.block_hash)
             block.block_hash = block.token_ids = None
 
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a block's cache entry (its content was never computed); it stays allocated to its owner."""
+        self._evict(block)
+
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
         """The cached block holding exactly these tokens under this hash, or None (collision-safe)."""
         block = self.cached.get(block_hash)

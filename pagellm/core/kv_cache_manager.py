@@ -179,6 +179,13 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         return True
 
+    def forget_from(self, request: Request, first_block: int) -> None:
+        """Unregister the request's blocks from `first_block` on from the prefix cache: a step that failed
+        registered them as computed (blocks are hashed as of the end of their step) and never computed them."""
+        for block in self.req_blocks.get(request.request_id, [])[first_block:]:
+            if block.block_hash is not None and self.pool.cached.get(block.block_hash) is block:
+                self.pool.uncache(block)
+
     def free(self, request: Request) -> None:
         """Return a finished, aborted or preempted request's blocks, tail first."""
         blocks = self.req_blocks.pop(request.request_id, [])

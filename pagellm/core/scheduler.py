@@ -37,6 +37,7 @@ class Scheduler:
         self._released: list[str] = []
         self.num_steps = 0
         self.num_preemptions = 0
+        self.held: frozenset[str] = frozenset()  # left out of steps while a failing request is isolated
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -54,6 +55,24 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def recover_failed_step(self, output: SchedulerOutput) -> None:
+        """After a step that failed wherever it failed (the runner may or may not have taken its diff): its requests
+        go back to waiting, to be recomputed from the prefix cache, which forgets the blocks the step never
+        computed. Scheduler and runner then agree again whatever the step left behind."""
+        self._settle_snapshots(output.scheduled, commit=False)
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.kv_cache.forget_from(request, item.start_position // self.kv_cache.block_size)
+            self._preempt(request)
+            request.num_preemptions -= 1  # not a preemption for want of blocks
+            self.num_preemptions -= 1
+
+    def hold(self, request_ids) -> None:
+        """Leave these requests out of the steps scheduled until hold(()) (isolating a failing request)."""
+        self.held = frozenset(request_ids)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -113,8 +132,8 @@ class Scheduler:
     def _schedule_decodes(self, scheduled: list[ScheduledRequest]) -> int:
         num_decode = 0
         for request in list(self.running):
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request.request_id in self.held:
+                continue  # preempted earlier in this loop, or held
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue
             new_blocks = self._allocate_or_preempt(request, 1, scheduled)
@@ -128,7 +147,8 @@ class Scheduler:
         used = 0
         for request in list(self.running):
             remaining = request.num_tokens - request.num_computed_tokens
-            if request.status != RequestStatus.RUNNING or remaining <= 1 or used >= budget:
+            if request.status != RequestStatus.RUNNING or remaining <= 1 or used >= budget or \
+                    request.request_id in self.held:
                 continue
             num_new = min(remaining, budget - used)
             new_blocks = self._allocate_or_preempt(request, num_new, scheduled)
@@ -144,6 +164,9 @@ class Scheduler:
             if self.state_pool is not None and self.state_pool.num_free == 0:
                 break  # every state slot is taken: wait for a running request to leave
             request = self.waiting.popleft()
+            if request.request_id in self.held:
+                skipped.append(request)
+                continue
             hits, num_hit_tokens = self.kv_cache.find_cached_prefix(request)
             if self.kv_cache.is_prefix_in_flight(request, len(hits)):
                 skipped.append(request)  # another request computes this prefix right now: share it next step

@@ -83,3 +83,6 @@ class ModelOutput:
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
     # Requests whose chunk had prompt rows (ScheduledRequest.num_prompt_logits), sampled or not.
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    # (request id, why) of rows whose own post-processing failed (e.g. a token their grammar refuses): they
+    # get no token and are failed alone; the other rows' tokens stand.
+    failed: tuple[tuple[str, str], ...] = ()

@@ -15,7 +15,7 @@ import torch
 from pagellm.core.types import ModelOutput, SchedulerOutput, TokenLogprobs
 from pagellm.runner.attention_metadata import AttentionMetadata
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
-from pagellm.runner.grammar import Grammars, accept_sampled
+from pagellm.runner.grammar import GrammarError, Grammars, accept_sampled
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_prompt_rows
 from pagellm.runner.sampler import Sampler, SamplerOutput
@@ -117,12 +117,27 @@ class ModelRunner:
         result = self.sampler(logits, sampled, overwrite=True)
         token_ids, logprobs = self._read_back(result, sampled)  # the step's one host sync (or its second)
         t3 = time.perf_counter()
+        failed = []
         for state, token in zip(sampled, token_ids):
             state.output_token_ids.append(token)
             if state.grammar is not None:
-                accept_sampled(state.request_id, state.grammar, token)
+                try:
+                    accept_sampled(state.request_id, state.grammar, token)
+                except GrammarError as exc:  # this row alone: the others' tokens stand
+                    failed.append((state.request_id, str(exc)))
         self.last_timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1 + prompt_syncs, reused)
+        if failed:
+            bad = {rid for rid, _ in failed}
+            kept = [(s.request_id, t, lp) for s, t, lp in zip(sampled, token_ids, logprobs or [None] * len(sampled))
+                    if s.request_id not in bad]
+            ids, tokens, entries = (tuple(x) for x in zip(*kept)) if kept else ((), (), ())
+            return ModelOutput(ids, tokens, entries if logprobs else None, prompt_logprobs, tuple(failed))
         return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs, prompt_logprobs)
+
+    def reset_step_reuse(self) -> None:
+        """After a step that failed part-way: the next decode step is prepared from scratch."""
+        if self.decode_inputs is not None:
+            self.decode_inputs.invalidate()
 
     def _join_logits_gathers(self, output: SchedulerOutput, hidden: torch.Tensor, logits_rows: torch.Tensor) -> None:
         """A tensor-parallel worker: a vocab-parallel LM head gathers every logits pass to the head rank, so

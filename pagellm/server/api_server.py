@@ -26,7 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.config import EngineConfig, ServerConfig
-from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from pagellm.server.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
+                                         RequestStream)
 from pagellm.server.guards import ApiKeyMiddleware, read_body
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.openapi import ModelList, install_openapi, route_docs
@@ -302,6 +303,8 @@ async def _collect(request: Request, stream: RequestStream, formatter, prompt_le
                 finals[index] = output
     except EngineDeadError as exc:
         raise APIError(str(exc), status=503) from None
+    except RequestFailedError as exc:  # this request alone; the server goes on
+        raise APIError(str(exc), status=500) from None
     finally:
         watcher.cancel()
         stream.abort()
@@ -350,6 +353,8 @@ async def _sse(stream: RequestStream, formatter, prompt_lens: list[int], n: int,
             yield _event(formatter.usage_chunk(usage(prompt_lens, outputs, n)))
     except EngineDeadError as exc:
         yield _event(error_body(str(exc), "service_unavailable_error"))
+    except RequestFailedError as exc:
+        yield _event(error_body(str(exc), "internal_server_error"))
     finally:
         stream.abort()
     yield "data: [DONE]\n\n"

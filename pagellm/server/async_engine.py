@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
 from pagellm.distributed.parallel_state import DistributedError
+from pagellm.engine_errors import StepError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -37,6 +38,10 @@ class QueueFullError(Exception):
 
 class EngineDeadError(Exception):
     """The engine stopped (shutdown or an internal error); the request cannot finish."""
+
+
+class RequestFailedError(Exception):
+    """This request alone failed inside the engine (the others go on); HTTP 500 with the cause."""
 
 
 _CLOSED = object()  # queue item: the stream was aborted
@@ -111,6 +116,7 @@ class AsyncEngine:
         self._stats: dict = {}  # replaced (never mutated) by the engine thread after each step
         self._counts = collections.Counter()  # engine-thread-only counters beyond engine.stats()
         self._ready = threading.Event()
+        self._died: BaseException | None = None  # why the engine thread ended on an error
         self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
 
     # ---- event-loop side ----------------------------------------------------------------------
@@ -124,7 +130,9 @@ class AsyncEngine:
 
     @property
     def failure(self) -> Exception | None:
-        """Why a parallel engine can no longer step (a worker rank died or hung), else None."""
+        """Why the engine can no longer step (its thread died on an error; a worker rank died or hung), else None."""
+        if self._died is not None:
+            return EngineDeadError(f"the engine thread died: {type(self._died).__name__}: {self._died}")
         return self.engine.executor.failure if self.engine is not None else None
 
     def stats(self) -> dict:
@@ -191,6 +199,8 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     def _submit(self, fn: Callable, future: asyncio.Future | None) -> None:
+        if self._died is not None and future is not None:
+            raise self.failure  # nobody would ever answer: fail now rather than hang
         if self._stopping:
             if future is None:
                 return  # an abort during shutdown: the engine is dropping everything anyway
@@ -220,9 +230,19 @@ class AsyncEngine:
         logger.info("engine ready: max_model_len=%d", engine.max_model_len)
         try:
             self._loop(engine)
+            error = EngineDeadError("the server is shutting down")
+        except BaseException as exc:  # noqa: BLE001 - /health reports it; every open and new request fails
+            self._died = exc
+            self._counts["engine_thread_deaths"] += 1
+            logger.error("the engine thread died:\n%s", traceback.format_exc())
+            error = self.failure
         finally:
-            self._fail_all(EngineDeadError("the server is shutting down"))
-            engine.shutdown()  # a parallel engine's workers stop with it
+            with self._cond:  # commands queued meanwhile are answered, not left waiting
+                commands, self._inbox = list(self._inbox), collections.deque()
+            for _, loop, future in commands:
+                _resolve(loop, future, None, EngineDeadError("the engine stopped"))
+        self._fail_all(error)
+        engine.shutdown()  # a parallel engine's workers stop with it
 
     def _loop(self, engine) -> None:
         while True:
@@ -246,12 +266,35 @@ class AsyncEngine:
                 except DistributedError as exc:  # a worker rank is gone: fail what runs, refuse what comes
                     self._fail_all(EngineDeadError(str(exc)), engine)
                     continue
-                except Exception:  # noqa: BLE001 - a bug must not hang every client
-                    logger.error("engine step failed:\n%s", traceback.format_exc())
-                    self._fail_all(EngineDeadError("internal engine error; the request was aborted"), engine)
+                except StepError as exc:
+                    self._isolate(engine, exc)
                     continue
                 self._deliver(outputs)
             self._publish_stats(engine)
+
+    def _isolate(self, engine, error: StepError) -> None:
+        """A step failed: find the request that makes it fail by stepping halves of its requests (the rest held
+        back; a step that succeeds is real progress for its half) and fail that one alone."""
+        self._counts["engine_step_failures"] += 1
+        logger.error("engine step failed; isolating the request that fails it:\n%s",
+                     "".join(traceback.format_exception(error.cause)))
+        suspects = [rid for rid in error.request_ids if rid in self._tracked]
+        try:
+            while len(suspects) > 1:
+                half, rest = suspects[:len(suspects) // 2], suspects[len(suspects) // 2:]
+                engine.hold(set(self._tracked) - set(half))
+                try:
+                    outputs = engine.step()
+                except StepError:
+                    suspects = half
+                else:
+                    self._deliver(outputs)
+                    suspects = [rid for rid in rest if rid in self._tracked]
+        finally:
+            engine.hold(())
+        for rid in suspects:
+            self._deliver([engine.fail_request(rid, f"internal error while generating: "
+                                                    f"{type(error.cause).__name__}: {error.cause}")])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -275,6 +318,10 @@ class AsyncEngine:
                 self._counts["num_requests_finished"] += 1
                 if metrics is not None:
                     metrics.e2e_request_latency.observe(now - tracked.arrival)
+            if output.error is not None:
+                self._counts["num_requests_failed"] += 1
+                tracked.stream.put_threadsafe(RequestFailedError(output.error))
+                continue
             tracked.stream.put_threadsafe((tracked.index, output))
 
     def _fail_all(self, error: Exception, engine=None) -> None:

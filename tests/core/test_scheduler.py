@@ -201,3 +201,25 @@ def test_prompt_logprobs_rows_cover_the_prompt_and_skip_the_prefix_cache():
     assert rows == [(0, 8, 8), (8, 8, 8), (16, 4, 3), (20, 1, 0)]
     assert sched.kv_cache.pool.num_used_blocks == 0
     assert plain_rows[0][0] == 16 and all(n == 0 for *_, n in plain_rows)  # others still hit the cache
+
+
+def test_a_failed_step_sends_its_requests_back_and_the_cache_forgets_what_it_never_computed():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, max_model_len=64)
+    done = make_request("done", list(range(8)))
+    sched.add_request(done)
+    first = sched.schedule()
+    sched.update(first, ModelOutput(("done",), (99,)))  # 8 prompt tokens computed: blocks 0-1 cached
+    failing = make_request("fail", list(range(8)) + [50, 51, 52, 53, 54])
+    sched.add_request(failing)
+    step = sched.schedule()  # 'done' decodes; 'fail' reads blocks 0-1 from the cache, computes 8..12
+    assert {item.request_id for item in step.scheduled} == {"done", "fail"}
+    sched.recover_failed_step(step)
+    assert {r.request_id for r in sched.waiting} == {"done", "fail"}
+    assert not sched.running and kv.pool.num_used_blocks == 0 and sched.num_preemptions == 0
+    probe = make_request("probe", list(range(8)) + [50, 51, 52, 53, 54])
+    hits, num_hit_tokens = kv.find_cached_prefix(probe)
+    assert num_hit_tokens == 8  # blocks 0-1 were computed by 'done'; block 2 (50..53) never was
+    again = sched.schedule()  # both run again, from the cache
+    assert {item.request_id for item in again.scheduled} == {"done", "fail"}
+    assert all(item.new is not None for item in again.scheduled)  # the runner gets their slots anew

@@ -1,0 +1,102 @@
+"""The engine thread under faults, in process (FastAPI's TestClient runs the app and its engine thread): a step
+that fails because of one request fails that request alone; an error outside a step (delivery) ends the thread,
+and then /health and every new request answer 503 at once instead of hanging."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from pagellm.server.api_server import build_app
+
+CONFIG = EngineConfig(model=ModelConfig(max_model_len=256), cache=CacheConfig(kv_cache_memory=0.25))
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
+
+
+def ready_client(app) -> TestClient:
+    client = TestClient(app)
+    client.__enter__()  # runs the lifespan: the engine thread starts loading the model
+    deadline = time.monotonic() + 240
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "the model did not load"
+        time.sleep(0.1)
+    return client
+
+
+def complete(client: TestClient, prompt: str):
+    return client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+
+
+@pytest.fixture(scope="module")
+def served():
+    app = build_app(CONFIG, ServerConfig())
+    client = ready_client(app)
+    yield client, app.state.server.engine
+    client.__exit__(None, None, None)
+
+
+def test_a_step_that_one_request_breaks_fails_that_request_alone(served):
+    client, async_engine = served
+    with ThreadPoolExecutor(4) as pool:
+        expected = [r.json()["choices"][0]["text"] for r in pool.map(lambda p: complete(client, p), PROMPTS)]
+    engine = async_engine.engine
+    execute = engine.executor.execute
+
+    def faulty(output):  # injected: any step holding the poisoned prompt's request fails
+        if any(item.request_id in poisoned for item in output.scheduled):
+            raise RuntimeError("injected fault")
+        return execute(output)
+
+    poisoned = set()
+    engine.executor.execute = faulty
+    try:
+        tokens = client.post("/tokenize", json={"prompt": "POISON"}).json()["tokens"]
+        original_add = engine.add_request
+
+        def add_request(prompt, params=None, request_id=None, arrival_time=None):
+            if list(prompt) == tokens:
+                poisoned.add(request_id)
+            return original_add(prompt, params, request_id, arrival_time)
+
+        engine.add_request = add_request
+        with ThreadPoolExecutor(5) as pool:
+            results = list(pool.map(lambda p: complete(client, p), [*PROMPTS[:2], "POISON", *PROMPTS[2:]]))
+    finally:
+        engine.executor.execute = execute
+        del engine.add_request
+    bad = results.pop(2)
+    assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"], bad.text
+    assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+    assert [r.json()["choices"][0]["text"] for r in results] == expected  # untouched by the isolation
+    assert client.get("/health").status_code == 200
+    assert complete(client, PROMPTS[0]).json()["choices"][0]["text"] == expected[0]
+    stats = async_engine.stats()
+    assert stats["engine_step_failures"] >= 1 and stats["num_requests_failed"] == 1
+
+
+def test_an_error_in_delivery_ends_the_engine_and_everything_answers_503_at_once():
+    app = build_app(CONFIG, ServerConfig())
+    client = ready_client(app)
+    async_engine = app.state.server.engine
+    try:
+        def broken(outputs):
+            raise KeyError("injected delivery fault")
+
+        async_engine._deliver = broken
+        failed = complete(client, PROMPTS[0])
+        assert failed.status_code == 503 and "injected delivery fault" in failed.json()["error"]["message"]
+        started = time.monotonic()
+        while client.get("/health").status_code != 503:
+            assert time.monotonic() - started < 1.0
+            time.sleep(0.02)
+        health = client.get("/health").json()["error"]["message"]
+        assert "engine thread died" in health and "injected delivery fault" in health
+        started = time.monotonic()
+        again = complete(client, PROMPTS[1])
+        assert again.status_code == 503 and time.monotonic() - started < 1.0
+    finally:
+        client.__exit__(None, None, None)
