@@ -7,7 +7,7 @@ PROMPT ?= The capital of France is
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: install test generate serve clean
+.PHONY: install test generate serve clean chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,15 @@ install: $(STAMP)
 
 # The whole suite at the CPU's own instruction-set level (tests/kernels covers every level in process), then
 # the model, layer and engine tests again at each lower level the CPU can run (tests/lower_levels.py).
-test: install
+# The chat page's browser test drives Debian's Chromium; installed here when missing and possible (root or
+# password-less sudo), else that one test is skipped and says why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { APT="apt-get"; [ "$$(id -u)" = 0 ] || APT="sudo -n apt-get"; \
+		( DEBIAN_FRONTEND=noninteractive $$APT install -y -q chromium >/dev/null 2>&1 || \
+		  ( $$APT update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $$APT install -y -q chromium >/dev/null 2>&1 ) ) \
+		|| echo "make: could not install chromium; the chat page test will be skipped"; }
+
+test: install chromium
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(BIN)/python tests/lower_levels.py $(PYTEST_ARGS)
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine, run by uvicorn.
 
     POST /v1/completions, /v1/chat/completions   (stream or not; n completions per prompt)
-    GET  /v1/models, /health (503 until the model is loaded), /metrics (Prometheus text)
+    GET  /v1/models, /health (503 until the model is loaded), /metrics (Prometheus text), / (chat page)
     POST /tokenize, /detokenize
 
 State lives on app.state.server (a ServerState), never in module globals. Every error is an
@@ -21,7 +21,8 @@ import jinja2
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,6 +42,7 @@ from pagellm.server.tool_calls import parser_for_template
 
 logger = logging.getLogger("pagellm.server")
 DEFAULT_MODEL_NAME = "gemma-3-270m"
+STATIC_DIR = Path(__file__).parent / "static"  # the chat page: plain HTML, CSS and JS, no build step
 
 
 def served_model_name(model: str | None) -> str:
@@ -75,6 +77,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     v1.add_api_route("/chat/completions", _chat_completions, methods=["POST"], **route_docs("/v1/chat/completions"))
     v1.add_api_route("/models", _models, methods=["GET"], response_model=ModelList)
     app.include_router(v1)
+    app.add_api_route("/", _chat_page, methods=["GET"], include_in_schema=False)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/tokenize", _tokenize, methods=["POST"], **route_docs("/tokenize"))
@@ -136,6 +140,11 @@ async def _health(request: Request) -> Response:
     if not engine.is_ready:
         return JSONResponse(error_body("loading", "service_unavailable_error"), status_code=503)
     return Response(status_code=200)
+
+
+async def _chat_page(request: Request) -> Response:
+    """The chat page (static/index.html): streaming chat with the served model and a live server panel."""
+    return FileResponse(STATIC_DIR / "index.html")
 
 
 async def _metrics(request: Request) -> Response:

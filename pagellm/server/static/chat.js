@@ -1,0 +1,167 @@
+// The chat page: streams /v1/chat/completions with fetch, and polls /metrics for the server panel.
+// No framework and no build step: this file is served as it is (pagellm/server/static).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const history = [];  // {role, content} of the conversation so far
+let controller = null;  // AbortController of the answer being streamed
+let modelName = null;
+
+async function loadModel() {
+  try {
+    const response = await fetch("/v1/models");
+    const body = await response.json();
+    modelName = body.data[0].id;
+    $("model").textContent = modelName;
+  } catch (error) {
+    $("model").textContent = "model unavailable";
+  }
+}
+
+function addMessage(role, text) {
+  const element = document.createElement("div");
+  element.className = `message ${role}`;
+  element.textContent = text;
+  $("transcript").appendChild(element);
+  element.scrollIntoView({block: "end"});
+  return element;
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+function requestBody() {
+  const messages = [];
+  const system = $("system").value.trim();
+  if (system) messages.push({role: "system", content: system});
+  messages.push(...history);
+  return {
+    model: modelName, messages, stream: true,
+    temperature: Number($("temperature").value),
+    max_tokens: Math.max(1, Number($("max-tokens").value) || 1),
+  };
+}
+
+// Server-sent events arrive in arbitrary pieces: split on lines, keep the unfinished tail for the next piece.
+async function* events(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, {stream: true});
+    const lines = buffer.split("\n");
+    buffer = lines.pop();
+    for (const line of lines) {
+      if (!line.startsWith("data: ")) continue;
+      const data = line.slice(6);
+      if (data === "[DONE]") return;
+      yield JSON.parse(data);
+    }
+  }
+}
+
+async function send(text) {
+  history.push({role: "user", content: text});
+  addMessage("user", text);
+  const bubble = addMessage("assistant", "");
+  let answer = "";
+  controller = new AbortController();
+  setBusy(true);
+  let finish = null;
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: {"Content-Type": "application/json"},
+      body: JSON.stringify(requestBody()), signal: controller.signal,
+    });
+    if (!response.ok) {
+      const body = await response.json().catch(() => ({}));
+      throw new Error(body.error ? body.error.message : `HTTP ${response.status}`);
+    }
+    for await (const event of events(response)) {
+      if (event.error) throw new Error(event.error.message);
+      for (const choice of event.choices || []) {
+        const delta = choice.delta || {};
+        answer += (delta.reasoning_content || "") + (delta.content || "");
+        bubble.textContent = answer;
+        finish = choice.finish_reason || finish;
+      }
+      bubble.scrollIntoView({block: "end"});
+    }
+  } catch (error) {
+    if (error.name === "AbortError") {
+      finish = "stopped";
+    } else {
+      bubble.className = "message error";
+      bubble.textContent = `${answer}\n${error.message}`;
+      finish = "error";
+    }
+  } finally {
+    controller = null;
+    setBusy(false);
+  }
+  if (answer) history.push({role: "assistant", content: answer});
+  const note = document.createElement("span");
+  note.className = "note";
+  note.textContent = finish === "length" ? "(max tokens reached)" : finish === "stopped" ? "(stopped)" : "";
+  if (note.textContent) bubble.appendChild(note);
+}
+
+// Prometheus text: "name value" lines; the unlabelled samples are all the panel needs.
+function parseMetrics(text) {
+  const values = {};
+  for (const line of text.split("\n")) {
+    if (line.startsWith("#") || line.includes("{")) continue;
+    const [name, value] = line.split(" ");
+    if (name) values[name] = Number(value);
+  }
+  return values;
+}
+
+let lastTokens = null;
+async function pollMetrics() {
+  try {
+    const values = parseMetrics(await (await fetch("/metrics")).text());
+    const now = performance.now();
+    $("running").textContent = values["pagellm:num_requests_running"] ?? "–";
+    $("waiting").textContent = values["pagellm:num_requests_waiting"] ?? "–";
+    const usage = values["pagellm:kv_cache_usage_ratio"];
+    $("kv").textContent = usage === undefined ? "–" : `${(100 * usage).toFixed(1)} %`;
+    const tokens = values["pagellm:generation_tokens_total"];
+    if (tokens !== undefined && lastTokens) {
+      const rate = (tokens - lastTokens.tokens) / ((now - lastTokens.time) / 1000);
+      $("tps").textContent = rate.toFixed(1);
+    }
+    if (tokens !== undefined) lastTokens = {tokens, time: now};
+    $("status").textContent = "";
+  } catch (error) {
+    $("status").textContent = "metrics unavailable";
+  }
+}
+
+$("composer").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || controller) return;
+  $("prompt").value = "";
+  send(text);
+});
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    $("composer").requestSubmit();
+  }
+});
+$("stop").addEventListener("click", () => controller && controller.abort());
+$("clear").addEventListener("click", () => {
+  history.length = 0;
+  $("transcript").replaceChildren();
+});
+$("temperature").addEventListener("input", () => { $("temperature-value").textContent = $("temperature").value; });
+
+loadModel();
+pollMetrics();
+setInterval(pollMetrics, 1000);
