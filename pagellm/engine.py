@@ -6,10 +6,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import itertools
-import os
 import time
 
 import torch
@@ -31,80 +29,12 @@ from pagellm.loader.quantization import weight_bytes
 from pagellm.models.bound_layers import layer_plan
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
+from pagellm.platform import (DTYPES, GIB, default_kv_cache_gib, keep_step_buffers_in_heap, limit_threads_to_cores,
+                              resident_bytes)
 from pagellm.request import Request, RequestStatus, stop_ids_of
 from pagellm.runner.grammar import Grammars
 from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_GIB = 1 << 30
-
-
-def resident_bytes() -> int | None:
-    """The process's resident memory now (Linux /proc; None elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return None
-
-
-def default_kv_cache_gib() -> float:
-    """A quarter of the RAM available now, capped at 4 GiB (pages are committed only when written)."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        available = 8 * _GIB
-    return min(4.0, available / 4 / _GIB)
-
-
-def physical_cores() -> int:
-    """Cores (not SMT siblings) among the CPUs this process may run on."""
-    cpus = os.sched_getaffinity(0)
-    cores = set()
-    for cpu in cpus:
-        try:
-            topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
-            with open(topology + "physical_package_id") as pkg, open(topology + "core_id") as core:
-                cores.add((pkg.read().strip(), core.read().strip()))
-        except OSError:
-            return len(cpus)
-    return max(1, len(cores))
-
-
-def limit_threads_to_cores() -> None:
-    """Intra-op threads = physical cores: SMT siblings share the FMA units and only add barrier waits.
-
-    Left alone when the user chose (OMP_NUM_THREADS, or torch.set_num_threads below the core count).
-    """
-    if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > physical_cores():
-        torch.set_num_threads(physical_cores())
-
-
-# glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh mmaps and unmaps them on
-# free, so every step's large temporaries page-fault anew: the [64, 262144] logits of a B=64 Gemma 3 step
-# (33-67 MB each) cost 25-30 ms of faults per pass. Measured, B=64 int4 decode: 211 -> 175 ms per step.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt parameters, from glibc's malloc.h
-_STEP_HEAP_BYTES = 1 << 30
-
-
-def keep_step_buffers_in_heap(enabled: bool = True) -> bool:
-    """Serve allocations below 1 GiB from the heap and keep up to 1 GiB of freed heap: a step's big
-    buffers are then reused instead of faulted in again. Called once weights are loaded (their large
-    temporaries stay mmapped and go back to the OS). One arena: a thread's own arena grows in 64 MiB
-    heaps, so the server's engine thread would still mmap anything larger. Process-wide (it is the
-    process's allocator): enabled=False (KernelConfig.heap_tuning) leaves glibc's defaults. Returns whether
-    every setting took (False where this is not glibc, or an older glibc refuses a threshold above 32 MiB)."""
-    if not enabled:
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)  # first hand the load's freed temporaries (repacking, dequantizing) back to the OS
-        settings = ((_M_MMAP_THRESHOLD, _STEP_HEAP_BYTES), (_M_TRIM_THRESHOLD, _STEP_HEAP_BYTES), (_M_ARENA_MAX, 1))
-        return all([bool(libc.mallopt(param, value)) for param, value in settings])  # each applied on its own
-    except (OSError, AttributeError):
-        return False
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
@@ -151,7 +81,7 @@ class LLMEngine:
         self.max_model_len = min(mc.max_model_len or context, context)
         per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.dtype)
         budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_gib()
-        num_blocks = int(budget * _GIB // per_block)
+        num_blocks = int(budget * GIB // per_block)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {budget} GiB holds no block of {per_block} bytes")
         self.state_pool = self._make_state_pool()
@@ -183,7 +113,7 @@ class LLMEngine:
             return None
         max_seqs = self.config.scheduler.max_num_seqs
         budget = self.config.cache.state_cache_memory
-        num_slots = max_seqs if budget is None else min(max_seqs, int(budget * _GIB // per_slot))
+        num_slots = max_seqs if budget is None else min(max_seqs, int(budget * GIB // per_slot))
         if num_slots < 1:
             raise ValueError(f"state_cache_memory {budget} GiB holds no state slot of {per_slot} bytes")
         return StatePool(num_slots)
@@ -193,7 +123,7 @@ class LLMEngine:
         if self.state_pool is None:
             return None
         budget = self.config.cache.state_snapshot_memory
-        num_rows = min(num_blocks, int(budget * _GIB // state_bytes_per_slot(self.model)))
+        num_rows = min(num_blocks, int(budget * GIB // state_bytes_per_slot(self.model)))
         return SnapshotPool(num_rows, first_row=self.state_pool.num_slots) if num_rows > 0 else None
 
     def _eos_ids(self) -> frozenset[int]:

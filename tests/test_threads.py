@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from pagellm.engine import keep_step_buffers_in_heap, limit_threads_to_cores, physical_cores
+from pagellm.platform import keep_step_buffers_in_heap, limit_threads_to_cores, physical_cores
 
 
 def test_physical_cores_within_the_affinity_mask():

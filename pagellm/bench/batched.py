@@ -96,7 +96,7 @@ def check_capacity(engine: LLMEngine, batch: int, seq_len: int) -> None:
 
 
 def _budget_gib(engine: LLMEngine) -> float:
-    from pagellm.engine import default_kv_cache_gib
+    from pagellm.platform import default_kv_cache_gib
 
     return engine.config.cache.kv_cache_memory or default_kv_cache_gib()
 

@@ -6,15 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+from pagellm.bench.arguments import int_list
 
 
 def add_model_mode_args(parser: argparse.ArgumentParser) -> None:

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def add_arguments(parser) -> None:
-    from pagellm.bench.cli import int_list
+    from pagellm.bench.arguments import int_list
 
     parser.add_argument("--world-size", type=int, default=2, help="ranks (local processes, Gloo on loopback)")
     parser.add_argument("--rows", type=int_list, default=[1, 8, 64, 512], help="N, rows combined (default 1,8,64,512)")

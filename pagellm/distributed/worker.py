@@ -134,7 +134,7 @@ def publish_runner_setup(state: ParallelState, setup: RunnerSetup, workers: Loca
 
 
 def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float, join_timeout: float) -> int:
-    from pagellm.engine import DTYPES, keep_step_buffers_in_heap, limit_threads_to_cores
+    from pagellm.platform import DTYPES, keep_step_buffers_in_heap, limit_threads_to_cores
     from pagellm.loader.model_loader import load_model
     from pagellm.runner.model_runner import ModelRunner
 

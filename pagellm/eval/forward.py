@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pagellm.engine import DTYPES
+from pagellm.platform import DTYPES
 from pagellm.kernels.selection import compute_dtype
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.tokenizer import load_tokenizer
