@@ -177,7 +177,7 @@ class LLMEngine:
         a ValueError naming structured_outputs if it cannot run."""
         if self.grammars is None:
             raise ValueError("structured_outputs need the model's tokenizer; this engine was started without one")
-        self.grammars.matcher(params.structured_outputs, stop_ids_of(params, self.eos_token_ids))
+        self.grammars.check(params.structured_outputs, stop_ids_of(params, self.eos_token_ids))
 
     def abort(self, request_id: str) -> bool:
         self._states.pop(request_id, None)

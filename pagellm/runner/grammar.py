@@ -103,15 +103,19 @@ class Grammars:
             self._compiled[spec] = grammar
         return grammar
 
+    def check(self, spec: StructuredOutputs, stop_ids: Sequence[int]) -> str:
+        """The compiled grammar, if a request with these stop ids can run it; ValueError naming the field if not."""
+        if not stop_ids:
+            raise ValueError("ignore_eos with structured_outputs needs stop_token_ids: the output must be able "
+                             "to end where the grammar does")
+        return self.compile(spec)
+
     def matcher(self, spec: StructuredOutputs, stop_ids: Sequence[int],
                 output_token_ids: Sequence[int] = ()) -> RowGrammar:
         """A fresh matcher advanced past the tokens already out (a request resumed after preemption)."""
         from llguidance import LLMatcher
 
-        if not stop_ids:
-            raise ValueError("ignore_eos with structured_outputs needs stop_token_ids: the output must be able "
-                             "to end where the grammar does")
-        row = RowGrammar(LLMatcher(self.ll_tokenizer(), self.compile(spec)), stop_ids, self.eos_ids)
+        row = RowGrammar(LLMatcher(self.ll_tokenizer(), self.check(spec, stop_ids)), stop_ids, self.eos_ids)
         for token in output_token_ids:
             if not row.accept(token):
                 raise GrammarError(f"token {token} does not continue the grammar: {row.matcher.get_error()}")

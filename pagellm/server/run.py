@@ -84,7 +84,7 @@ def configs_from(args: argparse.Namespace, given: set[str]) -> tuple[EngineConfi
              "allowed_origins": tuple(args.allowed_origins or ()), "chat_template": args.chat_template,
              "api_key_file": args.api_key_file, "api_keys": tuple(args.api_key or ())}
     for name, value in flags.items():
-        dest = {"api_keys": "api_key", "allowed_origins": "allowed_origins"}.get(name, name)
+        dest = "api_key" if name == "api_keys" else name  # the flag is --api-key
         if dest in given or name not in server:
             server[name] = value
     server["chat_template"] = _read("chat_template", server["chat_template"])
