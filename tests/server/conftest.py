@@ -17,12 +17,18 @@ def server(tmp_path_factory):
     stop_with(server, signal.SIGINT)  # Ctrl-C: a clean exit, status 0, no traceback
 
 
+# The server closes idle keep-alive connections after 5 s (uvicorn's timeout_keep_alive); a client that reuses
+# one at that moment gets "server disconnected". Clients here drop idle connections first.
+KEEPALIVE = httpx.Limits(keepalive_expiry=2.0)
+
+
 @pytest.fixture(scope="session")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0,
+                         http_client=httpx.Client(limits=KEEPALIVE, timeout=120))
 
 
 @pytest.fixture(scope="session")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as http:
+    with httpx.Client(base_url=server.url, timeout=120, limits=KEEPALIVE) as http:
         yield http

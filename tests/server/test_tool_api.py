@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -36,7 +37,8 @@ def client(tmp_path_factory):
     directory = write_tiny_checkpoint_with_tokenizer(tmp_path_factory.mktemp("tiny-tools"), TEMPLATE.read_text())
     server = start_server(["--model", str(directory), "--served-model-name", "m", *BASE_ARGS,
                            "--max-model-len", "1024"], tmp_path_factory.mktemp("serve-tools"))
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0,
+                        http_client=httpx.Client(limits=httpx.Limits(keepalive_expiry=2.0), timeout=120))
     stop_with(server, signal.SIGINT)
 
 
