@@ -18,8 +18,8 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.core.state_pool import StatePool
 from pagellm.distributed.executor import HeadExecutor, LocalExecutor
-from pagellm.distributed.parallel_state import DistributedError
-from pagellm.distributed.sharding import ShardSpec, install_all_reduce, install_vocab_parallel_head
+from pagellm.distributed.parallel_state import DistributedError, ParallelState
+from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
@@ -49,10 +49,8 @@ class LLMEngine:
             parallel, workers = start_head(config)
             shard = ShardSpec(0, parallel.world_size, config.parallel.enable_expert_parallel)
         try:
-            self._build(config, skip_tokenizer_init, shard)
+            self._build(config, skip_tokenizer_init, shard, parallel)
             if parallel is not None:
-                install_all_reduce(self.model, parallel.all_reduce_)
-                install_vocab_parallel_head(self.model, parallel)
                 publish_runner_setup(parallel, self._runner_setup(), workers, config.parallel.join_timeout)
         except BaseException:
             if workers is not None:
@@ -69,12 +67,17 @@ class LLMEngine:
         gc.freeze()
         keep_step_buffers_in_heap(config.kernels.heap_tuning)
 
-    def _build(self, config: EngineConfig, skip_tokenizer_init: bool, shard: ShardSpec | None) -> None:
+    def _build(self, config: EngineConfig, skip_tokenizer_init: bool, shard: ShardSpec | None,
+               parallel: ParallelState | None) -> None:
         """Load the model (this rank's shard of it when parallel) and size the KV cache and state slots."""
         mc, cc = config.model, config.cache
         loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
                             quantization=mc.quantization, shard=shard, kernels=config.kernels)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        logits = None
+        if parallel is not None:
+            install_all_reduce(self.model, parallel.all_reduce_)
+            logits = vocab_parallel_logits(self.model, parallel)
         self.quantization = loaded.quantization  # {module path: scheme}; empty when every weight is dense
         self.model_path = loaded.path
         context = getattr(self.hf_config, "max_position_embeddings", None) or 4096
@@ -96,7 +99,8 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size) if self.tokenizer is not None else None
         self.runner = ModelRunner(self.model, setup.num_blocks, cc.block_size, config.scheduler.max_num_seqs,
                                   self.dtype, self.device, num_state_slots=setup.num_state_slots,
-                                  num_snapshot_slots=setup.num_snapshot_slots, grammars=self.grammars)
+                                  num_snapshot_slots=setup.num_snapshot_slots, grammars=self.grammars,
+                                  logits=logits)
         self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
                        "model_file_bytes": self.model_path.stat().st_size if self.model_path.is_file() else None}
 
@@ -187,10 +191,6 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
@@ -211,8 +211,7 @@ class LLMEngine:
             self.scheduler.recover_failed_step(output)
             raise StepError(tuple(item.request_id for item in output.scheduled), exc) from exc
         updated = self.scheduler.update(output, model_output)
-        self.counters.record_step(output, schedule_ms, self.runner.last_timings, self.scheduler,
-                                  self.executor.last_message_bytes)
+        self.counters.record_step(output, schedule_ms, model_output, self.scheduler)
         logprobs = dict(zip(model_output.request_ids, model_output.logprobs or ()))
         for chunk in model_output.prompt_logprobs:  # before outputs: a prompt's last chunk also samples
             state = self._states.get(chunk.request_id)

@@ -24,7 +24,9 @@ class EngineStats:
     step_message_bytes_total: int = 0
     step_message_bytes_last: int = 0
 
-    def record_step(self, output, schedule_ms: float, timings, scheduler, message_bytes: int = 0) -> None:
+    def record_step(self, output, schedule_ms: float, model_output, scheduler) -> None:
+        """output: the SchedulerOutput; model_output: the ModelOutput it returned, with its costs."""
+        timings, message_bytes = model_output.timings, model_output.message_bytes
         self.num_steps += 1
         self.step_message_bytes_total += message_bytes
         self.step_message_bytes_last = message_bytes

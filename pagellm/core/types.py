@@ -75,6 +75,18 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True)
+class StepTimings:
+    """Where one step's time went on the process that ran it (the head, when parallel)."""
+
+    host_ms: float = 0.0  # scheduling excluded: input preparation before the model runs, minus the copy
+    input_copy_ms: float = 0.0  # building the step's input tensors (ids, positions, attention metadata)
+    model_ms: float = 0.0  # forward + LM head
+    sample_ms: float = 0.0  # sampler + the blocking read of its output
+    host_syncs: int = 0
+    reused_step: bool = False  # a pure-decode step prepared by diff from the previous one (decode_inputs.py)
+
+
+@dataclass(frozen=True)
 class ModelOutput:
     """Per scheduled request that sampled: its new token (and logprobs when asked)."""
 
@@ -86,3 +98,6 @@ class ModelOutput:
     # (request id, why) of rows whose own post-processing failed (e.g. a token their grammar refuses): they
     # get no token and are failed alone; the other rows' tokens stand.
     failed: tuple[tuple[str, str], ...] = ()
+    # What the step cost, returned with it (not read back from the runner): the engine's counters sum them.
+    timings: StepTimings = StepTimings()
+    message_bytes: int = 0  # the step message a parallel head broadcast to its workers; 0 on one process

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -37,7 +38,6 @@ class LocalExecutor:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.last_message_bytes = 0
         self.failure: DistributedError | None = None
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
@@ -74,7 +74,6 @@ class HeadExecutor:
     def __init__(self, runner: ModelRunner, state: ParallelState, workers=None):
         self.runner, self.state, self.workers = runner, state, workers  # workers: LocalWorkers or None
         self.world_size = state.world_size
-        self.last_message_bytes = 0
         self.failure: DistributedError | None = None
         self._lock = threading.Lock()  # one frame at a time: steps and heartbeats never interleave
         self._last_frame = time.monotonic()
@@ -93,8 +92,7 @@ class HeadExecutor:
             except Exception as exc:  # Gloo (peer closed, timeout), or any error that leaves the ranks
                 raise self._fail(exc) from exc  # mid-step: their collectives are out of step for good
             self._last_frame = time.monotonic()
-        self.last_message_bytes = HEADER_BYTES + len(payload)
-        return result
+        return replace(result, message_bytes=HEADER_BYTES + len(payload))
 
     def _beat(self) -> None:
         interval = self.state.timeout / 4

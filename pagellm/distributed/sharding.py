@@ -102,29 +102,31 @@ def install_all_reduce(model: nn.Module, all_reduce_) -> None:
         model.model.replan(all_reduce_)
 
 
-def install_vocab_parallel_head(model: nn.Module, state) -> bool:
-    """Split the LM head's rows (the vocabulary) over ranks; the head rank gathers the logits.
+class VocabParallelLogits:
+    """The runner's compute_logits when the LM head's rows (the vocabulary) are split over ranks; the head rank
+    gathers the logits.
 
     The head weight stays replicated (the embedding lookup needs all rows; tied models share the
     table), but each rank multiplies only by its V/W rows, so the LM head's time, the largest single
     matmul of a small model, is split like every other layer's. Logits [N, V/W] per rank are gathered
-    to rank 0 in fp32: N·V·4 bytes per step. Dense heads only (a quantized head stays whole on rank 0);
-    returns whether it was installed. Every rank then calls compute_logits in every sampling step.
+    to rank 0 in fp32: N·V·4 bytes per step. Every rank then computes logits in every sampling step.
     """
+
+    def __init__(self, model: nn.Module, state, own_rows: slice):
+        self.model, self.state, self.own_rows = model, state, own_rows
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # rank 0: [N, V]; others: their [N, V/W]
+        return self.state.gather_columns(self.model.compute_logits(hidden, self.own_rows).contiguous())
+
+
+def vocab_parallel_logits(model: nn.Module, state) -> VocabParallelLogits | None:
+    """Dense heads whose rows divide evenly over the ranks only (a quantized head stays whole on rank 0)."""
     head = model.model.embed_tokens if model.tie_word_embeddings else model.lm_head
     vocab = head.weight.shape[0] if isinstance(head, (nn.Linear, nn.Embedding)) else 0
     if not vocab or vocab % state.world_size:
-        return False
+        return None
     rows = vocab // state.world_size
-    own_rows = slice(state.rank * rows, (state.rank + 1) * rows)
-    full_logits = model.compute_logits
-
-    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:  # rank 0: [N, V]; others: their [N, V/W]
-        return state.gather_columns(full_logits(hidden, own_rows).contiguous())
-
-    model.compute_logits = compute_logits
-    model.vocab_parallel_head = True
-    return True
+    return VocabParallelLogits(model, state, slice(state.rank * rows, (state.rank + 1) * rows))
 
 
 # ---- slicing the checkpoint stream ------------------------------------------------------------

@@ -31,7 +31,7 @@ from pagellm.config import EngineConfig
 from pagellm.distributed.executor import HEARTBEAT, SHUTDOWN, STEP, heartbeat, receive_frame
 from pagellm.distributed.parallel_state import DistributedError, ParallelState, init_head, init_worker
 from pagellm.distributed.protocol import decode_step
-from pagellm.distributed.sharding import ShardSpec, install_all_reduce, install_vocab_parallel_head
+from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
 
 logger = logging.getLogger("pagellm.distributed")
 
@@ -151,11 +151,11 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     model = load_model(mc.model, dtype, device, with_tokenizer=False, quantization=mc.quantization,
                        shard=shard, kernels=config.kernels).model
     install_all_reduce(model, state.all_reduce_)
-    install_vocab_parallel_head(model, state)  # the same decision as the head's: same model, same world
     setup: RunnerSetup = pickle.loads(state.store.get(_RUNNER_KEY))
     runner = ModelRunner(model, setup.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
                          dtype, device, num_state_slots=setup.num_state_slots,
-                         num_snapshot_slots=setup.num_snapshot_slots, samples=False)
+                         num_snapshot_slots=setup.num_snapshot_slots, samples=False,
+                         logits=vocab_parallel_logits(model, state))  # the head's decision: same model and world
     keep_step_buffers_in_heap(config.kernels.heap_tuning)
     state.store.set(f"pagellm/ready/{rank}", "1")
     return _serve_steps(state, runner)

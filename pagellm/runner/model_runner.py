@@ -8,27 +8,17 @@ with prompt_logprobs rows reads those back once more (runner/prompt_logprobs.py)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from pagellm.core.types import ModelOutput, SchedulerOutput, TokenLogprobs
+from pagellm.core.types import ModelOutput, SchedulerOutput, StepTimings, TokenLogprobs
 from pagellm.runner.attention_metadata import AttentionMetadata
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import GrammarError, Grammars, accept_sampled
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_prompt_rows
 from pagellm.runner.sampler import Sampler, SamplerOutput
-
-
-@dataclass
-class StepTimings:
-    host_ms: float = 0.0  # scheduling excluded: input preparation before the model runs, minus the copy
-    input_copy_ms: float = 0.0  # building the step's input tensors (ids, positions, attention metadata)
-    model_ms: float = 0.0  # forward + LM head
-    sample_ms: float = 0.0  # sampler + the blocking read of its output
-    host_syncs: int = 0
-    reused_step: bool = False  # a pure-decode step prepared by diff from the previous one (decode_inputs.py)
 
 
 def state_layers_of(model) -> list:
@@ -53,17 +43,20 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype, device: torch.device, seed: int | None = None, step_reuse: bool = True,
-                 num_state_slots: int = 0, num_snapshot_slots: int = 0, samples: bool = True,
-                 grammars: Grammars | None = None):
+                 dtype: torch.dtype, device: torch.device, num_state_slots: int = 0, num_snapshot_slots: int = 0,
+                 samples: bool = True, grammars: Grammars | None = None,
+                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.model = model
+        # [N, E] -> [N, V] fp32. `logits` when tensor parallel splits the LM head (distributed/sharding.py):
+        # then every rank runs every logits pass, and the head rank gets them gathered.
+        self.compute_logits = logits or model.compute_logits
+        self.vocab_parallel = logits is not None
         self.samples = samples  # False on a tensor-parallel worker: the head alone computes logits and samples
         self.block_size = block_size
         self.device = device
         self.input_batch = InputBatch(max_num_seqs, device, grammars if samples else None)
-        self.decode_inputs = DecodeInputs(max_num_seqs, block_size, device) if step_reuse else None
-        self.sampler = Sampler(seed)
-        self.last_timings = StepTimings()
+        self.decode_inputs: DecodeInputs | None = DecodeInputs(max_num_seqs, block_size, device)  # None: no reuse
+        self.sampler = Sampler()
         for layer in model.attention_layers():
             # torch.empty reserves address space only: pages become resident as blocks are written.
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
@@ -100,17 +93,15 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
         if not self.samples:  # a tensor-parallel worker: only its share of a vocab-parallel LM head
             self._join_logits_gathers(output, hidden, logits_rows)
-            self.last_timings = StepTimings(host_ms, copy_ms, (time.perf_counter() - t1) * 1e3, 0.0, 0, reused)
-            return ModelOutput((), ())
+            return ModelOutput((), (), timings=StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, 0, reused))
         # Requests that asked for prompt_logprobs: their chunks' prompt rows (never in a pure decode step).
-        prompt_logprobs = score_prompt_rows(self.model.compute_logits, hidden, output.scheduled, states)
+        prompt_logprobs = score_prompt_rows(self.compute_logits, hidden, output.scheduled, states)
         prompt_syncs = 1 if prompt_logprobs else 0
         sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
         if not sampled:
-            self.last_timings = StepTimings(host_ms, copy_ms, (time.perf_counter() - t1) * 1e3, 0.0, prompt_syncs,
-                                            reused)
-            return ModelOutput((), (), prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
+            timings = StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, prompt_syncs, reused)
+            return ModelOutput((), (), prompt_logprobs=prompt_logprobs, timings=timings)
+        logits = self.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
         t2 = time.perf_counter()
         for state in sampled:
             state.reseed()
@@ -125,14 +116,15 @@ class ModelRunner:
                     accept_sampled(state.request_id, state.grammar, token)
                 except GrammarError as exc:  # this row alone: the others' tokens stand
                     failed.append((state.request_id, str(exc)))
-        self.last_timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1 + prompt_syncs, reused)
+        timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1 + prompt_syncs, reused)
         if failed:
             bad = {rid for rid, _ in failed}
             kept = [(s.request_id, t, lp) for s, t, lp in zip(sampled, token_ids, logprobs or [None] * len(sampled))
                     if s.request_id not in bad]
             ids, tokens, entries = (tuple(x) for x in zip(*kept)) if kept else ((), (), ())
-            return ModelOutput(ids, tokens, entries if logprobs else None, prompt_logprobs, tuple(failed))
-        return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs, prompt_logprobs)
+            return ModelOutput(ids, tokens, entries if logprobs else None, prompt_logprobs, tuple(failed), timings)
+        return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs, prompt_logprobs,
+                           timings=timings)
 
     def reset_step_reuse(self) -> None:
         """After a step that failed part-way: the next decode step is prepared from scratch."""
@@ -142,12 +134,12 @@ class ModelRunner:
     def _join_logits_gathers(self, output: SchedulerOutput, hidden: torch.Tensor, logits_rows: torch.Tensor) -> None:
         """A tensor-parallel worker: a vocab-parallel LM head gathers every logits pass to the head rank, so
         this rank runs its share of the head's passes in the head's order (prompt rows, then sampled rows)."""
-        if not getattr(self.model, "vocab_parallel_head", False):
+        if not self.vocab_parallel:
             return
-        for _ in logits_passes(self.model.compute_logits, hidden, prompt_rows(output.scheduled)):
+        for _ in logits_passes(self.compute_logits, hidden, prompt_rows(output.scheduled)):
             pass
         if any(item.sample for item in output.scheduled):
-            self.model.compute_logits(hidden[logits_rows])
+            self.compute_logits(hidden[logits_rows])
 
     def _restore_snapshots(self, output: SchedulerOutput) -> None:
         """Prefix hits of hybrid models: the request's state slot starts as the snapshot of its prefix."""
@@ -206,6 +198,10 @@ class ModelRunner:
             top = tuple((int(i), v) for i, v in zip(row[3 : 3 + n], row[3 + k : 3 + k + n]))
             entries.append(TokenLogprobs(token, row[1], int(row[2]), top))
         return token_ids, tuple(entries)
+
+
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3
 
 
 def _is_pure_decode(output: SchedulerOutput) -> bool:

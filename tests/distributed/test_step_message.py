@@ -64,9 +64,8 @@ def test_a_worker_runner_fed_decoded_messages_reuses_steps_like_the_head(checkpo
 
     def mirrored(output):
         result = run_step(output)
-        worker.execute(decode_step(encode_step(output)))
-        head_reused.append(engine.runner.last_timings.reused_step)
-        worker_reused.append(worker.last_timings.reused_step)
+        head_reused.append(result.timings.reused_step)
+        worker_reused.append(worker.execute(decode_step(encode_step(output))).timings.reused_step)
         return result
 
     engine.executor.execute = mirrored

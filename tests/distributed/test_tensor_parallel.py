@@ -53,7 +53,7 @@ def test_prompt_logprobs_over_two_ranks_match_one_process(checkpoint):
     for parallel in ({}, {"tensor_parallel_size": 2, "distributed_timeout": 30}):
         with LLM(str(checkpoint("llama")), dtype="float32", quantization="none", skip_tokenizer_init=True,
                  kv_cache_memory=0.01, max_num_batched_tokens=16, n_ubatch=16, **parallel) as llm:
-            assert not parallel or llm.engine.model.vocab_parallel_head
+            assert not parallel or llm.engine.runner.vocab_parallel
             outs.append(llm.generate(PROMPTS, params, use_tqdm=False))
     for one, two in zip(*outs):
         assert [o.token_ids for o in one.outputs] == [o.token_ids for o in two.outputs]
@@ -88,10 +88,10 @@ def test_joined_worker_serves_arrivals_and_completions_with_o_batch_messages(che
     worker = _start_remote_worker(port, 2)
     engine = _remote_head(path, port)
     try:
-        assert engine.model.vocab_parallel_head  # each rank multiplies by half the LM head's rows
+        assert engine.runner.vocab_parallel  # each rank multiplies by half the LM head's rows
         long_prompt, short_prompt = list(range(3, 200)), [9, 8, 7]
         plan = {0: ("a", long_prompt, 12), 3: ("b", short_prompt, 4), 5: ("c", list(range(50, 90)), 9)}
-        finished, step, steady_bytes = {}, 0, {}
+        finished, step, steady_bytes, reuse_hits = {}, 0, {}, 0
         while step in plan or engine.has_unfinished_requests():
             if step in plan:
                 rid, prompt, n = plan[step]
@@ -101,7 +101,8 @@ def test_joined_worker_serves_arrivals_and_completions_with_o_batch_messages(che
                     finished[out.request_id] = out.outputs[0].token_ids
             stats = engine.stats()
             running = tuple(sorted(r.request_id for r in engine.scheduler.running))
-            if stats["computed_prefill_tokens"] and engine.runner.last_timings.reused_step:
+            reused, reuse_hits = stats["step_reuse_hits"] > reuse_hits, stats["step_reuse_hits"]
+            if stats["computed_prefill_tokens"] and reused:
                 steady_bytes.setdefault(running, set()).add(stats["step_message_bytes_last"])
             step += 1
         for rid, prompt, n in plan.values():
