@@ -187,6 +187,11 @@ class LLMEngine:
         self._states.pop(request_id, None)
         return self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
+    @property
+    def failure(self) -> Exception | None:
+        """Why a parallel engine can no longer step (a worker rank died or hung), else None."""
+        return self.executor.failure
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -88,6 +88,7 @@ class RequestState:
             finished=finished,
             num_cached_tokens=max(self.request.num_cached_tokens, 0),
             new_token_ids=new_ids,
+            first_scheduled_time=self.request.first_scheduled_time,
             new_text=new_text,
             prompt_logprobs=self._prompt_logprobs_output(),
         )

@@ -153,10 +153,9 @@ async def _metrics(request: Request) -> Response:
 
 async def _models(request: Request) -> dict:
     state: ServerState = request.app.state.server
-    engine = state.engine.engine
+    model = state.engine.model
     card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pagellm",
-            "root": str(engine.model_path) if engine else None,
-            "max_model_len": engine.max_model_len if engine else None}
+            "root": model.path if model else None, "max_model_len": model.max_model_len if model else None}
     return {"object": "list", "data": [card]}
 
 
@@ -174,7 +173,7 @@ async def _tokenize(request: Request) -> dict:
         return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
 
     tokens = await state.off_loop(tokenize)
-    return {"count": len(tokens), "max_model_len": state.engine.engine.max_model_len, "tokens": tokens}
+    return {"count": len(tokens), "max_model_len": state.engine.model.max_model_len, "tokens": tokens}
 
 
 async def _detokenize(request: Request) -> dict:
@@ -190,7 +189,7 @@ def _tokenizer(state: ServerState):
 
 
 def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
-    vocab = state.engine.engine.hf_config.vocab_size
+    vocab = state.engine.model.vocab_size
     bad = [t for t in ids if t >= vocab]
     if bad:
         raise APIError(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param)
@@ -222,7 +221,7 @@ async def _completions(request: Request) -> Response:
         else:
             _check_token_ids(state, prompt, "prompt")
             prompt_ids.append(list(prompt))
-    formatter = CompletionFormatter(state.served_model_name, body, state.engine.engine.tokenizer)
+    formatter = CompletionFormatter(state.served_model_name, body, state.engine.model.tokenizer)
     return await _generate(request, state, body, prompt_ids, body.max_tokens, body.logprobs, "prompt",
                            formatter, arrival)
 
@@ -261,7 +260,7 @@ def _check_capacity(state: ServerState, body, num_prompts: int) -> None:
 def _max_tokens(state: ServerState, prompt_len: int, requested: int | None, prompt_param: str,
                 tokens_param: str = "max_tokens") -> int:
     """vLLM's rule: the prompt must leave room, and a requested max_tokens must fit the context."""
-    limit = state.engine.engine.max_model_len
+    limit = state.engine.model.max_model_len
     if prompt_len >= limit:
         raise APIError(f"this model's maximum context length is {limit} tokens, and the {prompt_param} has "
                        f"{prompt_len}; shorten it", prompt_param)
@@ -285,7 +284,7 @@ async def _generate(request: Request, state: ServerState, body, prompt_ids: list
             params.append(body.sampling_params(max_tokens, num_logprobs, child))
     if body.structured is not None:  # compiled here, off the loop, so the engine thread finds it cached
         try:
-            await state.off_loop(state.engine.engine.check_structured_outputs, params[0])
+            await state.off_loop(state.engine.check_structured_outputs, params[0])
         except ValueError as exc:
             raise compile_error(exc, body.structured[1]) from None
     try:

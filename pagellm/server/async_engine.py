@@ -47,13 +47,22 @@ class RequestFailedError(Exception):
 _CLOSED = object()  # queue item: the stream was aborted
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What the server needs to know of the loaded model: fixed at load, so safe to read from any thread."""
+
+    path: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: object | None  # pagellm.loader.tokenizer.Tokenizer; thread-safe (the text pool encodes with it)
+
+
 @dataclass
 class _Tracked:
     """Per engine request, on the engine thread: where its outputs go and its timestamps."""
 
     stream: RequestStream
     index: int
-    request: object  # pagellm.request.Request, for first_scheduled_time
     arrival: float
     last_token: float | None = None
 
@@ -106,7 +115,8 @@ class AsyncEngine:
         self.config = config
         self.max_waiting = max_waiting
         self.metrics = None  # ServerMetrics, set by the server before start()
-        self.engine = None  # the LLMEngine once loaded; read-only outside the engine thread
+        self.model: ServedModel | None = None  # set once the model is loaded
+        self._engine = None  # the LLMEngine once loaded: touched only on the engine thread, except as noted
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[], None] | None = None  # called on the engine thread
         self._inbox: collections.deque[tuple] = collections.deque()  # (fn(engine), loop, future)
@@ -126,17 +136,22 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self.engine is not None and not self._stopping and self.failure is None
+        return self._ready.is_set() and self.model is not None and not self._stopping and self.failure is None
 
     @property
     def failure(self) -> Exception | None:
         """Why the engine can no longer step (its thread died on an error; a worker rank died or hung), else None."""
         if self._died is not None:
             return EngineDeadError(f"the engine thread died: {type(self._died).__name__}: {self._died}")
-        return self.engine.executor.failure if self.engine is not None else None
+        return self._engine.failure if self._engine is not None else None  # a field another thread sets
 
     def stats(self) -> dict:
         return self._stats
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar into the engine's cache (a ValueError if it cannot run). Called on the
+        server's text pool, not the engine thread: compiling can take seconds, and the cache is thread-safe."""
+        self._engine.check_structured_outputs(params)
 
     async def add(self, token_id_lists: list[list[int]], params: list[SamplingParams],
                   arrival_time: float, request_id: str) -> RequestStream:
@@ -158,8 +173,7 @@ class AsyncEngine:
                 for i, (rid, tokens, p) in enumerate(zip(ids, token_id_lists, params)):
                     engine.add_request(tokens, p, request_id=rid, arrival_time=arrival_time)
                     added.append(rid)
-                    request = engine.scheduler.requests[rid]
-                    self._tracked[rid] = _Tracked(stream, i, request, arrival_time)
+                    self._tracked[rid] = _Tracked(stream, i, arrival_time)
             except ValueError:
                 for rid in added:
                     engine.abort(rid)
@@ -195,7 +209,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """begin_shutdown(), then wait for the thread (not while it is still loading the model)."""
         self.begin_shutdown()
-        if self.engine is not None and self._thread.is_alive():
+        if self.model is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
     def _submit(self, fn: Callable, future: asyncio.Future | None) -> None:
@@ -224,7 +238,9 @@ class AsyncEngine:
             if self.on_load_error is not None:
                 self.on_load_error()
             return
-        self.engine = engine
+        self._engine = engine
+        self.model = ServedModel(str(engine.model_path), engine.max_model_len, engine.hf_config.vocab_size,
+                                 engine.tokenizer)
         self._publish_stats(engine)
         self._ready.set()
         logger.info("engine ready: max_model_len=%d", engine.max_model_len)
@@ -308,7 +324,7 @@ class AsyncEngine:
                 if metrics is not None:
                     if tracked.last_token is None:
                         metrics.time_to_first_token.observe(now - tracked.arrival)
-                        scheduled = tracked.request.first_scheduled_time or now
+                        scheduled = output.first_scheduled_time or now
                         metrics.request_queue_time.observe(max(scheduled - tracked.arrival, 0.0))
                     else:
                         metrics.inter_token_latency.observe(now - tracked.last_token)

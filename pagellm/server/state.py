@@ -50,7 +50,7 @@ class ServerState:
                 logger.warning("ignoring request field %r, which pagellm does not know (logged once)", name)
 
     def tokenizer(self):
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.model.tokenizer
         if tokenizer is None:
             raise APIError("this model has no tokenizer: send token ids", "prompt")
         return tokenizer
@@ -62,10 +62,10 @@ class ServerState:
     async def encode(self, text: str, param: str) -> list[int]:
         """The prompt's ids, tokenized off the loop; a text too long to fit the context in any tokenization is
         refused before tokenizing (a 400 naming `param`): its seconds of work could only end in that 400."""
-        engine = self.engine.engine
+        limit = self.engine.model.max_model_len
         tokenizer = self.tokenizer()
-        if len(text) > engine.max_model_len * tokenizer.max_chars_per_token:
-            raise APIError(f"this model's maximum context length is {engine.max_model_len} tokens, and the "
+        if len(text) > limit * tokenizer.max_chars_per_token:
+            raise APIError(f"this model's maximum context length is {limit} tokens, and the "
                            f"{param} has {len(text)} characters: more than that many tokens can hold; shorten it",
                            param)
         return await self.off_loop(tokenizer.encode, text)
