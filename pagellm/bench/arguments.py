@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
 
 
 def int_list(text: str) -> list[int]:
@@ -13,3 +15,27 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+# Where --out / --plot files go unless a folder is named: ignored by git (.gitignore), so a bench run never
+# leaves files among the tracked ones.
+OUT_DIR = Path("bench-out")
+
+
+def output_file(text: str) -> Path:
+    """--out / --plot value: a bare file name lands in bench-out/; a path with a folder is used as given."""
+    path = Path(text)
+    if path.parent == Path("."):
+        path = OUT_DIR / path
+    return path  # its folder is made when the file is written (bench/report.py), not at parsing
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, command: str, out_help: str,
+                         plot_help: str | None = None) -> None:
+    """--out [FILE] and --plot [FILE.png]; given without a value they write bench-out/<command>-<time>.json|png."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    parser.add_argument("--out", type=output_file, nargs="?", const=f"{command}-{stamp}.json", default=None,
+                        metavar="FILE", help=f"{out_help} (a bare name goes to {OUT_DIR}/)")
+    if plot_help is not None:
+        parser.add_argument("--plot", type=output_file, nargs="?", const=f"{command}-{stamp}.png", default=None,
+                            metavar="FILE.png", help=f"{plot_help} (a bare name goes to {OUT_DIR}/)")

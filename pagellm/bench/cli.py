@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pagellm.bench.arguments import int_list
+from pagellm.bench.arguments import add_output_arguments, int_list
 
 
 def add_model_mode_args(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +52,7 @@ def add_bench_parser(subparsers) -> None:
     batched.add_argument("--json-schema", default=None, metavar="FILE",
                          help="hold every second request's output to this JSON schema (the cost of grammar masks); "
                               "its output must be longer than TG tokens")
-    batched.add_argument("--out", default=None, help="write the rows to FILE.json or FILE.csv")
-    batched.add_argument("--plot", default=None, metavar="FILE.png", help="plot S_PP and S_TG against B")
+    add_output_arguments(batched, "batched", "write the rows to FILE.json or FILE.csv", "plot S_PP and S_TG against B")
     batched.set_defaults(func=_run_batched)
 
     compare = kinds.add_parser("compare", help="the same workloads on pagellm and peers, plus the roofline")
@@ -66,7 +65,7 @@ def add_bench_parser(subparsers) -> None:
     compare.add_argument("--peers", default="hf,llama.cpp",
                          help="comma-separated peers to try: hf, llama.cpp (default both)")
     compare.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
-    compare.add_argument("--out", default=None, help="write figures, roofline and peers to FILE.json")
+    add_output_arguments(compare, "compare", "write figures, roofline and peers to FILE.json")
     compare.add_argument("--quick-roofline", action="store_true",
                          help="measure the roofline with small sizes (smoke tests: an order of magnitude only)")
     compare.set_defaults(func=_run_compare)
@@ -97,8 +96,8 @@ def _add_serve_parsers(kinds) -> None:
     serve.add_argument("--serve-args", default="", help="with --start-server: more `pagellm serve` flags, one string")
     serve.add_argument("--api-key", default=None)
     add_workload_arguments(serve)
-    serve.add_argument("--out", default=None, help="write the summary and every request to FILE.json")
-    serve.add_argument("--plot", default=None, metavar="FILE.png", help="CDF of TTFT and end-to-end latency")
+    add_output_arguments(serve, "serve", "write the summary and every request to FILE.json",
+                         "CDF of TTFT and end-to-end latency")
     serve.set_defaults(func=_run_serve)
 
     both = kinds.add_parser("serve-compare", help="pagellm serve and llama-server on one GGUF, the same clients")
@@ -115,8 +114,8 @@ def _add_serve_parsers(kinds) -> None:
                       help="sweep: Poisson rates in requests/s, comma-separated (default 0.5,1,2,4)")
     both.add_argument("--ttft-bound", type=float, default=5.0, help="sweep: p99 TTFT bound in seconds")
     add_workload_arguments(both, workload="text", shared_prefix_len=300, output_len=64, request_rate=0.5)
-    both.add_argument("--out", default=None, help="write every row and request to FILE.json")
-    both.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT and ITL CDFs of each server")
+    add_output_arguments(both, "serve-compare", "write every row and request to FILE.json",
+                         "TTFT and ITL CDFs of each server")
     both.set_defaults(func=_run_serve_compare)
 
 

@@ -11,7 +11,6 @@ tokens/s). Each pagellm figure is also placed under the machine's roofline.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -157,10 +156,9 @@ def main(args: argparse.Namespace) -> int:
           "int4 layers with int8 activations, bound by the int8 matmul peak")
     if args.out:
         raw = {f"{name}|B={b}": v for (name, b), v in figures.items()}
-        Path(args.out).write_text(json.dumps({
+        report.write_json(args.out, {
             "machine": machine, "model": str(engine.model_path), "roofline": asdict(roof),
             "engines_run": list(described), "engine_descriptions": described, "peers_not_run": skipped,
             "settings": {"npl": args.npl, "pp": args.pp, "tg": args.tg, "repeats": args.repeats},
-            "rows": rows, "measurements": raw}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+            "rows": rows, "measurements": raw})
     return 0

@@ -34,7 +34,7 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> s
 
 def write_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
     """Write rows as a JSON list of objects (.json) or as CSV with a header line (.csv)."""
-    path = Path(path)
+    path = _made_parent(path)
     if path.suffix == ".json":
         path.write_text(json.dumps(list(rows), indent=2) + "\n")
     elif path.suffix == ".csv":
@@ -47,6 +47,17 @@ def write_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
             writer.writerows(rows)
     else:
         raise ValueError(f"--out {path}: the file name must end in .json or .csv")
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    _made_parent(path).write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def _made_parent(path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # bench-out/ on a first run
+    return path
 
 
 def check_out_path(path: str | None) -> None:
@@ -87,7 +98,7 @@ def finish_plot(plt, fig, ax, path: str | Path, xlabel: str, ylabel: str, title:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(_made_parent(path))
     plt.close(fig)
 
 

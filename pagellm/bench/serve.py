@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pagellm.bench import report
 from pagellm.bench.report import Column
 
 SEED_TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches; "
@@ -280,8 +281,6 @@ def run(url: str, args, headers: dict, tokenizer, prompts, request_rate: float |
 
 
 def print_and_save(summary: dict, results: list[RequestResult], args, settings: dict) -> None:
-    from pagellm.bench import report
-
     print(f"completed {summary['completed']}, failed {summary['failed']} in {summary['duration_s']:.2f} s")
     print(f"request throughput {summary['request_throughput']:.3f} req/s, output token throughput "
           f"{summary['output_token_throughput']:.2f} tok/s, total token throughput "
@@ -295,9 +294,8 @@ def print_and_save(summary: dict, results: list[RequestResult], args, settings: 
     for error in errors[:5]:
         print(f"error: {error}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"settings": settings, "summary": summary,
-                                              "requests": [asdict(r) for r in results]}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        report.write_json(args.out, {"settings": settings, "summary": summary,
+                                     "requests": [asdict(r) for r in results]})
     if args.plot:
         _plot(args.plot, results, settings)
         print(f"wrote {args.plot}")

@@ -13,11 +13,11 @@ same seeded workload (bench/serve.py: real text with a shared system prompt, str
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 from pagellm.bench import serve
+from pagellm.bench import report
 from pagellm.bench.report import Column, format_table
 
 COLUMNS = (Column("server", "server"), Column("load", "load"), Column("completed", "done"),
@@ -111,10 +111,9 @@ def main(args) -> int:
             rate = held_rate([r for r in rows if r["server"] == name], args.ttft_bound)
             print(f"{name}: highest rate held with p99 TTFT <= {args.ttft_bound:g} s: {rate:g} req/s")
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "requests": {
+        report.write_json(args.out, {"rows": rows, "requests": {
             name: {load: [r.__dict__ for r in results] for load, results in by_load.items()}
-            for name, by_load in requests.items()}}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+            for name, by_load in requests.items()}})
     if args.plot:
         _plot(args.plot, requests)
         print(f"wrote {args.plot}")
