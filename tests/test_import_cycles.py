@@ -76,3 +76,20 @@ def test_pagellm_has_no_import_cycles():
     graph = import_graph()
     assert "pagellm.engine" in graph and "pagellm.platform" in graph["pagellm.engine"]
     assert cycles(graph) == []
+
+
+# The model side (kernels, layers, models, core) sits below the step's driver: it is handed what it needs
+# (AttentionMetadata lives in core/ for that reason) and never imports the runner, engine or server.
+LOWER = ("pagellm.kernels", "pagellm.layers", "pagellm.models", "pagellm.core")
+UPPER = ("pagellm.runner", "pagellm.engine", "pagellm.server", "pagellm.llm", "pagellm.bench", "pagellm.cli")
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_model_side_never_imports_the_layers_that_drive_it():
+    graph = import_graph()
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if _in(m, LOWER)
+                    for t in targets if _in(t, UPPER))
+    assert upward == []

@@ -14,7 +14,7 @@ from pagellm.platform import DTYPES
 from pagellm.kernels.selection import compute_dtype
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.tokenizer import load_tokenizer
-from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.core.attention_metadata import AttentionMetadata
 
 _BLOCK = 16  # tokens per KV block of the sequence's private cache
 

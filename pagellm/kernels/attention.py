@@ -20,7 +20,7 @@ import torch
 
 from pagellm.kernels import native
 from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor
-from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.core.attention_metadata import AttentionMetadata
 
 
 def write_kv(

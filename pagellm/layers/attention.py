@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagellm.kernels.attention import paged_attention, write_kv
-from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.core.attention_metadata import AttentionMetadata
 
 
 class PagedAttention(nn.Module):

@@ -40,7 +40,7 @@ from torch import nn
 
 from pagellm.kernels import gated_delta_native
 from pagellm.kernels.gated_delta import chunked_gated_delta, gated_delta_step_, prepare_qk, recurrent_gated_delta_
-from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.core.attention_metadata import AttentionMetadata
 
 # Prefill runs the recurrent form below this many tokens and the chunked form
 # (64-token chunks, the remainder as one shorter chunk) from it on. Measured on this

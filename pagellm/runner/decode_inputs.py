@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.core.types import ScheduledRequest
-from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.core.attention_metadata import AttentionMetadata
 from pagellm.runner.input_batch import SlotState
 
 

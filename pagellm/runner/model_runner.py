@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from pagellm.core.types import ModelOutput, SchedulerOutput, StepTimings, TokenLogprobs
-from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.core.attention_metadata import AttentionMetadata
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import GrammarError, Grammars, accept_sampled
 from pagellm.runner.input_batch import InputBatch, SlotState

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagellm.kernels import attention, native
-from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.core.attention_metadata import AttentionMetadata
 
 requires_native = pytest.mark.skipif(
     native.load("paged_attention") is None,

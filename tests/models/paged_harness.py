@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.runner.attention_metadata import AttentionMetadata
+from pagellm.core.attention_metadata import AttentionMetadata
 
 
 class PagedHarness:
