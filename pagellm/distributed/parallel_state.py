@@ -41,10 +41,6 @@ class ParallelState:
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("pagellm/group", store), rank, world_size,
                                            timedelta(seconds=timeout))
 
-    @property
-    def is_head(self) -> bool:
-        return self.rank == 0
-
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over ranks in place (every rank calls this in the same order).
 

@@ -140,16 +140,11 @@ def int4_matmul_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
     return _matmul(_Q8.unchecked(_INT4_Q8.symbol), x, codes, sz, bias, 2 * codes.shape[1])
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (qweight [N, K] int8 * scale [N] bf16)^T (+ bias) -> [..., N] in x's dtype."""
-    return _matmul(_MATMULS.unchecked(_INT8.symbol), x, qweight, scale, bias, qweight.shape[1])
-
-
 class BoundMatmul:
-    """int4_matmul / int8_matmul bound to one layer's tensors, so a decode call is one allocation and one
-    ctypes call: resolving a module's buffers and checking every argument per call cost a measurable share of
-    a decode step. The owner checks `binds` before each use. `q8` (int4 only, where q8_available()) binds
+    """int4_matmul (or its int8-weight sibling, pagellm_int8_matmul: x [..., K] @ (qweight [N, K] int8 *
+    scale [N] bf16)^T) bound to one layer's tensors, so a decode call is one allocation and one ctypes call:
+    resolving a module's buffers and checking every argument per call cost a measurable share of a decode
+    step. The owner checks `binds` before each use. `q8` (int4 only, where q8_available()) binds
     int4_matmul_q8 instead. measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md"""
 
     def __init__(self, scheme: str, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,

@@ -47,7 +47,7 @@ class SamplingRow(Protocol):
 
     @property
     def generator(self) -> torch.Generator | None:
-        """Set by the engine iff sampling_params.seed is not None, seeded with it, on the logits' device."""
+        """Set by the runner's input batch iff sampling_params.seed is not None, on the logits' device."""
         ...
 
     @property
