@@ -57,7 +57,7 @@ def limit_threads_to_cores() -> None:
 
 # glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh mmaps and unmaps them on
 # free, so every step's large temporaries page-fault anew: the [64, 262144] logits of a B=64 Gemma 3 step
-# (33-67 MB each) cost 25-30 ms of faults per pass. Measured, B=64 int4 decode: 211 -> 175 ms per step.
+# fault in again on every pass. measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt parameters, from glibc's malloc.h
 _STEP_HEAP_BYTES = 1 << 30
 

@@ -6,8 +6,6 @@ import enum
 import time
 from typing import Sequence
 
-import torch
-
 from pagellm.sampling_params import SamplingParams
 
 
@@ -24,13 +22,13 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
-    """H(parent, tokens, extra keys): a block's hash covers its whole prefix through the parent.
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """H(parent, tokens): a block's hash covers its whole prefix through the parent.
 
     Python's tuple hash is enough inside one process; a hit is always confirmed by
     comparing token ids (BlockPool.lookup), so a collision cannot return wrong KV.
     """
-    return hash((parent_hash, token_ids, extra_keys))
+    return hash((parent_hash, token_ids))
 
 
 def stop_ids_of(params: SamplingParams, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
@@ -47,7 +45,6 @@ class Request:
         block_size: int,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
-        cache_salt: str | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -65,9 +62,7 @@ class Request:
         self.slot: int | None = None  # row in the runner's persistent buffers while running
         self.state_slot: int | None = None  # hybrid models: its recurrent-state slot while running
         self.first_scheduled_time: float | None = None
-        self.generator: torch.Generator | None = None  # set by the engine when params.seed is given
         self._block_size = block_size
-        self._extra_keys = (cache_salt,) if cache_salt else ()
         self.block_hashes: list[int] = []
         self._update_block_hashes()
 
@@ -98,8 +93,7 @@ class Request:
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None
-            extra = self._extra_keys if i == 0 else ()  # a salt on the first block separates whole chains
-            self.block_hashes.append(hash_block(parent, tuple(self.all_token_ids[i * bs : (i + 1) * bs]), extra))
+            self.block_hashes.append(hash_block(parent, tuple(self.all_token_ids[i * bs : (i + 1) * bs])))
 
     def block_token_ids(self, index: int) -> tuple[int, ...]:
         bs = self._block_size

@@ -41,16 +41,12 @@ class ParallelState:
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("pagellm/group", store), rank, world_size,
                                            timedelta(seconds=timeout))
 
-    @property
-    def is_head(self) -> bool:
-        return self.rank == 0
-
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over ranks in place (every rank calls this in the same order).
 
-        Gloo's own allreduce. A hand-written pairwise send/recv exchange was tried and dropped:
-        one B=1 decode step of the embedded model over 2 ranks took 175 ms with it vs 105 ms with
-        Gloo's (README, Tensor and expert parallel).
+        Gloo's own allreduce. A hand-written pairwise send/recv exchange was tried and dropped: it
+        was slower (README, Tensor and expert parallel).
+        measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
         """
         self.group.allreduce([tensor]).wait()
         return tensor

@@ -3,8 +3,8 @@
 Each function returns None when the inputs are not ones the kernel handles (not CPU fp32/bf16, not
 contiguous, a KV cache in another dtype, native kernels unavailable); the caller then runs the torch
 ops it replaces (pagellm/models/llama.py, pagellm/layers/mlp.py), which stay the reference the kernels
-are tested against. Why fused: at decode every torch op costs ~5-10 us of dispatch and allocation, and
-a Gemma 3 layer ran ~20 of them around its 7 matmuls.
+are tested against. Why fused: at decode every torch op costs dispatch and allocation, and a Gemma 3
+layer ran many of them around its matmuls (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md).
 """
 
 from __future__ import annotations

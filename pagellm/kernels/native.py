@@ -2,8 +2,8 @@
 
 Each `csrc/<name>.cpp` is a plain C++ file exporting `extern "C"` functions; it is compiled into its own shared
 library for an explicit target level and called through ctypes with tensor data pointers. Why not
-torch.utils.cpp_extension: it needs ninja and the torch headers, and takes ~1 minute per build on 2 cores; a
-header-free file builds in a few seconds, and ctypes releases the GIL around each call.
+torch.utils.cpp_extension: it needs ninja and the torch headers, and builds far slower than a header-free
+file; ctypes releases the GIL around each call. measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 
 Levels (`LEVELS`, fastest first), each a set of compiler flags; the sources pick their code paths with the
 compiler's own macros (`__AVX512F__`, `__AVX2__`, ...):

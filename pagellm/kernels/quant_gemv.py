@@ -2,8 +2,9 @@
 csrc/quant_gemv_q8.cpp for int8 activations).
 
 A decode step reads every weight once per token, so its matmuls are bound by memory bandwidth; torch's
-_weight_int4pack_mm_for_cpu / _weight_int8pack_mm ran at 10-15 GB/s there (M = 1..8). The C++ kernels
-compute what torch's do (activations rounded to bf16, exact weights, fp32 sums) near the bandwidth.
+_weight_int4pack_mm_for_cpu / _weight_int8pack_mm run far below it there. The C++ kernels compute what
+torch's do (activations rounded to bf16, exact weights, fp32 sums) near the bandwidth.
+measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 
 int4 codes are kept in the kernel's own layout (blocks of 16 rows; see the .cpp header):
 
@@ -21,9 +22,9 @@ off, no compiler) layers keep torch's layouts and kernels (layers/quantized.py),
 
 `int4_matmul_q8` (every level, bit-identical across them) trades accuracy for speed: activations quantized to int8 per row and
 32-column group (d = max|x| / 127, a = round(x / d)), int8 x int4 dot products exact in int32 (vpdpbusd: twice
-the products per instruction of the bf16 kernel's vdpbf16ps), the rest fp32. Measured (2 threads, Zen 4) 1.7-2x
-int4_matmul's speed at M = 8..320 (layer shapes and a 262144-row head), parity on the head at M = 1 where both
-stream from DRAM; its error is 0.5-1.5% of an output row's norm where int4_matmul's (x in bf16) is ~0.2%.
+the products per instruction of the bf16 kernel's vdpbf16ps), the rest fp32: faster than int4_matmul at the M
+measured on layer shapes and the vocab head, at par on the head at one row where both stream from DRAM, with a
+larger error than int4_matmul's (x in bf16). measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 """
 
 from __future__ import annotations
@@ -134,22 +135,17 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
 
 def int4_matmul_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """int4_matmul with x quantized to int8 per row and 32-column group (see the module docstring): ~1.8x the
+    """int4_matmul with x quantized to int8 per row and 32-column group (see the module docstring): more
     throughput, at the cost of the activations' int8 rounding. Needs q8_available()."""
     return _matmul(_Q8.unchecked(_INT4_Q8.symbol), x, codes, sz, bias, 2 * codes.shape[1])
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (qweight [N, K] int8 * scale [N] bf16)^T (+ bias) -> [..., N] in x's dtype."""
-    return _matmul(_MATMULS.unchecked(_INT8.symbol), x, qweight, scale, bias, qweight.shape[1])
-
-
 class BoundMatmul:
-    """int4_matmul / int8_matmul bound to one layer's tensors, so a decode call is one allocation and one
-    ctypes call: resolving a module's buffers and checking every argument per call cost ~6 us more, 0.75 ms
-    of an 11 ms Gemma 3 270M decode step (127 calls). The owner checks `binds` before each use.
-    `q8` (int4 only, where q8_available()) binds int4_matmul_q8 instead."""
+    """int4_matmul (or its int8-weight sibling, pagellm_int8_matmul: x [..., K] @ (qweight [N, K] int8 *
+    scale [N] bf16)^T) bound to one layer's tensors, so a decode call is one allocation and one ctypes call:
+    resolving a module's buffers and checking every argument per call cost a measurable share of a decode
+    step. The owner checks `binds` before each use. `q8` (int4 only, where q8_available()) binds
+    int4_matmul_q8 instead. measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md"""
 
     def __init__(self, scheme: str, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  q8: bool = False):

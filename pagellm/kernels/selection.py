@@ -25,7 +25,8 @@ def select_kernels(config: KernelConfig) -> str:
 def compute_dtype(dtype: str | None, device: str) -> str:
     """The compute dtype `dtype` names; None or "auto": bfloat16 on a CPU whose selected level has a native bf16
     dot product (avx512: AVX-512 BF16), float32 elsewhere. Why not bf16 everywhere: without AVX-512 BF16, torch
-    and our kernels emulate bf16 arithmetic, 2-4x slower than fp32 (docs/PERFORMANCE.md)."""
+    and our kernels emulate bf16 arithmetic, slower than fp32.
+    measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md"""
     if dtype not in (None, "auto"):
         return dtype
     return "bfloat16" if device == "cpu" and native.level() == "avx512" else "float32"

@@ -43,16 +43,10 @@ from pagellm.kernels.gated_delta import chunked_gated_delta, gated_delta_step_, 
 from pagellm.core.attention_metadata import AttentionMetadata
 
 # Prefill runs the recurrent form below this many tokens and the chunked form
-# (64-token chunks, the remainder as one shorter chunk) from it on. Measured on this
-# 2-core EPYC, fp32, Hv=32, dk=dv=128 (the Qwen3-Next / Qwen3.5 shape), ms per
-# request-layer, recurrent / chunked, min of 6 rounds on a quiet machine:
-#   2 threads: L=1: 0.17 / 0.49   L=2: 0.31 / 0.61   L=4: 0.61 / 0.61   L=6: 0.94 / 0.78
-#              L=8: 1.3 / 0.91    L=16: 2.6 / 1.3    L=64: 10.6 / 5.5   L=256: 50 / 34
-#   1 thread:  L=1: 0.25 / 0.65   L=4: 0.91 / 0.88   L=6: 1.4 / 1.3     L=8: 1.9 / 1.4
-#              L=16: 3.8 / 2.5    L=64: 15.3 / 14.7  L=256: 66 / 75
-# The recurrent step costs ~0.2 ms/token (a few passes over a 2 MiB state that stays in
-# cache); the chunked form has ~0.5 ms of fixed work, then matmuls that use both cores.
-# They tie at 4 tokens; from 6 on the chunked form wins.
+# (64-token chunks, the remainder as one shorter chunk) from it on. The recurrent step
+# costs a few passes over a state that stays in cache per token; the chunked form has
+# fixed work, then matmuls that use both cores: this is where it starts to win.
+# measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 CHUNKED_MIN_TOKENS = 6
 
 

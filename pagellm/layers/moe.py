@@ -26,22 +26,12 @@ from torch import nn
 
 from pagellm.layers.mlp import _ACTIVATIONS, GatedMLP, gated_act
 
-# Dispatch, measured on this 2-core EPYC (torch 2.15, 2 threads, hidden 2048, top-8, random
-# routing; min of 3 rounds on a shared machine), ms per expert forward (router excluded),
-# loop over active experts / per-token / torch._grouped_mm over the sorted rows:
-#
-#   X=128 I=768 fp32  T=1: 13 / 12 / 11     T=8: 89 / 89 / 88      T=64: 321 / 699 / 289   T=512: 516 / 5522 / 481
-#   X=128 I=768 bf16  T=1: 35* / 8 / 14*    T=8: 244* / 115 / 48   T=64: 323 / 1027 / 242  T=512: 529 / 8519 / 215
-#   X=64  I=512 fp32  T=1: 7.8 / 7.6 / 7.6  T=8: 49 / 58 / 45      T=64: 111 / 491 / 99    T=512: 262 / 4345 / 275
-#   X=64  I=512 bf16  T=1: 3.2 / 2.9 / 3.0  T=8: 19 / 21 / 14      T=64: 52 / 189 / 36     T=512: 124 / 1765 / 128
-#   (* contended by other jobs: at T=1 all three run the same 8 matrix-vector products)
-#
-# Everything is bound by reading expert weights. At T=1 the paths read the same k experts
-# and tie (per-token skips the sort). From T=8 on, per-token re-reads an expert for every
-# token routed to it and loses up to 40x; the grouped forms read each active expert once.
-# torch._grouped_mm (one call, no host sync for counts) matches or beats the Python loop,
-# clearly in bf16, so it is used on CPU when present (it is a private API: the loop stays
-# as the fallback). Decision: per-token for T <= 1, grouped otherwise.
+# Dispatch: per-token for a single token, grouped otherwise. Everything is bound by reading expert
+# weights. At one token the paths read the same k experts and tie (per-token skips the sort); with
+# more, per-token re-reads an expert for every token routed to it and loses badly, while the grouped
+# forms read each active expert once. torch._grouped_mm (one call, no host sync for counts) matches
+# or beats the Python loop, clearly in bf16, so it is used on CPU when present (it is a private API:
+# the loop stays as the fallback). measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 PER_TOKEN_MAX_TOKENS = 1
 
 

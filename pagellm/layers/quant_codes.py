@@ -79,10 +79,9 @@ def _fit_groups(w: torch.Tensor, shrinks=(1.0, 0.9, 0.8), rounds: int = 2) -> tu
     """(scale, min) per group of w [rows, G, 32] minimising sum (q * scale + min - w)^2, q = codes 0..15.
 
     From the min/max grid and two narrower ones (shrunk around the centre: outliers clip), alternate: codes for
-    the grid, then the least-squares scale and min for those codes; keep the best grid per group. Measured on
-    Gemma 3 270M against the dense GGUF model (next-token argmax over 256 positions, mean KL): min/max alone
-    gave auto 0.79 / 0.111 and int4 0.77 / 0.217; this gives auto 0.84 / 0.078 and int4 0.83 / 0.167, at
-    ~17 ns per weight (int4 load of the whole model: ~3 s -> ~5 s).
+    the grid, then the least-squares scale and min for those codes; keep the best grid per group: closer to the
+    dense model than min/max alone, for a slower int4 load.
+    measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
     """
     n = float(w.shape[-1])
     lo, hi = w.aminmax(dim=-1)

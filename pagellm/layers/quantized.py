@@ -14,9 +14,9 @@ Paths, by M (measured crossovers: NATIVE_BELOW_ROWS, DENSE_FROM_ROWS):
   activation dtype. It reads weights near memory bandwidth, which is what decode needs.
 - torch's kernel (2.15 CPU), the reference, below DENSE_FROM_ROWS: for layers without the native kernel, and
   int8 between the two crossovers. aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu accept fp32
-  or bf16 activations with scales of the same dtype, but only their bf16 path is vectorized: measured on
-  2048x640 at M=64, int8 1.1 ms (bf16) vs 36 ms (fp32), int4 1.0 ms vs 78 ms. So activations pass through them
-  in bf16 (cast back to the model dtype after) and the scales are stored in bf16.
+  or bf16 activations with scales of the same dtype, but only their bf16 path is vectorized. So activations
+  pass through them in bf16 (cast back to the model dtype after) and the scales are stored in bf16.
+  measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 - int4 x int8 activations (kernels/quant_gemv.py int4_matmul_q8): native int4 layers at every M where AVX-512
   the kernel builds (every level) and int8_activations is on (the default); the other paths then serve int8
   weights, torch's int4 layout and KernelConfig.int8_activations off.
@@ -46,48 +46,29 @@ TILE_ROWS = 4096  # weight rows dequantized per dense tile: 4096 x 640 bf16 = 5 
 _ALIGN = 64  # torch's int8 kernel loads activation rows with aligned AVX loads: a misaligned view segfaults
 
 # M (activation rows) from which the dense-tile path beats torch's int kernel, by (scheme, vocab-sized head,
-# bf16 activations). Measured (ms, 2 threads, Zen 4; kernel vs dense tiles; dense unquantized bf16 for scale):
-#   bf16 2048x640    M=32: int8 0.57 / 0.53   M=64: int8 1.15 / 0.74   M=128: int4 2.03 / 2.14   M=160: int4 2.49 / 2.02
-#   bf16 640x2048    M=32: int8 0.57 / 0.79   M=64: int8 1.12 / 1.05   M=128: int4 2.31 / 2.63   M=160: int4 2.51 / 2.08
-#   bf16 262144x640  M=16: int8 74 / 93       M=32: int8 155 / 141     M=192: int4 502 / 530     M=256: int4 662 / 465
-#   fp32 (tiles in fp32, kernel in bf16) 2048x640 M=512: int8 11.4 / 13.6, int4 10.4 / 10.7; 1024x640 M=512: int8
-#   7.3 / 5.7: no clear win below M=512. fp32 262144x640 M=64: int8 326 / 431, int4 168 / 493: the head keeps
-#   the kernel (its M is the number of sequences sampling in a step, at most max_num_seqs).
+# bf16 activations). An fp32 head never leaves the kernel: its M is the number of sequences sampling in a step.
+# measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 DENSE_FROM_ROWS = MappingProxyType({
     ("int8", False, True): 64, ("int8", True, True): 32, ("int4", False, True): 160, ("int4", True, True): 256,
     ("int8", False, False): 512, ("int8", True, False): 1 << 30, ("int4", False, False): 512,
     ("int4", True, False): 1 << 30,
 })
 # M below which the native kernels run (same keys). int4 in the native layout has no torch kernel: dense tiles
-# take over from there. int8 keeps torch's layout: its kernel runs in between, if anywhere. Measured (ms, 2
-# threads, Zen 4; native kernel / dense tiles (native tile dequantizer) / torch's kernel; cold = weights
-# streamed from DRAM, as in decode):
-#   int4 bf16 M=64: 2048x640 0.57 / 0.76, 640x2048 0.67 / 0.59, 1024x640 0.33 / 0.37, whole Gemma layer 2.71 / 3.07;
-#             M=96: layer 4.06 / 3.87; 262144x640 M=256: 288 / 299, M=384: 501 / 497 (torch's kernel: 2x the native)
-#   int4 fp32 M=256: 2048x640 2.0 / 4.1, 262144x640 428 / 944: no crossover (fp32 dense tiles are slow)
-#   int8 bf16 cold M=32: 2048x640 0.63 / - / 0.77, 640x2048 0.55 / - / 0.61; warm M=64: 2048x640 dense 0.98;
-#             262144x640 M=16: 31 / 114 / 68, M=32: 135 / 127 / 134
-#   int8 fp32 M=128: 2048x640 2.27 / 2.18 / 2.32, 640x2048 2.05 / 2.64 / 2.23, M=256: 640x2048 5.0 / 4.0 / 4.3;
-#             262144x640 M=64: 197 / 272 / 296
+# take over from there. int8 keeps torch's layout: its kernel runs in between, if anywhere. int4 in fp32 never
+# hands over: its dense tiles are slow in fp32.
+# measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 NATIVE_BELOW_ROWS = MappingProxyType({
     ("int8", False, True): 64, ("int8", True, True): 32, ("int4", False, True): 80, ("int4", True, True): 320,
     ("int8", False, False): 256, ("int8", True, False): 128, ("int4", False, False): 1 << 30,
     ("int4", True, False): 1 << 30,
 })
 _HEAD_ROWS = 65536  # a layer with more output rows than this is a vocab head
-# M from which int4 layers take int8 activations (by vocab-sized head), where int8_activations is on. Measured
-# (ms, 2 threads, Zen 4, weights cold; bf16 activations / int8 activations): 2048x640 M=1 0.049 / 0.020, M=64
-# 0.709 / 0.388; 640x2048 M=1 0.069 / 0.028; 262144x640 M=1 3.71 / 3.81, M=4 5.58 / 3.85, M=64 76.3 / 38.0.
-# The head too takes them from one row, ~3% slower there: a request's logits must not depend on how many
-# other requests sample in the same step (the int8 kernel's rows are independent of M; the two kernels'
-# results are not the same).
-INT8_ACTIVATIONS_FROM_ROWS = MappingProxyType({False: 1, True: 1})
 
 
 def int8_activations_default() -> bool:
     """int4 layers take int8 activations where the kernel runs (every level with a compiler; the loader applies
-    KernelConfig.int8_activations after): ~2x the speed of bf16 activations, for an activation rounding error of
-    0.5-1.5% of an output row's norm (the int4 weights' own error is ~7%); see docs/benchmarks/ for the measured figures."""
+    KernelConfig.int8_activations after): faster than bf16 activations, for an activation rounding error well
+    below the int4 weights' own (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md)."""
     return quant_gemv.q8_available()
 
 
@@ -100,6 +81,7 @@ class QuantizedLinear(KernelBinding, nn.Module):
     """y = x W^T + b with W held quantized. Subclasses supply the int kernels, rows, and dense tiles."""
 
     scheme = ""
+    int8_activations = False  # int4 x int8 products: an Int4Linear option
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, native: bool,
                  dense_from_rows: int | None = None):
@@ -113,7 +95,7 @@ class QuantizedLinear(KernelBinding, nn.Module):
         rows = x.numel() // self.in_features  # M
         native_below, dense_from = self._crossovers(x.dtype == torch.bfloat16)
         if rows < native_below:  # the decode path: kept to one kernel call and one allocation
-            return self._bound_matmul(self._int8_activations_at(rows))(x)  # [..., N] in x's dtype, bias added
+            return self._bound_matmul(self.int8_activations)(x)  # [..., N] in x's dtype, bias added
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if rows >= dense_from:
             y = self._dense_matmul(x2)
@@ -129,9 +111,6 @@ class QuantizedLinear(KernelBinding, nn.Module):
         dense_from = self.dense_from_rows or DENSE_FROM_ROWS[key]
         return (min(NATIVE_BELOW_ROWS[key], dense_from) if self.native else 0), dense_from
 
-    def _int8_activations_at(self, rows: int) -> bool:
-        return False
-
     def _bound_matmul(self, q8: bool = False) -> quant_gemv.BoundMatmul:
         names = self._weight_buffers
         weight, scales = self._buffers[names[0]], self._buffers[names[1]]  # plain dict reads: no __getattr__
@@ -139,7 +118,6 @@ class QuantizedLinear(KernelBinding, nn.Module):
         if bound is None or not bound.binds(weight, scales, self.bias):  # built once; again if a buffer is replaced
             bound = self.__dict__["_bound"][q8] = quant_gemv.BoundMatmul(self.scheme, weight, scales, self.bias, q8)
         return bound
-
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize TILE_ROWS rows at a time into one scratch buffer; a dense matmul per tile."""
@@ -204,7 +182,10 @@ class Int4Linear(QuantizedLinear):
                  int8_activations: bool | None = None):
         super().__init__(packed.shape[0], packed.shape[1] * 2, bias, layout.native, dense_from_rows)
         self.layout = layout
-        # int4 x int8 products (kernels/quant_gemv.py int4_matmul_q8), as llama.cpp's Q4 x Q8 dot products
+        # int4 x int8 products (kernels/quant_gemv.py int4_matmul_q8), as llama.cpp's Q4 x Q8 dot products, at
+        # every M, the vocab head's too even where it is a little slower: a request's logits must not depend on
+        # how many others sample in the step (the two kernels' results differ).
+        # measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
         self.int8_activations = layout.native and (int8_activations_default() if int8_activations is None
                                                    else int8_activations)
         self.register_buffer("packed", packed)  # [N, K/2] uint8 in `layout`
@@ -226,8 +207,8 @@ class Int4Linear(QuantizedLinear):
         if not self.native:
             return super()._crossovers(bf16)
         # the native layout has no torch kernel: native kernel, then dense tiles, which the int8-activation
-        # kernel beats at every M measured (bf16, ms, q8 / dense tiles): 2048x640 M=320 1.80 / 2.43 (dense
-        # unquantized), M=512 4.62 / 7.36, M=2048 11.9 / 17.0; 640x2048 M=512 2.99 / 3.76, M=2048 11.9 / 14.3
+        # kernel beats at every M measured.
+        # measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
         if not self.int8_activations and not quant_gemv.available():
             below = 0  # no bf16-activation kernel at this level (it needs AVX-512 BF16): dense tiles at every M
         elif self.dense_from_rows:
@@ -236,9 +217,6 @@ class Int4Linear(QuantizedLinear):
             below = 1 << 30 if self.int8_activations else NATIVE_BELOW_ROWS[
                 (self.scheme, self.out_features > _HEAD_ROWS, bf16)]
         return below, below
-
-    def _int8_activations_at(self, rows: int) -> bool:
-        return self.int8_activations and rows >= INT8_ACTIVATIONS_FROM_ROWS[self.out_features > _HEAD_ROWS]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.native:
@@ -272,11 +250,9 @@ class Int4Linear(QuantizedLinear):
 class QuantizedEmbedding(nn.Module):
     """A token table held once, quantized; `logits` makes it the (tied) LM head.
 
-    An int4 table stays in its kernel's layout and the lookup dequantizes just the looked-up rows from it.
-    Measured on Gemma 3's 262144 x 640 table, bf16, per lookup of T ids: native layout T=1 0.014 ms, T=128
-    0.05 ms, T=1024 0.27 ms; torch's layout (read with torch ops) 0.11 / 0.51 / 4.8 ms (int8 T=1 0.02, dense
-    0.006): small next to the step it feeds, so int4 models keep an int4 table rather than an 84 MB larger
-    int8 one.
+    An int4 table stays in its kernel's layout and the lookup dequantizes just the looked-up rows from it: the
+    lookup is small next to the step it feeds, so int4 models keep an int4 table rather than a larger int8 one
+    (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md).
     """
 
     def __init__(self, table: QuantizedLinear, dtype: torch.dtype):
@@ -328,11 +304,12 @@ def _dense_module(weight: torch.Tensor, bias: torch.Tensor | None, embedding: bo
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One layer computing the parts' outputs side by side ([..., N_1 + N_2 + ...]) from the same input, or
-    None where they cannot be joined. Why: a decode matmul call costs ~10 us beyond streaming its weights, and
-    q/k/v and gate/up are 5 of a Llama-family layer's 7 (measured per Gemma 3 layer, int4: 5 calls 125.5 us,
-    2 joined 93.8 us). Dense nn.Linear (one GEMM over more columns: BLAS may block it differently, so fp32
-    sums can differ in the last bits from the separate products), Int8Linear and Int4Linear in the native
-    layout (rows in blocks of 16; each output row computed exactly as before)."""
+    None where they cannot be joined. Why: a decode matmul call costs time beyond streaming its weights, and
+    q/k/v and gate/up are 5 of a Llama-family layer's 7 (measured:
+    docs/benchmarks/2026-11-24-quantized-layer-crossovers.md). Dense nn.Linear (one GEMM over more columns:
+    BLAS may block it differently, so fp32 sums can differ in the last bits from the separate products),
+    Int8Linear and Int4Linear in the native layout (rows in blocks of 16; each output row computed exactly as
+    before)."""
     first = parts[0]
     if all(type(p) is GGUFLinear for p in parts):
         return concat_gguf_linears(parts)

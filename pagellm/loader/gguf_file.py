@@ -6,9 +6,9 @@
     data    aligned to general.alignment (32); each tensor at data_start + offset
 
 We parse the header ourselves instead of with gguf.GGUFReader: the reader builds
-several numpy views for every element of every metadata array, which takes ~10 s
-for Gemma 3's 262,144-token vocabulary, against ~50 ms here (tested equal to the
-reader's output in tests/loader). What the tensors mean is gguf.py's business.
+several numpy views for every element of every metadata array, which is slow for a
+large vocabulary such as Gemma 3's (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md;
+tested equal to the reader's output in tests/loader). What the tensors mean is gguf.py's business.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """GGUF tensors bound for quantized layers, read without a whole float copy.
 
 `LazyRows`: any 2-D tensor, dequantized only as row slices are read. The quantizers read 1024 rows at a time,
-so a layer's float weights never exist whole (Gemma 3's fp32 embedding alone is 671 MB; peak RSS of loading the
-model int4: 1.97 GB with whole tensors, 1.30 GB this way).
+so a layer's float weights never exist whole (Gemma 3's fp32 embedding alone is 671 MB; peak RSS measured:
+docs/benchmarks/2026-11-24-quantized-layer-crossovers.md).
 
 `group_affine_of`: GGUF's 4-bit formats read as they are stored. Every one of these is exactly
 `w = q * scale + offset` per 32-weight group, q in 0..15, which is what Int4Linear holds (group 32).

@@ -18,8 +18,8 @@ weight error can send a token to other experts.
 Streaming: before loading, each layer to quantize is swapped for a placeholder that has its bias parameter
 (loaded as usual) but no weight; when the weight arrives it is quantized and the placeholder replaced. From a
 GGUF such a weight arrives as LazyRows (dequantized 1024 rows at a time as the quantizer reads it) or as int4
-codes (gguf_quant.py), so its float copy never exists whole; from safetensors, one tensor at a time. Measured
-peak RSS of loading Gemma 3 270M (fp32 model, process total): none 2.32 GB, int8 / int4 / auto 1.27-1.30 GB.
+codes (gguf_quant.py), so its float copy never exists whole; from safetensors, one tensor at a time (peak RSS
+measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md).
 Weight names are matched to layers after the model's own renames (`model.checkpoint_renames`, if it has them:
 e.g. Qwen3.5 weights saved under its vision-language wrapper's `model.language_model.` prefix).
 """

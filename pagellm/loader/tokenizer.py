@@ -3,7 +3,8 @@
 An HF directory loads with transformers' AutoTokenizer (tokenizer.json, tokenizer_config.json,
 chat_template.jinja). A GGUF file's tokenizer is rebuilt by transformers from the file's metadata
 (vocabulary, scores or merges, special ids); we call the fast-tokenizer class directly, because
-AutoTokenizer would first rebuild the model config through gguf.GGUFReader (~10 s on Gemma 3).
+AutoTokenizer would first rebuild the model config through gguf.GGUFReader, which is slow on a large
+vocabulary (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md).
 Nothing is fetched from the network (local_files_only).
 """
 
@@ -107,7 +108,7 @@ class Tokenizer:
 
     def token_id(self, token: str) -> int | None:
         """The id of a vocabulary entry (added tokens too), or None. Why not get_vocab(): it builds the whole
-        vocabulary as a dict each call, ~160 ms for 262k entries."""
+        vocabulary as a dict each call (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md)."""
         backend = getattr(self.hf_tokenizer, "backend_tokenizer", None)
         if backend is not None:
             return backend.token_to_id(token)

@@ -5,10 +5,10 @@
     each step: fill the bitmasks of the rows with a grammar (in parallel, off the GIL) ─► logits of tokens
                they disallow = -inf ─► sample ─► the sampled token advances the row's matcher
 
-The grammar engine is llguidance. Against xgrammar on this project's CPUs, with the embedded Gemma vocabulary
-(262k tokens), both filled a mask in 0.02-0.03 ms per step for plain JSON schemas, but for strings with
-maxLength llguidance took 0.27 ms per step on average (worst 3 ms) where xgrammar took 0.99 ms (worst 23 ms)
-and 2.1 s to compile (docs/PERFORMANCE.md). It is imported on the first structured request only.
+The grammar engine is llguidance: against xgrammar, with the embedded Gemma vocabulary, both fill plain JSON
+schemas' masks alike, but llguidance is faster on strings with maxLength and has no long compile
+(docs/PERFORMANCE.md). It is imported on the first structured request only.
+measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class SamplingRow(Protocol):
 
     @property
     def generator(self) -> torch.Generator | None:
-        """Set by the engine iff sampling_params.seed is not None, seeded with it, on the logits' device."""
+        """Set by the runner's input batch iff sampling_params.seed is not None, on the logits' device."""
         ...
 
     @property
@@ -159,7 +159,8 @@ class Sampler:
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1), natively where it applies: torch's CPU argmax took 12 ms on [64, 262144] fp32."""
+    """logits.argmax(dim=-1), natively where it applies: torch's CPU argmax is slow on a batch of vocab-sized
+    rows (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md)."""
     ids = argmax_rows(logits)
     return ids if ids is not None else logits.argmax(dim=-1)
 

@@ -33,8 +33,7 @@ from pagellm.config import ModelConfig  # noqa: E402
 from pagellm.kernels import quant_gemv  # noqa: E402
 from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_scale_zero  # noqa: E402
 from pagellm.layers.quantized import (  # noqa: E402
-    DENSE_FROM_ROWS, INT8_ACTIVATIONS_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding,
-    QuantizedLinear, concat_linears)
+    DENSE_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear, concat_linears)
 from pagellm.loader.gguf_quant import group_affine_of  # noqa: E402
 from pagellm.loader.gguf import gguf_weight_types, load_gguf_config  # noqa: E402
 from pagellm.loader.model_loader import checkpoint_state_dict, load_model  # noqa: E402
@@ -136,9 +135,9 @@ def test_both_paths_match_the_dequantized_reference(scheme, dtype, rows, native,
 
 @pytest.mark.skipif(not quant_gemv.q8_available(), reason="int8 activations need the native kernels")
 @pytest.mark.parametrize("head", [False, True])
-def test_int8_activations_take_every_row_count_from_their_crossover(head, monkeypatch):
-    """With int8 activations (the default where VNNI runs) an int4 layer runs int4_matmul_q8 from
-    INT8_ACTIVATIONS_FROM_ROWS up, at any M (no dense tiles), and the bf16-activation kernel below."""
+def test_int8_activations_take_every_row_count(head, monkeypatch):
+    """With int8 activations (the default where VNNI runs) an int4 layer, the vocab head too, runs
+    int4_matmul_q8 at every M (no bf16-activation kernel, no dense tiles)."""
     monkeypatch.setattr("pagellm.layers.quantized._HEAD_ROWS", 100 if head else 10**6)
     g = torch.Generator().manual_seed(2)
     layer = Int4Linear.from_float(torch.randn(128, 64, generator=g) * 0.05, native=True)
@@ -149,10 +148,8 @@ def test_int8_activations_take_every_row_count_from_their_crossover(head, monkey
         calls.clear()
         x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
         y = layer(x)
-        q8 = rows >= INT8_ACTIVATIONS_FROM_ROWS[head]
-        assert calls == [q8], rows
-        kernel = quant_gemv.int4_matmul_q8 if q8 else quant_gemv.int4_matmul
-        assert torch.equal(y, kernel(x, layer.packed, layer.scales_and_zeros))
+        assert calls == [True], rows
+        assert torch.equal(y, quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros))
 
 
 def test_kernel_input_is_realigned(monkeypatch):

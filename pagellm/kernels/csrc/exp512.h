@@ -19,8 +19,8 @@
 //             product is exact (p is in [0.7, 1.42]) and only the second rounds, also where the result
 //             is denormal or overflows to inf, as scalef does.
 //
-// Results are 0 below about -103.97 and inf above about 88.72. std::exp per element was ~3/4 of the
-// Gated DeltaNet conv's decode time (8192 channels).
+// Results are 0 below about -103.97 and inf above about 88.72. std::exp per element was most of the
+// Gated DeltaNet conv's decode time. measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 #pragma once
 
 #include <cmath>
@@ -94,8 +94,9 @@ inline float exp_scalar_pow2(int k) {  // 2^k for k in [-126, 127]
 }
 
 // e^x[l] for N lanes in plain C++ (N = 1: exp_scalar). Each step runs over all lanes before the next, so
-// the N independent chains of 8 fmas overlap where fma_f32 is emulated (generic x86-64: ~2x faster at N = 8
-// than one lane at a time); every lane computes exactly what exp_scalar does.
+// the N independent chains of 8 fmas overlap where fma_f32 is emulated (generic x86-64: faster than one lane at
+// a time); every lane computes exactly what exp_scalar does.
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 template <int N>
 inline void exp_lanes(const float* in, float* out) {
     using namespace pagellm_exp;

@@ -1,9 +1,10 @@
 // fma_f32(a, b, c): a * b + c rounded once to fp32, as an FMA instruction computes it, at every level.
 //
 // Where the target has an fp32 FMA (__FP_FAST_FMAF: x86-64-v3 and up, AArch64, ...) this is std::fma,
-// one instruction. Without one (the generic x86-64 build) std::fma is a libm call: ~2.3 ns through glibc's
-// dispatch on a CPU that has FMA after all, ~46 ns on one that does not (glibc then emulates it with
-// rounding-mode switches). Instead, exactly rounded in plain double arithmetic (~1.2 ns each here):
+// one instruction. Without one (the generic x86-64 build) std::fma is a libm call, slow through glibc's
+// dispatch even on a CPU that has FMA after all and far slower on one that does not (glibc then emulates it
+// with rounding-mode switches). Instead, exactly rounded in plain double arithmetic, faster than both
+// (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md):
 //
 //   p = a * b in double is exact (24 + 24 bits <= 53, and no float product leaves double's normal range);
 //   s = p + c in double, rounded to nearest. float(s) rounds twice, which differs from rounding p + c once

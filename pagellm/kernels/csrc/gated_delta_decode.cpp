@@ -22,9 +22,10 @@
 // in the same order with the same roundings (each read an fma chain over i = 0..dk-1 per column; each
 // update one rounded product then one fma; the SiLU's exp from exp512.h, bit-identical at every width),
 // so every build gives the same bits as the AVX-512 one. The price is in the generic x86-64 build, which
-// has no FMA instruction: its fmas are emulated (fma_f32.h, ~1.2 ns each), so its rule runs ~9x slower
+// has no FMA instruction: its fmas are emulated (fma_f32.h), so its rule runs several times slower
 // than separately rounded a * b + c loops did (which the compiler vectorizes; they differ from the fma
 // chains by a few fp32 ulp per step).
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 
 #include <algorithm>
 #include <cmath>

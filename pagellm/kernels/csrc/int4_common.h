@@ -11,8 +11,9 @@ namespace {
 
 constexpr int64_t kGroup = 32;  // columns per scale / zero
 constexpr int64_t kBlock = 16;  // int4 rows per block
-// Software prefetch distance in the weight stream. Without it the int4 kernel read ~10-15% slower from DRAM
-// (layer-sized weights) and the int8 one up to 1.4x slower; 2-4 KB ahead measured best, 1-16 KB within noise.
+// Software prefetch distance in the weight stream: without it both kernels read slower from DRAM, and this
+// distance measured best.
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 constexpr int64_t kPrefetch = 4096;
 
 // Threads only where there is enough to share: a fork/join costs a few microseconds.

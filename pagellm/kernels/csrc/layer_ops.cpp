@@ -1,7 +1,8 @@
 // Fused per-layer ops for the Llama-family decoder layers: each replaces 3-6 torch ops (and their
-// allocations and dispatch, ~5-10 us each at decode on this machine, ~20 of them per Gemma layer) with
-// one call. qkv_prepare and add_rms_norm do the arithmetic of the unfused kernels with the same roundings
-// (bit-identical); act_mul rounds where torch does, but its exp may differ from torch's in the last ulp.
+// allocations and dispatch, costly at decode) with one call. qkv_prepare and add_rms_norm do the arithmetic
+// of the unfused kernels with the same roundings (bit-identical); act_mul rounds where torch does, but its
+// exp may differ from torch's in the last ulp.
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 //
 //   qkv_prepare   the fused q/k/v projection's output -> q (per-head RMSNorm, rotary) for attention,
 //                 k (norm, rotary) and v written straight into the paged KV cache

@@ -1,24 +1,26 @@
 // The last two steps of a decode step on the [rows, V] logits, fused for CPU.
 //
-// Why: with V = 262144 (Gemma 3) and rows = 64, the torch chain is three passes of
-// soft-capping in bf16 (div, tanh, mul; the tanh alone ~16 ms), a .float() into a fresh
-// 67 MB tensor (page faults, ~27 ms) and an argmax (~12 ms). Here soft-capping and the
-// conversion are one pass into a buffer the caller may reuse, and argmax is one pass that
-// also splits a row across threads when there are fewer rows than threads.
+// Why: with Gemma 3's vocabulary and a batch of rows, the torch chain is three passes of
+// soft-capping in bf16 (div, tanh, mul), a .float() into a fresh [rows, V] tensor (page
+// faults) and an argmax, each costly. Here soft-capping and the conversion are one pass
+// into a buffer the caller may reuse, and argmax is one pass that also splits a row across
+// threads when there are fewer rows than threads.
+// measured (this and the figures below): docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 //
 //   pagellm_logits_to_f32: out = float(logits), soft-capped when cap > 0 with the roundings
 //                          of torch's `tanh(x / cap) * cap` in the input dtype (bf16: each op
 //                          in fp32, rounded to bf16; bit-identical to torch). A bf16 logit has
 //                          only 65536 possible values, so a large input is capped through a
 //                          table of all of them: one gather per 16 logits instead of ~40 vector
-//                          ops of tanh (~2.5x faster; the table costs ~0.05 ms).
+//                          ops of tanh (faster, the table's cost included; measured above).
 //   pagellm_argmax_rows:   per-row argmax as torch's CPU argmax: first index on ties, NaN is
 //                          maximal (the first NaN wins).
 //   pagellm_mask_rows:     logits of tokens whose bit is 0 in a row's packed bitmask (a grammar's
 //                          allowed tokens) set to -inf, in place, for the rows listed. Why: the torch
 //                          form unpacks 32 bits per word into a [rows, V] tensor first; xgrammar's CPU
-//                          form took ~1.4 ms a row at V = 262144. A word of all ones (inside a JSON
-//                          string, most of the vocabulary) or of all zeros is one test and one fill.
+//                          form was slow on a vocab-sized row (measured above). A word of all ones
+//                          (inside a JSON string, most of the vocabulary) or of all zeros is one test
+//                          and one fill.
 //
 // Levels: AVX-512 (16 lanes), AVX2 + FMA (8 lanes) and plain C++ compute one formula with the same
 // roundings (tanh and exp built alike, fma where the vector code fuses), so every build gives the

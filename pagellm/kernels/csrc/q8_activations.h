@@ -211,8 +211,9 @@ inline void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, const
 }
 
 // Every thread reads all rows, so quantizing in parallel costs a barrier, and a barrier (like the fork/join)
-// costs a whole scheduler time slice when another process holds a core: 16 instead of 8 ms a call on a busy
-// machine. So the quantization runs before the fork unless there is enough of it to share (~20 us alone).
+// costs a whole scheduler time slice when another process holds a core. So the quantization runs before the
+// fork unless there is enough of it to share.
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 inline bool share_quantization(int64_t M, int64_t K) { return M * K >= (64 << 10); }
 
 // The shared frame of an int8-activation matmul over 16-row weight blocks: x quantized, then each thread runs

@@ -2,7 +2,8 @@
 // int4 dequantizers behind embedding lookups (rows) and the dense path (transposed tiles).
 //
 // Why: a decode step streams every weight once per token, so its matmuls are bound by memory bandwidth;
-// torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm reached only 10-15 GB/s at M = 1..8 here.
+// torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm run far below it there.
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 //
 // Numerics match torch's kernels: activations rounded to bf16, weights exact in fp32, fp32 sums, one
 // rounding of the result into the output dtype (fp32 outputs skip even that). quant_gemv_q8.cpp holds the
@@ -192,7 +193,8 @@ inline __m512i nibble_table(bool high) {
 // One int8 weight row against MR activation rows (bf16): each 32 codes become two bf16 vectors through
 // vpermw tables, and two vdpbf16ps per activation row sum them exactly in fp32; the conversion is shared by
 // the MR rows. U partial sums keep independent chains in flight. One row at a time keeps the weight stream
-// sequential (4 interleaved rows ran at 12 GB/s from DRAM).
+// sequential (interleaved rows read slower from DRAM).
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 template <int MR>
 void int8_row(const int8_t* q, const uint16_t* xb, int64_t K, const __m512i* tables, float* sums) {
     constexpr int U = MR >= 4 ? 1 : 4 / MR;

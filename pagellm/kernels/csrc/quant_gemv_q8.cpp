@@ -21,12 +21,11 @@
 
 // ---- int4 weights x int8 activations (vpdpbusd) ------------------------------------------------------------
 //
-// Why: at M = 16..320 rows the bf16 kernel (quant_gemv.cpp) is bound by its vdpbf16ps (32 products per instruction); vpdpbusd
-// does 64 (u8 x s8 -> int32) per instruction at the same rate here (Zen 4: 457 vs 224 G products x 2 per second
-// and core). The cost is the activations' int8 rounding (see the tests: ~0.5-1.5% of an output row's norm).
-// Measured: ~300 GOPS on one core against the bf16 kernel's ~185, ~600 against ~330 on two (weights from L3).
-// What keeps it from 457 a core is each group's fp32 epilogue (cvt, mul, 2 fma per 8 vpdpbusd: 390 GOPS
-// without it); the unpacking hardly counts.
+// Why: at the M measured the bf16 kernel (quant_gemv.cpp) is bound by its vdpbf16ps (32 products per
+// instruction); vpdpbusd does 64 (u8 x s8 -> int32) per instruction at the same rate here. The cost is the
+// activations' int8 rounding (see the tests). What keeps the kernel below vpdpbusd's own rate is each group's
+// fp32 epilogue (cvt, mul, 2 fma per 8 vpdpbusd); the unpacking hardly counts.
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 //
 // Numerics (llama.cpp's Q8_0 idea, on this layout): x is taken in fp32 (bf16 inputs are exact in it; fp32
 // inputs are not rounded to bf16). Per activation row m and 32-column group g:
@@ -44,7 +43,8 @@
 
 namespace {
 
-// Blocks per chunk (see q8_blocks): ~256 KB of weights, well within the 1 MB L2 (16-64 blocks measured alike).
+// Blocks per chunk (see q8_blocks): ~256 KB of weights, well within the 1 MB L2 (nearby sizes measured alike).
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 inline int64_t chunk_blocks(int64_t K) {
     const int64_t block_bytes = kBlock * K / 2 + K / kGroup * 2 * kBlock * 2;  // codes, then scales and zeros
     return std::max<int64_t>(1, (256 << 10) / block_bytes);
@@ -200,8 +200,9 @@ inline void store_row16(const float* v, const void* bias, int64_t column, void* 
 
 // Blocks [first, last) against all M activation rows, into out: a chunk of blocks at a time (in L2), pass by
 // pass over it (the pass's panel stays in L1). Block by block with all passes each, every block wrote a line
-// to each of M output rows: with M >= 64 rows of a big N that fell from ~310 to ~250 GOPS a core; a chunk
-// writes each row's lines in one run.
+// to each of M output rows, which was slower with many rows of a big N; a chunk writes each row's lines in one
+// run.
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 void q8_blocks(int64_t first, int64_t last, const uint8_t* codes, const uint16_t* sz, const QuantizedActivations& a,
                int64_t M, int64_t K, int64_t N, const void* bias, void* out, int out_bf16) {
     const int64_t G = K / kGroup, chunk_size = chunk_blocks(K);

@@ -1,7 +1,8 @@
 // Fused RMSNorm for CPU: one pass per row instead of the ~10 small torch ops of the
-// reference (cast, pow, mean, add, rsqrt, mul, cast...), which at decode cost ~30 us
-// per call on this machine, 6 calls per Gemma layer. The row arithmetic (and its two
-// flavours) is in norm.h.
+// reference (cast, pow, mean, add, rsqrt, mul, cast...), which at decode cost more than
+// the pass itself, 6 calls per Gemma layer. The row arithmetic (and its two flavours) is
+// in norm.h.
+// measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 
 #include <cstdint>
 
