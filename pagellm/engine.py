@@ -61,8 +61,8 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.counters = EngineStats()
-        # Loading leaves ~400k long-lived objects; without this a full GC pass rescans them every few
-        # steps (~200 ms stalls measured at B=32 prefill). vLLM freezes them the same way.
+        # Loading leaves many long-lived objects; without this a full GC pass rescans them every few steps and
+        # stalls one (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md). vLLM does the same.
         gc.collect()
         gc.freeze()
         keep_step_buffers_in_heap(config.kernels.heap_tuning)
