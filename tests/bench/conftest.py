@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-
-from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -18,10 +15,3 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     write_tiny_checkpoint("llama", directory)
     return directory
 
-
-def run_cli(capsys, *argv: str) -> str:
-    """Run `pagellm bench ...` in-process; return what it printed to stdout."""
-    from pagellm.cli import main
-
-    assert main(["bench", *argv]) == 0
-    return capsys.readouterr().out

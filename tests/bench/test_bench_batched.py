@@ -6,9 +6,9 @@ import csv
 import json
 
 import pytest
-from conftest import run_cli
 
 from pagellm.bench.batched import COLUMNS, batched_row, build_engine
+from tests.bench.cli_runner import run_cli
 
 KEYS = [c.key for c in COLUMNS]
 
@@ -104,7 +104,7 @@ def test_stats_expose_input_copy_and_step_reuse(tiny_model_dir):
 
 def test_batched_runs_on_a_hybrid_moe_model(tmp_path, capsys):
     """Gated DeltaNet + MoE (Qwen3-Next): state slots and snapshots under the batched bench, shared prompt."""
-    from tiny_checkpoints import write_hybrid_checkpoint
+    from tests.models.tiny_checkpoints import write_hybrid_checkpoint
 
     write_hybrid_checkpoint("qwen3-next", tmp_path / "ckpt")
     out = tmp_path / "rows.json"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
 
 from pagellm.bench.peers import llama_cpp_available
+from tests.bench.cli_runner import run_cli
 
 
 def test_compare_runs_pagellm_and_hf_and_says_which_peers_ran(tiny_model_dir, tmp_path, capsys):
@@ -33,11 +33,7 @@ def test_compare_runs_pagellm_and_hf_and_says_which_peers_ran(tiny_model_dir, tm
 
 @pytest.mark.skipif(llama_cpp_available() is not None, reason="llama-cpp-python not installed (bench extra)")
 def test_compare_runs_llama_cpp_on_a_gguf(tmp_path, capsys):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
-    from gguf_builders import write_tiny_gguf
+    from tests.loader.gguf_builders import write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "llama")

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import run_cli
+
+from tests.bench.cli_runner import run_cli
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
 
 def test_serve_bench_reports_latencies_throughput_and_prefix_hits(tmp_path, capsys):
-    sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
-    from gguf_builders import write_tiny_gguf
+    from tests.loader.gguf_builders import write_tiny_gguf
 
     model = tmp_path / "tiny.gguf"
     write_tiny_gguf(model, "llama")

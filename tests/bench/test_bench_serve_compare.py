@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+
+from tests.bench.cli_runner import run_cli
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -33,8 +34,7 @@ os.execv(sys.executable, [sys.executable, "-m", "pagellm.cli", "serve", "--model
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
-    from gguf_builders import write_tiny_gguf
+    from tests.loader.gguf_builders import write_tiny_gguf
 
     directory = tmp_path_factory.mktemp("compare")
     model = directory / "tiny.gguf"

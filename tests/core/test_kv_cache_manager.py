@@ -1,6 +1,5 @@
 from pagellm.core.kv_cache_manager import KVCacheManager
-
-from core_builders import make_request
+from tests.core.core_builders import make_request
 
 
 def test_allocate_maps_tokens_to_exact_blocks():

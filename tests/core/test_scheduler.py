@@ -5,8 +5,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.types import ModelOutput
 from pagellm.request import RequestStatus
-
-from core_builders import make_request
+from tests.core.core_builders import make_request
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, **kwargs):

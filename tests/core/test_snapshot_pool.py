@@ -8,8 +8,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.core.state_pool import StatePool
 from pagellm.core.types import ModelOutput
-
-from core_builders import make_request
+from tests.core.core_builders import make_request
 
 # ---- SnapshotPool alone ---------------------------------------------------------------------
 

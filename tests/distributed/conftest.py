@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
-from tiny_checkpoints import HYBRID_CONFIGS, write_hybrid_checkpoint, write_tiny_checkpoint  # noqa: E402
+from tests.models.tiny_checkpoints import HYBRID_CONFIGS, write_hybrid_checkpoint, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

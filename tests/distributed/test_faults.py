@@ -15,7 +15,7 @@ from pagellm import SamplingParams
 from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagellm.distributed.parallel_state import DistributedError
 from pagellm.engine import LLMEngine
-from server_harness import start_server
+from tests.server.server_harness import start_server
 
 TIMEOUT = 5.0  # distributed_timeout of these engines: the detection bound under test
 

@@ -138,9 +138,8 @@ def test_structured_output_over_two_ranks_matches_one_process(tmp_path):
     import json
     import re
 
-    from tiny_checkpoints import write_tiny_checkpoint_with_tokenizer
-
     from pagellm.sampling_params import StructuredOutputs
+    from tests.models.tiny_checkpoints import write_tiny_checkpoint_with_tokenizer
 
     path = write_tiny_checkpoint_with_tokenizer(tmp_path)
     schema = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},

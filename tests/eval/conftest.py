@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
-from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 def write_char_tokenizer(directory: Path) -> None:
     """One token per character (printable ASCII and newline), BOS first: ids stay under the tiny vocabulary."""

@@ -1,14 +1,10 @@
 """GGUF tensors in every kernel format for tests: legacy formats quantized by the gguf package from floats, K
 formats (which it cannot quantize) as random valid blocks (tests/loader/gguf_builders.py's)."""
 
-import sys
-from pathlib import Path
-
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
-from gguf_builders import random_k_quant_blocks  # noqa: E402
+from tests.loader.gguf_builders import random_k_quant_blocks
 
 T = gguf.GGMLQuantizationType
 KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_blocks_builders import KERNEL_TYPES, T, gguf_tensor
 from pagellm.kernels import gguf_blocks, native
+from tests.kernels.gguf_blocks_builders import KERNEL_TYPES, T, gguf_tensor
 
 pytestmark = pytest.mark.skipif(not gguf_blocks.available(), reason="needs a C++ compiler")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import sys
 from pathlib import Path
 
 import gguf
@@ -21,25 +20,21 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
-
-from gguf_builders import random_k_quant_blocks, write_tiny_gguf  # noqa: E402
-from paged_harness import PagedHarness  # noqa: E402
-from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
-
-from pagellm import LLM, SamplingParams  # noqa: E402
-from pagellm.config import ModelConfig  # noqa: E402
-from pagellm.kernels import quant_gemv  # noqa: E402
-from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_scale_zero  # noqa: E402
-from pagellm.layers.quantized import (  # noqa: E402
+from pagellm import LLM, SamplingParams
+from pagellm.config import ModelConfig
+from pagellm.kernels import quant_gemv
+from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_scale_zero
+from pagellm.layers.quantized import (
     DENSE_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear, concat_linears)
-from pagellm.loader.gguf_quant import group_affine_of  # noqa: E402
-from pagellm.loader.gguf import gguf_weight_types, load_gguf_config  # noqa: E402
-from pagellm.loader.model_loader import checkpoint_state_dict, load_model  # noqa: E402
-from pagellm.loader.quantization import auto_scheme, plan_quantization, quantize_model, weight_bytes  # noqa: E402
-from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config  # noqa: E402
-from pagellm.models.registry import build_model  # noqa: E402
+from pagellm.loader.gguf_quant import group_affine_of
+from pagellm.loader.gguf import gguf_weight_types, load_gguf_config
+from pagellm.loader.model_loader import checkpoint_state_dict, load_model
+from pagellm.loader.quantization import auto_scheme, plan_quantization, quantize_model, weight_bytes
+from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
+from pagellm.models.registry import build_model
+from tests.loader.gguf_builders import random_k_quant_blocks, write_tiny_gguf
+from tests.models.paged_harness import PagedHarness
+from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
 T = gguf.GGMLQuantizationType
 KERNEL, DENSE = 10**9, 1  # dense_from_rows forcing the int-kernel path / the dense-tile path

@@ -18,7 +18,6 @@ The loader under test must undo every one of them. Nothing here imports pagellm.
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,10 +26,8 @@ import numpy as np
 from safetensors import safe_open
 from transformers import AutoConfig, PreTrainedModel
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-
-from gguf_builders import random_k_quant_blocks  # noqa: E402
-from tiny_checkpoints import HYBRID_CONFIGS, write_hybrid_checkpoint  # noqa: E402
+from tests.loader.gguf_builders import random_k_quant_blocks
+from tests.models.tiny_checkpoints import HYBRID_CONFIGS, write_hybrid_checkpoint
 
 T = gguf.GGMLQuantizationType
 FAMILY_ARCH = {"qwen3-moe": "qwen3moe", "qwen3-next": "qwen3next", "qwen3.5": "qwen35", "qwen3.5-moe": "qwen35moe"}

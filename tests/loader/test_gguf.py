@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -18,14 +15,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from pagellm.layers.rotary import compute_rope
 from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header, unpermute_qk_rows
 from pagellm.loader.model_loader import load_model
-from gguf_builders import (TinyDims, convert_llama_checkpoint, llama_cpp_permute, llama_cpp_rope_factors,
-                           write_tiny_gguf)
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-
-from hf_reference import hf_greedy, hf_logits, random_tokens  # noqa: E402
-from paged_harness import PagedHarness, greedy_generate  # noqa: E402
-from tiny_checkpoints import TINY_CONFIGS, write_tiny_checkpoint  # noqa: E402
+from tests.loader.gguf_builders import (TinyDims, convert_llama_checkpoint, llama_cpp_permute,
+                                        llama_cpp_rope_factors, write_tiny_gguf)
+from tests.models.hf_reference import hf_greedy, hf_logits, random_tokens
+from tests.models.paged_harness import PagedHarness, greedy_generate
+from tests.models.tiny_checkpoints import TINY_CONFIGS, write_tiny_checkpoint
 
 # One tensor per storage type the loader must handle. K-quants need rows of 256 values, which
 # only ffn_down has (intermediate = 256); the gguf package cannot quantize them, so the builder

@@ -7,7 +7,6 @@ match the HF-loaded model (itself checked against transformers in tests/models/t
 
 from __future__ import annotations
 
-import sys
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf_hybrid_builders import Conversion, convert_to_gguf, write_hf_checkpoint
 
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.gguf_moe import GGUFMoeExperts
@@ -25,10 +23,8 @@ from pagellm.loader.gguf_quant import group_affine_of
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.models.registry import build_model
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-
-from paged_harness import PagedHarness, greedy_generate  # noqa: E402
+from tests.loader.gguf_hybrid_builders import Conversion, convert_to_gguf, write_hf_checkpoint
+from tests.models.paged_harness import PagedHarness, greedy_generate
 
 # case id -> (family, how the file is written): between them every converter variant the loader reads
 CASES = {

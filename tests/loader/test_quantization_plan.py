@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-
-from paged_harness import PagedHarness  # noqa: E402
-from tiny_checkpoints import write_hybrid_checkpoint  # noqa: E402
-
-from pagellm.loader.model_loader import load_model  # noqa: E402
-from pagellm.loader.quantization import plan_quantization, quantize_model, router_paths  # noqa: E402
-from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config  # noqa: E402
-from pagellm.models.registry import build_model  # noqa: E402
+from pagellm.loader.model_loader import load_model
+from pagellm.loader.quantization import plan_quantization, quantize_model, router_paths
+from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
+from pagellm.models.registry import build_model
+from tests.models.paged_harness import PagedHarness
+from tests.models.tiny_checkpoints import write_hybrid_checkpoint
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-next", "qwen3.5-moe"])

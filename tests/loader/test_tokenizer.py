@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from gguf_builders import write_tiny_gguf
 
 from pagellm.loader.default_model import default_model_path
 from pagellm.loader.tokenizer import GEMMA_CHAT_TEMPLATE, IncrementalDetokenizer, load_tokenizer
+from tests.loader.gguf_builders import write_tiny_gguf
 
 MULTI_BYTE = "héllo wörld 日本語 🙂 𝔘𝔫𝔦 ꙮ 𓀀 á"
 

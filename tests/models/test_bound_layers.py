@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from paged_harness import PagedHarness
-from tiny_checkpoints import write_tiny_checkpoint
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
-from gguf_builders import T, write_tiny_gguf  # noqa: E402
 
 from pagellm import SamplingParams
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from pagellm.engine import LLMEngine
 from pagellm.loader.model_loader import load_model
 from pagellm.models.bound_layers import layer_plan
+from tests.loader.gguf_builders import T, write_tiny_gguf
+from tests.models.paged_harness import PagedHarness
+from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
 FAMILIES = ["llama", "qwen2", "qwen3-yarn", "gemma3"]  # plain, q/k/v bias, q/k norm, Gemma's sandwich norms
 

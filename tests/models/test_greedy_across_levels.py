@@ -3,18 +3,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from tiny_checkpoints import write_tiny_checkpoint
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
-from gguf_builders import T, write_tiny_gguf  # noqa: E402
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
+from tests.loader.gguf_builders import T, write_tiny_gguf
+from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_greedy, hf_logits, load_ours, random_tokens
-from paged_harness import PagedHarness, greedy_generate
-from tiny_checkpoints import TINY_CONFIGS, write_tiny_checkpoint
+
+from tests.models.hf_reference import hf_greedy, hf_logits, load_ours, random_tokens
+from tests.models.paged_harness import PagedHarness, greedy_generate
+from tests.models.tiny_checkpoints import TINY_CONFIGS, write_tiny_checkpoint
 
 
 TOL = dict(atol=1e-4, rtol=1e-4)

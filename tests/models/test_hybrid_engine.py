@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_checkpoints import write_hybrid_checkpoint
 
 from pagellm import LLM, SamplingParams
+from tests.models.tiny_checkpoints import write_hybrid_checkpoint
 
 PROMPTS = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
            for n in (5, 23, 41, 70)]

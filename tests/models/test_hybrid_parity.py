@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_greedy, hf_logits, load_ours, random_tokens
-from paged_harness import PagedHarness, greedy_generate
-from tiny_checkpoints import HYBRID_CONFIGS, write_hybrid_checkpoint
 
 from pagellm.loader.model_loader import join_projections
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.models.registry import build_model
+from tests.models.hf_reference import hf_greedy, hf_logits, load_ours, random_tokens
+from tests.models.paged_harness import PagedHarness, greedy_generate
+from tests.models.tiny_checkpoints import HYBRID_CONFIGS, write_hybrid_checkpoint
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 PROMPT_LEN = 30

@@ -12,12 +12,12 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_checkpoints import write_hybrid_checkpoint
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import CacheConfig, EngineConfig, ModelConfig
 from pagellm.engine import LLMEngine
 from pagellm.runner.model_runner import state_bytes_per_slot
+from tests.models.tiny_checkpoints import write_hybrid_checkpoint
 
 COMMON = 37
 _GEN = torch.Generator().manual_seed(37)

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny_checkpoints import write_tiny_checkpoint
 from transformers import LlamaConfig
 
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config, num_tensors
 from pagellm.models.registry import SUPPORTED_ARCHITECTURES, build_model
+from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_logits, random_tokens
-from tiny_checkpoints import write_tiny_checkpoint
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.types import PromptLogprobs, TokenLogprobs
 from pagellm.output_processor import RequestState
 from pagellm.request import Request
+from tests.models.hf_reference import hf_logits, random_tokens
+from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

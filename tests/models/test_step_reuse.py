@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tiny_checkpoints import write_tiny_checkpoint
 
 from pagellm import LLM, SamplingParams
+from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import signal
 import httpx
 import openai
 import pytest
-from server_harness import BASE_ARGS, start_server, stop_with
+
+from tests.server.server_harness import BASE_ARGS, start_server, stop_with
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ import signal
 import httpx
 import openai
 import pytest
-from server_harness import BASE_ARGS, sse_events, start_server, stop_with
+
+from tests.server.server_harness import BASE_ARGS, sse_events, start_server, stop_with
 
 KEY = "secret-key"
 SECOND_KEY = "second-key"  # from --api-key-file

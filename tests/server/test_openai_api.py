@@ -371,9 +371,8 @@ def _token_id(client, text: str) -> int:
 
 def test_answers_match_the_published_response_models(http):
     """Every answer shape validates against the models /openapi.json publishes (extra fields forbidden)."""
-    from server_harness import sse_events
-
     from pagellm.server import openapi
+    from tests.server.server_harness import sse_events
 
     schema = http.get("/openapi.json").json()
     post = schema["paths"]["/v1/chat/completions"]["post"]

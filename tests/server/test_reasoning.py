@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_protocol import _output, _Tokenizer, parse
 
 from pagellm.server.protocol import ChatCompletionRequest
 from pagellm.server.reasoning import ReasoningSplitter, opened_by_prompt, split
 from pagellm.server.responses import ChatFormatter
+from tests.server.test_protocol import _output, _Tokenizer, parse
 
 CASES = [  # (answer, prompt left <think> open, reasoning, content)
     ("<think>I weigh it.</think>\n\nParis.", False, "I weigh it.", "\n\nParis."),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_protocol import parse
 
 from pagellm.sampling_params import SamplingParams, StructuredOutputs
 from pagellm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from pagellm.server.structured_fields import compile_error
+from tests.server.test_protocol import parse
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 CHAT = {"messages": [{"role": "user", "content": "x"}]}

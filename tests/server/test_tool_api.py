@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_harness import BASE_ARGS, start_server, stop_with
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from tiny_checkpoints import write_tiny_checkpoint_with_tokenizer  # noqa: E402
-
-from pagellm.server.openapi import ChatCompletion, ChatCompletionChunk  # noqa: E402
+from pagellm.server.openapi import ChatCompletion, ChatCompletionChunk
+from tests.models.tiny_checkpoints import write_tiny_checkpoint_with_tokenizer
+from tests.server.server_harness import BASE_ARGS, start_server, stop_with
 
 TEMPLATE = Path(__file__).parent / "templates" / "hermes_tools.jinja"
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
