@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pagellm.bench import peers
 from pagellm.eval.forward import load_dense_reference, load_mode, mode_dtype, pagellm_logits, tokenize_text
 from pagellm.eval.perplexity import score_positions, summarize
 from pagellm.kernels import native
@@ -51,6 +52,10 @@ def main(args: argparse.Namespace) -> int:
     level = native.select(args.cpu_isa or "auto")
     dtype = mode_dtype(args.dtype)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
+    llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()
+    why_not = peers.llama_cpp_available() if llama_cpp else None
+    if why_not is not None:  # said now, not after minutes of measuring pagellm
+        print(f"llama.cpp: not run: {why_not}")
     dense = load_dense_reference(path)
     reference = pagellm_logits(dense, tokens, torch.float32)
     del dense
@@ -59,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     rows[f"pagellm {args.quantization} {dtype_name(dtype)} ({level})"] = distance(
         reference, pagellm_logits(model, tokens, dtype), tokens)
     del model
-    if "llama.cpp" in args.peers.split(",") and path.is_file():
+    if llama_cpp and why_not is None:
         rows["llama.cpp (the file as stored)"] = distance(reference, llama_cpp_logits(path, tokens, args.llama_threads),
                                                           tokens)
     print("| model | top-1 agreement | mean KL | perplexity |\n|---|---|---|---|")

@@ -43,7 +43,7 @@ _BLOCKS = (Flag("format"), Tensor("qs"), Tensor("gp"), Tensor("sp"))  # a GGUFWe
 # the output (and bias) are addresses: a joined layer's parts write side by side into one output, at offsets
 _MATMUL = Function("pagellm_gguf_matmul_q8", (
     Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("N"), Int("ldo"), Address("bias"),
-    Address("out"), DtypeCode("x")), returns=ctypes.c_int)
+    Address("out"), Flag("out_dtype")), returns=ctypes.c_int)
 _ROWS = Function("pagellm_gguf_rows", (*_BLOCKS, Int("N"), Int("K"), Tensor("ids", (torch.int64,)), Int("T"),
                                        Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int64)
 _KERNELS = native.Library("quant_gguf", [_MATMUL, _ROWS], extensions=("avx_vnni",))
@@ -219,20 +219,24 @@ class BoundMatmul:
         self._calls = [(int(o), (w.format_id, w.qs, w.gp, w.sp, w.rows)) for o, w in zip(offsets, weights)]
         self._biases = {}  # dtype -> the bias in it
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] (fp32 or bf16, CPU) -> [..., N] in x's dtype, bias added."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., K] (fp32 or bf16, CPU) -> [..., N] in out_dtype (fp32 or bf16; default x's), bias added. The
+        sums are fp32 either way: an fp32 output of bf16 activations is those sums unrounded (an LM head's)."""
         cols = self.cols
         if x.shape[-1] != cols or not x.is_cpu:  # the kernel reads raw memory: K must match
             raise ValueError(f"expected a CPU input of {cols} features, got {tuple(x.shape)} on {x.device}")
         if x.dtype not in _DTYPE_FLAG:
-            return self(x.float()).to(x.dtype)
+            return self(x.float(), torch.float32).to(out_dtype or x.dtype)
+        out_dtype = out_dtype or x.dtype
+        if out_dtype not in _DTYPE_FLAG:
+            return self(x).to(out_dtype)
         x = x.contiguous()
-        out = torch.empty(*x.shape[:-1], self.rows, dtype=x.dtype)
-        bias = self._bias_in(x.dtype)
-        size, rows, out_at = out.element_size(), x.numel() // cols, out.data_ptr()
+        out = torch.empty(*x.shape[:-1], self.rows, dtype=out_dtype)
+        bias = self._bias_in(out_dtype)
+        size, rows, out_at, code = out.element_size(), x.numel() // cols, out.data_ptr(), _DTYPE_FLAG[out_dtype]
         for offset, args in self._calls:
             self._fn(x, rows, cols, *args, self.rows, None if bias is None else bias + offset * size,
-                     out_at + offset * size)
+                     out_at + offset * size, code)
         return out
 
     def _bias_in(self, dtype: torch.dtype) -> int | None:

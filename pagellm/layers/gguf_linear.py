@@ -56,6 +56,10 @@ class GGUFLinear(KernelBinding, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bound()(x)  # [..., K] -> [..., N] in x's dtype
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As an LM head: [N, K] -> [N, V] fp32, the kernel's fp32 sums unrounded (no bf16 pass to convert)."""
+        return self.bound()(hidden, torch.float32)
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized rows `ids` [T, K] (a token table's lookup: one segment)."""
         segments = self.segments()

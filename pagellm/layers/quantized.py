@@ -264,15 +264,16 @@ class QuantizedEmbedding(nn.Module):
         return self.table.rows(ids, self.dtype).view(*ids.shape, self.embedding_dim)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.table(hidden)
+        return lm_head_logits(self.table, hidden)
 
 
 def lm_head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden @ W^T for an LM head that is a (tied) nn.Embedding, an nn.Linear, or a quantized one."""
+    """hidden @ W^T for an LM head that is a (tied) nn.Embedding, an nn.Linear, or a quantized one; a GGUF
+    head's logits come back in fp32 (its sums are fp32: rounding them to bf16 would only cost a pass)."""
     if isinstance(head, nn.Embedding):
         return F.linear(hidden, head.weight)
-    if isinstance(head, QuantizedEmbedding):
-        return head.logits(hidden)
+    if isinstance(head, (QuantizedEmbedding, GGUFLinear)):
+        return head.logits(hidden)  # a GGUF head returns fp32
     return head(hidden)
 
 

@@ -3,6 +3,7 @@ it reports."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -27,3 +28,22 @@ def test_distances_of_a_model_to_itself_and_to_its_int4_copy(tiny_model_dir):
                       quantization="int4").model
     moved = accuracy.distance(whole, pagellm_logits(int4, tokens, torch.float32), tokens)
     assert 0.0 < moved["kl"] and moved["top1"] <= 1.0
+
+
+def test_a_missing_llama_cpp_is_said_at_once_and_its_row_left_out(monkeypatch, tmp_path, capsys):
+    """The default peers include llama.cpp; without llama-cpp-python the pagellm rows still come, no traceback."""
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"")
+    logits = torch.randn(5, 11)
+    monkeypatch.setattr(accuracy, "resolve_model_path", lambda model: gguf_file)
+    monkeypatch.setattr(accuracy, "text_tokens", lambda path, text, positions: [1, 2, 3, 4, 5])
+    monkeypatch.setattr(accuracy, "load_dense_reference", lambda path: None)
+    monkeypatch.setattr(accuracy, "load_mode", lambda path, quantization, dtype: None)
+    monkeypatch.setattr(accuracy, "pagellm_logits", lambda model, tokens, dtype: logits)
+    monkeypatch.setattr(accuracy.peers, "llama_cpp_available", lambda: "llama-cpp-python not importable (test)")
+    args = argparse.Namespace(model=None, text="t.txt", positions=4, cpu_isa=None, dtype="float32",
+                              quantization="auto", peers="hf,llama.cpp", llama_threads=2)
+    assert accuracy.main(args) == 0
+    out = capsys.readouterr().out
+    assert "llama.cpp: not run: llama-cpp-python not importable (test)" in out
+    assert "| pagellm auto float32" in out and "(the file as stored)" not in out

@@ -81,7 +81,7 @@ def test_avx_vnni_build_equals_the_plain_avx2_build(ggml_type):
     for extensions in (("avx_vnni",), ()):
         fn = gguf_blocks._KERNELS.at("avx2", extensions)["pagellm_gguf_matmul_q8"][1]  # the checked caller
         out = torch.empty(9, 32)
-        fn(x, 9, 512, weight.format_id, *weight.tensors(), 32, 32, None, out.data_ptr())
+        fn(x, 9, 512, weight.format_id, *weight.tensors(), 32, 32, None, out.data_ptr(), native.DTYPE_CODES[out.dtype])
         outs.append(out)
     assert torch.equal(*outs)
 
@@ -129,3 +129,16 @@ def test_layer_rebinds_when_a_buffer_is_replaced():
     assert torch.equal(layer(x), gguf_blocks.matmul(x, first))
     layer.qs0, layer.gp0 = second.qs, second.gp
     assert torch.equal(layer(x), gguf_blocks.matmul(x, second))
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_an_fp32_output_of_bf16_activations_is_the_bf16_output_unrounded(ggml_type):
+    """What an LM head asks for: the same fp32 sums, not rounded to bf16 (bias included)."""
+    data = gguf_tensor(ggml_type, 32, 512, seed=5)
+    bias = torch.randn(32).to(torch.bfloat16).float()  # the same in either output dtype
+    bound = gguf_blocks.BoundMatmul([gguf_blocks.repack(data, ggml_type, (32, 512))], bias)
+    x = torch.randn(5, 512).to(torch.bfloat16)
+    wide, narrow = bound(x, torch.float32), bound(x)
+    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+    assert torch.equal(wide.to(torch.bfloat16), narrow)
+    assert not torch.equal(wide, narrow.float())  # really unrounded
