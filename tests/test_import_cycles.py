@@ -79,9 +79,9 @@ def test_pagellm_has_no_import_cycles():
 
 
 # The model side (kernels, layers, models, core) sits below the step's driver: it is handed what it needs
-# (AttentionMetadata lives in core/ for that reason) and never imports the runner, engine or server.
+# (AttentionMetadata lives in core/ for that reason) and imports only itself and these plain-data modules.
 LOWER = ("pagellm.kernels", "pagellm.layers", "pagellm.models", "pagellm.core")
-UPPER = ("pagellm.runner", "pagellm.engine", "pagellm.server", "pagellm.llm", "pagellm.bench", "pagellm.cli")
+BELOW_ALL = ("pagellm.config", "pagellm.request", "pagellm.sampling_params", "pagellm.platform")
 
 
 def _in(module: str, packages: tuple[str, ...]) -> bool:
@@ -91,5 +91,5 @@ def _in(module: str, packages: tuple[str, ...]) -> bool:
 def test_the_model_side_never_imports_the_layers_that_drive_it():
     graph = import_graph()
     upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if _in(m, LOWER)
-                    for t in targets if _in(t, UPPER))
+                    for t in targets if not _in(t, LOWER + BELOW_ALL))
     assert upward == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ OUT_DIR = Path("bench-out")
 def output_file(text: str) -> Path:
     """--out / --plot value: a bare file name lands in bench-out/; a path with a folder is used as given."""
     path = Path(text)
-    if path.parent == Path("."):
+    if os.sep not in text and "/" not in text:  # "./rows.json" names a folder: kept
         path = OUT_DIR / path
     return path  # its folder is made when the file is written (bench/report.py), not at parsing
 

@@ -229,7 +229,7 @@ def _report_batched(args: argparse.Namespace, engine) -> int:
     return 0
 
 
-def _plot_batched(path: str, rows: list[dict], shared: bool, engine) -> None:
+def _plot_batched(path: Path, rows: list[dict], shared: bool, engine) -> None:
     import torch
 
     from pagellm.bench import report

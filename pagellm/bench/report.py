@@ -60,7 +60,7 @@ def _made_parent(path: str | Path) -> Path:
     return path
 
 
-def check_out_path(path: str | None) -> None:
+def check_out_path(path: str | Path | None) -> None:
     """Reject a bad --out before minutes of measuring, not after."""
     if path is not None and Path(path).suffix not in (".json", ".csv"):
         raise ValueError(f"--out {path}: the file name must end in .json or .csv")

@@ -229,7 +229,7 @@ class BoundMatmul:
             return self(x.float(), torch.float32).to(out_dtype or x.dtype)
         out_dtype = out_dtype or x.dtype
         if out_dtype not in _DTYPE_FLAG:
-            return self(x).to(out_dtype)
+            return self(x, torch.float32).to(out_dtype)
         x = x.contiguous()
         out = torch.empty(*x.shape[:-1], self.rows, dtype=out_dtype)
         bias = self._bias_in(out_dtype)

@@ -237,10 +237,12 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, head.weight[vocab_rows])  # a view of the rows: no copy
         else:
             logits = lm_head_logits(head, hidden)  # [N, V]; dense, or quantized (layers/quantized.py)
-        fast = logits_to_f32(logits, self.final_logit_softcap)  # one native pass, HF's roundings
+        # One native pass: soft-cap with HF's roundings in the logits' dtype (fp32 already for a GGUF head, capped
+        # in place: every head returns a fresh tensor), and the conversion to fp32.
+        fast = logits_to_f32(logits, self.final_logit_softcap, out=logits if logits.dtype == torch.float32 else None)
         if fast is not None:
             return fast
-        if self.final_logit_softcap is not None:  # Gemma; in the model dtype, as HF does
+        if self.final_logit_softcap is not None:  # Gemma; in the logits' dtype, as HF does in the model's
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits.float()
 

@@ -6,8 +6,9 @@
     RequestStream   ◄── call_soon_threadsafe ──  step() -> outputs, put on each request's queue
     abort(ids)      ── inbox ───────────────────►
 
-The LLMEngine is created and touched only on its thread, so it needs no locks. The thread
-steps while work exists and sleeps on the condition otherwise. Outputs go to unbounded
+The LLMEngine is created and stepped only on its thread, so it needs no locks; from other threads
+only its failure field is read and a grammar compiled into its thread-safe cache
+(check_structured_outputs). The thread steps while work exists and sleeps on the condition otherwise. Outputs go to unbounded
 asyncio queues, so the engine never waits for a slow client; the HTTP side only ever awaits
 its own queue, so it never blocks the engine.
 """
@@ -231,6 +232,8 @@ class AsyncEngine:
             from pagellm.engine import LLMEngine
 
             engine = LLMEngine(self.config)
+            served = ServedModel(str(engine.model_path), engine.max_model_len, engine.hf_config.vocab_size,
+                                 engine.tokenizer)
         except BaseException as exc:  # noqa: BLE001 - reported by /health and the log, not raised
             self.load_error = exc
             logger.error("model load failed: %s", exc)
@@ -238,9 +241,7 @@ class AsyncEngine:
             if self.on_load_error is not None:
                 self.on_load_error()
             return
-        self._engine = engine
-        self.model = ServedModel(str(engine.model_path), engine.max_model_len, engine.hf_config.vocab_size,
-                                 engine.tokenizer)
+        self._engine, self.model = engine, served
         self._publish_stats(engine)
         self._ready.set()
         logger.info("engine ready: max_model_len=%d", engine.max_model_len)

@@ -15,11 +15,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def test_a_bare_name_goes_to_the_ignored_folder_and_a_folder_is_kept(tmp_path):
+def test_a_bare_name_goes_to_the_ignored_folder_and_a_folder_is_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     args = parser().parse_args(["--out", "rows.json", "--plot", str(tmp_path / "b.png")])
     assert args.out == OUT_DIR / "rows.json"
     assert args.plot == tmp_path / "b.png"
-    assert not OUT_DIR.exists() or OUT_DIR.is_dir()  # parsing writes nothing
+    assert parser().parse_args(["--out", "./rows.json"]).out == Path("rows.json")  # a folder named: kept
+    assert not (tmp_path / OUT_DIR).exists()  # parsing writes nothing
 
 
 def test_flags_without_a_value_name_the_file_by_command_and_time():

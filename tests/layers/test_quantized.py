@@ -25,7 +25,8 @@ from pagellm.config import ModelConfig
 from pagellm.kernels import quant_gemv
 from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_scale_zero
 from pagellm.layers.quantized import (
-    DENSE_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear, concat_linears)
+    DENSE_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear, concat_linears,
+    lm_head_logits)
 from pagellm.loader.gguf_quant import group_affine_of
 from pagellm.loader.gguf import gguf_weight_types, load_gguf_config
 from pagellm.loader.model_loader import checkpoint_state_dict, load_model
@@ -247,6 +248,9 @@ def test_gguf_auto_load_keeps_every_tensor_as_stored(tmp_path):
     ids = torch.tensor([3, 0, 63])
     assert torch.equal(model.model.embed_tokens(ids), dense.model.model.embed_tokens(ids))
     assert weight_bytes(model) < weight_bytes(dense.model)
+    # The Q8_0 table as a (tied) LM head: its logits come back in fp32 even from bf16 hidden states.
+    hidden = torch.randn(2, model.config.hidden_size).to(torch.bfloat16)
+    assert lm_head_logits(model.model.embed_tokens, hidden).dtype == torch.float32
 
 
 def test_gguf_auto_falls_back_to_int4_int8_without_block_kernels(tmp_path):

@@ -43,7 +43,7 @@ def test_a_step_that_one_request_breaks_fails_that_request_alone(served):
     client, async_engine = served
     with ThreadPoolExecutor(4) as pool:
         expected = [r.json()["choices"][0]["text"] for r in pool.map(lambda p: complete(client, p), PROMPTS)]
-    engine = async_engine._engine  # faults injected into the engine itself, which the server never touches
+    engine = async_engine._engine  # faults injected into the engine itself, behind AsyncEngine
     execute = engine.executor.execute
 
     def faulty(output):  # injected: any step holding the poisoned prompt's request fails
