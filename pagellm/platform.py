@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+from types import MappingProxyType
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 GIB = 1 << 30
 
 

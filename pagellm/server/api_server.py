@@ -163,7 +163,7 @@ async def _tokenize(request: Request) -> dict:
     state = _ready_state(request)
     body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), TokenizeRequest)
     _check_model(state, body.model)
-    tokenizer = _tokenizer(state)
+    tokenizer = state.tokenizer()
 
     def tokenize() -> list[int]:
         if body.messages is not None:
@@ -181,11 +181,7 @@ async def _detokenize(request: Request) -> dict:
     body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), DetokenizeRequest)
     _check_model(state, body.model)
     _check_token_ids(state, body.tokens, "tokens")
-    return {"prompt": await state.off_loop(_tokenizer(state).decode, body.tokens)}
-
-
-def _tokenizer(state: ServerState):
-    return state.tokenizer()
+    return {"prompt": await state.off_loop(state.tokenizer().decode, body.tokens)}
 
 
 def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
@@ -233,7 +229,7 @@ async def _chat_completions(request: Request) -> Response:
     _check_model(state, body.model)
     state.note_unknown_fields(body)
     _check_capacity(state, body, 1)
-    tokenizer = _tokenizer(state)
+    tokenizer = state.tokenizer()
     template = state.chat_template or tokenizer.chat_template
     if body.tool_choice_mode.mode == "auto" and "tools" not in template:
         raise APIError("this model's chat template does not take tools; serve it with --chat-template FILE of one "

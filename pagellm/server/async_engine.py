@@ -8,9 +8,9 @@
 
 The LLMEngine is created and stepped only on its thread, so it needs no locks; from other threads
 only its failure field is read and a grammar compiled into its thread-safe cache
-(check_structured_outputs). The thread steps while work exists and sleeps on the condition otherwise. Outputs go to unbounded
-asyncio queues, so the engine never waits for a slow client; the HTTP side only ever awaits
-its own queue, so it never blocks the engine.
+(check_structured_outputs). The thread steps while work exists and sleeps on the condition
+otherwise. Outputs go to unbounded asyncio queues, so the engine never waits for a slow client;
+the HTTP side only ever awaits its own queue, so it never blocks the engine.
 """
 
 from __future__ import annotations

@@ -337,9 +337,10 @@ void gguf_row(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, int64_t n
 
 }  // namespace
 
-// y[M, N] = x[M, K] (fp32 or bf16) W^T (+ bias), y and bias in fp32 or bf16 (out_bf16, apart from x's), W [N, K] in GGUF format `format` (gguf_format.h)
-// as qs, gp, sp; row m of y at out + m * ldo (ldo >= N: one of several weights side by side, as a joined q/k/v
-// whose parts the file stores in different formats). Returns 0, or -1 for an unknown format.
+// y[M, N] = x[M, K] (fp32 or bf16) W^T (+ bias), y and bias in fp32 or bf16 (out_bf16, apart from x's),
+// W [N, K] in GGUF format `format` (gguf_format.h) as qs, gp, sp; row m of y at out + m * ldo (ldo >= N: one
+// of several weights side by side, as a joined q/k/v whose parts the file stores in different formats).
+// Returns 0, or -1 for an unknown format.
 extern "C" int pagellm_gguf_matmul_q8(const void* x, int x_bf16, int64_t M, int64_t K, int format, const uint8_t* qs,
                                       const uint8_t* gp, const uint8_t* sp, int64_t N, int64_t ldo, const void* bias,
                                       void* out, int out_bf16) {
