@@ -65,6 +65,11 @@ class CacheConfig(_FromDict):
         default=None,
     )
     enable_prefix_caching: bool = _help("Share KV blocks of identical prefixes across requests.", default=True)
+    kv_cache_dtype: str = _help(
+        "dtype K/V are stored in: auto (the default), float32, bfloat16 or float16. auto is the compute dtype, "
+        "except bfloat16 under an auto-chosen float32 on CPU: attention then reads half the bytes per step "
+        "(as llama.cpp's f16 cache) while the rest stays float32. An explicit dtype keeps its own cache.",
+        default="auto")
     state_cache_memory: float | None = _help(
         "Hybrid models: GiB for recurrent-state slots, one per running request, apart from the KV budget "
         "(default: enough for max_num_seqs requests).",
@@ -86,6 +91,8 @@ class CacheConfig(_FromDict):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_pa
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
-from pagellm.kernels.selection import compute_dtype, select_kernels
+from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, select_kernels
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import weight_bytes
 from pagellm.models.bound_layers import layer_plan
@@ -43,6 +43,7 @@ class LLMEngine:
         self.device = torch.device(mc.device)
         self.kernels = select_kernels(config.kernels)  # before loading: layouts follow the level's kernels
         self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type)]  # after: "auto" follows the level
+        self.kv_cache_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, self.device.type)]
         limit_threads_to_cores()
         parallel, workers, shard = None, None, None
         if config.parallel.tensor_parallel_size > 1:
@@ -82,7 +83,7 @@ class LLMEngine:
         self.model_path = loaded.path
         context = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         self.max_model_len = min(mc.max_model_len or context, context)
-        per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.kv_cache_dtype)
         budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_gib()
         num_blocks = int(budget * GIB // per_block)
         if num_blocks < 1:
@@ -98,7 +99,7 @@ class LLMEngine:
         # Structured output needs the vocabulary's text; nothing is built until a request asks for it.
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size) if self.tokenizer is not None else None
         self.runner = ModelRunner(self.model, setup.num_blocks, cc.block_size, config.scheduler.max_num_seqs,
-                                  self.dtype, self.device, num_state_slots=setup.num_state_slots,
+                                  self.kv_cache_dtype, self.device, num_state_slots=setup.num_state_slots,
                                   num_snapshot_slots=setup.num_snapshot_slots, grammars=self.grammars,
                                   logits=logits)
         self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
@@ -262,6 +263,8 @@ class LLMEngine:
         stats = self.counters.as_dict(self.kv_cache, self.scheduler)
         stats["tensor_parallel_size"] = self.executor.world_size
         stats["kernels"] = self.kernels
+        stats["dtype"] = str(self.dtype).removeprefix("torch.")
+        stats["kv_cache_dtype"] = str(self.kv_cache_dtype).removeprefix("torch.")
         stats["layers"] = layer_plan(self.model)  # bound to the kernels, or modules and why
         stats.update(self.memory)  # weights, and the process with its KV pool still empty, as loaded
         return stats

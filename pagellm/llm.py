@@ -26,6 +26,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         kv_cache_memory: float | None = None,
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         n_ubatch: int = 64,
         decode_stable_interval: int = 0,
@@ -42,7 +43,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device,
                               quantization=quantization),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                               enable_prefix_caching=enable_prefix_caching, state_cache_memory=state_cache_memory,
                               state_snapshot_memory=state_snapshot_memory),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -6,7 +6,7 @@ import pytest
 
 from pagellm import LLM
 from pagellm.cli import build_parser, engine_config_from_args
-from pagellm.config import EngineConfig, KernelConfig
+from pagellm.config import CacheConfig, EngineConfig, KernelConfig
 from pagellm.kernels import native, selection
 
 
@@ -43,6 +43,24 @@ def test_every_engine_command_takes_the_kernel_flags():
     assert build_parser().parse_args(["bench", "batched", "--cpu-isa", "avx2"]).cpu_isa == "avx2"
 
 
+def test_kv_cache_dtype_auto_is_bf16_under_an_auto_fp32_on_cpu():
+    """auto: bf16 K/V where auto chose fp32 compute on a CPU; the compute dtype wherever a dtype was named."""
+    with native.using("avx2"):
+        assert selection.kv_cache_dtype("auto", None, "cpu") == "bfloat16"
+        assert selection.kv_cache_dtype("auto", "auto", "cpu") == "bfloat16"
+        assert selection.kv_cache_dtype("auto", "float32", "cpu") == "float32"  # the HF-parity mode stays fp32
+        assert selection.kv_cache_dtype("auto", "float16", "cpu") == "float16"
+        assert selection.kv_cache_dtype("float32", None, "cpu") == "float32"
+        assert selection.kv_cache_dtype("auto", None, "cuda") == "float32"
+    if "avx512" in native.host_levels():
+        with native.using("avx512"):
+            assert selection.kv_cache_dtype("auto", None, "cpu") == "bfloat16"  # the compute dtype itself
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, bfloat16 or float16, got 'int8'"):
+        CacheConfig(kv_cache_dtype="int8")
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "float32"])
+    assert engine_config_from_args(args).cache.kv_cache_dtype == "float32"
+
+
 def test_llm_runs_the_level_asked_and_reports_it():
     previous = native.level()
     try:
@@ -50,6 +68,7 @@ def test_llm_runs_the_level_asked_and_reports_it():
         assert native.level() == "generic"
         assert llm.stats()["kernels"].startswith("generic (GGUF blocks x int8 matmul, int4 x int8 matmul, paged attention, fused layer ops")
         assert llm.stats()["layers"] == "bound to the kernels (18 layers)"  # the embedded model, planned once
+        assert (llm.stats()["dtype"], llm.stats()["kv_cache_dtype"]) == ("float32", "bfloat16")  # the level's auto
         out = llm.generate([[2, 818, 5279, 529, 7001, 563]], use_tqdm=False)[0].outputs[0].token_ids
         assert len(out) > 0
         llm.shutdown()

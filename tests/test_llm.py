@@ -167,7 +167,7 @@ def test_preemption_recomputes_and_keeps_greedy_ids(llm, reference_ids):
 
     from pagellm.runner.model_runner import kv_cache_bytes_per_block
 
-    per_block = kv_cache_bytes_per_block(llm.engine.model, 16, llm.engine.dtype)
+    per_block = kv_cache_bytes_per_block(llm.engine.model, 16, llm.engine.kv_cache_dtype)
     small = LLM(kv_cache_memory=6 * per_block / 2**30)  # 6 blocks for 5 requests needing 2 each
     assert small.stats()["kv_blocks_total"] == 6
     out = small.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -73,7 +73,7 @@ def test_preempted_requests_resume_their_grammar(llm):
     """A pool too small for all at once: requests are preempted mid-JSON and their matchers replay the tokens."""
     params = json_params(temperature=0.0)
     reference = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
-    per_block = kv_cache_bytes_per_block(llm.engine.model, 16, llm.engine.dtype)
+    per_block = kv_cache_bytes_per_block(llm.engine.model, 16, llm.engine.kv_cache_dtype)
     small = LLM(kv_cache_memory=7 * per_block / 2**30)  # 4 requests of ~3 blocks each
     outputs = small.generate([PROMPT] * 4, params, use_tqdm=False)
     assert small.stats()["num_preemptions"] > 0, reference

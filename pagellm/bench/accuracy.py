@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from pagellm.bench import peers
-from pagellm.eval.forward import load_dense_reference, load_mode, mode_dtype, pagellm_logits, tokenize_text
+from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, pagellm_logits,
+                                  tokenize_text)
 from pagellm.eval.perplexity import score_positions, summarize
 from pagellm.kernels import native
 from pagellm.loader.model_loader import resolve_model_path
@@ -50,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     tokens = text_tokens(path, args.text, args.positions)
     level = native.select(args.cpu_isa or "auto")
-    dtype = mode_dtype(args.dtype)
+    dtype, kv_dtype = mode_dtype(args.dtype), mode_kv_cache_dtype(args.dtype)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
     llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()
     why_not = peers.llama_cpp_available() if llama_cpp else None
@@ -61,8 +62,9 @@ def main(args: argparse.Namespace) -> int:
     del dense
     rows = {"pagellm dense fp32 (reference)": distance(reference, reference, tokens)}
     model = load_mode(path, args.quantization, dtype)
-    rows[f"pagellm {args.quantization} {dtype_name(dtype)} ({level})"] = distance(
-        reference, pagellm_logits(model, tokens, dtype), tokens)
+    kv = "" if kv_dtype == dtype else f", {dtype_name(kv_dtype)} KV"
+    rows[f"pagellm {args.quantization} {dtype_name(dtype)}{kv} ({level})"] = distance(
+        reference, pagellm_logits(model, tokens, dtype, kv_cache_dtype=kv_dtype), tokens)
     del model
     if llama_cpp and why_not is None:
         rows["llama.cpp (the file as stored)"] = distance(reference, llama_cpp_logits(path, tokens, args.llama_threads),

@@ -62,7 +62,8 @@ def batched_row(pp: int, tg: int, b: int, t_pp: float, t_tg: float, shared_promp
 
 
 def build_engine(model: str | None, dtype: str | None, max_batch: int, max_prompt: int, max_new: int, *,
-                 block_size: int = 16, kv_cache_memory: float | None = None, quantization: str = "auto",
+                 block_size: int = 16, kv_cache_memory: float | None = None, kv_cache_dtype: str = "auto",
+                 quantization: str = "auto",
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  parallel: ParallelConfig | None = None, cpu_isa: str | None = None,
                  with_tokenizer: bool = False) -> LLMEngine:
@@ -71,7 +72,7 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
     batched_tokens = max_num_batched_tokens or max(max_batch * max_prompt, 64)
     config = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
-        cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+        cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=batched_tokens,
                                   n_ubatch=min(64, batched_tokens)),

@@ -28,6 +28,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=float, default=None,
                         help="pagellm KV budget in GiB (default: a quarter of available RAM, at most 4)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="pagellm K/V storage (default auto: bfloat16 under an auto float32, else the dtype)")
 
 
 def add_bench_parser(subparsers) -> None:
@@ -161,6 +163,7 @@ def _run_batched(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), max(args.pp), max(args.tg),
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                                  kv_cache_dtype=args.kv_cache_dtype,
                                   quantization=args.quantization, cpu_isa=args.cpu_isa,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_prefix_caching=args.enable_prefix_caching,
@@ -197,7 +200,7 @@ def _report_batched(args: argparse.Namespace, engine) -> int:
     from pagellm.bench import batched, report
 
     sched = engine.config.scheduler
-    print(report.describe_machine(report.machine_info(report.dtype_name(engine.dtype))))
+    print(report.describe_machine(report.machine_info(report.engine_dtypes(engine))))
     print(f"model: {engine.model_path}\n"
           f"engine: max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens}, "
           f"block_size {engine.kv_cache.block_size}, KV blocks {engine.kv_cache.pool.num_blocks}, "

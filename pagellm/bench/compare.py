@@ -39,7 +39,7 @@ def make_runners(args: argparse.Namespace, engine) -> tuple[dict, dict[str, str]
     runners = {PAGELLM: _pagellm_runner(engine)}
     # what was asked (auto on an HF checkpoint is none), unless no layer ended up quantized
     quantized = engine.config.model.quantization if engine.quantization else "none"
-    described = {PAGELLM: f"LLMEngine, {report.dtype_name(engine.dtype)}, weights {quantized}, "
+    described = {PAGELLM: f"LLMEngine, {report.engine_dtypes(engine)}, weights {quantized}, "
                           f"{torch.get_num_threads()} torch threads"}
     skipped: dict[str, str] = {}
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
@@ -136,8 +136,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), args.pp, args.tg,
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                                  kv_cache_dtype=args.kv_cache_dtype,
                                   quantization=args.quantization, cpu_isa=args.cpu_isa)
-    machine = report.machine_info(report.dtype_name(engine.dtype))
+    machine = report.machine_info(report.engine_dtypes(engine))
     print(report.describe_machine(machine))
     print(f"model: {engine.model_path}")
     roof = roofline.measure_roofline(engine.dtype, quick=args.quick_roofline)

@@ -106,6 +106,12 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def engine_dtypes(engine) -> str:
+    """An engine's compute dtype, with its KV cache's where that differs: "float32, bfloat16 KV"."""
+    kv = "" if engine.kv_cache_dtype == engine.dtype else f", {dtype_name(engine.kv_cache_dtype)} KV"
+    return dtype_name(engine.dtype) + kv
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

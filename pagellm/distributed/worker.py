@@ -138,7 +138,7 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     from pagellm.loader.model_loader import load_model
     from pagellm.runner.model_runner import ModelRunner
 
-    from pagellm.kernels.selection import compute_dtype, select_kernels
+    from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, select_kernels
 
     limit_threads_to_cores()
     state = init_worker(addr, port, rank, world_size, timeout, join_timeout)
@@ -152,8 +152,9 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
                        shard=shard, kernels=config.kernels).model
     install_all_reduce(model, state.all_reduce_)
     setup: RunnerSetup = pickle.loads(state.store.get(_RUNNER_KEY))
+    kv_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, mc.device)]
     runner = ModelRunner(model, setup.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
-                         dtype, device, num_state_slots=setup.num_state_slots,
+                         kv_dtype, device, num_state_slots=setup.num_state_slots,
                          num_snapshot_slots=setup.num_snapshot_slots, samples=False,
                          logits=vocab_parallel_logits(model, state))  # the head's decision: same model and world
     keep_step_buffers_in_heap(config.kernels.heap_tuning)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from pagellm.platform import DTYPES
-from pagellm.kernels.selection import compute_dtype
+from pagellm.kernels.selection import compute_dtype, kv_cache_dtype
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.tokenizer import load_tokenizer
 from pagellm.core.attention_metadata import AttentionMetadata
@@ -25,8 +25,14 @@ def mode_dtype(name: str | None) -> torch.dtype:
     return DTYPES[compute_dtype(name, "cpu")]
 
 
+def mode_kv_cache_dtype(name: str | None) -> torch.dtype:
+    """The dtype the engine stores K/V in under --dtype `name` (kv_cache_dtype auto), so after native.select."""
+    return DTYPES[kv_cache_dtype("auto", name, "cpu")]
+
+
 def is_dense_mode(path: Path, quantization: str, dtype: torch.dtype) -> bool:
-    """Whether the mode is the dense fp32 reference itself ("auto" keeps an HF checkpoint dense)."""
+    """Whether the mode loads the dense fp32 reference model itself ("auto" keeps an HF checkpoint dense; its
+    K/V may still be stored in bf16: see mode_kv_cache_dtype)."""
     dense_weights = quantization == "none" or (quantization == "auto" and not path.is_file())
     return dense_weights and dtype == torch.float32
 
@@ -51,15 +57,17 @@ def tokenize_text(path: Path, text_file: str) -> tuple[list[int], int | None]:
 
 
 def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype, chunk: int = 128,
-                   first: int = 0) -> torch.Tensor:
+                   first: int = 0, kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
     """[len(tokens) - first, V] fp32 logits of positions first .. end, one sequence prefilled `chunk` tokens
-    per step; positions before `first` only build the cache (their logits are never computed)."""
+    per step; positions before `first` only build the cache (their logits are never computed). K/V are stored
+    in `kv_cache_dtype` (default: `dtype`)."""
     if getattr(model, "state_layers", list)():
         raise ValueError("this evaluation does not drive hybrid (recurrent-state) models yet")
     blocks = -(-len(tokens) // _BLOCK)
     for layer in model.attention_layers():
         shape = (blocks, _BLOCK, layer.num_kv_heads, layer.head_dim)
-        layer.bind_kv_cache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype),
+                            torch.zeros(shape, dtype=kv_cache_dtype or dtype))
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagellm.eval.forward import (is_dense_mode, load_dense_reference, load_mode, mode_dtype, pagellm_logits,
-                                  tokenize_text)
+from pagellm.eval.forward import (is_dense_mode, load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype,
+                                  pagellm_logits, tokenize_text)
 from pagellm.kernels import native
 from pagellm.loader.model_loader import resolve_model_path
 
@@ -97,15 +97,18 @@ def windows(tokens: list[int], ctx: int, bos: int | None, max_windows: int | Non
 
 
 def score_windows(model: torch.nn.Module, dtype: torch.dtype, chunks: list[list[int]],
-                  reference: torch.nn.Module | None = None) -> Iterator[PositionScores]:
+                  reference: torch.nn.Module | None = None,
+                  kv_cache_dtype: torch.dtype | None = None) -> Iterator[PositionScores]:
     """Each window's scores in turn: positions ctx/2 .. ctx-2 against the window's next tokens."""
     for window in chunks:
         first = len(window) // 2
-        logits = pagellm_logits(model, window, dtype, first=first)[:-1]  # the last position has no next token
+        # the last position has no next token
+        logits = pagellm_logits(model, window, dtype, first=first, kv_cache_dtype=kv_cache_dtype)[:-1]
         if reference is None:
             yield score_positions(logits, window[first + 1 :])
             continue
-        same = reference is model  # the mode is the reference itself: KL 0, no second forward
+        # the mode is the reference itself (weights, dtype and cache): KL 0, no second forward
+        same = reference is model and (kv_cache_dtype or dtype) == torch.float32
         ref_logits = logits if same else pagellm_logits(reference, window, torch.float32, first=first)[:-1]
         yield score_positions(logits, window[first + 1 :], ref_logits)
 
@@ -119,17 +122,18 @@ def main(args: argparse.Namespace) -> int:
     if not chunks:
         raise ValueError(f"--text {args.text} has {len(tokens)} tokens, fewer than one window of --ctx {args.ctx}")
     level = native.select(args.cpu_isa or "auto")
-    dtype = mode_dtype(args.dtype)
+    dtype, kv_dtype = mode_dtype(args.dtype), mode_kv_cache_dtype(args.dtype)
     model = load_mode(path, args.quantization, dtype)
     _check_context(model, args.ctx)
     reference = None
     if args.kl_base == "dense":
         reference = model if is_dense_mode(path, args.quantization, dtype) else load_dense_reference(path)
-    print(f"model: {path}\nmode: {args.quantization} {str(dtype).removeprefix('torch.')}; kernels: {level}\n"
+    print(f"model: {path}\nmode: {args.quantization} {str(dtype).removeprefix('torch.')}, "
+          f"{str(kv_dtype).removeprefix('torch.')} KV; kernels: {level}\n"
           f"text: {args.text}, {len(tokens)} tokens; {len(chunks)} windows of {args.ctx} "
           f"(positions {args.ctx // 2}..{args.ctx - 2} of each scored)")
     parts = []
-    for i, scores in enumerate(score_windows(model, dtype, chunks, reference), start=1):
+    for i, scores in enumerate(score_windows(model, dtype, chunks, reference, kv_dtype), start=1):
         parts.append(scores)
         print(f"[{i}]{summarize(concat(parts)).ppl:.4f},", end="\n" if i == len(chunks) else "", flush=True)
     print(format_summary(summarize(concat(parts))))

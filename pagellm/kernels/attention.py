@@ -5,8 +5,9 @@ cache, and the block tables. K/V are addressed through the block table; the
 reference gathers the blocks of one batch with an index, the native kernel
 (`csrc/paged_attention.cpp`) reads them in place. `paged_attention` uses the
 native kernel for CPU float32/bfloat16 tensors with a head size that is a
-multiple of 16, when it could be built (see `native.load`), and the reference
-otherwise; the reference is the oracle the native path is tested against.
+multiple of 16 (the cache in the query's dtype, or bf16 under fp32 queries),
+when it could be built (see `native.load`), and the reference otherwise; the
+reference is the oracle the native path is tested against.
 
 Masking follows HF transformers: token at position p sees keys at positions
 k <= p, and with a sliding window W only those with p - k < W.
@@ -19,7 +20,7 @@ import ctypes
 import torch
 
 from pagellm.kernels import native
-from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor
+from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor, kv_cache_pairs
 from pagellm.core.attention_metadata import AttentionMetadata
 
 
@@ -115,7 +116,8 @@ _PAGED_ATTENTION = Function("pagellm_paged_attention", (
     *map(Int, ("num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size", "table_stride", "q_stride_tok",
                "q_stride_head", "k_stride_block", "k_stride_tok", "k_stride_head", "v_stride_block",
                "v_stride_tok", "v_stride_head")),
-    Float("scale"), Int("window"), Float("soft_cap"), DtypeCode("query"), Flag("num_threads")), returns=ctypes.c_int)
+    Float("scale"), Int("window"), Float("soft_cap"), DtypeCode("query"), DtypeCode("key_cache"), Flag("num_threads")),
+    returns=ctypes.c_int)
 _LIBRARY = native.Library("paged_attention", [_PAGED_ATTENTION])
 
 
@@ -128,7 +130,7 @@ def _native_supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     # a copy of the cache would cost more than the reference: rows of unit stride are what the kernel takes
     return (query.shape[-1] % 16 == 0  # the AVX-512 loops step 16 lanes
             and _PAGED_ATTENTION.accepts(query=query, key_cache=key_cache, value_cache=value_cache)
-            and key_cache.dtype == value_cache.dtype == query.dtype)
+            and key_cache.dtype == value_cache.dtype and kv_cache_pairs(query.dtype, key_cache.dtype))
 
 
 def _int64_rows(t: torch.Tensor) -> torch.Tensor:

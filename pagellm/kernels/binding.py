@@ -31,6 +31,12 @@ DTYPE_CODES = MappingProxyType({torch.float32: 0, torch.bfloat16: 1})  # the ker
 FLOATS = (torch.float32, torch.bfloat16)
 
 
+def kv_cache_pairs(compute: torch.dtype, cache: torch.dtype) -> bool:
+    """Whether the kernels take a KV cache of dtype `cache` under `compute` activations: the same dtype, or bf16
+    under fp32 (paged_attention.cpp's and layer_ops.cpp's mixed pair)."""
+    return compute in FLOATS and cache in (compute, torch.bfloat16)
+
+
 class KernelArgumentError(ValueError):
     """A kernel was called with an argument it cannot take (named in the message)."""
 

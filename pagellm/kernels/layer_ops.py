@@ -1,8 +1,8 @@
 """Fused decoder-layer ops through csrc/layer_ops.cpp: q/k/v preparation, residual add + RMSNorm, act * up.
 
 Each function returns None when the inputs are not ones the kernel handles (not CPU fp32/bf16, not
-contiguous, a KV cache in another dtype, native kernels unavailable); the caller then runs the torch
-ops it replaces (pagellm/models/llama.py, pagellm/layers/mlp.py), which stay the reference the kernels
+contiguous, a KV cache in a dtype not paired with the activations' (binding.kv_cache_pairs), native kernels
+unavailable); the caller then runs the torch ops it replaces (pagellm/models/llama.py, pagellm/layers/mlp.py), which stay the reference the kernels
 are tested against. Why fused: at decode every torch op costs dispatch and allocation, and a Gemma 3
 layer ran many of them around its matmuls (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md).
 """
@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from pagellm.kernels import native
-from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor
+from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor, kv_cache_pairs
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_mul's native activations
 MAX_HEAD_DIM = 1024  # qkv_prepare's largest head (csrc/layer_ops.cpp kMaxHeadDim)
@@ -23,7 +23,7 @@ _QKV_PREPARE = Function("pagellm_qkv_prepare", (
     Tensor("q_weight", FLOATS, optional=True), Tensor("k_weight", FLOATS, optional=True), Float("eps"),
     Flag("unit_offset"), Tensor("cos", FLOATS), Tensor("sin", FLOATS), Tensor("key_cache", FLOATS),
     Tensor("value_cache", FLOATS), Tensor("slots", (torch.int64,)), Int("num_slots"), Tensor("q_out", FLOATS),
-    DtypeCode("qkv")), returns=ctypes.c_int)
+    DtypeCode("qkv"), DtypeCode("key_cache")), returns=ctypes.c_int)
 _ADD_RMS_NORM = Function("pagellm_add_rms_norm", (
     Tensor("residual", FLOATS), Tensor("x", FLOATS), Tensor("post_weight", FLOATS, optional=True),
     Tensor("weight", FLOATS), Tensor("residual_out", FLOATS), Tensor("out", FLOATS), Int("rows"), Int("dim"),
@@ -56,7 +56,8 @@ def qkv_prepare(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: 
     if (qkv.numel() == 0 or _lib() is None
             or not _QKV_PREPARE.accepts(qkv=qkv, cos=cos, sin=sin, key_cache=key_cache, value_cache=value_cache,
                                         slots=slots, q_weight=q_weight, k_weight=k_weight)
-            or not cos.dtype == sin.dtype == key_cache.dtype == value_cache.dtype == qkv.dtype
+            or not cos.dtype == sin.dtype == qkv.dtype
+            or not key_cache.dtype == value_cache.dtype or not kv_cache_pairs(qkv.dtype, key_cache.dtype)
             or qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim
             or cos.shape != sin.shape or cos.shape[0] != tokens or slots.numel() != tokens
             or key_cache.shape != value_cache.shape or tuple(key_cache.shape[-2:]) != kv_row

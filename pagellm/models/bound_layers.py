@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import attention, layer_ops, native
+from pagellm.kernels.binding import kv_cache_pairs
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.kernel_binding import KernelBinding
 from pagellm.layers.mlp import _FUSED_NAMES
@@ -102,9 +103,10 @@ class BoundModel:
     def __call__(self, h: torch.Tensor, ropes: list, meta) -> torch.Tensor:
         """ropes: (cos, sin) [T, D/2] per layer, in the model dtype."""
         caches = self.layers[0].paged.key_cache
-        if h.dtype != self.dtype or caches is None or caches.dtype != self.dtype:  # the runner's invariants
-            raise RuntimeError(f"the bound layers were planned for {self.dtype} activations and KV cache; got "
-                               f"{h.dtype} and {None if caches is None else caches.dtype}")
+        # the runner's invariants
+        if h.dtype != self.dtype or caches is None or not kv_cache_pairs(self.dtype, caches.dtype):
+            raise RuntimeError(f"the bound layers were planned for {self.dtype} activations and a KV cache paired "
+                               f"with them; got {h.dtype} and {None if caches is None else caches.dtype}")
         pending = (None, None)
         for layer, (cos, sin) in zip(self.layers, ropes):
             h, pending = layer(h, cos, sin, meta, pending)

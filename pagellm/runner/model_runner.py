@@ -43,7 +43,7 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype, device: torch.device, num_state_slots: int = 0, num_snapshot_slots: int = 0,
+                 kv_cache_dtype: torch.dtype, device: torch.device, num_state_slots: int = 0, num_snapshot_slots: int = 0,
                  samples: bool = True, grammars: Grammars | None = None,
                  logits: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.model = model
@@ -60,8 +60,8 @@ class ModelRunner:
         for layer in model.attention_layers():
             # torch.empty reserves address space only: pages become resident as blocks are written.
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-            layer.bind_kv_cache(torch.empty(shape, dtype=dtype, device=device),
-                                torch.empty(shape, dtype=dtype, device=device))
+            layer.bind_kv_cache(torch.empty(shape, dtype=kv_cache_dtype, device=device),
+                                torch.empty(shape, dtype=kv_cache_dtype, device=device))
         self.state_layers = state_layers_of(model)
         # Rows [0, num_state_slots) are running requests' slots, the rest prefix-cache snapshots
         # (core/snapshot_pool.py). Uninitialised too: a request's first chunk starts from zero state

@@ -57,8 +57,8 @@ def test_a_worker_runner_fed_decoded_messages_reuses_steps_like_the_head(checkpo
     config = EngineConfig(model=ModelConfig(model=str(checkpoint("llama"))), cache=CacheConfig(kv_cache_memory=0.01))
     engine = LLMEngine(config, skip_tokenizer_init=True)
     worker = ModelRunner(load_model(config.model.model, engine.dtype, engine.device, with_tokenizer=False).model,
-                         engine.kv_cache.pool.num_blocks, 16, config.scheduler.max_num_seqs, engine.dtype, engine.device,
-                         samples=False)
+                         engine.kv_cache.pool.num_blocks, 16, config.scheduler.max_num_seqs, engine.kv_cache_dtype,
+                         engine.device, samples=False)
     head_reused, worker_reused = [], []
     run_step = engine.executor.execute
 

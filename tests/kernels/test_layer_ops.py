@@ -37,17 +37,19 @@ def _rope(tokens: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "fp32-bf16kv"])
 @pytest.mark.parametrize("qk_norm,unit_offset", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("tokens,dim", [(1, 64), (5, 80), (300, 64), (3, 256)])  # 80: the norm's scalar tail
-def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, qk_norm, unit_offset, tokens, dim):
+def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, cache_dtype, qk_norm, unit_offset, tokens, dim):
+    """Bit-identical to the unfused ops, also where k and v are rounded once into a bf16 cache (write_kv's .to)."""
     heads, kv_heads, blocks, block_size = 4, 2, 40, 16
     torch.manual_seed(tokens)
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 2).to(dtype)
     cos, sin = _rope(tokens, dim, dtype)
     slots = torch.randperm(blocks * block_size)[:tokens]  # scattered over blocks, as the block table places them
     norms = (_norm(dim, unit_offset, dtype, 1), _norm(dim, unit_offset, dtype, 2)) if qk_norm else None
-    caches = [torch.zeros(blocks, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    caches = [torch.zeros(blocks, block_size, kv_heads, dim, dtype=cache_dtype) for _ in range(4)]
 
     with torch.inference_mode():
         q = layer_ops.qkv_prepare(qkv, heads, kv_heads, norms[0].flavour_weight() if norms else None,
@@ -67,8 +69,10 @@ def test_qkv_prepare_declines_what_it_cannot_do():
     qkv, cos, sin = torch.randn(2, 4 * 32), *_rope(2, 32, torch.float32)
     cache = torch.zeros(4, 16, 1, 32)
     slots = torch.tensor([0, 1])
-    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache.bfloat16(), cache.bfloat16(),
-                                 slots) is None  # cache dtype differs
+    assert layer_ops.qkv_prepare(qkv.bfloat16(), 2, 1, None, None, 0.0, False, cos.bfloat16(), sin.bfloat16(),
+                                 cache, cache, slots) is None  # an fp32 cache under bf16: not a pair it takes
+    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache.bfloat16(),
+                                 slots) is None  # K and V differ
     assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots.int()) is None
     assert layer_ops.qkv_prepare(qkv[:, ::2], 1, 0, None, None, 0.0, False, cos, sin, cache, cache, slots) is None
     assert layer_ops.qkv_prepare(qkv, 3, 1, None, None, 0.0, False, cos, sin, cache, cache, slots) is None

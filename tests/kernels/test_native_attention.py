@@ -34,11 +34,13 @@ class Case:
 
 
 def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-              seed=0, placement_seed=None) -> Case:
+              seed=0, placement_seed=None, cache_dtype=None) -> Case:
     """Random K/V for every token of every context, in shuffled physical blocks; the rest NaN.
 
-    The logical content depends on `seed` only, the physical placement on `placement_seed`.
+    The logical content depends on `seed` only, the physical placement on `placement_seed`. The cache is in
+    `cache_dtype` (default: the query's `dtype`).
     """
+    cache_dtype = cache_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(needed) + 3  # spare blocks that no table uses, left NaN
@@ -50,14 +52,14 @@ def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_siz
         start += n
     meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, block_size)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.full(shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    key_cache = torch.full(shape, float("nan"), dtype=cache_dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=cache_dtype)
     for seq_len, table in zip(seq_lens, tables):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)])
         key_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
-            seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+            seq_len, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
         value_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
-            seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+            seq_len, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
     return Case(query, key_cache, value_cache, meta, head_dim**-0.5)
 
@@ -92,30 +94,37 @@ CONFIGS = [  # (H_q, H_kv, D, block_size, sliding_window, soft_cap): G = 1, 2, 3
     (3, 3, 128, 16, 33, None),
 ]
 
+# (query dtype, cache dtype): the pairs the kernel takes; fp32 queries over bf16 K/V are the avx2 default
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+PAIR_IDS = ["fp32", "bf16", "fp32-bf16kv"]
+
 
 @requires_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hq{}-hkv{}-d{}-bs{}-w{}-cap{}".format(*c))
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_matches_reference(scenario, config, dtype):
+def test_matches_reference(scenario, config, dtypes):
     num_heads, num_kv_heads, head_dim, block_size, window, cap = config
     query_lens, seq_lens = SCENARIOS[scenario]
-    case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    dtype, cache_dtype = dtypes
+    case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                     cache_dtype=cache_dtype)
     assert_close(*run_both(case, window, cap), dtype)
 
 
 @requires_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [None, 512])
-def test_long_decode_with_key_splits(dtype, threads, window):
+def test_long_decode_with_key_splits(dtypes, threads, window):
     """One long decode: with 2 threads the kernel splits the keys and merges the partials."""
+    dtype, cache_dtype = dtypes
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        case = make_case([1], [3001], 4, 1, 256, 16, dtype)
+        case = make_case([1], [3001], 4, 1, 256, 16, dtype, cache_dtype=cache_dtype)
         assert_close(*run_both(case, window), dtype)
-        case = make_case([1, 1], [2500, 40], 8, 2, 64, 32, dtype)  # uneven pair: the long one splits
+        case = make_case([1, 1], [2500, 40], 8, 2, 64, 32, dtype, cache_dtype=cache_dtype)  # the long one splits
         assert_close(*run_both(case, window, 20.0), dtype)
     finally:
         torch.set_num_threads(saved)
@@ -168,14 +177,15 @@ def level_cases():
     data with subnormal keys, products and partial sums (vdpbf16ps flushes those to zero, the AVX2 fmas
     keep them: the scores differ by less than 2^-126 * (D + |q|_1 + |k|_1), which the softmax does not
     see at these scales; see the top of paged_attention.cpp)."""
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, kv in DTYPE_PAIRS:
         for query_lens, seq_lens in SCENARIOS.values():
             for num_heads, num_kv_heads, head_dim, block_size, window, cap in CONFIGS:
-                yield make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype), window, cap
-        yield make_case([1, 1], [2500, 40], 8, 2, 64, 32, dtype), 512, 20.0
-        yield make_case([1, 9], [3001, 40], 4, 1, 256, 16, dtype), None, None
+                yield (make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                 cache_dtype=kv), window, cap)
+        yield make_case([1, 1], [2500, 40], 8, 2, 64, 32, dtype, cache_dtype=kv), 512, 20.0
+        yield make_case([1, 9], [3001, 40], 4, 1, 256, 16, dtype, cache_dtype=kv), None, None
         for head_dim in (48, 80):
-            yield make_case([1, 6, 1], [300, 6, 50], 4, 2, head_dim, 16, dtype), 100, 30.0
+            yield make_case([1, 6, 1], [300, 6, 50], 4, 2, head_dim, 16, dtype, cache_dtype=kv), 100, 30.0
     tiny = make_case([1, 5], [40, 50], 4, 2, 64, 16, torch.bfloat16)
     tiny.query[:, 2:] *= 2.0**-70  # two of the four heads: tiny x tiny products are subnormal
     tiny.key_cache.mul_(2.0**-70)
@@ -230,15 +240,17 @@ def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch):
         attention.paged_attention(query, key_cache, value_cache, case.meta, case.scale)
         return calls[0]
 
+    bf16_k, bf16_v = case.key_cache.to(torch.bfloat16), case.value_cache.to(torch.bfloat16)
     if native.load("paged_attention") is not None:
         assert dispatched() == "native"
-        assert dispatched(case.query.to(torch.bfloat16), case.key_cache.to(torch.bfloat16),
-                          case.value_cache.to(torch.bfloat16)) == "native"
-    # not covered by the kernel: float16, a head size that is not a multiple of 16, mixed dtypes
+        assert dispatched(case.query.to(torch.bfloat16), bf16_k, bf16_v) == "native"
+        assert dispatched(case.query, bf16_k, bf16_v) == "native"  # fp32 queries over a bf16 cache
+    # not covered by the kernel: float16, a head size that is not a multiple of 16, other mixed dtypes
     assert dispatched(case.query.half(), case.key_cache.half(), case.value_cache.half()) == "reference"
     assert dispatched(case.query[..., :24], case.key_cache[..., :24].contiguous(),
                       case.value_cache[..., :24].contiguous()) == "reference"
     assert dispatched(case.query.to(torch.bfloat16)) == "reference"
+    assert dispatched(case.query, bf16_k) == "reference"  # K and V in different dtypes
     with native.using(None):  # native kernels off
         assert dispatched() == "reference"
     monkeypatch.setattr(attention, "_native_kernel", lambda: None)  # the library could not be built

@@ -16,14 +16,15 @@ from pagellm.core.attention_metadata import AttentionMetadata
 
 
 class PagedHarness:
-    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0, num_state_slots: int = 8):
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0, num_state_slots: int = 8,
+                 kv_cache_dtype: torch.dtype | None = None):
         self.model, self.block_size = model, block_size
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        for layer in model.attention_layers():
+        for layer in model.attention_layers():  # K/V in the model's dtype unless told
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-            layer.bind_kv_cache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                torch.zeros(shape, dtype=self.dtype, device=self.device))
+            layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or self.dtype, device=self.device),
+                                torch.zeros(shape, dtype=kv_cache_dtype or self.dtype, device=self.device))
         self.has_state = bool(getattr(model, "state_layers", list)())
         for layer in getattr(model, "state_layers", list)():
             shapes = layer.state_shapes()

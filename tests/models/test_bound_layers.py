@@ -17,12 +17,12 @@ from tests.models.tiny_checkpoints import write_tiny_checkpoint
 FAMILIES = ["llama", "qwen2", "qwen3-yarn", "gemma3"]  # plain, q/k/v bias, q/k norm, Gemma's sandwich norms
 
 
-def _prefill_both_ways(model, prompt) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefill_both_ways(model, prompt, kv_cache_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = []
     for bound in (True, False):
         model.model.plan_layers(bound, model.model.norm.weight.dtype)  # as the loader plans from KernelConfig
         assert (model.model.bound is not None) is bound  # the path under test does apply
-        logits.append(PagedHarness(model).prefill("a", prompt))
+        logits.append(PagedHarness(model, kv_cache_dtype=kv_cache_dtype).prefill("a", prompt))
     return logits[0], logits[1]
 
 
@@ -35,26 +35,32 @@ def _greedy_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
     return [list(outputs[i]) for i in ids]
 
 
+# (compute dtype, KV cache dtype): the pairs the kernels take; fp32 over bf16 K/V is the default without AVX-512 BF16
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+PAIR_IDS = ["fp32", "bf16", "fp32-bf16kv"]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("quantization", ["none", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bound_layers_equal_the_modules(tmp_path, family, quantization, dtype):
+@pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPE_PAIRS, ids=PAIR_IDS)
+def test_bound_layers_equal_the_modules(tmp_path, family, quantization, dtype, kv_cache_dtype):
     write_tiny_checkpoint(family, tmp_path)
     model = load_model(str(tmp_path), dtype, torch.device("cpu"), False, quantization).model
     prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(3)).tolist()
-    bound, modules = _prefill_both_ways(model, prompt)
+    bound, modules = _prefill_both_ways(model, prompt, kv_cache_dtype)
     assert torch.equal(bound, modules)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bound_layers_equal_the_modules_on_gguf_blocks(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPE_PAIRS, ids=PAIR_IDS)
+def test_bound_layers_equal_the_modules_on_gguf_blocks(tmp_path, dtype, kv_cache_dtype):
     """A Gemma 3 GGUF as Q4_K_M files mix formats: q/k Q5_0 with v Q8_0 (one joined layer of two formats)."""
     types = {**{f"blk.{i}.{name}.weight": kind for i in range(2) for name, kind in (
         ("attn_q", T.Q5_0), ("attn_k", T.Q5_0), ("attn_v", T.Q8_0), ("attn_output", T.Q4_0), ("ffn_gate", T.Q5_0),
         ("ffn_up", T.Q5_0), ("ffn_down", T.Q4_K))}, "token_embd.weight": T.Q8_0}
     tiny = write_tiny_gguf(tmp_path / "m.gguf", "gemma3", types=types, tie_embeddings=True)
     model = load_model(str(tiny.path), dtype, torch.device("cpu"), False, "auto").model
-    bound, modules = _prefill_both_ways(model, torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(5)).tolist())
+    prompt = torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(5)).tolist()
+    bound, modules = _prefill_both_ways(model, prompt, kv_cache_dtype)
     assert torch.equal(bound, modules)
 
 

@@ -24,7 +24,7 @@ model = build_model(config, torch.float32, "cpu")
 model.load_weights((n, torch.randn(p.shape) * 0.02) for n, p in model.named_parameters())
 num_blocks = (1 << 30) // kv_cache_bytes_per_block(model, 16, torch.float32)  # a 1 GiB pool
 before = rss()
-runner = ModelRunner(model, num_blocks, 16, max_num_seqs=4, dtype=torch.float32, device=torch.device("cpu"))
+runner = ModelRunner(model, num_blocks, 16, max_num_seqs=4, kv_cache_dtype=torch.float32, device=torch.device("cpu"))
 reserved = rss() - before
 cache = model.attention_layers()[0].key_cache
 cache[: num_blocks // 2].fill_(1.0)  # write half of one layer's key blocks

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "exp512.h"
 #include "norm.h"
@@ -31,26 +32,44 @@ void norm_rotate(const T* x, const void* weight, float eps, const T* cos, const 
     rotate_row<T>(normed, cos, sin, out, dim / 2);
 }
 
-template <typename T, int UNIT_OFFSET>
+// A cache row of n values from x (in the compute type T), rounded as torch's .to() where C is narrower.
+template <typename T, typename C>
+inline void to_cache(const T* x, C* out, int64_t n) {
+    if constexpr (std::is_same_v<T, C>) {
+        std::memcpy(out, x, n * sizeof(T));
+    } else {
+        for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(x[i]);  // (float -> bf16: the one mixed pair)
+    }
+}
+
+template <typename T, typename C, int UNIT_OFFSET>
 void prepare_token(const T* qkv, int64_t H, int64_t Hk, int64_t D, const void* q_weight, const void* k_weight,
-                   float eps, const T* cos, const T* sin, T* key_cache, T* value_cache, int64_t slot, T* q_out) {
+                   float eps, const T* cos, const T* sin, C* key_cache, C* value_cache, int64_t slot, T* q_out) {
     for (int64_t h = 0; h < H; ++h)
         norm_rotate<T, UNIT_OFFSET>(qkv + h * D, q_weight, eps, cos, sin, q_out + h * D, D);
     const T* k = qkv + H * D;
-    for (int64_t h = 0; h < Hk; ++h)
-        norm_rotate<T, UNIT_OFFSET>(k + h * D, k_weight, eps, cos, sin, key_cache + (slot * Hk + h) * D, D);
-    std::memcpy(value_cache + slot * Hk * D, k + Hk * D, Hk * D * sizeof(T));
+    for (int64_t h = 0; h < Hk; ++h) {
+        C* row = key_cache + (slot * Hk + h) * D;
+        if constexpr (std::is_same_v<T, C>) {
+            norm_rotate<T, UNIT_OFFSET>(k + h * D, k_weight, eps, cos, sin, row, D);
+        } else {  // k in the compute type first, then rounded once into the cache, as the unfused ops
+            T rotated[kMaxHeadDim];
+            norm_rotate<T, UNIT_OFFSET>(k + h * D, k_weight, eps, cos, sin, rotated, D);
+            to_cache(rotated, row, D);
+        }
+    }
+    to_cache(k + Hk * D, value_cache + slot * Hk * D, Hk * D);
 }
 
-template <typename T, int UNIT_OFFSET>
+template <typename T, typename C, int UNIT_OFFSET>
 void prepare(const T* qkv, int64_t tokens, int64_t H, int64_t Hk, int64_t D, const void* q_weight,
-             const void* k_weight, float eps, const T* cos, const T* sin, T* key_cache, T* value_cache,
+             const void* k_weight, float eps, const T* cos, const T* sin, C* key_cache, C* value_cache,
              const int64_t* slots, T* q_out) {
     const int64_t width = (H + 2 * Hk) * D;
 #pragma omp parallel for schedule(static) if (tokens * width >= (1 << 16))
     for (int64_t t = 0; t < tokens; ++t)
-        prepare_token<T, UNIT_OFFSET>(qkv + t * width, H, Hk, D, q_weight, k_weight, eps, cos + t * D / 2,
-                                      sin + t * D / 2, key_cache, value_cache, slots[t], q_out + t * H * D);
+        prepare_token<T, C, UNIT_OFFSET>(qkv + t * width, H, Hk, D, q_weight, k_weight, eps, cos + t * D / 2,
+                                         sin + t * D / 2, key_cache, value_cache, slots[t], q_out + t * H * D);
 }
 
 template <int IS_BF16, int UNIT_OFFSET>
@@ -223,21 +242,26 @@ void act_mul(const T* gate_up, int64_t rows, int64_t n, T* out) {
 // slots [tokens], each below num_slots (the caches' blocks * block_size). Writes q_out [tokens, H, D] and the
 // tokens' K/V rows. Returns 0; 1 (nothing done) if D is too large or odd; 2 (nothing written) if a slot is out
 // of range, as index_copy_ would refuse it.
+// The cache in the compute dtype, or bf16 (cache_is_bf16) under fp32: 1 for another pair or a head size it
+// cannot hold, 2 for a slot outside the cache, 0 done.
 extern "C" int pagellm_qkv_prepare(const void* qkv, int64_t tokens, int64_t H, int64_t Hk, int64_t D,
                                    const void* q_weight, const void* k_weight, float eps, int unit_offset,
                                    const void* cos, const void* sin, void* key_cache, void* value_cache,
-                                   const int64_t* slots, int64_t num_slots, void* q_out, int is_bf16) {
-    if (D > kMaxHeadDim || D % 2) return 1;
+                                   const int64_t* slots, int64_t num_slots, void* q_out, int is_bf16,
+                                   int cache_is_bf16) {
+    if (D > kMaxHeadDim || D % 2 || (is_bf16 && !cache_is_bf16)) return 1;
     for (int64_t t = 0; t < tokens; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots) return 2;
-#define PAGELLM_PREPARE(T, U)                                                                              \
-    prepare<T, U>(static_cast<const T*>(qkv), tokens, H, Hk, D, q_weight, k_weight, eps,                  \
-                  static_cast<const T*>(cos), static_cast<const T*>(sin), static_cast<T*>(key_cache),      \
-                  static_cast<T*>(value_cache), slots, static_cast<T*>(q_out))
-    if (is_bf16 && unit_offset) PAGELLM_PREPARE(uint16_t, 1);
-    else if (is_bf16) PAGELLM_PREPARE(uint16_t, 0);
-    else if (unit_offset) PAGELLM_PREPARE(float, 1);
-    else PAGELLM_PREPARE(float, 0);
+#define PAGELLM_PREPARE(T, C, U)                                                                           \
+    prepare<T, C, U>(static_cast<const T*>(qkv), tokens, H, Hk, D, q_weight, k_weight, eps,               \
+                     static_cast<const T*>(cos), static_cast<const T*>(sin), static_cast<C*>(key_cache),   \
+                     static_cast<C*>(value_cache), slots, static_cast<T*>(q_out))
+    if (is_bf16 && unit_offset) PAGELLM_PREPARE(uint16_t, uint16_t, 1);
+    else if (is_bf16) PAGELLM_PREPARE(uint16_t, uint16_t, 0);
+    else if (cache_is_bf16 && unit_offset) PAGELLM_PREPARE(float, uint16_t, 1);
+    else if (cache_is_bf16) PAGELLM_PREPARE(float, uint16_t, 0);
+    else if (unit_offset) PAGELLM_PREPARE(float, float, 1);
+    else PAGELLM_PREPARE(float, float, 0);
 #undef PAGELLM_PREPARE
     return 0;
 }

@@ -88,12 +88,14 @@ struct Shape {
   int64_t group() const { return num_heads / num_kv_heads; }
 };
 
-template <typename T>
+// T: the queries' and outputs' type; C: the cache's (the same, or bf16 under fp32 queries: K/V stored in half
+// the bytes a decode step streams, read exactly as fp32 by the loads of every level).
+template <typename T, typename C>
 struct Problem : Shape {
   T* out;  // [T, H_q, D], contiguous
   const T* query;
-  const T* key_cache;
-  const T* value_cache;
+  const C* key_cache;
+  const C* value_cache;
 };
 
 struct Task {
@@ -151,8 +153,8 @@ struct Workspace {
   Workspace& operator=(const Workspace&) = delete;
 };
 
-template <typename T>
-void load_queries(const Problem<T>& pb, const Task& t, Workspace<T>& ws) {
+template <typename T, typename C>
+void load_queries(const Problem<T, C>& pb, const Task& t, Workspace<T>& ws) {
   const int64_t D = pb.head_dim, G = pb.group(), R = t.ntok * G;
   using Q = typename Workspace<T>::Q;
   for (int64_t r = 0; r < R; ++r) {
@@ -170,9 +172,9 @@ void load_queries(const Problem<T>& pb, const Task& t, Workspace<T>& ws) {
 
 // Row pointers of keys c0 .. c0 + c - 1 of a sequence; the rest of the 16 repeat the first
 // so that fixed-width tiles can read them (their scores are masked out).
-template <typename T>
-void chunk_rows(const Problem<T>& pb, const int64_t* table, int64_t kv_head, int64_t c0, int c,
-                const T** k, const T** v) {
+template <typename T, typename C>
+void chunk_rows(const Problem<T, C>& pb, const int64_t* table, int64_t kv_head, int64_t c0, int c,
+                const C** k, const C** v) {
   int64_t block = c0 / pb.block_size, row = c0 % pb.block_size;
   for (int j = 0; j < c; ++j) {
     int64_t phys = table[block];
@@ -190,19 +192,19 @@ void chunk_rows(const Problem<T>& pb, const int64_t* table, int64_t kv_head, int
 }
 
 // Attend keys [lo, hi) of task t; leave (m, l, acc) in ws.
-template <typename T>
-void attend_range(const Problem<T>& pb, const Task& t, int64_t lo, int64_t hi, Workspace<T>& ws) {
+template <typename T, typename C>
+void attend_range(const Problem<T, C>& pb, const Task& t, int64_t lo, int64_t hi, Workspace<T>& ws) {
   const int64_t D = pb.head_dim, G = pb.group(), R = t.ntok * G;
   const int64_t* table = pb.block_tables + t.seq * pb.table_stride;
   std::fill(ws.m, ws.m + R, kNegInf);
   std::fill(ws.l, ws.l + R, 0.0f);
   std::fill(ws.acc, ws.acc + R * D, 0.0f);
-  const T* rows[2][2][kChunk];  // [this chunk, next chunk][K, V][key]
+  const C* rows[2][2][kChunk];  // [this chunk, next chunk][K, V][key]
   if (lo < hi) chunk_rows(pb, table, t.kv_head, lo, int(std::min<int64_t>(kChunk, hi - lo)), rows[0][0], rows[0][1]);
   for (int64_t c0 = lo, cur = 0; c0 < hi; c0 += kChunk, cur ^= 1) {
     int c = int(std::min<int64_t>(kChunk, hi - c0));
-    const T** k = rows[cur][0];
-    const T** v = rows[cur][1];
+    const C** k = rows[cur][0];
+    const C** v = rows[cur][1];
     bool more = c0 + kChunk < hi;
     if (more)
       chunk_rows(pb, table, t.kv_head, c0 + kChunk, int(std::min<int64_t>(kChunk, hi - c0 - kChunk)),
@@ -220,8 +222,8 @@ void attend_range(const Problem<T>& pb, const Task& t, int64_t lo, int64_t hi, W
   }
 }
 
-template <typename T>
-T* output_row(const Problem<T>& pb, const Task& t, int64_t r) {
+template <typename T, typename C>
+T* output_row(const Problem<T, C>& pb, const Task& t, int64_t r) {
   const int64_t G = pb.group();
   return pb.out + ((t.tok0 + r / G) * pb.num_heads + t.kv_head * G + r % G) * pb.head_dim;
 }
@@ -230,8 +232,8 @@ T* output_row(const Problem<T>& pb, const Task& t, int64_t r) {
 // size for the largest task (tasks of one call differ little), which keeps indexing simple.
 inline int64_t slot_floats(int64_t R, int64_t D) { return R * (D + 2); }
 
-template <typename T>
-void run_unit(const Problem<T>& pb, const Task& t, int64_t split, Workspace<T>& ws, float* partials,
+template <typename T, typename C>
+void run_unit(const Problem<T, C>& pb, const Task& t, int64_t split, Workspace<T>& ws, float* partials,
               int64_t slot_stride) {
   const int64_t D = pb.head_dim, R = t.ntok * pb.group();
   int64_t lo = t.key_lo + split * t.split_len;
@@ -250,8 +252,8 @@ void run_unit(const Problem<T>& pb, const Task& t, int64_t split, Workspace<T>& 
 }
 
 // Merge the splits of task t: weights e^(m_s - M) put every split's sums on the same scale.
-template <typename T>
-void merge_splits(const Problem<T>& pb, const Task& t, const float* partials, int64_t slot, float* row) {
+template <typename T, typename C>
+void merge_splits(const Problem<T, C>& pb, const Task& t, const float* partials, int64_t slot, float* row) {
   const int64_t D = pb.head_dim, R = t.ntok * pb.group();
   const float* first = partials + t.partial * slot;
   for (int64_t r = 0; r < R; ++r) {
@@ -274,8 +276,8 @@ void merge_splits(const Problem<T>& pb, const Task& t, const float* partials, in
 // ---------------------------------------------------------------------------------------------
 // Planning: tasks, key splits, schedule order.
 
-template <typename T>
-std::vector<Task> make_tasks(const Problem<T>& pb) {
+template <typename T, typename C>
+std::vector<Task> make_tasks(const Problem<T, C>& pb) {
   const int64_t G = pb.group();
   const int64_t tile = std::max<int64_t>(1, kTileRows / G);
   std::vector<Task> tasks;
@@ -326,8 +328,8 @@ std::vector<Unit> split_tasks(std::vector<Task>& tasks, int64_t group, int nthre
   return units;
 }
 
-template <typename T>
-void run(const Problem<T>& pb, int nthreads) {
+template <typename T, typename C>
+void run(const Problem<T, C>& pb, int nthreads) {
   std::vector<Task> tasks = make_tasks(pb);
   if (tasks.empty()) return;
   const int64_t G = pb.group(), D = pb.head_dim;
@@ -359,8 +361,9 @@ void run(const Problem<T>& pb, int nthreads) {
 
 }  // namespace
 
-// dtype: 0 = float32, 1 = bfloat16. window <= 0: no sliding window; soft_cap <= 0: none.
-// head_dim must be a multiple of 16. Returns 0, -1 for an unsupported dtype, -2 out of memory.
+// dtype (query, out) and cache_dtype (key_cache, value_cache): 0 = float32, 1 = bfloat16; the pairs taken are
+// (0, 0), (1, 1) and (0, 1). window <= 0: no sliding window; soft_cap <= 0: none. head_dim must be a multiple
+// of 16. Returns 0, -1 for an unsupported dtype pair, -2 out of memory.
 extern "C" int pagellm_paged_attention(
     void* out, const void* query, const void* key_cache, const void* value_cache,
     const int64_t* block_tables, const int64_t* query_start_loc, const int64_t* seq_lens,
@@ -368,23 +371,22 @@ extern "C" int pagellm_paged_attention(
     int64_t table_stride, int64_t q_stride_tok, int64_t q_stride_head,
     int64_t k_stride_block, int64_t k_stride_tok, int64_t k_stride_head,
     int64_t v_stride_block, int64_t v_stride_tok, int64_t v_stride_head,
-    float scale, int64_t window, float soft_cap, int dtype, int num_threads) {
+    float scale, int64_t window, float soft_cap, int dtype, int cache_dtype, int num_threads) {
   const Shape shape{block_tables, query_start_loc, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
                     block_size, table_stride, q_stride_tok, q_stride_head, k_stride_block, k_stride_tok,
                     k_stride_head, v_stride_block, v_stride_tok, v_stride_head, scale, window, soft_cap};
+  auto solve = [&](auto* typed_out, auto* typed_cache) {
+    using T = std::remove_pointer_t<decltype(typed_out)>;
+    using C = std::remove_pointer_t<decltype(typed_cache)>;
+    run(Problem<T, C>{shape, static_cast<T*>(out), static_cast<const T*>(query), static_cast<const C*>(key_cache),
+                      static_cast<const C*>(value_cache)},
+        num_threads);
+    return 0;
+  };
   try {
-    if (dtype == 0) {
-      run(Problem<float>{shape, static_cast<float*>(out), static_cast<const float*>(query),
-                         static_cast<const float*>(key_cache), static_cast<const float*>(value_cache)},
-          num_threads);
-      return 0;
-    }
-    if (dtype == 1) {
-      run(Problem<bf16>{shape, static_cast<bf16*>(out), static_cast<const bf16*>(query),
-                        static_cast<const bf16*>(key_cache), static_cast<const bf16*>(value_cache)},
-          num_threads);
-      return 0;
-    }
+    if (dtype == 0 && cache_dtype == 0) return solve(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+    if (dtype == 1 && cache_dtype == 1) return solve(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr));
+    if (dtype == 0 && cache_dtype == 1) return solve(static_cast<float*>(nullptr), static_cast<bf16*>(nullptr));
   } catch (const std::bad_alloc&) {  // planning vectors; nothing may unwind into ctypes
     return -2;
   }
