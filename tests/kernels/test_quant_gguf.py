@@ -86,6 +86,37 @@ def test_avx_vnni_build_equals_the_plain_avx2_build(ggml_type):
     assert torch.equal(*outs)
 
 
+# The bytes of each format's block that hold its scales (kept as quantized); the rest hold codes.
+_SCALE_BYTES = {T.Q4_0: slice(0, 2), T.Q4_1: slice(0, 4), T.Q5_0: slice(0, 2), T.Q5_1: slice(0, 4),
+                T.Q8_0: slice(0, 2), T.Q4_K: slice(0, 16), T.Q5_K: slice(0, 16), T.Q6_K: slice(192, 210)}
+
+
+@pytest.mark.across_levels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("code_byte", [0xFF, 0x80])
+def test_extreme_codes_keep_the_int16_sums_exact(ggml_type, code_byte):
+    """Every code byte 0xFF (each code at its largest) or 0x80 (Q8_0's -128), activations at +-127: the plain
+    avx2 build adds several chunks' vpmaddubsw pair sums in int16 before widening, which must not overflow;
+    every build (without extensions) gives the generic build's bits."""
+    data = gguf_tensor(ggml_type, 32, 512, seed=5).copy()
+    blocks = data.reshape(-1, gguf.GGML_QUANT_SIZES[ggml_type][1])
+    scales = blocks[:, _SCALE_BYTES[ggml_type]].copy()
+    blocks[:] = code_byte
+    blocks[:, _SCALE_BYTES[ggml_type]] = scales
+    weight = gguf_blocks.repack(data, ggml_type, (32, 512))
+    x = torch.ones(4, 512)
+    x[1], x[2, ::2] = -1.0, -1.0  # rows of +127, of -127, and alternating
+    outs = {}
+    for level in native.host_levels():
+        fn = gguf_blocks._KERNELS.at(level, ())["pagellm_gguf_matmul_q8"][1]  # the checked caller
+        out = torch.empty(4, 32)
+        fn(x, 4, 512, weight.format_id, *weight.tensors(), 32, 32, None, out.data_ptr(), native.DTYPE_CODES[out.dtype])
+        outs[level] = out
+    exact = x @ dequantized(data, ggml_type, (32, 512)).T
+    assert ((outs["generic"] - exact).norm() / exact.norm()).item() < 1e-3  # the codes are what was meant
+    assert all(torch.equal(outs["generic"], out) for out in outs.values()), list(outs)
+
+
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_resident_bytes_stay_near_the_files(ggml_type):
     data = gguf_tensor(ggml_type, 32, 1024)

@@ -15,9 +15,9 @@
 // bit-identical (integer sums are exact; every fp32 step is the same operation in the same order):
 //   avx512   vpdpbusd on 16 rows at once; Q8_0's signed codes shifted to unsigned (xor 0x80), the shift taken
 //            back with the zero point (128 * sum a)
-//   avx2     vpmaddubsw + vpmaddwd on 8 rows at once (4-bit codes add 8 chunks in int16 first, as
-//            quant_gemv_q8.cpp; wider codes widen per chunk: 63 x 127 x 2 fits int16 once, not twice; Q8_0
-//            by llama.cpp's sign trick, |q| x sign(a, q), at most 128 x 127 x 2). With AVX-VNNI: vpdpbusd as avx512
+//   avx2     vpmaddubsw + vpmaddwd on 8 rows at once (chunks add in int16 as far as they cannot overflow it:
+//            8 of 4-bit codes, as quant_gemv_q8.cpp, 4 of 5-bit, 2 of 6-bit; Q8_0 by llama.cpp's sign trick,
+//            |q| x sign(a, q), at most 128 x 127 x 2, widens every chunk). With AVX-VNNI: vpdpbusd as avx512
 //   generic  plain C++ loops
 #include <algorithm>
 #include <cstdint>
@@ -164,27 +164,56 @@ inline __m256i chunk_codes(const uint8_t* q, int t, int half) {
     return w;
 }
 
-// acc += the 8 lanes' dot products of w's codes with a row's broadcast quad, in int32 (Bits 4 without VNNI: in
-// int16 pair sums, widened by the caller).
-template <class F>
-inline __m256i dot_chunk(__m256i acc, __m256i w, __m256i quad) {
-#ifdef __AVXVNNI__
-    return _mm256_dpbusd_avx_epi32(acc, w, quad);
-#else
-    const __m256i ones = _mm256_set1_epi16(1);
-    if constexpr (F::kBits == 4) return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, quad));
-    if constexpr (F::kBits == 8)
-        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(quad, w)), ones));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, quad), ones));
-#endif
-}
-
-template <class F>
-inline __m256i widened(__m256i acc) {
 #ifndef __AVXVNNI__
-    if constexpr (F::kBits == 4) return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+// Chunks whose vpmaddubsw pair sums still add up exactly in int16: two products of a code (< 2^bits; Q8_0's
+// |q| <= 128 by the sign trick) and an activation (|a| <= 127) per pair, so 8 chunks of 4-bit codes, 4 of 5-bit,
+// 2 of 6-bit, 1 of 8-bit. Each batch costs one vpmaddwd + vpaddd instead of one per chunk: a quarter of the
+// instructions of a 5-bit chunk (Q5_0, most of a Q4_K_M file's weights).
+template <class F>
+constexpr int int16_chunks() { return F::kBits == 8 ? 1 : 32767 / (((1 << F::kBits) - 1) * 127 * 2); }
+
+// The int16 pair sums of w's codes with a row's broadcast quad.
+template <class F>
+inline __m256i pair_sums(__m256i w, __m256i quad) {
+    if constexpr (F::kBits == 8) return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(quad, w));
+    return _mm256_maddubs_epi16(w, quad);
+}
 #endif
-    return acc;
+
+// acc[r] = the 8 lanes' int32 dot products of chunks h * kChunks .. + kChunks - 1 of group q (rows 8 * half ..)
+// with activation row r's quads (quads: the group's [8, MR]).
+template <class F, int MR>
+inline void chunk_sums(const uint8_t* q, int h, int half, const int32_t* quads, __m256i* acc) {
+    constexpr int kChunks = 8 / F::kHalves;
+#ifdef __AVXVNNI__
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) {
+        const int t = h * kChunks + c;
+        const __m256i w = chunk_codes<F>(q, t, half);
+        for (int r = 0; r < MR; ++r) acc[r] = _mm256_dpbusd_avx_epi32(acc[r], w, _mm256_set1_epi32(quads[t * MR + r]));
+    }
+#else
+    constexpr int kBatch = std::min(int16_chunks<F>(), kChunks);
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+    for (int b = 0; b < kChunks; b += kBatch) {
+        __m256i part[MR];
+#pragma GCC unroll 8
+        for (int c = 0; c < kBatch; ++c) {
+            const int t = h * kChunks + b + c;
+            const __m256i w = chunk_codes<F>(q, t, half);
+            for (int r = 0; r < MR; ++r) {
+                const __m256i sums = pair_sums<F>(w, _mm256_set1_epi32(quads[t * MR + r]));
+                part[r] = c == 0 ? sums : _mm256_add_epi16(part[r], sums);
+            }
+        }
+        for (int r = 0; r < MR; ++r) {
+            const __m256i widened = _mm256_madd_epi16(part[r], ones);
+            acc[r] = b == 0 ? widened : _mm256_add_epi32(acc[r], widened);
+        }
+    }
+#endif
 }
 
 inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
@@ -217,7 +246,6 @@ inline VectorScales group_scales(const uint8_t* gp, const uint8_t* sp, int half)
 template <class F, int MR>
 void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
                      float (*out)[16]) {
-    constexpr int kChunks = 8 / F::kHalves;
     constexpr int32_t kZero = zero_point<F, kShiftedQ8>();
     for (int half = 0; half < 2; ++half) {
         __m256 total[MR];
@@ -229,16 +257,9 @@ void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, co
             const VectorScales s = group_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, half);
             for (int h = 0; h < F::kHalves; ++h) {
                 __m256i acc[MR];
-                for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-                for (int c = 0; c < kChunks; ++c) {
-                    const int t = h * kChunks + c;
-                    const __m256i w = chunk_codes<F>(q, t, half);
-                    const int32_t* quads = a.q + (g * 8 + t) * MR;
-                    for (int r = 0; r < MR; ++r) acc[r] = dot_chunk<F>(acc[r], w, _mm256_set1_epi32(quads[r]));
-                }
+                chunk_sums<F, MR>(q, h, half, a.q + g * 8 * MR, acc);
                 for (int r = 0; r < MR; ++r) {
-                    __m256i sum = widened<F>(acc[r]);
+                    __m256i sum = acc[r];
                     if constexpr (kZero != 0)
                         sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(kZero * covered_sum<F>(a.half + 2 * (g * MR + r), h)));
                     const __m256 scaled = _mm256_mul_ps(s.scale[h], _mm256_set1_ps(a.d[g * MR + r]));
