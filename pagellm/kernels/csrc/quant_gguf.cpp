@@ -172,6 +172,11 @@ inline __m256i chunk_codes(const uint8_t* q, int t, int half) {
 template <class F>
 constexpr int int16_chunks() { return F::kBits == 8 ? 1 : 32767 / (((1 << F::kBits) - 1) * 127 * 2); }
 
+// An empty asm that v passes through, so that its sum is built in the order written: GCC otherwise regroups
+// the chunks' sums into a tree whose partial sums outnumber the 16 ymm registers and spill to the stack.
+// measured: docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md
+inline void in_order(__m256i& v) { __asm__("" : "+x"(v)); }
+
 // The int16 pair sums of w's codes with a row's broadcast quad.
 template <class F>
 inline __m256i pair_sums(__m256i w, __m256i quad) {
@@ -206,11 +211,13 @@ inline void chunk_sums(const uint8_t* q, int h, int half, const int32_t* quads, 
             for (int r = 0; r < MR; ++r) {
                 const __m256i sums = pair_sums<F>(w, _mm256_set1_epi32(quads[t * MR + r]));
                 part[r] = c == 0 ? sums : _mm256_add_epi16(part[r], sums);
+                in_order(part[r]);
             }
         }
         for (int r = 0; r < MR; ++r) {
             const __m256i widened = _mm256_madd_epi16(part[r], ones);
             acc[r] = b == 0 ? widened : _mm256_add_epi32(acc[r], widened);
+            in_order(acc[r]);
         }
     }
 #endif
