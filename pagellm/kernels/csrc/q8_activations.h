@@ -32,7 +32,10 @@ namespace {
 constexpr int kMaxRowsQ8 = 12;  // 12 int32 + 12 fp32 accumulators of 32 registers
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PAGELLM_Q8_AVX2 1
-constexpr int kMaxRowsQ8 = 6;  // 6 int16 + 6 fp32 accumulators, the weights and two constants in 16 registers
+// 10 rows: their integer accumulators and fp32 totals outnumber the 16 ymm registers, but the totals, touched
+// once per group, spill cheaply, and each decoded chunk of weights serves more rows (6, 8, 10, 12 measured:
+// docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md)
+constexpr int kMaxRowsQ8 = 10;
 #else
 constexpr int kMaxRowsQ8 = 4;
 #endif

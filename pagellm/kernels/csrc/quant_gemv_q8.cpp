@@ -98,8 +98,8 @@ inline __m256 bf16x8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// out[r][0..16] for the MR activation rows of one pass, 8 rows of the block at a time (registers for 6 rows of
-// accumulators): per chunk, the 8 rows' 4 codes widened into their 32-bit lanes as in the AVX-512 unpack, one
+// out[r][0..16] for the MR activation rows of one pass, 8 rows of the block at a time (kMaxRowsQ8's note on
+// registers): per chunk, the 8 rows' 4 codes widened into their 32-bit lanes as in the AVX-512 unpack, one
 // vpmaddubsw against a row's broadcast quad, the pair sums added in int16 across the group's 8 chunks.
 template <int MR>
 void q8_block(const uint8_t* codes, const uint16_t* sz, const int32_t* a, const float* d, const float* dsum,

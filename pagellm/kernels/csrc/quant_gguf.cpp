@@ -4,9 +4,9 @@
 //
 // Why not llama.cpp's own structure (one weight row against one activation row, a horizontal sum per block):
 // the repacked layout puts 16 rows in one register per 4 columns, so an activation row's 4 codes are one
-// broadcast and every instruction is 16 rows' work with no horizontal sums; with up to 12 activation rows per
-// pass over the weights, prefill and large batches reuse each decoded chunk 12 times (quant_gemv_q8.cpp, the
-// same design on pagellm's int4 layout).
+// broadcast and every instruction is 16 rows' work with no horizontal sums; with up to kMaxRowsQ8 activation
+// rows per pass over the weights (12 at avx512, 10 at avx2), prefill and large batches reuse each decoded chunk
+// that often (quant_gemv_q8.cpp, the same design on pagellm's int4 layout).
 //
 // Per row lane and group: isum = sum_k q a (exact in int32), then in fp32
 //   total += (isum - zero * sum_k a) * (scale * d)            (the zero point in integers: exact)
