@@ -138,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                                   kv_cache_dtype=args.kv_cache_dtype,
                                   quantization=args.quantization, cpu_isa=args.cpu_isa)
-    machine = report.machine_info(report.engine_dtypes(engine))
+    machine = report.machine_info(report.dtype_name(engine.dtype))
     print(report.describe_machine(machine))
     print(f"model: {engine.model_path}")
     roof = roofline.measure_roofline(engine.dtype, quick=args.quick_roofline)

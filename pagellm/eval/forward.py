@@ -13,6 +13,7 @@ import torch
 from pagellm.platform import DTYPES
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype
 from pagellm.loader.model_loader import load_model
+from pagellm.models.bound_layers import PlannedBackbone
 from pagellm.loader.tokenizer import load_tokenizer
 from pagellm.core.attention_metadata import AttentionMetadata
 
@@ -25,9 +26,9 @@ def mode_dtype(name: str | None) -> torch.dtype:
     return DTYPES[compute_dtype(name, "cpu")]
 
 
-def mode_kv_cache_dtype(name: str | None) -> torch.dtype:
-    """The dtype the engine stores K/V in under --dtype `name` (kv_cache_dtype auto), so after native.select."""
-    return DTYPES[kv_cache_dtype("auto", name, "cpu")]
+def mode_kv_cache_dtype(name: str | None, kv: str = "auto") -> torch.dtype:
+    """The dtype the engine stores K/V in under --dtype `name` and --kv-cache-dtype `kv`, so after native.select."""
+    return DTYPES[kv_cache_dtype(kv, name, "cpu")]
 
 
 def is_dense_mode(path: Path, quantization: str, dtype: torch.dtype) -> bool:
@@ -68,6 +69,8 @@ def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype
         shape = (blocks, _BLOCK, layer.num_kv_heads, layer.head_dim)
         layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype),
                             torch.zeros(shape, dtype=kv_cache_dtype or dtype))
+    for backbone in (m for m in model.modules() if isinstance(m, PlannedBackbone)):
+        backbone.fit_kv_cache(kv_cache_dtype or dtype)
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):

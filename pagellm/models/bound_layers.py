@@ -152,10 +152,18 @@ class PlannedBackbone(KernelBinding):
     def plan_layers(self, enabled: bool, dtype: torch.dtype, all_reduce=None) -> str:
         """Choose, once, how the layers run; returns the choice in words."""
         bound, why = plan_backbone(self, type(self).norms_of, enabled, dtype, all_reduce)
+        kv = self.__dict__.get("_kv_cache_dtype")
+        if bound is not None and kv is not None and not kv_cache_pairs(dtype, kv):
+            bound, why = None, f"a {kv} KV cache under {dtype} activations, which the kernels do not pair"
         self.__dict__["_bound"] = bound
         self.__dict__["_plan_settings"] = (enabled, dtype, all_reduce)
         self.plan_description = f"bound to the kernels ({len(bound.layers)} layers)" if bound else f"modules: {why}"
         return self.plan_description
+
+    def fit_kv_cache(self, kv_cache_dtype: torch.dtype) -> str:
+        """Plan again for the KV cache the runner bound (the modules, if the kernels cannot take its dtype)."""
+        self.__dict__["_kv_cache_dtype"] = kv_cache_dtype
+        return self.replan()
 
     def replan(self, all_reduce=None) -> str:
         """plan_layers again with the last plan's settings (and its all-reduce, unless one is given): after tensor

@@ -78,6 +78,26 @@ def test_engine_greedy_ids_equal_with_and_without_bound_layers(tmp_path):
     assert ids[0] == ids[1]
 
 
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "float16"), ("bfloat16", "float32")])
+def test_a_kv_cache_the_kernels_do_not_pair_runs_the_modules(tmp_path, dtype, kv_cache_dtype):
+    """Any kv_cache_dtype the config takes runs: one the kernels cannot pair with the activations plans the
+    modules, says why, and gives the greedy ids of the same cache without bound layers."""
+    write_tiny_checkpoint("llama", tmp_path)
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23)]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    ids = []
+    for bound in (True, False):
+        engine = LLMEngine(EngineConfig(ModelConfig(model=str(tmp_path), quantization="int4", dtype=dtype),
+                                        CacheConfig(kv_cache_memory=0.01, kv_cache_dtype=kv_cache_dtype),
+                                        kernels=KernelConfig(bound_layers=bound)), skip_tokenizer_init=True)
+        assert engine.model.model.bound is None
+        if bound:
+            assert engine.stats()["layers"] == (f"modules: a torch.{kv_cache_dtype} KV cache under torch.{dtype} "
+                                                "activations, which the kernels do not pair")
+        ids.append(_greedy_ids(engine, prompts, params))
+    assert ids[0] == ids[1]
+
+
 def test_plan_says_why_layers_run_as_modules(tmp_path):
     """The plan is chosen once and says why it cannot bind: a batch-size-dependent linear, a forward hook it does
     not know (one tensor parallel installs comes with its all-reduce, and binds); planning again follows."""
