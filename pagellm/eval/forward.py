@@ -13,7 +13,7 @@ import torch
 from pagellm.platform import DTYPES
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype
 from pagellm.loader.model_loader import load_model
-from pagellm.models.bound_layers import PlannedBackbone
+from pagellm.models.bound_layers import fit_kv_cache
 from pagellm.loader.tokenizer import load_tokenizer
 from pagellm.core.attention_metadata import AttentionMetadata
 
@@ -69,8 +69,7 @@ def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype
         shape = (blocks, _BLOCK, layer.num_kv_heads, layer.head_dim)
         layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype),
                             torch.zeros(shape, dtype=kv_cache_dtype or dtype))
-    for backbone in (m for m in model.modules() if isinstance(m, PlannedBackbone)):
-        backbone.fit_kv_cache(kv_cache_dtype or dtype)
+    fit_kv_cache(model, kv_cache_dtype or dtype)
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):

@@ -176,7 +176,17 @@ class PlannedBackbone(KernelBinding):
         return self.__dict__.get("_bound")
 
 
+def planned_backbones(model: nn.Module) -> list[PlannedBackbone]:
+    return [m for m in model.modules() if isinstance(m, PlannedBackbone)]
+
+
+def fit_kv_cache(model: nn.Module, kv_cache_dtype: torch.dtype) -> None:
+    """Tell every planned backbone of `model` the dtype of the KV cache just bound to it."""
+    for backbone in planned_backbones(model):
+        backbone.fit_kv_cache(kv_cache_dtype)
+
+
 def layer_plan(model: nn.Module) -> str:
     """How a loaded model's decoder layers run, in words (the plan of its backbone, if it has one)."""
-    backbones = [m for m in model.modules() if isinstance(m, PlannedBackbone)]
+    backbones = planned_backbones(model)
     return backbones[0].plan_description if backbones else "modules"

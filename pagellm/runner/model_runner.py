@@ -14,7 +14,7 @@ import torch
 
 from pagellm.core.types import ModelOutput, SchedulerOutput, StepTimings, TokenLogprobs
 from pagellm.core.attention_metadata import AttentionMetadata
-from pagellm.models.bound_layers import PlannedBackbone
+from pagellm.models.bound_layers import fit_kv_cache
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import GrammarError, Grammars, accept_sampled
 from pagellm.runner.input_batch import InputBatch, SlotState
@@ -63,8 +63,7 @@ class ModelRunner:
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
             layer.bind_kv_cache(torch.empty(shape, dtype=kv_cache_dtype, device=device),
                                 torch.empty(shape, dtype=kv_cache_dtype, device=device))
-        for backbone in (m for m in model.modules() if isinstance(m, PlannedBackbone)):
-            backbone.fit_kv_cache(kv_cache_dtype)
+        fit_kv_cache(model, kv_cache_dtype)
         self.state_layers = state_layers_of(model)
         # Rows [0, num_state_slots) are running requests' slots, the rest prefix-cache snapshots
         # (core/snapshot_pool.py). Uninitialised too: a request's first chunk starts from zero state
