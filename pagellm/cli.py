@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """Console entry point: run a command, then leave without interpreter teardown.
 
-    transformers' config classes import torch._dynamo, which loads triton; at teardown
+    Some of transformers' config classes (Llama's) import torch._dynamo, which loads triton; at teardown
     triton's nanobind bindings print hundreds of "leaked function" lines to stderr. The
     command's work is complete and flushed by then, so skipping teardown loses nothing.
     """

@@ -22,6 +22,7 @@ Blocks as the file stores them (sizes in bytes; codes of a block in column order
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
@@ -83,8 +84,10 @@ class GGUFWeight:
         return self.qs, self.gp, self.sp
 
 
-def repack(data: np.ndarray, ggml_type: T, shape: tuple[int, int]) -> GGUFWeight:
-    """The GGUFWeight of a [rows, cols] tensor from its raw block bytes (`data`, as the file stores them)."""
+def repack(data: np.ndarray, ggml_type: T, shape: tuple[int, int],
+           consumed: Callable[[int, int], None] | None = None) -> GGUFWeight:
+    """The GGUFWeight of a [rows, cols] tensor from its raw block bytes (`data`, as the file stores them).
+    consumed(first_row, end_row) is called once those rows of `data` are read and will not be read again."""
     rows, cols = shape
     if not supports(ggml_type, rows, cols):
         raise ValueError(f"a {ggml_type.name} tensor of shape {shape} cannot be kept in its blocks "
@@ -97,6 +100,8 @@ def repack(data: np.ndarray, ggml_type: T, shape: tuple[int, int]) -> GGUFWeight
             out = [np.empty((rows // BLOCK_ROWS, *p.shape[1:]), np.uint8) for p in parts]
         for whole, part in zip(out, parts):
             whole[start // BLOCK_ROWS:start // BLOCK_ROWS + part.shape[0]] = part
+        if consumed is not None:
+            consumed(start, min(start + _CHUNK_ROWS, rows))
     qs, gp, sp = (torch.from_numpy(t) for t in out)
     return GGUFWeight(ggml_type, rows, cols, qs, gp, sp)
 

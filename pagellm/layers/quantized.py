@@ -36,6 +36,7 @@ from torch import nn
 
 from pagellm.kernels import quant_gemv
 from pagellm.kernels.gguf_blocks import GGUFWeight
+from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.gguf_linear import GGUFLinear, concat_gguf_linears
 from pagellm.layers.kernel_binding import KernelBinding
 from pagellm.layers.quant_codes import (  # noqa: F401  -- GROUP_SIZE, GroupAffine, can_quantize: the loader's
@@ -294,7 +295,7 @@ def quantized_module(scheme: str, weight, *, bias: torch.Tensor | None = None, e
 def _dense_module(weight: torch.Tensor, bias: torch.Tensor | None, embedding: bool, dtype: torch.dtype) -> nn.Module:
     weight = nn.Parameter(weight.to(dtype), requires_grad=False)
     if embedding:
-        module = nn.Embedding(*weight.shape, device="meta")
+        module = empty_embedding(*weight.shape, device="meta")
     else:
         module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         if bias is not None:

@@ -124,7 +124,10 @@ def _scaled_inv_freq(head_dim: int, params: dict, max_position_embeddings: int,
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, params: dict, max_position_embeddings: int):
         super().__init__()
-        _, self.attention_scaling = compute_rope(head_dim, params, max_position_embeddings, device="meta")
+        # on the CPU, a few values, even inside build_model's meta-device context: meta-device arithmetic runs
+        # torch's Python decompositions, which import torch._dynamo (lasting resident memory, layers/embedding.py)
+        with torch.device("cpu"):
+            _, self.attention_scaling = compute_rope(head_dim, params, max_position_embeddings, device="cpu")
         self.head_dim, self.params, self.max_position_embeddings = head_dim, dict(params), max_position_embeddings
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
 

@@ -26,14 +26,8 @@ import gguf
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    PretrainedConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pagellm.kernels import gguf_blocks
 from pagellm.layers.quantized import GroupAffine
@@ -41,16 +35,19 @@ from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequa
 from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_config_fields, hybrid_recipes,
                                         read_recipe, recipe_weight_type)
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
+from pagellm.models.registry import build_model
 
 __all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header", "load_gguf_config", "iter_gguf_weights",
            "gguf_weight_types", "unpermute_qk_rows", "SUPPORTED_ARCHITECTURES"]
 
-# gguf general.architecture -> (HF config class, HF architecture name)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
-    "llama": (LlamaConfig, "LlamaForCausalLM"),  # Mistral GGUFs say llama as well
-    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
-    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
-    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
+# gguf general.architecture -> (HF config model_type, HF architecture name). Config classes are looked up by
+# model_type, which imports only the file's family: LlamaConfig's module alone pulls in torch._dynamo and
+# triton (docs/benchmarks/2026-11-24-where-the-memory-goes.md), a cost a Gemma or Qwen file need not pay.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),  # Mistral GGUFs say llama as well
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     **HYBRID_ARCHITECTURES,
 }
 
@@ -75,7 +72,8 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
             f"GGUF architecture {arch!r} of {str(path)!r} is not supported; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    config_class, hf_architecture = SUPPORTED_ARCHITECTURES[arch]
+    model_type, hf_architecture = SUPPORTED_ARCHITECTURES[arch]
+    config_class = CONFIG_MAPPING[model_type]
     fields = _common_fields(header)
     if header.tensor(_ROPE_FREQS_TENSOR) is not None:
         # "freq_factors" is pagellm's key (layers/rotary.py); transformers would warn that it does not know it
@@ -152,7 +150,10 @@ def _blocks_of(tensor: GGUFTensor, permuted_in: PretrainedConfig | None) -> gguf
     if permuted_in is not None:
         n_heads = (permuted_in.num_attention_heads if "attn_q" in tensor.name else permuted_in.num_key_value_heads)
         rows = unpermute_qk_rows(torch.from_numpy(rows.copy()), n_heads).numpy()  # the map is read-only
-    return gguf_blocks.repack(rows, tensor.ggml_type, tuple(tensor.shape))
+        return gguf_blocks.repack(rows, tensor.ggml_type, tuple(tensor.shape))
+    # the file's pages leave the resident set chunk by chunk as they are repacked: a big tensor (a vocab-sized
+    # embedding) is then never resident twice, as file pages and as blocks
+    return gguf_blocks.repack(rows, tensor.ggml_type, tuple(tensor.shape), consumed=tensor.release)
 
 
 def _weights_only(header: GGUFHeader) -> GGUFHeader:
@@ -282,24 +283,25 @@ def _gemma3_fields(header: GGUFHeader, common: dict[str, Any]) -> dict[str, Any]
 
 
 def _gguf_to_hf_names(header: GGUFHeader, config: PretrainedConfig) -> dict[str, str]:
-    """{gguf name: HF name}, from the HF model's own parameter names and gguf's TensorNameMap.
+    """{gguf name: HF name}, from the parameter names of pagellm's model (HF's names, before any projections
+    are joined) and gguf's TensorNameMap.
 
-    TensorNameMap maps many HF spellings to each GGUF name, so it cannot be inverted alone; we
-    ask it for the GGUF name of each parameter of the HF model (built on the meta device).
+    TensorNameMap maps many HF spellings to each GGUF name, so it cannot be inverted alone; we ask it for the
+    GGUF name of each parameter of the model, built on the meta device (no memory). Not HF's own model class:
+    importing HF's modeling code costs the process more resident memory than the weights of a small model.
     """
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config)
+    model = build_model(config, torch.float32)  # on the meta device until weights are loaded
     arch = gguf.MODEL_ARCH[header.architecture.upper()]
     name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     mapping = {}
-    for hf_name in hf_model.state_dict():
+    for hf_name in model.state_dict():
         base, _, suffix = hf_name.rpartition(".")
         gguf_base = name_map.get_name(base)
         if gguf_base is not None:
             mapping[f"{gguf_base}.{suffix}"] = hf_name
     unmapped = [t.name for t in header.tensors if t.name not in mapping]
     if unmapped:
-        raise ValueError(f"{str(header.path)!r}: tensors with no {type(hf_model).__name__} parameter: {unmapped}")
+        raise ValueError(f"{str(header.path)!r}: tensors with no {type(model).__name__} parameter: {unmapped}")
     return mapping
 
 

@@ -55,17 +55,21 @@ class GGUFTensor:
     shape: tuple[int, ...]  # torch order: the reverse of the file's dims
     data: np.ndarray = field(repr=False)  # read-only memmap view: typed for plain types, else uint8 blocks
 
-    def release(self) -> None:
-        """Drop the tensor's file pages from the process's resident set once a loader is done with them. Why:
-        the mapped pages read so far otherwise count in the process's RSS until the whole map is closed, a
-        peak of the file's size on top of the weights built from it. Safe whatever still views the data: the
-        map is read-only, so a later read faults the pages back in from the file (the page cache keeps them)."""
+    def release(self, first_row: int = 0, end_row: int | None = None) -> None:
+        """Drop the file pages of rows [first_row, end_row) (all by default) from the process's resident set once
+        a loader is done with them. Why: the mapped pages read so far otherwise count in the process's RSS until
+        the whole map is closed, a peak of the file's size on top of the weights built from it. Safe whatever
+        still views the data: the map is read-only, so a later read faults the pages back in from the file (the
+        page cache keeps them)."""
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if advice is None or self.data.nbytes == 0:
             return
-        start = self.data.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-        end = self.data.ctypes.data + self.data.nbytes
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
+        row_bytes = self.data.nbytes // self.shape[0]
+        end_row = self.shape[0] if end_row is None else end_row
+        start = (self.data.ctypes.data + first_row * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = self.data.ctypes.data + end_row * row_bytes
+        if end > start:
+            _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
 
 
 @dataclass(frozen=True)

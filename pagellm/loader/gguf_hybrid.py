@@ -50,19 +50,19 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from transformers import PretrainedConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3NextConfig
+from transformers import PretrainedConfig
 
 from pagellm.kernels import gguf_blocks
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import GGUFHeader, GGUFTensor, dequantize
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
 
-# gguf general.architecture -> (HF config class, HF architecture name)
-HYBRID_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str]] = {
-    "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
-    "qwen3next": (Qwen3NextConfig, "Qwen3NextForCausalLM"),
-    "qwen35": (Qwen3_5TextConfig, "Qwen3_5ForCausalLM"),
-    "qwen35moe": (Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM"),
+# gguf general.architecture -> (HF config model_type, HF architecture name)
+HYBRID_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
 }
 _LINEAR_ATTENTION_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe"})  # also: norms stored as w + 1
 _TILED_VALUE_HEAD_ARCHS = frozenset({"qwen35", "qwen35moe"})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
@@ -70,7 +71,7 @@ class Gemma3Model(PlannedBackbone, nn.Module):
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention (embedding models) is not supported")
         self.hidden_size = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = empty_embedding(config.vocab_size, config.hidden_size)
         self.register_buffer("embed_scale", torch.tensor(self.hidden_size**0.5), persistent=False)
         self.layers = nn.ModuleList([Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)

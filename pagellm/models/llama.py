@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.attention import PagedAttention
+from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
 from pagellm.kernels.layer_ops import qkv_prepare
@@ -148,7 +149,7 @@ class LlamaModel(PlannedBackbone, nn.Module):
 
     def __init__(self, config, options: AttentionOptions):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = empty_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, i, options) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagellm.layers.attention import PagedAttention
+from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.gated_delta_net import GatedDeltaNet
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.moe import SparseMoeBlock, stack_expert_weights
@@ -107,7 +108,7 @@ class HybridDecoderLayer(nn.Module):
 class HybridModel(nn.Module):
     def __init__(self, config, fused_projections: bool, mlp_factory: MlpFactory):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = empty_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([HybridDecoderLayer(config, i, fused_projections, mlp_factory)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
