@@ -15,23 +15,28 @@ import sys
 from pagellm.kernels import native
 
 SUITES = ["tests/models", "tests/layers", "tests/test_llm.py", "tests/runner"]
-# Left out where they would cost minutes for nothing new: the embedded model's accuracy per quantization path
-# runs torch's int8 kernel, which at torch's "default" capability (no SIMD) takes ~3 minutes; its int4 paths
-# are bit-identical to the avx2 level's (tests/kernels compares the builds), which runs it.
-# The embedded model at the generic level runs ~20 s per generate call, so the engine tests whose subject is
-# host logic alone (prefix sharing, seeded sampling, stop conditions), run at the native level, are left out
-# there too: ~80 s saved for nothing the level changes.
-DESELECT = {"generic": ["tests/layers/test_quantized.py::test_default_model_accuracy_against_the_dense_gguf_model",
-                        "tests/test_llm.py::test_shared_prefix_is_computed_once_and_output_unchanged",
-                        "tests/test_llm.py::test_seed_reproducible_whatever_else_runs",
-                        "tests/test_llm.py::test_ignore_eos_and_max_tokens"]}
+# Engine tests whose subject is host logic alone (tokenization, stop conditions, sampling fields, seeded
+# sampling, prefix sharing, input errors, KV page residency) compute the same at every level and run at the
+# native level; repeating them below it costs suite time for nothing the level changes.
+HOST_LOGIC = ["tests/test_llm.py::test_shared_prefix_is_computed_once_and_output_unchanged",
+              "tests/test_llm.py::test_seed_reproducible_whatever_else_runs",
+              "tests/test_llm.py::test_ignore_eos_and_max_tokens",
+              "tests/test_llm.py::test_token_id_prompts_equal_string_prompts",
+              "tests/test_llm.py::test_stop_strings_and_stop_token_ids",
+              "tests/test_llm.py::test_min_tokens_and_logit_bias_through_the_engine",
+              "tests/test_llm.py::test_bad_input_is_a_clear_error",
+              "tests/runner/test_kv_memory.py::test_kv_pool_pages_become_resident_only_when_written"]
+# Left out at generic too: the embedded model's accuracy per quantization path runs torch's int8 kernel, which at
+# torch's "default" capability (no SIMD) takes minutes; its int4 paths are bit-identical to the avx2 level's
+# (tests/kernels compares the builds), which runs it.
+DESELECT = {"generic": ["tests/layers/test_quantized.py::test_default_model_accuracy_against_the_dense_gguf_model"]}
 
 
 def main(extra: list[str]) -> int:
     for level in native.host_levels()[1:]:
         env = {**os.environ, **native.torch_env(level), "PAGELLM_CPU_ISA": level}
         print(f"== tests at cpu_isa={level} (torch: {native.torch_env(level)})", flush=True)
-        deselect = [f"--deselect={test}" for test in DESELECT.get(level, [])]
+        deselect = [f"--deselect={test}" for test in HOST_LOGIC + DESELECT.get(level, [])]
         code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITES, *deselect,
                                 *extra], env=env)
         if code != 0:
