@@ -9,7 +9,8 @@
 // that often (quant_gemv_q8.cpp, the same design on pagellm's int4 layout).
 //
 // Per row lane and group: isum = sum_k q a (exact in int32), then in fp32
-//   total += (isum - zero * sum_k a) * (scale * d)            (the zero point in integers: exact)
+//   total += (isum - zero * sum_k a) * (scale * d)            (the zero point in integers: exact; the sums
+//                                                             start from -zero * sum_k a, one broadcast a row)
 //   total += min * (d * sum_k a)                               (formats with a min)
 // with Q6_K's two 16-column halves each taking their own scale and half sum. Three builds of this arithmetic,
 // bit-identical (integer sums are exact; every fp32 step is the same operation in the same order):
@@ -36,7 +37,7 @@ struct Panel {
     const int32_t* q;     // [K/4, MR] quads
     const float* d;       // [G, MR]
     const float* dsum;    // [G, MR] d * sum a
-    const int32_t* half;  // [G, MR, 2] sums of a over the group's halves
+    const int32_t* zero_start;  // [G, MR, 2] -zero * sum of a over the columns scale h covers (zero_starts)
 };
 
 // The integer zero point a level subtracts: the format's, plus 128 where Q8_0's codes were shifted.
@@ -46,6 +47,10 @@ constexpr int32_t zero_point() { return F::kZero + (F::kBits == 8 && kShifted ? 
 // Sum of a over the columns a group's scale h covers (both halves for one-scale formats).
 template <class F>
 inline int32_t covered_sum(const int32_t* half, int h) { return F::kHalves == 2 ? half[h] : half[0] + half[1]; }
+
+#if !PAGELLM_Q8_AVX512 && !PAGELLM_Q8_AVX2
+constexpr bool kShiftedQ8 = false;
+#endif
 
 #if PAGELLM_Q8_AVX512
 constexpr bool kShiftedQ8 = true;
@@ -109,6 +114,8 @@ void gguf_block(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const P
             __m512i acc[MR][SPLIT];
             for (int r = 0; r < MR; ++r)
                 for (int i = 0; i < SPLIT; ++i) acc[r][i] = _mm512_setzero_si512();
+            if constexpr (kZero != 0)
+                for (int r = 0; r < MR; ++r) acc[r][0] = _mm512_set1_epi32(a.zero_start[2 * (g * MR + r) + h]);
 #pragma GCC unroll 8
             for (int c = 0; c < kChunks; ++c) {
                 const int t = h * kChunks + c;
@@ -120,8 +127,6 @@ void gguf_block(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const P
             for (int r = 0; r < MR; ++r) {
                 __m512i sum = acc[r][0];
                 for (int i = 1; i < SPLIT; ++i) sum = _mm512_add_epi32(sum, acc[r][i]);
-                if constexpr (kZero != 0)
-                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kZero * covered_sum<F>(a.half + 2 * (g * MR + r), h)));
                 const __m512 scaled = _mm512_mul_ps(s.scale[h], _mm512_set1_ps(a.d[g * MR + r]));
                 total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, total[r]);
                 if constexpr (F::kMin) total[r] = _mm512_fmadd_ps(s.min, _mm512_set1_ps(a.dsum[g * MR + r]), total[r]);
@@ -186,12 +191,15 @@ inline __m256i pair_sums(__m256i w, __m256i quad) {
 #endif
 
 // acc[r] = the 8 lanes' int32 dot products of chunks h * kChunks .. + kChunks - 1 of group q (rows 8 * half ..)
-// with activation row r's quads (quads: the group's [8, MR]).
+// with activation row r's quads (quads: the group's [8, MR]), plus row r's zero start (starts: the group's
+// [MR, 2]).
 template <class F, int MR>
-inline void chunk_sums(const uint8_t* q, int h, int half, const int32_t* quads, __m256i* acc) {
+inline void chunk_sums(const uint8_t* q, int h, int half, const int32_t* quads, const int32_t* starts,
+                       __m256i* acc) {
     constexpr int kChunks = 8 / F::kHalves;
+    constexpr bool kStarts = zero_point<F, kShiftedQ8>() != 0;
 #ifdef __AVXVNNI__
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
+    for (int r = 0; r < MR; ++r) acc[r] = kStarts ? _mm256_set1_epi32(starts[2 * r + h]) : _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int c = 0; c < kChunks; ++c) {
         const int t = h * kChunks + c;
@@ -216,7 +224,8 @@ inline void chunk_sums(const uint8_t* q, int h, int half, const int32_t* quads, 
         }
         for (int r = 0; r < MR; ++r) {
             const __m256i widened = _mm256_madd_epi16(part[r], ones);
-            acc[r] = b == 0 ? widened : _mm256_add_epi32(acc[r], widened);
+            const __m256i base = b > 0 ? acc[r] : kStarts ? _mm256_set1_epi32(starts[2 * r + h]) : _mm256_setzero_si256();
+            acc[r] = b == 0 && !kStarts ? widened : _mm256_add_epi32(base, widened);
             in_order(acc[r]);
         }
     }
@@ -253,7 +262,6 @@ inline VectorScales group_scales(const uint8_t* gp, const uint8_t* sp, int half)
 template <class F, int MR>
 void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
                      float (*out)[16]) {
-    constexpr int32_t kZero = zero_point<F, kShiftedQ8>();
     for (int half = 0; half < 2; ++half) {
         __m256 total[MR];
         for (int r = 0; r < MR; ++r) total[r] = _mm256_setzero_ps();
@@ -264,11 +272,9 @@ void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, co
             const VectorScales s = group_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, half);
             for (int h = 0; h < F::kHalves; ++h) {
                 __m256i acc[MR];
-                chunk_sums<F, MR>(q, h, half, a.q + g * 8 * MR, acc);
+                chunk_sums<F, MR>(q, h, half, a.q + g * 8 * MR, a.zero_start + 2 * g * MR, acc);
                 for (int r = 0; r < MR; ++r) {
-                    __m256i sum = acc[r];
-                    if constexpr (kZero != 0)
-                        sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(kZero * covered_sum<F>(a.half + 2 * (g * MR + r), h)));
+                    const __m256i sum = acc[r];
                     const __m256 scaled = _mm256_mul_ps(s.scale[h], _mm256_set1_ps(a.d[g * MR + r]));
                     total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, total[r]);
                     if constexpr (F::kMin) total[r] = _mm256_fmadd_ps(s.min, _mm256_set1_ps(a.dsum[g * MR + r]), total[r]);
@@ -294,12 +300,11 @@ void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, co
             const RowScales s = row_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, i);
             for (int h = 0; h < F::kHalves; ++h)
                 for (int r = 0; r < MR; ++r) {
-                    int32_t sum = 0;
+                    int32_t sum = F::kZero != 0 ? a.zero_start[2 * (g * MR + r) + h] : 0;
                     for (int k = h * kWidth; k < (h + 1) * kWidth; ++k) {
                         const uint32_t quad = uint32_t(a.q[(g * 8 + k / 4) * MR + r]);
                         sum += codes[k] * int32_t(int8_t(quad >> (8 * (k % 4))));
                     }
-                    sum -= F::kZero * covered_sum<F>(a.half + 2 * (g * MR + r), h);
                     out[r][i] = fma_f32(float(sum), s.scale[h] * a.d[g * MR + r], out[r][i]);
                     if constexpr (F::kMin) out[r][i] = fma_f32(s.min, a.dsum[g * MR + r], out[r][i]);
                 }
@@ -316,6 +321,20 @@ void gguf_block_any(int mr, const uint8_t* qs, const uint8_t* gp, const uint8_t*
     table[mr - 1](qs, gp, sp, a, K, out);
 }
 
+// -zero * covered_sum for every (pass, group, row, half) of a, laid out as a.half_sum: where the integer sums of
+// a format with a zero point start, so that no instruction per row and group subtracts it (exact: integers).
+// The calling thread's buffer; none for formats without a zero point.
+template <class F>
+const int32_t* zero_starts(const QuantizedActivations& a, int64_t M, int64_t G) {
+    constexpr int32_t kZero = zero_point<F, kShiftedQ8>();
+    if constexpr (kZero == 0) return nullptr;
+    thread_local std::vector<int32_t> starts;
+    starts.resize(2 * M * G);
+    for (int64_t i = 0; i < M * G; ++i)
+        for (int h = 0; h < 2; ++h) starts[2 * i + h] = -kZero * covered_sum<F>(a.half_sum + 2 * i, h);
+    return starts.data();
+}
+
 // Blocks [first, last) against all M activation rows: a chunk of blocks at a time (~256 KB, in L2), pass by pass
 // over it (as quant_gemv_q8.cpp's q8_blocks, whose measurements hold here).
 template <class F>
@@ -325,11 +344,13 @@ void gguf_blocks(int64_t first, int64_t last, const uint8_t* qs, const uint8_t* 
     const int64_t G = K / kGroup;
     const int64_t block_bytes = G * (F::kGroupBytes + F::kParamBytes) + K / 256 * F::kSuperBytes;
     const int64_t chunk_size = std::max<int64_t>(1, (256 << 10) / block_bytes);
+    const int32_t* starts = zero_starts<F>(a, M, G);
     for (int64_t chunk = first; chunk < last; chunk += chunk_size) {
         for (int64_t p = 0; p < row_passes(M); ++p) {
             const int64_t m0 = first_row(p, M);
             const int mr = int(first_row(p + 1, M) - m0);
-            const Panel panel{a.q + m0 * K / 4, a.scale + m0 * G, a.scaled_sum + m0 * G, a.half_sum + 2 * m0 * G};
+            const Panel panel{a.q + m0 * K / 4, a.scale + m0 * G, a.scaled_sum + m0 * G,
+                              starts ? starts + 2 * m0 * G : nullptr};
             for (int64_t nb = chunk; nb < std::min(last, chunk + chunk_size); ++nb) {
                 float total[kMaxRowsQ8][16];
                 gguf_block_any<F>(mr, qs + nb * G * F::kGroupBytes, gp + nb * G * F::kParamBytes,
