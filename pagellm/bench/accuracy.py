@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     tokens = text_tokens(path, args.text, args.positions)
     level = native.select(args.cpu_isa or "auto")
-    dtype, kv_dtype = mode_dtype(args.dtype), mode_kv_cache_dtype(args.dtype, getattr(args, "kv_cache_dtype", "auto"))
+    dtype, kv_dtype = mode_dtype(args.dtype), mode_kv_cache_dtype(args.dtype, args.kv_cache_dtype)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
     llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()
     why_not = peers.llama_cpp_available() if llama_cpp else None

@@ -34,9 +34,9 @@ def compute_dtype(dtype: str | None, device: str) -> str:
 
 def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str) -> str:
     """The dtype K/V are stored in: `kv_cache_dtype` when named; for "auto" the compute dtype, except bfloat16
-    when `dtype` is auto and chose float32 on a CPU with native kernels. Why: a decode step streams the whole context's K/V, so
-    their bytes set attention's time on a bandwidth-bound host, and the kernels read bf16 K/V under fp32
-    queries exactly (converted on load). An explicit float32 keeps fp32 K/V: the mode tests compare with HF in.
+    when `dtype` is auto and chose float32 on a CPU with native kernels. Why: a decode step streams the whole
+    context's K/V, so their bytes set attention's time on a bandwidth-bound host, and the kernels read bf16 K/V
+    under fp32 queries exactly (converted on load). An explicit float32 keeps fp32 K/V: the mode tests compare with HF in.
     measured: docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md"""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype

@@ -42,7 +42,7 @@ def test_a_missing_llama_cpp_is_said_at_once_and_its_row_left_out(monkeypatch, t
     monkeypatch.setattr(accuracy, "pagellm_logits", lambda model, tokens, dtype, kv_cache_dtype=None: logits)
     monkeypatch.setattr(accuracy.peers, "llama_cpp_available", lambda: "llama-cpp-python not importable (test)")
     args = argparse.Namespace(model=None, text="t.txt", positions=4, cpu_isa=None, dtype="float32",
-                              quantization="auto", peers="hf,llama.cpp", llama_threads=2)
+                              quantization="auto", kv_cache_dtype="auto", peers="hf,llama.cpp", llama_threads=2)
     assert accuracy.main(args) == 0
     out = capsys.readouterr().out
     assert "llama.cpp: not run: llama-cpp-python not importable (test)" in out

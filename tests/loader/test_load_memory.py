@@ -44,13 +44,32 @@ def test_repack_reports_every_row_consumed_once_in_order_and_builds_the_same_wei
         assert torch.equal(got, want)
 
 
-def test_rows_released_part_by_part_read_back_the_same(tmp_path):
-    """GGUFTensor.release of a row range (what repack's chunks call): the pages, dropped, fault back in from the
-    file, the rows around the range included."""
-    tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", types={"blk.0.ffn_down.weight": T.Q8_0})
-    tensor = read_gguf_header(tiny.path).tensor("blk.0.ffn_down.weight")
-    before = np.array(tensor.data, copy=True)
-    rows = tensor.shape[0]
-    for first in range(0, rows, 5):
-        tensor.release(first, min(first + 5, rows))
+def _mapping_rss_kb(address: int) -> int:
+    """Resident KB of the mapping holding `address`, from /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and first == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_rows_released_part_by_part_leave_the_resident_set_and_read_back_the_same(tmp_path):
+    """GGUFTensor.release of a row range (what repack's chunks call) drops those rows' file pages from the
+    process's resident set, not the others'; dropped, they fault back in from the file unchanged."""
+    big = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)  # 2 MiB
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", extra_tensors={"big": big})
+    tensor = read_gguf_header(tiny.path).tensor("big")
+    before = np.array(tensor.data, copy=True)  # every page read: resident
+    address = tensor.data.ctypes.data
+    resident = _mapping_rss_kb(address)
+    tensor.release(0, 256)
+    dropped = resident - _mapping_rss_kb(address)
+    assert 900 <= dropped <= 1100, dropped  # the first half's 1 MiB, not the rest
+    for first in range(256, 512, 5):
+        tensor.release(first, min(first + 5, 512))
+    assert resident - _mapping_rss_kb(address) >= 1900
     assert np.array_equal(np.asarray(tensor.data), before)

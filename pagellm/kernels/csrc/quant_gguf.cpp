@@ -198,8 +198,8 @@ inline void chunk_sums(const uint8_t* q, int h, int half, const int32_t* quads, 
                        __m256i* acc) {
     constexpr int kChunks = 8 / F::kHalves;
     constexpr bool kStarts = zero_point<F, kShiftedQ8>() != 0;
-#ifdef __AVXVNNI__
     for (int r = 0; r < MR; ++r) acc[r] = kStarts ? _mm256_set1_epi32(starts[2 * r + h]) : _mm256_setzero_si256();
+#ifdef __AVXVNNI__
 #pragma GCC unroll 8
     for (int c = 0; c < kChunks; ++c) {
         const int t = h * kChunks + c;
@@ -224,8 +224,7 @@ inline void chunk_sums(const uint8_t* q, int h, int half, const int32_t* quads, 
         }
         for (int r = 0; r < MR; ++r) {
             const __m256i widened = _mm256_madd_epi16(part[r], ones);
-            const __m256i base = b > 0 ? acc[r] : kStarts ? _mm256_set1_epi32(starts[2 * r + h]) : _mm256_setzero_si256();
-            acc[r] = b == 0 && !kStarts ? widened : _mm256_add_epi32(base, widened);
+            acc[r] = b == 0 && !kStarts ? widened : _mm256_add_epi32(acc[r], widened);  // no add to a zero start
             in_order(acc[r]);
         }
     }
@@ -300,7 +299,7 @@ void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, co
             const RowScales s = row_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, i);
             for (int h = 0; h < F::kHalves; ++h)
                 for (int r = 0; r < MR; ++r) {
-                    int32_t sum = F::kZero != 0 ? a.zero_start[2 * (g * MR + r) + h] : 0;
+                    int32_t sum = zero_point<F, kShiftedQ8>() != 0 ? a.zero_start[2 * (g * MR + r) + h] : 0;
                     for (int k = h * kWidth; k < (h + 1) * kWidth; ++k) {
                         const uint32_t quad = uint32_t(a.q[(g * 8 + k / 4) * MR + r]);
                         sum += codes[k] * int32_t(int8_t(quad >> (8 * (k % 4))));
