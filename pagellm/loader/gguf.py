@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pagellm.kernels import gguf_blocks
 from pagellm.layers.quantized import GroupAffine
+from pagellm.loader import hf_configs
 from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, read_gguf_header
 from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_config_fields, hybrid_recipes,
                                         read_recipe, recipe_weight_type)
@@ -41,8 +41,7 @@ __all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header", "load_gguf_config", "
            "gguf_weight_types", "unpermute_qk_rows", "SUPPORTED_ARCHITECTURES"]
 
 # gguf general.architecture -> (HF config model_type, HF architecture name). Config classes are looked up by
-# model_type, which imports only the file's family: LlamaConfig's module alone pulls in torch._dynamo and
-# triton (docs/benchmarks/2026-11-24-where-the-memory-goes.md), a cost a Gemma or Qwen file need not pay.
+# model_type (hf_configs.config_class), which imports only the file's family's config module.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),  # Mistral GGUFs say llama as well
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -73,7 +72,7 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     model_type, hf_architecture = SUPPORTED_ARCHITECTURES[arch]
-    config_class = CONFIG_MAPPING[model_type]
+    config_class = hf_configs.config_class(model_type)
     fields = _common_fields(header)
     if header.tensor(_ROPE_FREQS_TENSOR) is not None:
         # "freq_factors" is pagellm's key (layers/rotary.py); transformers would warn that it does not know it

@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
+
+from pagellm.loader.hf_configs import load_config_dir
 
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -28,7 +30,7 @@ def load_hf_config(path: str | Path) -> PretrainedConfig:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
-    return AutoConfig.from_pretrained(str(path))
+    return load_config_dir(path)
 
 
 def safetensors_files(path: str | Path) -> list[Path]:

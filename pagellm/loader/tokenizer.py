@@ -20,6 +20,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagellm.loader.gguf import read_gguf_header
+from pagellm.loader.hf_configs import own_config_of_dir
 
 # Tokens that end a turn or a text in the families we serve. llama.cpp treats these as
 # end-of-generation whenever the vocabulary has them as control tokens (llama-vocab.cpp),
@@ -138,7 +139,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return _load_gguf_tokenizer(path)
     if not any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer in {str(path)!r}: expected one of {list(_HF_TOKENIZER_FILES)}")
-    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    # AutoTokenizer reads the model config to choose a class: given pagellm's, it does not import transformers' own
+    hf = AutoTokenizer.from_pretrained(str(path), config=own_config_of_dir(path), local_files_only=True)
     eos = {hf.eos_token_id} | _config_eos_ids(path / "config.json")
     eos |= _config_eos_ids(path / "generation_config.json")  # e.g. Gemma: [1, 106]
     return Tokenizer(hf, {i for i in eos if i is not None}, hf.chat_template)

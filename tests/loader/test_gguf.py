@@ -13,6 +13,7 @@ from transformers.integrations.gguf.dequant import dequantize as hf_torch_dequan
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagellm.layers.rotary import compute_rope
+from pagellm.loader import hf_configs
 from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header, unpermute_qk_rows
 from pagellm.loader.model_loader import load_model
 from tests.loader.gguf_builders import (TinyDims, convert_llama_checkpoint, llama_cpp_permute,
@@ -105,7 +106,7 @@ def test_llama_config_fields_as_written(tmp_path):
     dims = TinyDims(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, context=512, rope_base=5e5, rms_eps=1e-5)
     tiny = write_tiny_gguf(tmp_path / "llama.gguf", "llama", dims=dims)
     config = load_gguf_config(tiny.path)
-    assert type(config) is LlamaConfig and config.architectures == ["LlamaForCausalLM"]
+    assert type(config) is hf_configs.LlamaConfig and config.architectures == ["LlamaForCausalLM"]
     assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (64, 64, 3)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 32)
     assert config.intermediate_size == 256 and config.max_position_embeddings == 512

@@ -14,14 +14,21 @@ from pagellm.kernels import gguf_blocks
 from pagellm.loader.gguf import read_gguf_header
 from tests.kernels.gguf_blocks_builders import gguf_tensor
 from tests.loader.gguf_builders import write_tiny_gguf
+from tests.models.tiny_checkpoints import write_char_tokenizer, write_tiny_checkpoint
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
-def test_loading_a_gguf_imports_neither_torch_dynamo_nor_hf_modeling_code(tmp_path, arch):
+@pytest.mark.parametrize("source", ["gemma3 gguf", "qwen3 gguf", "llama gguf", "llama hf"])
+def test_loading_a_model_imports_neither_torch_dynamo_nor_hf_modeling_code(tmp_path, source):
     """Both stay in resident memory for good (docs/benchmarks/2026-11-24-where-the-memory-goes.md), and the engine
-    runs neither. A fresh interpreter, since this one has them already. (Llama's HF config class still imports
-    torch._dynamo: not asserted for it.)"""
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, tie_embeddings=True).path
+    runs neither. A fresh interpreter, since this one has them already. (Llama: transformers' config class
+    would import torch._dynamo; loader/hf_configs.py declares its own.)"""
+    arch, kind = source.split()
+    if kind == "gguf":
+        path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, tie_embeddings=True).path
+    else:
+        path = tmp_path / "tiny-hf"
+        write_tiny_checkpoint(arch, path)
+        write_char_tokenizer(path)
     code = ("import sys, torch; from pagellm.loader.model_loader import load_model; "
             f"load_model({str(path)!r}, torch.float32, torch.device('cpu'), quantization='auto'); "
             "print(sorted(m for m in sys.modules if m in ('torch._dynamo', 'triton', 'transformers.modeling_utils')))")

@@ -184,3 +184,17 @@ def write_tiny_checkpoint_with_tokenizer(directory: Path, chat_template: str | N
         tokenizer.hf_tokenizer.chat_template = chat_template
     tokenizer.hf_tokenizer.save_pretrained(directory)
     return directory
+
+
+def write_char_tokenizer(directory: Path) -> None:
+    """One token per character (printable ASCII and newline), BOS first: ids stay under the tiny vocabulary."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]  # <s> is id 1, the checkpoint's bos_token_id
+    vocab = {token: i for i, token in enumerate(specials + ["\n"] + [chr(c) for c in range(32, 127)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(directory)
