@@ -9,9 +9,18 @@ SERVE_ARGS ?=
 
 .PHONY: install test generate serve clean chromium
 
+# Without an NVIDIA GPU, torch comes from PyTorch's CPU-only index when that is reachable: the same library
+# without the CUDA libraries PyPI's x86-64 build links (~3 GB of nvidia-* wheels, ~240 MB resident in every
+# process: docs/benchmarks/2026-11-24-where-the-memory-goes.md). Otherwise, or with a GPU, PyPI's build.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	@if [ -e /dev/nvidia0 ] || command -v nvidia-smi >/dev/null 2>&1; then :; \
+	elif $(BIN)/pip install --quiet --timeout 15 --retries 1 --index-url $(TORCH_CPU_INDEX) 'torch>=2.4' 2>/dev/null; \
+	then echo "make: torch installed from $(TORCH_CPU_INDEX) (CPU-only build)"; \
+	else echo "make: $(TORCH_CPU_INDEX) not reachable: torch will come from PyPI (its build links CUDA libraries)"; fi
 
 # Re-install only when the package metadata changes.
 $(STAMP): pyproject.toml | $(BIN)/python
