@@ -61,7 +61,9 @@ class CacheConfig(_FromDict):
     block_size: int = _help("Tokens per KV block.", default=16)
     kv_cache_memory: float | None = _help(
         "KV cache budget in GiB (default: a quarter of available RAM, at most 4 GiB). "
-        "Reserved, but pages become resident only as blocks are written.",
+        "Reserved, but pages become resident only as blocks are written: a long-running server's resident set "
+        "approaches it as prefix-cached blocks accumulate (one is reused for new content only when every free "
+        "block holds cached content).",
         default=None,
     )
     enable_prefix_caching: bool = _help("Share KV blocks of identical prefixes across requests.", default=True)
