@@ -1,7 +1,7 @@
 """Model config classes by model_type, with pagellm's own class where transformers' costs the process.
 
 transformers' `configuration_llama` imports `utils.type_validators`, whose imports reach torch._dynamo and
-triton: ~150 MB resident for good and ~2 s at load (docs/benchmarks/2026-11-24-where-the-memory-goes.md), for
+triton: ~150 MB resident for good and ~1.3 s at load (docs/benchmarks/2026-11-24-where-the-memory-goes.md), for
 nothing the engine runs. Llama is the commonest family of GGUF files (Mistral's files say llama too), so its
 config is declared here: the same fields, defaults and model_type as transformers' LlamaConfig, on the same
 PreTrainedConfig base (which standardizes rope_theta / rope_scaling into rope_parameters), so everything that
