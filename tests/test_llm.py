@@ -72,7 +72,8 @@ def test_batch_equals_one_at_a_time(llm, reference_ids):
     {"enable_prefix_caching": False},
     {"block_size": 32},
     {"max_num_batched_tokens": 64, "n_ubatch": 16},
-], ids=["prefix-cache-off", "block-32", "chunked-prefill-64"])
+    {"enable_prefix_caching": False, "block_size": 32, "max_num_batched_tokens": 64, "n_ubatch": 16},
+], ids=["prefix-cache-off", "block-32", "chunked-prefill-64", "all-three"])  # all-three: the lower levels' one run
 def test_greedy_ids_identical_across_engine_settings(kwargs, reference_ids):
     other = LLM(kv_cache_memory=0.25, **kwargs)
     out = other.generate(PROMPTS, GREEDY, use_tqdm=False)
