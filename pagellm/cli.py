@@ -170,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """Console entry point: run a command, then leave without interpreter teardown.
 
-    Some of transformers' config classes (Llama's) import torch._dynamo, which loads triton; at teardown
-    triton's nanobind bindings print hundreds of "leaked function" lines to stderr. The
+    Some paths still import torch._dynamo, which loads triton: transformers' modeling code (`pagellm bench`'s
+    HF peer) and the config classes of some families pagellm does not declare itself (loader/hf_configs.py);
+    at teardown triton's nanobind bindings print hundreds of "leaked function" lines to stderr. The
     command's work is complete and flushed by then, so skipping teardown loses nothing.
     """
     code = main()
