@@ -122,8 +122,14 @@ class Tokenizer:
     @functools.cached_property
     def max_chars_per_token(self) -> int:
         """The most characters one token can stand for (its longest vocabulary piece), doubled for normalizers
-        that shrink text: a text longer than this times n cannot encode to n tokens or fewer."""
-        return 2 * max(map(len, self.hf_tokenizer.get_vocab()), default=1)
+        that shrink text: a text longer than this times n cannot encode to n tokens or fewer. Read id by id from a
+        Rust tokenizer: get_vocab() would build the whole vocabulary as a dict, whose freed pages the step-buffer
+        heap then keeps (measured: docs/PERFORMANCE.md, "Startup")."""
+        backend = getattr(self.hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return 2 * max(map(len, self._slow_vocab), default=1)
+        pieces = (backend.id_to_token(i) or "" for i in range(backend.get_vocab_size(with_added_tokens=True)))
+        return 2 * max(map(len, pieces), default=1)
 
     @property
     def _bos_text(self) -> str:

@@ -56,6 +56,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     tokenizer: object | None  # pagellm.loader.tokenizer.Tokenizer; thread-safe (the text pool encodes with it)
+    max_prompt_chars: int | None  # a longer text cannot fit max_model_len in any tokenization (None: no tokenizer)
 
 
 @dataclass
@@ -232,8 +233,10 @@ class AsyncEngine:
             from pagellm.engine import LLMEngine
 
             engine = LLMEngine(self.config)
+            tokenizer = engine.tokenizer
+            max_chars = None if tokenizer is None else engine.max_model_len * tokenizer.max_chars_per_token
             served = ServedModel(str(engine.model_path), engine.max_model_len, engine.hf_config.vocab_size,
-                                 engine.tokenizer)
+                                 tokenizer, max_chars)
         except BaseException as exc:  # noqa: BLE001 - reported by /health and the log, not raised
             self.load_error = exc
             logger.error("model load failed: %s", exc)

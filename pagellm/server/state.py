@@ -64,7 +64,7 @@ class ServerState:
         refused before tokenizing (a 400 naming `param`): its seconds of work could only end in that 400."""
         limit = self.engine.model.max_model_len
         tokenizer = self.tokenizer()
-        if len(text) > limit * tokenizer.max_chars_per_token:
+        if len(text) > self.engine.model.max_prompt_chars:
             raise APIError(f"this model's maximum context length is {limit} tokens, and the "
                            f"{param} has {len(text)} characters: more than that many tokens can hold; shorten it",
                            param)
