@@ -92,6 +92,17 @@ def held_rate(rows: list[dict], bound_s: float) -> float:
     return max(held, default=0.0)
 
 
+def torch_build() -> str:
+    """Which torch the pagellm server ran on: a CUDA build loads its CUDA libraries even on a machine without a
+    GPU (~285 MB of the server's RSS on Linux x86-64, measured: docs/benchmarks/2026-11-25-serving-memory.md)."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"pagellm's torch: {torch.__version__} (CPU-only build)"
+    return (f"pagellm's torch: {torch.__version__}, a CUDA {torch.version.cuda} build: its CUDA libraries are "
+            f"in pagellm's peak RSS")
+
+
 def main(args) -> int:
     from pagellm.loader.default_model import default_model_path
 
@@ -105,6 +116,7 @@ def main(args) -> int:
         requests[server.name] = server_requests
     print(f"model {model}; {args.slots} sequences at once, {args.ctx} tokens each; workload {args.workload}, "
           f"{args.num_prompts} requests, shared prefix {args.shared_prefix_len} tokens, {args.output_len} out")
+    print(torch_build())
     print(format_table(rows, COLUMNS))
     if args.load == "sweep":
         for name in requests:

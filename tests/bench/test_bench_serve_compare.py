@@ -58,6 +58,9 @@ def test_both_servers_get_the_same_workload_and_a_row_each(tiny, tmp_path, capsy
         assert row["completed"] == 5 and row["failed"] == 0 and row["output_token_throughput"] > 0
         assert 0 < row["median_ttft_ms"] <= row["p99_ttft_ms"] and row["peak_rss_mb"] > 100
     assert re.search(r"\|\s+pagellm \|\s+20/s \|\s+5 \|\s+0 \|", text)
+    import torch  # the report names the torch build, whose CUDA libraries (if any) are in pagellm's RSS
+    assert f"pagellm's torch: {torch.__version__}" in text
+    assert ("CUDA" in text) == (torch.version.cuda is not None)
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
