@@ -35,9 +35,13 @@ class DistributedError(RuntimeError):
     """A rank failed, hung past the timeout, or could not join: the parallel engine cannot go on."""
 
 
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
 class ParallelState:
     def __init__(self, rank: int, world_size: int, store: dist.Store, timeout: float):
         self.rank, self.world_size, self.store, self.timeout = rank, world_size, store, timeout
+        self._reduce_halves_in_fp32 = False  # set once Gloo refuses a bf16 / fp16 all-reduce
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("pagellm/group", store), rank, world_size,
                                            timedelta(seconds=timeout))
 
@@ -48,8 +52,23 @@ class ParallelState:
         was slower (README, Tensor and expert parallel).
         measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
         """
-        self.group.allreduce([tensor]).wait()
+        if tensor.dtype in _HALF_DTYPES and self._reduce_halves_in_fp32:
+            return tensor.copy_(self._all_reduce_fp32(tensor))
+        try:
+            self.group.allreduce([tensor]).wait()
+        except RuntimeError as exc:
+            # Gloo without 16-bit floats (Debian's torch): refused on every rank alike before anything is sent,
+            # so all ranks take this path together. Summed in fp32 and rounded once: for two ranks the same bits.
+            if tensor.dtype not in _HALF_DTYPES or "Invalid scalar type" not in str(exc):
+                raise
+            self._reduce_halves_in_fp32 = True
+            return tensor.copy_(self._all_reduce_fp32(tensor))
         return tensor
+
+    def _all_reduce_fp32(self, tensor: torch.Tensor) -> torch.Tensor:
+        wide = tensor.float()
+        self.group.allreduce([wide]).wait()
+        return wide
 
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0 gets every rank's [N, C] side by side ([N, W·C], in rank order); others get theirs back."""
@@ -76,12 +95,23 @@ def _use_loopback_if_local(addr: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
+def _tcp_store(addr: str, port: int, is_master: bool, timeout: float, **kwargs) -> dist.TCPStore:
+    """torch's TCPStore, on libuv where this torch has it. Builds without libuv (Debian's, some source builds)
+    refuse the default use_libuv=True; the plain store speaks the same protocol, so head and workers mix."""
+    try:
+        return dist.TCPStore(addr, port, None, is_master, timedelta(seconds=timeout), **kwargs)
+    except RuntimeError as exc:
+        if "libuv" not in str(exc):
+            raise
+        return dist.TCPStore(addr, port, None, is_master, timedelta(seconds=timeout), use_libuv=False, **kwargs)
+
+
 def init_head(addr: str, port: int, world_size: int, timeout: float, join_timeout: float,
               check_workers: Callable[[], None] = lambda: None) -> ParallelState:
     """Rank 0: serve the rendezvous store and wait for every worker to join."""
     _use_loopback_if_local(addr)
     try:
-        store = dist.TCPStore(addr, port, None, True, timedelta(seconds=join_timeout), wait_for_workers=False)
+        store = _tcp_store(addr, port, True, join_timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
         raise DistributedError(f"cannot listen on {addr}:{port} for workers: {exc}") from exc
     store.set(_WORLD_KEY, str(world_size))
@@ -113,7 +143,7 @@ def init_worker(addr: str, port: int, rank: int, world_size: int, timeout: float
         raise ValueError(f"rank must be in [1, world_size={world_size}) for a worker, got {rank}")
     _use_loopback_if_local(addr)
     try:
-        store = dist.TCPStore(addr, port, None, False, timedelta(seconds=join_timeout))
+        store = _tcp_store(addr, port, False, join_timeout)
     except (RuntimeError, OSError) as exc:
         raise ConnectionError(f"cannot reach the head at {addr}:{port} within {join_timeout:.0f} s: {exc}") from exc
     expected = int(store.get(_WORLD_KEY))

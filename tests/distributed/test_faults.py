@@ -82,13 +82,18 @@ def _children(pid: int) -> list[int]:
             for child in (task / "children").read_text().split()]
 
 
+def _is_worker(pid: int) -> bool:
+    """A `pagellm worker` process (not, say, multiprocessing's resource tracker, which Python 3.14 starts)."""
+    return b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+
+
 def test_server_turns_unhealthy_and_fails_requests_when_a_worker_dies(tmp_path):
     server = start_server(["--kv-cache-memory", "0.05", "--max-model-len", "256", "--tensor-parallel-size", "2",
                            "--distributed-timeout", str(TIMEOUT)], tmp_path)
     try:
         body = {"model": "gemma-3-270m", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
-        (worker,) = _children(server.proc.pid)
+        (worker,) = [pid for pid in _children(server.proc.pid) if _is_worker(pid)]
         os.kill(worker, signal.SIGKILL)
         deadline = time.monotonic() + TIMEOUT + 5
         health = httpx.get(server.url + "/health", timeout=10)
