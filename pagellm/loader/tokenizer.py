@@ -124,7 +124,7 @@ class Tokenizer:
         """The most characters one token can stand for (its longest vocabulary piece), doubled for normalizers
         that shrink text: a text longer than this times n cannot encode to n tokens or fewer. Read id by id from a
         Rust tokenizer: get_vocab() would build the whole vocabulary as a dict, whose freed pages the step-buffer
-        heap then keeps (measured: docs/PERFORMANCE.md, "Startup")."""
+        heap then keeps (measured: docs/PERFORMANCE.md, "Peak RSS of the server")."""
         backend = getattr(self.hf_tokenizer, "backend_tokenizer", None)
         if backend is None:
             return 2 * max(map(len, self._slow_vocab), default=1)
