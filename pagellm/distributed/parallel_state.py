@@ -52,23 +52,19 @@ class ParallelState:
         was slower (README, Tensor and expert parallel).
         measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
         """
-        if tensor.dtype in _HALF_DTYPES and self._reduce_halves_in_fp32:
-            return tensor.copy_(self._all_reduce_fp32(tensor))
-        try:
-            self.group.allreduce([tensor]).wait()
-        except RuntimeError as exc:
-            # Gloo without 16-bit floats (Debian's torch): refused on every rank alike before anything is sent,
-            # so all ranks take this path together. Summed in fp32 and rounded once: for two ranks the same bits.
-            if tensor.dtype not in _HALF_DTYPES or "Invalid scalar type" not in str(exc):
-                raise
-            self._reduce_halves_in_fp32 = True
-            return tensor.copy_(self._all_reduce_fp32(tensor))
-        return tensor
-
-    def _all_reduce_fp32(self, tensor: torch.Tensor) -> torch.Tensor:
-        wide = tensor.float()
+        if tensor.dtype not in _HALF_DTYPES or not self._reduce_halves_in_fp32:
+            try:
+                self.group.allreduce([tensor]).wait()
+                return tensor
+            except RuntimeError as exc:
+                # Gloo without 16-bit floats (Debian's torch): refused on every rank alike before anything is
+                # sent, so all ranks fall back together, here and for every later call.
+                if tensor.dtype not in _HALF_DTYPES or "Invalid scalar type" not in str(exc):
+                    raise
+                self._reduce_halves_in_fp32 = True
+        wide = tensor.float()  # summed in fp32 and rounded once: for two ranks the same bits
         self.group.allreduce([wide]).wait()
-        return wide
+        return tensor.copy_(wide)
 
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0 gets every rank's [N, C] side by side ([N, W·C], in rank order); others get theirs back."""

@@ -30,16 +30,7 @@ def test_head_and_worker_join_on_a_torch_built_without_libuv(monkeypatch):
     monkeypatch.setattr(dist, "TCPStore", store_without_libuv)
     states = _two_ranks(_free_port())
     assert sorted(plain) == [False, True]  # both ends fell back to the plain store
-    sums = {}
-
-    def reduce(rank):
-        sums[rank] = states[rank].all_reduce_(torch.tensor([float(rank + 1)]))
-
-    threads = [threading.Thread(target=reduce, args=(rank,), daemon=True) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    sums = _on_both_ranks(lambda rank: states[rank].all_reduce_(torch.tensor([float(rank + 1)])))
     assert sums[0].item() == sums[1].item() == 3.0
 
 
@@ -66,6 +57,17 @@ def _two_ranks(port: int) -> dict:
     return states
 
 
+def _on_both_ranks(fn) -> dict:
+    """fn(rank) for ranks 0 and 1 at once (a collective needs both): {rank: result}."""
+    results = {}
+    threads = [threading.Thread(target=lambda r=rank: results.setdefault(r, fn(r)), daemon=True) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
 def test_bf16_all_reduce_where_gloo_refuses_it_sums_in_fp32_on_every_rank():
     states = _two_ranks(_free_port())
     for state in states.values():
@@ -73,16 +75,7 @@ def test_bf16_all_reduce_where_gloo_refuses_it_sums_in_fp32_on_every_rank():
     values = {0: torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
               1: torch.tensor([0.5, 4.0, -1.0], dtype=torch.bfloat16)}
     expected = (values[0].float() + values[1].float()).to(torch.bfloat16)
-    results = {}
-
-    def reduce(rank):
-        results[rank] = [states[rank].all_reduce_(values[rank].clone()) for _ in range(2)]
-
-    threads = [threading.Thread(target=reduce, args=(rank,), daemon=True) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = _on_both_ranks(lambda rank: [states[rank].all_reduce_(values[rank].clone()) for _ in range(2)])
     for rank in (0, 1):
         assert all(r.dtype == torch.bfloat16 and torch.equal(r, expected) for r in results[rank])
         assert states[rank].group.refused == 1  # asked once; later calls go straight to fp32

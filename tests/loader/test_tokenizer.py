@@ -168,7 +168,7 @@ def test_a_template_override_and_template_variables(gemma):
     assert gemma.apply_chat_template(messages).startswith("<bos><start_of_turn>user")  # the model's own
 
 
-def test_max_chars_per_token_is_the_longest_piece_doubled(gemma, tiny_gguf, tmp_path):
+def test_max_chars_per_token_is_the_longest_piece_doubled(gemma, tiny_gguf):
     # read id by id (no vocabulary dict); must agree with the dict, added tokens included
     assert gemma.max_chars_per_token == 2 * max(map(len, gemma.hf_tokenizer.get_vocab()))
     tok = load_tokenizer(tiny_gguf)
