@@ -11,6 +11,7 @@ import types
 import typing
 
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagellm.kernels.errors import KernelBuildError
 from pagellm.server.tool_calls import PARSERS
 
 _ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="pagellm: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+    except (ValueError, FileNotFoundError, ConnectionError, KernelBuildError) as exc:
         print(f"pagellm: error: {exc}", file=sys.stderr)
         return 2
 

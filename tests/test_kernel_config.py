@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import pytest
 
 from pagellm import LLM
 from pagellm.cli import build_parser, engine_config_from_args
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig
 from pagellm.kernels import native, selection
+from tests.kernels import EVERY_KERNEL, description_at, kernels_at, requires_compiler
 
 
 def test_unknown_level_is_a_clear_error():
@@ -61,12 +65,12 @@ def test_kv_cache_dtype_auto_is_bf16_under_an_auto_fp32_on_cpu():
     assert engine_config_from_args(args).cache.kv_cache_dtype == "float32"
 
 
-def test_llm_runs_the_level_asked_and_reports_it():
+def test_llm_runs_the_level_asked_and_reports_every_kernel():
     previous = native.level()
     try:
         llm = LLM(cpu_isa="generic", kv_cache_memory=0.05, max_model_len=64, skip_tokenizer_init=True)
         assert native.level() == "generic"
-        assert llm.stats()["kernels"].startswith("generic (GGUF blocks x int8 matmul, int4 x int8 matmul, paged attention, fused layer ops")
+        assert llm.stats()["kernels"] == description_at("generic")  # the whole set, not a prefix
         assert llm.stats()["layers"] == "bound to the kernels (18 layers)"  # the embedded model, planned once
         assert (llm.stats()["dtype"], llm.stats()["kv_cache_dtype"]) == ("float32", "bfloat16")  # the level's auto
         out = llm.generate([[2, 818, 5279, 529, 7001, 563]], use_tqdm=False)[0].outputs[0].token_ids
@@ -74,3 +78,39 @@ def test_llm_runs_the_level_asked_and_reports_it():
         llm.shutdown()
     finally:
         native.select(previous or "auto", previous is not None)
+
+
+@requires_compiler
+@pytest.mark.parametrize("level", native.host_levels())
+def test_every_kernel_the_level_promises_builds(level):
+    """Each host level builds every kernel it promises (a KernelBuildError here otherwise), and says so."""
+    assert selection.kernel_levels(level) == kernels_at(level)
+    with native.using(level):
+        assert selection.describe() == description_at(level)
+
+
+def test_native_kernels_off_is_said_as_such():
+    previous = native.level()
+    try:
+        assert selection.select_kernels(KernelConfig(native_kernels=False)) == "off (torch reference ops)"
+        assert native.level() is None and set(selection.kernel_levels().values()) == {"torch"}
+    finally:
+        native.select(previous or "auto", previous is not None)
+
+
+def test_without_a_compiler_the_fallback_is_logged_once_naming_every_kernel(monkeypatch, caplog):
+    """The one case that runs torch with native kernels on: no compiler at all (a build failure raises)."""
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    monkeypatch.setattr(native, "_load", functools.cache(native._load.__wrapped__))  # nothing kept from before
+    fresh = tuple(native.Library(lib.name, lib.functions.values(), lib.title, lib.levels, lib.exports_if,
+                                 lib.extensions) for lib in selection.LIBRARIES)  # none of this process's builds
+    monkeypatch.setattr(selection, "LIBRARIES", fresh)
+    previous = native.level()
+    try:
+        with caplog.at_level(logging.INFO, logger="pagellm.kernels"):
+            description = selection.select_kernels(KernelConfig(cpu_isa="generic"))
+    finally:
+        native.select(previous or "auto", previous is not None)
+    assert description == ("generic: no C++ compiler (set CXX or install g++), torch reference ops for "
+                           + ", ".join(EVERY_KERNEL))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", f"kernels: {description}")]

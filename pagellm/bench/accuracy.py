@@ -15,11 +15,13 @@ from pathlib import Path
 
 import torch
 
+from pagellm.config import KernelConfig
 from pagellm.bench import peers
 from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, pagellm_logits,
                                   tokenize_text)
 from pagellm.eval.perplexity import score_positions, summarize
 from pagellm.kernels import native
+from pagellm.kernels.selection import select_kernels
 from pagellm.loader.model_loader import resolve_model_path
 
 
@@ -50,7 +52,8 @@ def distance(reference: torch.Tensor, logits: torch.Tensor, tokens: list[int]) -
 def main(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     tokens = text_tokens(path, args.text, args.positions)
-    level = native.select(args.cpu_isa or "auto")
+    select_kernels(KernelConfig(cpu_isa=args.cpu_isa or "auto"))  # each kernel of the level built, or an error
+    level = native.level()
     dtype, kv_dtype = mode_dtype(args.dtype), mode_kv_cache_dtype(args.dtype, args.kv_cache_dtype)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
     llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagellm.config import KernelConfig
 from pagellm.eval.forward import (is_dense_mode, load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype,
                                   pagellm_logits, tokenize_text)
 from pagellm.kernels import native
+from pagellm.kernels.selection import select_kernels
 from pagellm.loader.model_loader import resolve_model_path
 
 
@@ -121,7 +123,8 @@ def main(args: argparse.Namespace) -> int:
     chunks = windows(tokens, args.ctx, bos, args.chunks)
     if not chunks:
         raise ValueError(f"--text {args.text} has {len(tokens)} tokens, fewer than one window of --ctx {args.ctx}")
-    level = native.select(args.cpu_isa or "auto")
+    select_kernels(KernelConfig(cpu_isa=args.cpu_isa or "auto"))  # each kernel of the level built, or an error
+    level = native.level()
     dtype, kv_dtype = mode_dtype(args.dtype), mode_kv_cache_dtype(args.dtype)
     model = load_mode(path, args.quantization, dtype)
     _check_context(model, args.ctx)

@@ -118,7 +118,8 @@ _PAGED_ATTENTION = Function("pagellm_paged_attention", (
                "v_stride_tok", "v_stride_head")),
     Float("scale"), Int("window"), Float("soft_cap"), DtypeCode("query"), DtypeCode("key_cache"), Flag("num_threads")),
     returns=ctypes.c_int)
-_LIBRARY = native.Library("paged_attention", [_PAGED_ATTENTION])
+_LIBRARY = native.Library("paged_attention", [_PAGED_ATTENTION], "paged attention")
+LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
 
 
 def _native_kernel(at: str | None = None):

@@ -19,7 +19,9 @@ _RMS_NORM = Function("pagellm_rms_norm", (
 _ROTARY = Function("pagellm_rotary", (
     Tensor("x", FLOATS), Tensor("cos", FLOATS), Tensor("sin", FLOATS), Tensor("out", FLOATS), Int("tokens"),
     Int("heads"), Int("dim"), DtypeCode("x")))
-_LIBRARIES = {"rms_norm": native.Library("rms_norm", [_RMS_NORM]), "rotary": native.Library("rotary", [_ROTARY])}
+_LIBRARIES = {"rms_norm": native.Library("rms_norm", [_RMS_NORM], "RMS norm"),
+              "rotary": native.Library("rotary", [_ROTARY], "rotary embedding")}
+LIBRARIES = tuple(_LIBRARIES.values())  # for kernels/selection.py
 
 
 def _kernel(name: str):

@@ -23,7 +23,8 @@ _RULE = Function("pagellm_gdn_rule_decode", (
     Tensor("state", _F32), Tensor("slots", _SLOTS),
     *(Tensor(name, _F32) for name in ("q", "k", "v", "g", "beta", "out")),
     Int("batch"), Int("k_heads"), Int("v_heads"), Int("dk"), Int("dv")))
-_LIBRARY = native.Library("gated_delta_decode", [_CONV, _RULE])
+_LIBRARY = native.Library("gated_delta_decode", [_CONV, _RULE], "Gated DeltaNet decode")
+LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
 _SYMBOLS = {"conv": _CONV.symbol, "rule": _RULE.symbol}
 
 

@@ -47,7 +47,8 @@ _MATMUL = Function("pagellm_gguf_matmul_q8", (
     Address("out"), Flag("out_dtype")), returns=ctypes.c_int)
 _ROWS = Function("pagellm_gguf_rows", (*_BLOCKS, Int("N"), Int("K"), Tensor("ids", (torch.int64,)), Int("T"),
                                        Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int64)
-_KERNELS = native.Library("quant_gguf", [_MATMUL, _ROWS], extensions=("avx_vnni",))
+_KERNELS = native.Library("quant_gguf", [_MATMUL, _ROWS], "GGUF blocks x int8 matmul", extensions=("avx_vnni",))
+LIBRARIES = (_KERNELS,)  # for kernels/selection.py
 _DTYPE_FLAG = native.DTYPE_CODES
 
 

@@ -31,7 +31,8 @@ _ADD_RMS_NORM = Function("pagellm_add_rms_norm", (
 _ACT_MUL = Function("pagellm_act_mul", (
     Tensor("gate_up", FLOATS), Int("rows"), Int("n"), Flag("act"), Tensor("out", FLOATS), DtypeCode("gate_up")),
     returns=ctypes.c_int)
-_LIBRARY = native.Library("layer_ops", [_QKV_PREPARE, _ADD_RMS_NORM, _ACT_MUL])
+_LIBRARY = native.Library("layer_ops", [_QKV_PREPARE, _ADD_RMS_NORM, _ACT_MUL], "fused layer ops")
+LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
 
 
 def _lib():

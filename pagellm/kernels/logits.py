@@ -22,7 +22,8 @@ _ARGMAX = Function("pagellm_argmax_rows", (Tensor("x", (torch.float32,)), Int("r
                                            Tensor("out", (torch.int64,))))
 _MASK = Function("pagellm_mask_rows", (Tensor("logits", (torch.float32,)), Int("V"), Tensor("bitmask", (torch.int32,)),
                                        Int("words"), Tensor("rows", (torch.int64,)), Int("count")))
-_LIBRARY = native.Library("logits", [_TO_F32, _ARGMAX, _MASK])
+_LIBRARY = native.Library("logits", [_TO_F32, _ARGMAX, _MASK], "logits epilogue")
+LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
 _SYMBOLS = {"logits_to_f32": _TO_F32.symbol, "argmax_rows": _ARGMAX.symbol, "mask_rows": _MASK.symbol}
 
 
@@ -77,10 +78,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     the maximum (the first NaN wins), as torch's CPU argmax. int64, shape x.shape[:-1].
     None: not handled here (not fp32, empty last dim, ...); use torch.
     """
-    if not _handled(_ARGMAX, x):
-        return None
     fn = _kernel("argmax_rows")
-    if fn is None:
+    if fn is None or not _handled(_ARGMAX, x):  # the kernel first: with none, torch's argmax is all that runs
         return None
     V = x.shape[-1]
     out = torch.empty(x.shape[:-1], dtype=torch.int64)

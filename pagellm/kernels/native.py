@@ -15,8 +15,11 @@ compiler's own macros (`__AVX512F__`, `__AVX2__`, ...):
 The process runs one level (`level()`), chosen by `select()` from the engine config's `cpu_isa` (as torch
 runs one ATEN_CPU_CAPABILITY); `load(name, level)` builds any level this CPU can execute, so tests check every
 one in one process. Libraries are cached under ~/.cache/pagellm/kernels (or $PAGELLM_KERNEL_CACHE), keyed by
-the sources, the level's flags and the compiler. With no compiler, or a failed build, `load` returns None after
-one warning naming the cause, and callers use the torch reference path.
+the sources, the level's flags and the compiler. With no compiler `load` returns None: the torch reference path
+takes over only where there is no C++ compiler at all (`compiler()` is None; the engine logs it once, naming every
+kernel that runs in torch: kernels/selection.py). Where a compiler exists, a build that fails is a KernelBuildError
+carrying the compiler's own error text: a broken kernel must stop start-up and fail the suite, never turn into
+skips and a silent fallback.
 
 OpenMP: the library links libgomp.so.1; torch's wheel already loaded its own copy under that soname, so the
 dynamic linker reuses it and both share one thread pool (two pools spinning on 2 cores would halve throughput).
@@ -33,14 +36,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
 import torch  # noqa: F401  -- imported first so torch's libgomp is the one our libraries bind to
 
 from pagellm.config import KernelConfig
+from pagellm.kernels.errors import KernelBuildError
 from pagellm.kernels import binding
 
 CSRC = Path(__file__).with_name("csrc")
@@ -156,54 +158,71 @@ def level() -> str | None:
     return _SELECTION.level
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler kernels are built with ($CXX, else c++, g++ or clang++ on PATH), or None."""
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(name: str, source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # shared includes (bf16.h)
+def build_flags(level: str, extensions: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The compiler flags of a build for `level` plus `extensions` (keys of EXTENSIONS)."""
+    return (*CXX_FLAGS, *LEVEL_FLAGS[level], *(EXTENSIONS[e][1] for e in extensions))
+
+
+def library_path(name: str, flags: tuple[str, ...], cxx: str) -> Path:
+    """Where `cxx`'s build of csrc/<name>.cpp with `flags` is cached: keyed by the sources, the flags and the
+    compiler's version, so an edit, another level or another compiler is a new file."""
+    source = CSRC / f"{name}.cpp"
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # shared includes (bf16.h)
     key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
+    return cache_dir() / f"{name}-{key}.so"
+
+
+def _build(name: str, cxx: str, flags: tuple[str, ...]) -> Path:
+    target = library_path(name, flags, cxx)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(source), "-o", str(out)], capture_output=True, text=True)
+        result = subprocess.run([cxx, *flags, str(CSRC / f"{name}.cpp"), "-o", str(out)], capture_output=True,
+                                text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {source.name}:\n{result.stderr[-2000:]}")
+            raise KernelBuildError(f"{cxx} failed on {name}.cpp (exit {result.returncode}, flags "
+                                   f"{' '.join(flags)}):\n{(result.stderr or result.stdout)[-4000:]}")
         os.replace(out, target)
     return target
 
 
 @functools.cache
-def _load(name: str, level: str, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    source = CSRC / f"{name}.cpp"
-    compiler = _compiler()
-    if compiler is None:
-        warnings.warn(f"pagellm: no C++ compiler found (set CXX or install g++); native kernel {name!r} "
-                      "unavailable, using the slower torch reference path", RuntimeWarning, stacklevel=3)
+def _load(name: str, level: str, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | KernelBuildError | None:
+    """The library, None without a compiler, or the build's error: kept, so a broken kernel is compiled once per
+    process and every caller after the first gets the same message at once."""
+    cxx = compiler()
+    if cxx is None:
         return None
     try:
-        flags = (*CXX_FLAGS, *LEVEL_FLAGS[level], *(EXTENSIONS[e][1] for e in extensions))
-        return ctypes.CDLL(str(_build(name, source, compiler, flags)))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"pagellm: native kernel {name!r} ({level}) unavailable, using the torch reference path: {e}",
-                      RuntimeWarning, stacklevel=3)
-        return None
+        return ctypes.CDLL(str(_build(name, cxx, build_flags(level, extensions))))
+    except (KernelBuildError, OSError) as e:
+        built_with = "".join(f" + {ext}" for ext in extensions)
+        return KernelBuildError(f"native kernel {name!r} failed to build at level {level}{built_with}: {e}")
 
 
 def load(name: str, at: str | None = None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled `csrc/<name>.cpp` for level `at` (default: the selected level) plus `extensions` (keys of
-    EXTENSIONS), or None (with one warning) when it cannot be built here or native kernels are off. A level
-    or extension this CPU cannot execute is a ValueError."""
+    EXTENSIONS); None when native kernels are off or there is no C++ compiler. A failed build is a
+    KernelBuildError with the compiler's message; a level or extension this CPU cannot execute, a ValueError."""
     at = level() if at is None else resolve(at)
     missing = [e for e in extensions if e not in cpu_flags() or EXTENSIONS[e][0] != at]
     if missing:
         raise ValueError(f"extension(s) {missing} do not apply to {at} builds on this CPU")
-    return None if at is None else _load(name, at, tuple(extensions))
+    if at is None:
+        return None
+    lib = _load(name, at, tuple(extensions))
+    if isinstance(lib, KernelBuildError):
+        raise KernelBuildError(str(lib))  # a fresh one: re-raising the kept object would grow its traceback
+    return lib
 
 
 def bind(name: str, functions, at: str | None = None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
@@ -225,35 +244,54 @@ def host_extensions(at: str, wanted: tuple[str, ...]) -> tuple[str, ...]:
 class Library:
     """csrc/<name>.cpp's entry points declared once (binding.Function), loaded per level on first use, with
     their checked and unchecked callers generated from the declarations: the one loader every kernel wrapper
-    goes through. `exports_if`: a symbol of the library answering whether this build exports the declared
-    functions (0: it does not, e.g. below a needed ISA); the library then counts as unavailable at that level.
+    goes through. `title`: the kernel as start-up and stats name it. `levels`: the levels it is promised at (a
+    build that fails there is a KernelBuildError; elsewhere it is not built and the torch path runs).
+    `exports_if`: a symbol of the library answering whether this build exports the declared functions; a build
+    at a promised level that says 0 is an error too (its ISA guards and the level's flags disagree).
     `extensions`: keys of EXTENSIONS the source uses where the CPU has them (built in by default;
     `at(level, extensions=())` gives the build without)."""
 
-    def __init__(self, name: str, functions, exports_if: str | None = None, extensions: tuple[str, ...] = ()):
-        self.name, self.exports_if, self.extensions = name, exports_if, extensions
+    def __init__(self, name: str, functions, title: str, levels: tuple[str, ...] = LEVELS,
+                 exports_if: str | None = None, extensions: tuple[str, ...] = ()):
+        unknown = set(levels) - set(LEVELS)
+        if unknown:
+            raise ValueError(f"levels must be among {LEVELS}, got {sorted(unknown)}")
+        self.name, self.title, self.levels = name, title, tuple(levels)
+        self.exports_if, self.extensions = exports_if, extensions
         self.functions = MappingProxyType({f.symbol: f for f in functions})
         self._builds: dict[tuple, dict | None] = {}
 
+    def promised(self, at: str | None = None) -> bool:
+        """Whether the kernel exists at level `at` (default: the selected one; None: native kernels off)."""
+        at = level() if at is None else at
+        return at in self.levels
+
     def at(self, at: str | None, extensions: tuple[str, ...] | None = None) -> dict | None:
         """{symbol: (unchecked, checked)} of the library built for level `at` (and the host's extensions of it,
-        unless given), or None (unavailable, or `at` is None)."""
-        if at is None:
+        unless given); None where it is not promised, with no compiler, or when `at` is None. A failed build is
+        a KernelBuildError."""
+        if at is None or at not in self.levels:
             return None
         key = (at, extensions)  # extensions None: the host's, resolved on the first call only (hot path)
         if key not in self._builds:
-            self._builds[key] = self._callers(at, host_extensions(at, self.extensions) if extensions is None
-                                              else tuple(extensions))
+            try:
+                self._builds[key] = self._callers(at, host_extensions(at, self.extensions) if extensions is None
+                                                  else tuple(extensions))
+            except KernelBuildError as e:  # said as the user knows the kernel, then the compiler's own words
+                raise KernelBuildError(f"{self.title}: {e}") from None
         return self._builds[key]
 
     def _callers(self, at: str, extensions: tuple[str, ...]) -> dict | None:
         lib = load(self.name, at, extensions)
-        if lib is not None and self.exports_if is not None:
-            probe = getattr(lib, self.exports_if)
-            probe.argtypes, probe.restype = [], ctypes.c_int
-            lib = lib if probe() else None
         if lib is None:
             return None
+        if self.exports_if is not None:
+            probe = getattr(lib, self.exports_if)
+            probe.argtypes, probe.restype = [], ctypes.c_int
+            if not probe():
+                raise KernelBuildError(f"native kernel {self.name!r} built at level {at} exports none of "
+                                       f"{self.title}'s functions ({self.exports_if}() is 0): its ISA guards and "
+                                       f"the level's flags {LEVEL_FLAGS[at]} disagree")
         bind(self.name, self.functions.values(), at, extensions)
         return {symbol: f.callers(getattr(lib, symbol)) for symbol, f in self.functions.items()}
 

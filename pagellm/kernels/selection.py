@@ -1,25 +1,47 @@
-"""The process's native kernels, chosen once from the engine config (KernelConfig) and described in one line."""
+"""The process's native kernels, chosen once from the engine config (KernelConfig), checked, and described.
+
+Every kernel the selected level promises is built (or loaded from the cache) at selection: one that does not
+build is a KernelBuildError with the compiler's message, so start-up stops rather than running a torch fallback
+the user did not ask for. Only a machine with no C++ compiler runs the torch reference ops with native kernels
+on; that is logged once, naming every kernel it affects."""
 
 from __future__ import annotations
 
 import logging
 
 from pagellm.config import KernelConfig
-from pagellm.kernels import attention, gated_delta_native, gguf_blocks, layer_ops, logits, native, quant_gemv
+from pagellm.kernels import (attention, elementwise, gated_delta_native, gguf_blocks, layer_ops, logits, native,
+                             quant_gemv)
 
 logger = logging.getLogger("pagellm.kernels")
+
+# Every native kernel, in the order start-up names them.
+LIBRARIES: tuple[native.Library, ...] = (
+    *gguf_blocks.LIBRARIES, *quant_gemv.LIBRARIES, *attention.LIBRARIES, *layer_ops.LIBRARIES, *logits.LIBRARIES,
+    *gated_delta_native.LIBRARIES, *elementwise.LIBRARIES)
 
 
 def select_kernels(config: KernelConfig) -> str:
     """Make the config's level the one every kernel wrapper loads (a ValueError naming cpu_isa if this CPU
-    cannot run it); log and return what runs, e.g. "avx2 (int4 x int8 matmul, paged attention, ...)"."""
+    cannot run it), build each kernel it promises (a KernelBuildError if one fails), log and return what runs,
+    e.g. "avx2 (GGUF blocks x int8 matmul, ...); torch reference ops: int4/int8 x bf16 matmul (not at avx2)"."""
     try:
         native.select(config.cpu_isa, config.native_kernels)
     except ValueError as e:
         raise ValueError(f"cpu_isa: {e}") from None
     description = describe()
-    logger.info("kernels: %s", description)
+    if native.level() is not None and native.compiler() is None:
+        logger.warning("kernels: %s", description)  # the one place the fallback is said
+    else:
+        logger.info("kernels: %s", description)
     return description
+
+
+def kernel_levels(at: str | None = None) -> dict[str, str]:
+    """{kernel: the level it runs at, or "torch"} at level `at` (default: the selected one; None: off), each
+    promised kernel built now if not yet cached. A kernel that fails to build raises KernelBuildError."""
+    at = native.level() if at is None else at
+    return {library.title: at if library.at(at) is not None else "torch" for library in LIBRARIES}
 
 
 def compute_dtype(dtype: str | None, device: str) -> str:
@@ -46,18 +68,15 @@ def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str) -> str:
 
 
 def describe() -> str:
-    """The selected level and the native kernels that run at it (each built now if not yet cached)."""
+    """The selected level and every kernel: those that run at it, and those that run in torch and why."""
     level = native.level()
     if level is None:
         return "off (torch reference ops)"
-    present = [name for name, available in (
-        ("GGUF blocks x int8 matmul", gguf_blocks.available()),
-        ("int4 x int8 matmul", quant_gemv.q8_available()),
-        ("int4/int8 x bf16 matmul", quant_gemv.available()),
-        ("paged attention", attention._native_kernel() is not None),
-        ("fused layer ops", layer_ops._lib() is not None),
-        ("logits epilogue", logits._kernel("argmax_rows") is not None),
-        ("Gated DeltaNet decode", gated_delta_native._kernel("rule") is not None),
-    ) if available]
+    levels = kernel_levels(level)
+    compiled = [kernel for kernel, at in levels.items() if at != "torch"]
+    in_torch = ", ".join(kernel for kernel, at in levels.items() if at == "torch")
     extended = "".join(f" + {e}" for e in native.host_extensions(level, quant_gemv.Q8_EXTENSIONS))
-    return f"{level}{extended} ({', '.join(present) or 'none could be built: torch reference ops'})"
+    if not compiled:
+        return f"{level}{extended}: no C++ compiler (set CXX or install g++), torch reference ops for {in_torch}"
+    return f"{level}{extended} ({', '.join(compiled)})" + (
+        f"; torch reference ops: {in_torch} (not at {level})" if in_torch else "")

@@ -10,9 +10,10 @@ import torch
 
 from pagellm.kernels import elementwise, layer_ops
 from pagellm.kernels.binding import FLOATS, DtypeCode, Float, Function, Int, KernelArgumentError, Tensor
+from tests.kernels import requires_compiler
 
 RMS_NORM = elementwise._RMS_NORM
-pytestmark = pytest.mark.skipif(elementwise._kernel("rms_norm") is None, reason="no C++ compiler here")
+pytestmark = requires_compiler
 
 
 def _callers():

@@ -8,8 +8,9 @@ import torch
 from pagellm.kernels import elementwise as native_norm
 from pagellm.kernels import native
 from pagellm.layers.norm import RMSNorm
+from tests.kernels import requires_compiler
 
-pytestmark = pytest.mark.skipif(native_norm._kernel("rms_norm") is None, reason="native rms_norm could not be built here")
+pytestmark = requires_compiler
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

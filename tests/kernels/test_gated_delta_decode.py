@@ -17,8 +17,9 @@ from torch.overrides import TorchFunctionMode
 from pagellm.kernels import gated_delta_native, native
 from pagellm.kernels.gated_delta import gated_delta_step_, prepare_qk
 from pagellm.layers.gated_delta_net import GatedDeltaNet
+from tests.kernels import requires_compiler
 
-pytestmark = pytest.mark.skipif(gated_delta_native._kernel("rule") is None, reason="native kernels unavailable")
+pytestmark = requires_compiler
 
 NUM_SLOTS = 8
 SLOTS = {"scattered": [5, 1, 3], "consecutive": [2, 3, 4], "single": [6]}

@@ -18,8 +18,9 @@ from pagellm.kernels.attention import write_kv
 from pagellm.layers.mlp import gated_act
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import apply_rotary
+from tests.kernels import requires_compiler
 
-pytestmark = pytest.mark.skipif(layer_ops._lib() is None, reason="native layer_ops could not be built here")
+pytestmark = requires_compiler
 
 DTYPES = [torch.float32, torch.bfloat16]
 NATIVE_NAMES = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}

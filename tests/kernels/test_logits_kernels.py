@@ -10,9 +10,9 @@ import torch
 from pagellm.kernels import logits as native_logits
 from pagellm.kernels import native
 from pagellm.kernels.binding import Flag, Function, Int, Tensor
+from tests.kernels import requires_compiler
 
-pytestmark = pytest.mark.skipif(native_logits._kernel("argmax_rows") is None,
-                                reason="native logits kernels could not be built here")
+pytestmark = requires_compiler
 
 ROWS = [1, 3, 64]
 VOCAB = [1, 17, 262144]

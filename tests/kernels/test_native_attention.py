@@ -18,10 +18,8 @@ import torch
 
 from pagellm.kernels import attention, native
 from pagellm.core.attention_metadata import AttentionMetadata
+from tests.kernels import requires_compiler
 
-requires_native = pytest.mark.skipif(
-    native.load("paged_attention") is None,
-    reason="native paged_attention kernel unavailable (no C++ compiler, failed build, or native kernels off)")
 
 
 @dataclasses.dataclass
@@ -65,17 +63,30 @@ def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_siz
 
 
 def run_both(case: Case, window=None, cap=None):
-    args = (case.query, case.key_cache, case.value_cache, case.meta, case.scale, window, cap)
-    return attention.paged_attention_native(*args), attention.paged_attention_reference(*args)
+    """The kernel's output, and the reference's from the same (already rounded) inputs in fp64: the reference
+    computes in fp32 from them, so it stands for the exact result at the precision the bounds below need."""
+    args = (case.meta, case.scale, window, cap)
+    exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
+                                                case.value_cache.double(), *args)
+    return attention.paged_attention_native(case.query, case.key_cache, case.value_cache, *args), exact
 
 
-def assert_close(native_out, reference, dtype):
-    assert native_out.dtype == reference.dtype == dtype
+BF16_ROUNDING = 2.0**-8  # bf16's unit roundoff: the kernel accumulates in fp32 and rounds each output once
+
+
+def assert_close(native_out, exact, dtype):
+    """fp32: within 1e-5. bf16: within the one rounding of each element to bf16, |err| <= 2^-8 |exact|, plus
+    fp32 accumulation in another order (1e-5 of the largest output): scaled to each element, so a 1% error in
+    the softmax scale or the output fails (test_a_one_percent_error_fails_the_bf16_bound)."""
+    assert native_out.dtype == dtype and exact.dtype == torch.float64
     assert torch.isfinite(native_out).all()
     if dtype == torch.float32:
-        torch.testing.assert_close(native_out, reference, atol=1e-5, rtol=1e-5)
-    else:  # outputs round to bf16 (8 bits of mantissa) after fp32 accumulation in a different order
-        torch.testing.assert_close(native_out.float(), reference.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(native_out.double(), exact, atol=1e-5, rtol=1e-5)
+    else:
+        error = (native_out.double() - exact).abs()
+        bound = BF16_ROUNDING * exact.abs() + 1e-5 * exact.abs().amax()
+        worst = (error / bound).max().item()
+        assert worst <= 1.0, f"bf16 output off by {worst:.2f}x its rounding bound"
 
 
 SCENARIOS = {  # name: (query_lens, seq_lens)
@@ -99,7 +110,7 @@ DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
 PAIR_IDS = ["fp32", "bf16", "fp32-bf16kv"]
 
 
-@requires_native
+@requires_compiler
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hq{}-hkv{}-d{}-bs{}-w{}-cap{}".format(*c))
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -112,7 +123,24 @@ def test_matches_reference(scenario, config, dtypes):
     assert_close(*run_both(case, window, cap), dtype)
 
 
-@requires_native
+@requires_compiler
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_a_one_percent_error_fails_the_bf16_bound(scenario):
+    """The bf16 bound is tight enough to catch a kernel 1% off: in its softmax scale, or in its output."""
+    query_lens, seq_lens = SCENARIOS[scenario]
+    for num_heads, num_kv_heads, head_dim, block_size, window, cap in CONFIGS:
+        case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
+                         cache_dtype=torch.bfloat16)
+        native_out, exact = run_both(case, window, cap)
+        assert_close(native_out, exact, torch.bfloat16)
+        with pytest.raises(AssertionError, match="rounding bound"):
+            assert_close((native_out.double() * 1.01).to(torch.bfloat16), exact, torch.bfloat16)
+        off_scale = dataclasses.replace(case, scale=case.scale * 1.01)
+        with pytest.raises(AssertionError, match="rounding bound"):
+            assert_close(run_both(off_scale, window, cap)[0], exact, torch.bfloat16)
+
+
+@requires_compiler
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [None, 512])
@@ -130,14 +158,14 @@ def test_long_decode_with_key_splits(dtypes, threads, window):
         torch.set_num_threads(saved)
 
 
-@requires_native
+@requires_compiler
 def test_long_chunk_over_long_context():
     """A few query rows over a long context: tiles and splits in the same call."""
     case = make_case([40, 1], [2000, 700], 4, 1, 128, 16, torch.float32)
     assert_close(*run_both(case, 300), torch.float32)
 
 
-@requires_native
+@requires_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_nan_beyond_context_never_read(dtype):
     """Partially filled last blocks and unused blocks hold NaN; the output stays finite and exact."""
@@ -147,7 +175,7 @@ def test_nan_beyond_context_never_read(dtype):
     assert_close(native_out, reference, dtype)
 
 
-@requires_native
+@requires_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_physical_placement_does_not_change_the_result(dtype):
     args = ([1, 7, 1], [300, 40, 77], 4, 1, 128, 16, dtype)
@@ -160,7 +188,7 @@ def test_physical_placement_does_not_change_the_result(dtype):
         assert torch.equal(a, b)
 
 
-@requires_native
+@requires_compiler
 def test_strided_query():
     """A query that is a view into a fused projection (row stride larger than H_q * D)."""
     case = make_case([3, 1], [9, 30], 4, 2, 64, 16, torch.float32)
@@ -168,7 +196,7 @@ def test_strided_query():
     fused[:, 2:6] = case.query
     strided = dataclasses.replace(case, query=fused[:, 2:6])
     assert not strided.query.is_contiguous()
-    torch.testing.assert_close(run_both(strided)[0], run_both(case)[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run_both(strided)[0].double(), run_both(case)[1], atol=1e-5, rtol=1e-5)
 
 
 def level_cases():
@@ -196,7 +224,7 @@ def level_cases():
 
 
 @pytest.mark.across_levels
-@requires_native
+@requires_compiler
 @pytest.mark.parametrize("threads", [1, 2])
 def test_lower_levels_agree_with_the_hosts_own(threads, monkeypatch):
     """Each lower level's build against the host's best: avx2 gives avx512's bits; the generic (scalar)
@@ -241,7 +269,7 @@ def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch):
         return calls[0]
 
     bf16_k, bf16_v = case.key_cache.to(torch.bfloat16), case.value_cache.to(torch.bfloat16)
-    if native.load("paged_attention") is not None:
+    if native.compiler() is not None:  # with one, the kernel builds (or this raises KernelBuildError)
         assert dispatched() == "native"
         assert dispatched(case.query.to(torch.bfloat16), bf16_k, bf16_v) == "native"
         assert dispatched(case.query, bf16_k, bf16_v) == "native"  # fp32 queries over a bf16 cache
@@ -253,5 +281,5 @@ def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch):
     assert dispatched(case.query, bf16_k) == "reference"  # K and V in different dtypes
     with native.using(None):  # native kernels off
         assert dispatched() == "reference"
-    monkeypatch.setattr(attention, "_native_kernel", lambda: None)  # the library could not be built
+    monkeypatch.setattr(attention, "_native_kernel", lambda: None)  # no compiler: nothing was built
     assert dispatched() == "reference"

@@ -16,11 +16,11 @@ import torch
 from pagellm.kernels import native, quant_gemv
 from pagellm.layers.quant_codes import group_affine_from_float, pack_int4
 from pagellm.layers.quantized import Int4Linear, Int8Linear, QuantizedEmbedding
+from tests.kernels import requires_compiler
 
 # the bf16-activation kernels exist at the avx512 level only (elsewhere torch's serve: tests/layers); the int4
 # layout's dequantizers at every level
-pytestmark = [pytest.mark.skipif(native.load("quant_gemv", "generic") is None, reason="no C++ compiler here"),
-              pytest.mark.levels("avx512")]
+pytestmark = [requires_compiler, pytest.mark.levels("avx512")]
 ALL_LEVELS = pytest.mark.levels(*native.LEVELS)
 
 KERNEL, DENSE = 10**9, 1  # dense_from_rows forcing the int-kernel path / the dense-tile path

@@ -9,8 +9,9 @@ import torch
 
 from pagellm.kernels import gguf_blocks, native
 from tests.kernels.gguf_blocks_builders import KERNEL_TYPES, T, gguf_tensor
+from tests.kernels import requires_compiler
 
-pytestmark = pytest.mark.skipif(not gguf_blocks.available(), reason="needs a C++ compiler")
+pytestmark = requires_compiler
 
 
 def dequantized(data: np.ndarray, ggml_type: T, shape) -> torch.Tensor:

@@ -24,9 +24,9 @@ import torch
 
 from pagellm.kernels import quant_gemv
 from pagellm.layers.quantized import Int4Linear
+from tests.kernels import requires_compiler
 
-pytestmark = pytest.mark.skipif(not quant_gemv.q8_available(),
-                                reason="int4_matmul_q8 needs a C++ compiler")
+pytestmark = requires_compiler
 
 GROUP = quant_gemv.GROUP_SIZE
 

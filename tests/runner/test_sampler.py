@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pagellm.kernels import native
 from pagellm.runner.sampler import Sampler, SamplerOutput, apply_penalties
 from pagellm.sampling_params import SamplingParams
 
@@ -67,14 +68,22 @@ class _RecordOps(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_all_greedy_batch_does_only_an_argmax():
+# The torch ops each greedy path runs ("__get__", attribute access, left out): torch's is one "argmax"; the native
+# argmax (kernels/logits.py) only reads the tensor's layout and allocates its output.
+GREEDY_OPS = {"torch": {"argmax"}, "native": {"dim", "is_contiguous", "numel", "empty", "data_ptr"}}
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_all_greedy_batch_does_only_an_argmax(kernels):
     logits = torch.randn(4, 100)
-    with _RecordOps() as ops:
-        Sampler(seed=0)(logits, rows_of(4, temperature=0.0, top_k=5, top_p=0.5))
-    # "__get__" is attribute access (shape, device), not compute; the native argmax (kernels/logits.py) reads
-    # the tensor's layout and allocates its output, torch's is one "argmax".
-    native_argmax = {"dim", "is_contiguous", "numel", "empty", "data_ptr"}
-    assert {n for n in ops.names if n != "__get__"} in ({"argmax"}, native_argmax)
+    level = native.level() if kernels == "native" else None
+    if level is None and kernels == "native":
+        pytest.skip("native kernels are off in this run; the torch case covers it")
+    with native.using(level), _RecordOps() as ops:
+        out = Sampler(seed=0)(logits, rows_of(4, temperature=0.0, top_k=5, top_p=0.5))
+    expected = GREEDY_OPS[kernels] if kernels == "torch" or native.compiler() is not None else GREEDY_OPS["torch"]
+    assert {n for n in ops.names if n != "__get__"} == expected
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
 
 
 def test_full_feature_batch_never_reads_device_values_back():
