@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 MODEL = "gemma-3-270m"
@@ -183,12 +184,15 @@ def test_chat_prompt_logprobs_sit_beside_the_choices(http):
     assert all(len(entries) == 1 for entries in scored[1:])  # prompt_logprobs 0: the prompt token alone
 
 
-def test_ignore_eos_and_penalties_are_accepted(client):
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.7, top_p=0.9,
-                                    presence_penalty=0.5, frequency_penalty=0.5, seed=3,
-                                    extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
-                                                "ignore_eos": True})
-    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+def test_ignore_eos_outlasts_a_forced_eos(client):
+    """logit_bias +100 on EOS makes it the greedy token at every step: with ignore_eos the output runs on to
+    max_tokens; the same request without it ends on its first token. (The other sampling fields:
+    test_sampling_fields.py.)"""
+    eos = {str(_token_id(client, "<eos>")): 100}  # the embedded Gemma's end-of-sequence token
+    ignored, ended = concurrently(lambda: greedy_completion(client, logit_bias=eos, extra_body={"ignore_eos": True}),
+                                  lambda: greedy_completion(client, logit_bias=eos))
+    assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == N
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
 
 
 def test_tokenize_and_detokenize(http):
@@ -294,31 +298,58 @@ def test_metrics_are_exported(server):
     assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]  # idle: every block back in the pool
 
 
-def test_a_huge_prompt_is_tokenized_off_the_event_loop(server, client):
-    """While a 5 MB prompt is tokenized (seconds), /health and a short completion still answer: both finish before
-    it does. On the event loop they could not even be read until it was done."""
-    import time
+HANG_GUARD = 120  # seconds: only a broken server waits this long
 
-    huge = "All work and no play makes Jack a dull boy. " * 90_000  # ~4 MB, under the default body limit
-    done = {}
 
-    def big():
-        with httpx.Client(base_url=server.url, timeout=300) as http:
-            response = http.post("/tokenize", json={"prompt": huge})
-        done["big"] = time.monotonic()
-        return response
+@pytest.fixture
+def in_process():
+    """The app in this process (FastAPI's TestClient runs it and its engine thread), for a test that reaches into
+    it; the flags of the shared server."""
+    from fastapi.testclient import TestClient
 
-    def small():
-        time.sleep(0.5)  # the big body is in by then (loopback), and being tokenized
-        assert httpx.get(server.url + "/health", timeout=60).status_code == 200
-        done["health"] = time.monotonic()
-        assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
-        done["small"] = time.monotonic()
+    from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+    from pagellm.server.api_server import build_app
 
-    started = time.monotonic()
-    big_response, _ = concurrently(big, small)
-    assert big_response.status_code == 200 and big_response.json()["count"] > 800_000
-    assert done["health"] < done["big"] and done["small"] < done["big"], (done, started)
+    app = build_app(EngineConfig(model=ModelConfig(max_model_len=256), cache=CacheConfig(kv_cache_memory=0.25)),
+                    ServerConfig())
+    with TestClient(app) as client:  # runs the lifespan: the engine thread loads the model
+        deadline = time.monotonic() + HANG_GUARD
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.1)
+        yield app, client
+
+
+def test_a_long_tokenization_leaves_the_event_loop_serving(in_process, monkeypatch):
+    """A multi-megabyte prompt takes seconds to tokenize. Here one prompt's tokenization is held in progress until
+    the test releases it, and meanwhile /health and a short completion (its own tokenization included) answer.
+    Were tokenization on the event loop, nothing would be served until the held one gave up waiting (HANG_GUARD):
+    the test would not have been the one to release it."""
+    app, client = in_process
+    tokenizer = app.state.server.engine.model.tokenizer
+    held = "The prompt whose tokenization is held in progress."
+    in_progress, release, released = threading.Event(), threading.Event(), []
+    encode = tokenizer.encode
+
+    def held_encode(text, *args, **kwargs):
+        if text == held:
+            in_progress.set()
+            released.append(release.wait(HANG_GUARD))  # False: it gave up waiting
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", held_encode)
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(client.post, "/tokenize", json={"prompt": held})
+        assert in_progress.wait(HANG_GUARD)
+        health = client.get("/health")
+        small = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+        still_held = not big.done()
+        release.set()
+        big = big.result()
+    assert health.status_code == 200
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2, small.text
+    assert still_held and released == [True]
+    assert big.status_code == 200 and big.json()["tokens"] == encode(held)
 
 
 def test_a_prompt_too_long_in_any_tokenization_is_refused_before_tokenizing(http):

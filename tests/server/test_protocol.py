@@ -8,7 +8,7 @@ import pytest
 
 from pagellm.core.types import TokenLogprobs
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagellm.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from pagellm.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingParams
 from pagellm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from pagellm.server.responses import ChatFormatter, CompletionFormatter, usage
 
@@ -197,3 +197,30 @@ def test_serve_refuses_a_chat_template_file_it_cannot_read(tmp_path, capsys):
 
     assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "--chat-template" in capsys.readouterr().err
+
+
+# Every sampling field a request may set, each with a value no other field has and no field defaults to: a field
+# dropped (left at its default) or read into another one's place changes the SamplingParams.
+SAMPLING_FIELDS = {"temperature": 0.7, "top_p": 0.9, "top_k": 14, "min_p": 0.05, "presence_penalty": 0.3,
+                   "frequency_penalty": -0.4, "repetition_penalty": 1.25, "seed": 11, "stop": ["zz"],
+                   "stop_token_ids": [17], "ignore_eos": True, "logit_bias": {"5": 2.5}, "min_tokens": 2,
+                   "prompt_logprobs": 3}
+
+
+@pytest.mark.parametrize("model, base", [(CompletionRequest, {"prompt": "x", "logprobs": 4}),
+                                         (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                                                  "logprobs": True, "top_logprobs": 4})])
+def test_every_sampling_field_reaches_the_sampling_params_under_its_own_name(model, base):
+    request = parse(model, json.dumps({**base, **SAMPLING_FIELDS}))
+    num_logprobs = request.logprobs if model is CompletionRequest else request.num_logprobs
+    params = request.sampling_params(9, num_logprobs, 0)
+    assert {name: getattr(params, name) for name in SAMPLING_FIELDS} == {
+        **SAMPLING_FIELDS, "stop": ("zz",), "stop_token_ids": (17,), "logit_bias": ((5, 2.5),)}
+    assert params.max_tokens == 9 and params.logprobs == 4
+    assert request.sampling_params(9, num_logprobs, 2).seed == 13  # child i: seed + i
+    # the values are distinct, so the comparison above tells any two fields apart
+    numbers = [v for v in SAMPLING_FIELDS.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    assert len(set(numbers)) == len(numbers)
+    # and none is the field's default: a field dropped on the way would show
+    defaults = SamplingParams()
+    assert all(getattr(defaults, name) != getattr(params, name) for name in SAMPLING_FIELDS)
