@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import math
 
+import pytest
 import torch
 
 from pagellm.bench import accuracy
 from pagellm.eval.forward import pagellm_logits
 from pagellm.loader.model_loader import load_model
+from tests.eval import known_scores as known
 
 
 def test_distances_of_a_model_to_itself_and_to_its_int4_copy(tiny_model_dir):
@@ -26,8 +28,28 @@ def test_distances_of_a_model_to_itself_and_to_its_int4_copy(tiny_model_dir):
     assert math.isclose(same["ppl"], math.exp(nll), rel_tol=1e-5)
     int4 = load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"), with_tokenizer=False,
                       quantization="int4").model
-    moved = accuracy.distance(whole, pagellm_logits(int4, tokens, torch.float32), tokens)
-    assert 0.0 < moved["kl"] and moved["top1"] <= 1.0
+    int4_logits = pagellm_logits(int4, tokens, torch.float32)
+    moved = accuracy.distance(whole, int4_logits, tokens)
+    # the same figures summed here in fp64 from the rows that have a next token (the last has none)
+    p, q = whole[:-1].double().log_softmax(-1), int4_logits[:-1].double().log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    assert kl > 0 and moved["kl"] == pytest.approx(kl, rel=1e-4)  # fp32 logs: ~1e-5 off here
+    assert moved["top1"] == (p.argmax(-1) == q.argmax(-1)).double().mean().item()
+    nll = -q.gather(1, torch.tensor(tokens[1:])[:, None]).mean().item()
+    assert moved["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+
+
+def test_distance_of_a_known_distribution_is_the_hand_values():
+    """distance(reference, logits, tokens): rows of every position, the first token only context."""
+    reference, model = known.logits(known.REFERENCE, 2.0), known.logits(known.MODEL, -1.0)
+    last = torch.zeros(1, 3)  # the last position has no next token: never scored, whatever it holds
+    tokens = [1, *known.NEXT_TOKENS]
+    scores = accuracy.distance(torch.cat([reference, last]), torch.cat([model, last + 9]), tokens)
+    assert scores == pytest.approx({"top1": known.TOP1, "kl": known.KL_MEAN, "ppl": known.PPL}, rel=1e-6)
+    assert abs(known.KL_MEAN - known.KL_REVERSED_MEAN) > 0.1  # so the direction shows
+    swapped = accuracy.distance(torch.cat([model, last]), torch.cat([reference, last]), tokens)
+    assert swapped == pytest.approx({"top1": known.TOP1, "kl": known.KL_REVERSED_MEAN, "ppl": known.REFERENCE_PPL},
+                                    rel=1e-6)
 
 
 def test_a_missing_llama_cpp_is_said_at_once_and_its_row_left_out(monkeypatch, tmp_path, capsys):

@@ -4,8 +4,11 @@ server panel move, stop it. Needs Debian's chromium (`make test` installs it whe
 from __future__ import annotations
 
 import shutil
+from html.parser import HTMLParser
 
 import pytest
+
+from tests.server import remote_references
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -24,12 +27,93 @@ def page(server):
         browser.close()
 
 
+class _Assets(HTMLParser):
+    """The page's own scripts and stylesheets: <script src> and <link rel=stylesheet href>."""
+
+    def __init__(self):
+        super().__init__()
+        self.paths: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "script" and attrs.get("src"):
+            self.paths.append(attrs["src"])
+        elif tag == "link" and attrs.get("rel") == "stylesheet":
+            self.paths.append(attrs["href"])
+
+
 def test_the_page_and_its_files_are_served_without_a_cdn(http):
     html = http.get("/").text
-    assert "<textarea id=\"prompt\"" in html and "https://" not in html and "http://" not in html
-    for path in ("/static/chat.js", "/static/chat.css"):
+    assert "<textarea id=\"prompt\"" in html
+    assert remote_references.in_html(html) == []
+    assets = _Assets()
+    assets.feed(html)
+    assert sorted(assets.paths) == ["/static/chat.css", "/static/chat.js"]  # what it loads: all from this server
+    for path in assets.paths:
         response = http.get(path)
-        assert response.status_code == 200 and "http" not in response.text.replace("https://", "").split("//")[0]
+        check = remote_references.in_js if path.endswith(".js") else remote_references.in_css
+        assert response.status_code == 200 and check(response.text) == [], path
+
+
+# Each of these loads something from another host; the check must name it. One line of each page, script or
+# stylesheet is remote, so each case proves one way of reaching out is seen.
+REMOTE_HTML = [
+    '<script src="https://cdn.example.com/marked.js"></script>',
+    "<script src='//cdn.example.com/marked.js'></script>",
+    '<link rel="stylesheet" href="http://fonts.example.com/css">',
+    '<img srcset="/a.png 1x, //cdn.example.com/b.png 2x">',
+    '<div style="background: url(//cdn.example.com/x.png)"></div>',
+    '<script type="module">import {marked} from "https://esm.example.com/marked";</script>',
+    "<style>@import url('https://fonts.example.com/css');</style>",
+    '<button onclick="fetch(\'//api.example.com/x\')">x</button>',
+    '<meta http-equiv="refresh" content="0; url=//example.com/">',
+]
+REMOTE_JS = [
+    'import {marked} from "https://cdn.example.com/marked.esm.js";',
+    "const lib = await import('//cdn.example.com/lib.js');",
+    "fetch(`https://api.example.com/v1/${path}`);",
+    'script.src = "https:\\/\\/cdn.example.com/x.js";  // escaped slashes',
+    "importScripts('http://cdn.example.com/worker.js');",
+    "el.style.background = 'url(//cdn.example.com/x.png)';",
+    "const socket = new WebSocket('wss://example.com/stream');",
+]
+REMOTE_CSS = [
+    '@import "https://fonts.example.com/css";',
+    "@import url(//fonts.example.com/css);",
+    "body { background: url('http://cdn.example.com/bg.png'); }",
+    "@font-face { font-family: x; src: url(https://fonts.example.com/x.woff2) format('woff2'); }",
+]
+# ... and these are local: a comment, a path on this server, a string that merely holds slashes.
+LOCAL_JS = ['"use strict"; // see https://example.com/docs for the format', "fetch('/v1/models');",
+            "/* https://example.com */ const a = 'a // b';", "const parts = line.split(/\\/\\//);"]
+LOCAL_CSS = ["/* from https://example.com */ body { background: url(/static/bg.png); }", "a { content: '//'; }"]
+
+
+@pytest.mark.parametrize("check, source", [
+    *[(remote_references.in_html, source) for source in REMOTE_HTML],
+    *[(remote_references.in_js, source) for source in REMOTE_JS],
+    *[(remote_references.in_css, source) for source in REMOTE_CSS],
+])
+def test_the_check_finds_a_remote_reference(check, source):
+    assert check(source) != [], source
+
+
+@pytest.mark.parametrize("check, source", [
+    *[(remote_references.in_js, source) for source in LOCAL_JS],
+    *[(remote_references.in_css, source) for source in LOCAL_CSS],
+    (remote_references.in_html, '<svg xmlns="http://www.w3.org/2000/svg"></svg><a href="/static/x">x</a>'),
+])
+def test_the_check_lets_local_references_and_comments_through(check, source):
+    assert check(source) == [], source
+
+
+def test_the_check_finds_a_cdn_added_to_the_real_files(http):
+    """The served page, script and stylesheet with one remote line added are refused (they pass untouched)."""
+    html, js, css = (http.get(path).text for path in ("/", "/static/chat.js", "/static/chat.css"))
+    cdn_script = '<script src="https://cdn.example.com/marked.js"></script>'
+    assert remote_references.in_html(html.replace("</head>", cdn_script + "</head>")) != []
+    assert remote_references.in_js(js + '\nimport("https://cdn.example.com/marked.js");\n') != []
+    assert remote_references.in_css("@import url(//fonts.example.com/css);\n" + css) != []
 
 
 def test_type_send_stream_watch_the_panel_and_stop(page):

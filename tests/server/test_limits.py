@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 
 import httpx
 import openai
@@ -18,7 +19,11 @@ from tests.server.server_harness import BASE_ARGS, sse_events, start_server, sto
 KEY = "secret-key"
 SECOND_KEY = "second-key"  # from --api-key-file
 NAME = "limits-test"
-LONG = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+# Long enough that no host finishes it while a test holds it open (the tests end it: a close, a SIGTERM); a
+# request that finished first would fail those tests rather than pass them by chance.
+MAX_MODEL_LEN = 4096
+LONG = {"model": NAME, "prompt": "Once upon a time", "max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True,
+        "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +31,7 @@ def server(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# operators\n{SECOND_KEY}\n\n")
     args = [*BASE_ARGS, "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", NAME,
-            "--api-key-file", str(key_file), "--max-request-bytes", "65536"]
+            "--api-key-file", str(key_file), "--max-request-bytes", "65536", "--max-model-len", str(MAX_MODEL_LEN)]
     server = start_server(args, tmp_path_factory.mktemp("limits"), api_key=KEY)
     yield server
     server.kill()  # normally already stopped by the SIGTERM test
@@ -135,10 +140,27 @@ def test_full_waiting_queue_is_a_429_and_accepted_requests_finish(server, http):
     assert after["request_success_total"] - before["request_success_total"] == 1
 
 
+def send_raw(server, path: str, body: dict) -> socket.socket:
+    """A POST written to a socket of its own, nothing read back: the test decides when the client goes away."""
+    payload = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nAuthorization: Bearer {KEY}\r\n\r\n")
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
 def test_non_streaming_client_that_goes_away_is_aborted(server):
     before = server.metrics()
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=LONG, headers=server.headers(), timeout=2.0)
+    sock = send_raw(server, "/v1/completions", LONG)
+    try:
+        running = server.wait_for_metrics(lambda m: m["num_requests_running"] == 1)  # 60 s: a hang guard only
+        assert running["num_requests_running"] == 1, running
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):  # no answer yet: it is still generating when the client goes away
+            sock.recv(1)
+    finally:
+        sock.close()
     after = server.wait_for_metrics(lambda m: idle(m) and m["request_aborted_total"] > before["request_aborted_total"])
     assert idle(after), after
     assert after["request_aborted_total"] - before["request_aborted_total"] == 1

@@ -82,4 +82,24 @@ def test_structured_outputs_rejects_min_tokens_and_needs_exactly_one_form():
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputs(regex="a"))
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputs()
-    assert hash(SamplingParams(structured_outputs=StructuredOutputs(json=SCHEMA))) is not None
+
+
+def test_structured_outputs_are_cache_keys_one_per_output():
+    """The engine caches compiled grammars by StructuredOutputs (runner/grammar.py): one schema however it was
+    sent finds the one entry; different outputs never share one."""
+    reordered = {"properties": {"a": {"type": "integer"}}, "type": "object"}  # SCHEMA, its keys in another order
+    assert list(reordered) != list(SCHEMA) and reordered == SCHEMA
+    same = [StructuredOutputs(json=SCHEMA), StructuredOutputs(json=reordered),
+            StructuredOutputs(json=json.dumps(reordered))]
+    assert all(spec == same[0] and hash(spec) == hash(same[0]) for spec in same) and len(set(same)) == 1
+    assert hash(StructuredOutputs(choice=["yes", "no"])) == hash(StructuredOutputs(choice=("yes", "no")))
+    different = [StructuredOutputs(json=SCHEMA), StructuredOutputs(json={"type": "object"}),
+                 StructuredOutputs(json_object=True), StructuredOutputs(regex="[a-z]+"),
+                 StructuredOutputs(regex="[a-z]*"), StructuredOutputs(choice=("yes", "no")),
+                 StructuredOutputs(choice=("no", "yes")), StructuredOutputs(grammar='root ::= "a"')]
+    cache = {spec: i for i, spec in enumerate(different)}
+    assert len(cache) == len(different)  # each its own entry
+    assert cache[StructuredOutputs(json=json.dumps(reordered))] == 0  # found by an equal key built anew
+    params = {SamplingParams(structured_outputs=spec) for spec in [*different, *same]}  # keys of their own too
+    assert len(params) == len(different)
+    assert SamplingParams(structured_outputs=same[1]) in params and SamplingParams() not in params

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 from fastapi.testclient import TestClient
@@ -17,14 +18,28 @@ CONFIG = EngineConfig(model=ModelConfig(max_model_len=256), cache=CacheConfig(kv
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
 
 
+HANG_GUARD = 240  # seconds: only so that a hang fails instead of blocking the suite; no speed is measured
+
+
 def ready_client(app) -> TestClient:
     client = TestClient(app)
     client.__enter__()  # runs the lifespan: the engine thread starts loading the model
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HANG_GUARD
     while client.get("/health").status_code != 200:
-        assert time.monotonic() < deadline, "the model did not load"
+        if time.monotonic() > deadline:  # hang guard: loading takes what it takes on a busy 2-core machine
+            pytest.fail("the model did not load")
         time.sleep(0.1)
     return client
+
+
+def bounded(fn, *args):
+    """fn(*args) on another thread, waited for under the hang guard: a request queued for an engine thread that
+    has ended would never be answered, and the test would block."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn, *args).result(timeout=HANG_GUARD)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def complete(client: TestClient, prompt: str):
@@ -87,16 +102,26 @@ def test_an_error_in_delivery_ends_the_engine_and_everything_answers_503_at_once
             raise KeyError("injected delivery fault")
 
         async_engine._deliver = broken
-        failed = complete(client, PROMPTS[0])
+        failed = bounded(complete, client, PROMPTS[0])
         assert failed.status_code == 503 and "injected delivery fault" in failed.json()["error"]["message"]
-        started = time.monotonic()
-        while client.get("/health").status_code != 503:
-            assert time.monotonic() - started < 1.0
-            time.sleep(0.02)
-        health = client.get("/health").json()["error"]["message"]
-        assert "engine thread died" in health and "injected delivery fault" in health
-        started = time.monotonic()
-        again = complete(client, PROMPTS[1])
-        assert again.status_code == 503 and time.monotonic() - started < 1.0
+        # The thread records why it died before it fails the open requests: /health knows by the time the
+        # request above was answered, with no wait.
+        health = client.get("/health")
+        assert health.status_code == 503
+        assert "engine thread died" in health.json()["error"]["message"]
+        assert "injected delivery fault" in health.json()["error"]["message"]
+        async_engine._thread.join(HANG_GUARD)  # hang guard: it ends once its engine is shut down
+        assert not async_engine._thread.is_alive()
+        # "At once" is a state, not a time: nobody is left to answer, so a new request must be refused at the
+        # door, never queued for the engine thread (queued, it would wait forever: bounded() would fail).
+        submitted, submit, inbox = [], async_engine._submit, list(async_engine._inbox)
+        async_engine._submit = lambda fn, future: (submitted.append(fn), submit(fn, future))[1]
+        for path, body in (("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 6}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}]})):
+            again = bounded(partial(client.post, path, json=body))
+            assert again.status_code == 503, again.text
+            assert "engine thread died" in again.json()["error"]["message"]
+        # (the inbox already holds the failed request's own abort, sent after the thread ended: never run)
+        assert submitted == [] and list(async_engine._inbox) == inbox
     finally:
         client.__exit__(None, None, None)
