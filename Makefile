@@ -30,7 +30,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 # The whole suite at the CPU's own instruction-set level (tests/kernels covers every level in process), then
-# the model, layer and engine tests again at each lower level the CPU can run (tests/lower_levels.py).
+# the model, layer and engine tests again at each lower level the CPU can run, and the HF-parity and engine
+# tests once with native kernels off (tests/lower_levels.py).
 # The chat page's browser test drives Debian's Chromium; installed here when missing and possible (root or
 # password-less sudo), else that one test is skipped and says why.
 chromium:

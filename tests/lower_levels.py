@@ -3,6 +3,10 @@ process of its own with torch's kernels held to the same level (ATEN_CPU_CAPABIL
 pagellm's selected through PAGELLM_CPU_ISA: what an AVX2-only or a non-x86 machine would run, model parity
 against HF and the exactness paths included. tests/kernels is not repeated: it covers every level in process.
 
+Then the HF-parity and engine tests once more with native kernels off (KernelConfig.native_kernels = False,
+its default set through PAGELLM_NATIVE=0): the torch reference ops everywhere, which is what a machine without
+a C++ compiler runs, and what a CUDA device runs today.
+
     python tests/lower_levels.py [pytest args]      (make test runs it after the main pass)
 """
 
@@ -36,17 +40,32 @@ ONE_ENGINE_BELOW_NATIVE = [f"tests/test_llm.py::test_greedy_ids_identical_across
 DESELECT = {"generic": ["tests/layers/test_quantized.py::test_default_model_accuracy_against_the_dense_gguf_model"]}
 
 
+# With native kernels off: parity with HF of every family (dense, MoE, hybrid; the model alone and through the
+# engine) and the engine's own tests on the embedded model, as at a lower level.
+NATIVE_OFF = ["tests/models/test_hf_parity.py", "tests/models/test_hybrid_parity.py",
+              "tests/models/test_hybrid_engine.py::test_engine_matches_hf_greedy", "tests/models/test_step_reuse.py",
+              "tests/test_llm.py"]
+
+
+def run(name: str, environment: dict[str, str], suites: list[str], deselected: list[str], extra: list[str]) -> int:
+    print(f"== tests {name}", flush=True)
+    deselect = [f"--deselect={test}" for test in deselected]
+    code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites, *deselect,
+                            *extra], env={**os.environ, **environment})
+    if code != 0:
+        print(f"== {name}: pytest exited {code}", flush=True)
+    return code
+
+
 def main(extra: list[str]) -> int:
     for level in native.host_levels()[1:]:
-        env = {**os.environ, **native.torch_env(level), "PAGELLM_CPU_ISA": level}
-        print(f"== tests at cpu_isa={level} (torch: {native.torch_env(level)})", flush=True)
-        deselect = [f"--deselect={test}" for test in HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE + DESELECT.get(level, [])]
-        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITES, *deselect,
-                                *extra], env=env)
+        code = run(f"at cpu_isa={level} (torch: {native.torch_env(level)})",
+                   {**native.torch_env(level), "PAGELLM_CPU_ISA": level}, SUITES,
+                   HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE + DESELECT.get(level, []), extra)
         if code != 0:
-            print(f"== cpu_isa={level}: pytest exited {code}", flush=True)
             return code
-    return 0
+    return run("with native kernels off (PAGELLM_NATIVE=0)", {"PAGELLM_NATIVE": "0"}, NATIVE_OFF,
+               HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE, extra)
 
 
 if __name__ == "__main__":

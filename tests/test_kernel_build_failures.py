@@ -59,7 +59,8 @@ def refusing_environment(tmp_path: Path, refuse: str, refused: dict[str, tuple[s
     wrapper = tmp_path / "refusing-c++"
     wrapper.write_text(REFUSING_CXX)
     wrapper.chmod(0o755)
-    environment = {key: value for key, value in os.environ.items() if key != "PAGELLM_CPU_ISA"}
+    # the level and native kernels on come from the test, whatever this run's own settings
+    environment = {key: value for key, value in os.environ.items() if key not in ("PAGELLM_CPU_ISA", "PAGELLM_NATIVE")}
     return {**environment, "CXX": str(wrapper), "REAL_CXX": cxx, "REFUSE": refuse,
             "PAGELLM_KERNEL_CACHE": str(cache)}
 
