@@ -1,0 +1,123 @@
+"""The Triton paged-attention kernel (kernels/triton_attention.py) against the torch reference.
+
+On a machine without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, read by `triton.jit`
+when the module is imported): numpy, one program at a time, so shapes stay tiny and dtypes fp32 / fp16 (the
+interpreter has no bf16; bf16 is for a GPU run). What it proves is the kernel's logic: request lookup over the
+upper-bound grid, block-table reads, masks, GQA packing, online softmax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from pagellm.kernels import attention
+from tests.kernels.attention_cases import make_case
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+INTERPRET = {} if ON_GPU else {"TRITON_INTERPRET": "1"}
+
+
+@contextlib.contextmanager
+def interpreter():
+    """TRITON_INTERPRET=1 within the block on a machine without CUDA (triton.jit reads it at import, launches
+    at each call), and as before after it: the server and worker processes other tests start inherit nothing."""
+    previous = {key: os.environ.get(key) for key in INTERPRET}
+    os.environ.update(INTERPRET)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+with interpreter():
+    from pagellm.kernels import triton_attention
+
+
+@pytest.fixture(autouse=True)
+def _interpreted():
+    with interpreter():
+        yield
+
+
+SCENARIOS = {  # name: (query_lens, seq_lens)
+    "decode": ([1, 1, 1], [1, 17, 40]),
+    "prefill": ([19, 5], [19, 5]),
+    "chunked": ([10, 3], [50, 35]),
+    "mixed": ([1, 13, 1, 6], [70, 13, 5, 33]),
+    "long-decode": ([1, 1], [300, 129]),  # many key tiles, a block table ten blocks wide
+}
+CONFIGS = [  # (H_q, H_kv, D, block_size, sliding_window, soft_cap): G = 1, 2, 3, 4
+    (2, 2, 64, 16, None, None),
+    (4, 2, 32, 16, 7, 30.0),
+    (3, 1, 80, 32, None, 5.0),  # a head size that is not a power of two
+    (8, 2, 64, 16, 24, None),
+]
+
+
+def run_both(case, window, cap):
+    args = (case.meta, case.scale, window, cap)
+    moved = [t.to(DEVICE) for t in (case.query, case.key_cache, case.value_cache)]
+    meta = case.meta if DEVICE == "cpu" else _meta_on(case.meta, DEVICE)
+    got = triton_attention.paged_attention_triton(*moved, meta, *args[1:])
+    exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
+                                                case.value_cache.double(), *args)
+    return got.cpu(), exact
+
+
+def _meta_on(meta, device):
+    import dataclasses
+
+    return dataclasses.replace(meta, **{name: getattr(meta, name).to(device) for name in
+                                        ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hq{}-hkv{}-d{}-bs{}-w{}-cap{}".format(*c))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_matches_the_reference_in_fp32(scenario, config):
+    num_heads, num_kv_heads, head_dim, block_size, window, cap = config
+    query_lens, seq_lens = SCENARIOS[scenario]
+    case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32)
+    got, exact = run_both(case, window, cap)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()  # NaN rows past each context never read
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_fp32_queries_over_an_fp16_cache_and_fp16_queries():
+    """K/V in another dtype than the queries are converted as they are loaded; fp16 output within its rounding."""
+    for dtype, cache_dtype in ((torch.float32, torch.float16), (torch.float16, torch.float16)):
+        case = make_case([1, 7], [30, 7], 4, 2, 64, 16, dtype, cache_dtype=cache_dtype)
+        got, exact = run_both(case, None, None)
+        assert got.dtype == dtype
+        bound = (2.0**-11 if dtype == torch.float16 else 1e-5) * exact.abs() + 1e-4 * exact.abs().amax()
+        assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_a_wrong_scale_or_a_dropped_mask_fails_the_comparison():
+    """The fp32 check is tight enough to see a 1% scale error and a window the kernel did not apply."""
+    case = make_case([10, 3], [50, 35], 4, 2, 32, 16, torch.float32)
+    got, exact = run_both(case, 7, None)
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+    off = triton_attention.paged_attention_triton(case.query.to(DEVICE), case.key_cache.to(DEVICE),
+                                                  case.value_cache.to(DEVICE), _meta_on(case.meta, DEVICE),
+                                                  case.scale * 1.01, 7, None).cpu()
+    assert not torch.allclose(off.double(), exact, atol=1e-5, rtol=1e-5)
+    unwindowed, _ = run_both(case, None, None)
+    assert not torch.allclose(unwindowed.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_steps_and_bad_layouts():
+    case = make_case([], [], 2, 1, 64, 16, torch.float32)
+    assert triton_attention.paged_attention_triton(case.query, case.key_cache, case.value_cache, case.meta,
+                                                   case.scale).shape == (0, 2, 64)
+    case = make_case([1], [9], 3, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="query heads 3 over 2 kv heads"):
+        triton_attention.paged_attention_triton(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
