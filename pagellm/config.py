@@ -36,8 +36,9 @@ class ModelConfig(_FromDict):
         "GGUF file or HF checkpoint directory; empty means the embedded Gemma 3 270M Q4_K_M.", default=None
     )
     dtype: str | None = _help(
-        "Compute dtype: float32, bfloat16, float16 or auto (the default): on CPU bfloat16 where the kernel level "
-        "has a native bf16 dot product (avx512), else float32; float32 on other devices.", default=None)
+        "Compute dtype: float32, bfloat16, float16 or auto (the default): on CUDA bfloat16 (float16 on a GPU "
+        "without bf16); on CPU bfloat16 where the kernel level has a native bf16 dot product (avx512), else "
+        "float32; float32 on other devices.", default=None)
     max_model_len: int | None = _help("Longest sequence served (default: the model's context length).", default=None)
     device: str = _help("torch device to run on.", default="cpu")
     quantization: str = _help(

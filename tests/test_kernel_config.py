@@ -6,6 +6,7 @@ import functools
 import logging
 
 import pytest
+import torch
 
 from pagellm import LLM
 from pagellm.cli import build_parser, engine_config_from_args
@@ -55,7 +56,6 @@ def test_kv_cache_dtype_auto_is_bf16_under_an_auto_fp32_on_cpu():
         assert selection.kv_cache_dtype("auto", "float32", "cpu") == "float32"  # the HF-parity mode stays fp32
         assert selection.kv_cache_dtype("auto", "float16", "cpu") == "float16"
         assert selection.kv_cache_dtype("float32", None, "cpu") == "float32"
-        assert selection.kv_cache_dtype("auto", None, "cuda") == "float32"
     if "avx512" in native.host_levels():
         with native.using("avx512"):
             assert selection.kv_cache_dtype("auto", None, "cpu") == "bfloat16"  # the compute dtype itself
@@ -63,6 +63,19 @@ def test_kv_cache_dtype_auto_is_bf16_under_an_auto_fp32_on_cpu():
         CacheConfig(kv_cache_dtype="int8")
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "float32"])
     assert engine_config_from_args(args).cache.kv_cache_dtype == "float32"
+
+
+@pytest.mark.parametrize("bf16_gpu", [True, False])
+def test_auto_dtype_on_cuda_is_bf16_or_fp16_and_the_cache_follows(monkeypatch, bf16_gpu):
+    """As vLLM: bf16 on a GPU that computes it (Ampere and later), fp16 on older ones; K/V in the same dtype."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16_gpu)
+    expected = "bfloat16" if bf16_gpu else "float16"
+    for device in ("cuda", "cuda:1"):
+        assert selection.compute_dtype(None, device) == selection.compute_dtype("auto", device) == expected
+        assert selection.kv_cache_dtype("auto", None, device) == expected
+    assert selection.compute_dtype("float32", "cuda") == "float32"  # a dtype named is kept
+    assert selection.kv_cache_dtype("auto", "float32", "cuda") == "float32"
+    assert selection.compute_dtype(None, "meta") == "float32"  # other devices
 
 
 def test_llm_runs_the_level_asked_and_reports_every_kernel():

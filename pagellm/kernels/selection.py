@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from pagellm.config import KernelConfig
 from pagellm.kernels import (attention, elementwise, gated_delta_native, gguf_blocks, layer_ops, logits, native,
                              quant_gemv)
@@ -45,13 +47,17 @@ def kernel_levels(at: str | None = None) -> dict[str, str]:
 
 
 def compute_dtype(dtype: str | None, device: str) -> str:
-    """The compute dtype `dtype` names; None or "auto": bfloat16 on a CPU whose selected level has a native bf16
-    dot product (avx512: AVX-512 BF16), float32 elsewhere. Why not bf16 everywhere: without AVX-512 BF16, torch
-    and our kernels emulate bf16 arithmetic, slower than fp32.
+    """The compute dtype `dtype` names; None or "auto": on CUDA bfloat16 (float16 on a GPU without it); on a CPU
+    bfloat16 where the selected level has a native bf16 dot product (avx512: AVX-512 BF16); float32 elsewhere.
+    Why not bf16 on every CPU: without AVX-512 BF16, torch and our kernels emulate bf16 arithmetic, slower
+    than fp32.
     measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md"""
     if dtype not in (None, "auto"):
         return dtype
-    return "bfloat16" if device == "cpu" and native.level() == "avx512" else "float32"
+    kind = torch.device(device).type
+    if kind == "cuda":  # as vLLM: bf16 where the GPU computes it (Ampere and later), else fp16
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if kind == "cpu" and native.level() == "avx512" else "float32"
 
 
 def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str) -> str:
@@ -63,7 +69,8 @@ def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str) -> str:
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
     compute = compute_dtype(dtype, device)
-    narrow = dtype in (None, "auto") and device == "cpu" and compute == "float32" and native.level() is not None
+    on_cpu = torch.device(device).type == "cpu"
+    narrow = dtype in (None, "auto") and on_cpu and compute == "float32" and native.level() is not None
     return "bfloat16" if narrow else compute  # (the torch reference would only widen a bf16 cache every step)
 
 
