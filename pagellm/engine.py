@@ -41,7 +41,7 @@ class LLMEngine:
         self.config = config
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device)
-        self.kernels = select_kernels(config.kernels)  # before loading: layouts follow the level's kernels
+        self.kernels = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
         self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type)]  # after: "auto" follows the level
         self.kv_cache_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, self.device.type)]
         limit_threads_to_cores()

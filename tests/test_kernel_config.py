@@ -12,7 +12,8 @@ from pagellm import LLM
 from pagellm.cli import build_parser, engine_config_from_args
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig
 from pagellm.kernels import native, selection
-from tests.kernels import EVERY_KERNEL, description_at, kernels_at, requires_compiler
+from pagellm.kernels.errors import KernelBuildError
+from tests.kernels import EVERY_KERNEL, kernels_at, requires_compiler
 
 
 def test_unknown_level_is_a_clear_error():
@@ -83,7 +84,8 @@ def test_llm_runs_the_level_asked_and_reports_every_kernel():
     try:
         llm = LLM(cpu_isa="generic", kv_cache_memory=0.05, max_model_len=64, skip_tokenizer_init=True)
         assert native.level() == "generic"
-        assert llm.stats()["kernels"] == description_at("generic")  # the whole set, not a prefix
+        assert selection.kernel_levels() == kernels_at("generic")  # the whole set, not a prefix
+        assert llm.stats()["kernels"] == selection.describe()
         assert llm.stats()["layers"] == "bound to the kernels (18 layers)"  # the embedded model, planned once
         assert (llm.stats()["dtype"], llm.stats()["kv_cache_dtype"]) == ("float32", "bfloat16")  # the level's auto
         out = llm.generate([[2, 818, 5279, 529, 7001, 563]], use_tqdm=False)[0].outputs[0].token_ids
@@ -98,8 +100,18 @@ def test_llm_runs_the_level_asked_and_reports_every_kernel():
 def test_every_kernel_the_level_promises_builds(level):
     """Each host level builds every kernel it promises (a KernelBuildError here otherwise), and says so."""
     assert selection.kernel_levels(level) == kernels_at(level)
-    with native.using(level):
-        assert selection.describe() == description_at(level)
+
+
+@requires_compiler
+def test_the_kernels_line_names_every_kernel_and_where_it_runs():
+    with native.using("generic"):  # the one level every host has, with no extensions
+        assert selection.describe() == (
+            "generic (GGUF blocks x int8 matmul, int4 x int8 matmul, int4 weight layout, paged attention, fused "
+            "layer ops, logits epilogue, Gated DeltaNet decode, RMS norm, rotary embedding); torch reference ops: "
+            "int4/int8 x bf16 matmul (not at generic)")
+    if "avx512" in native.host_levels():
+        with native.using("avx512"):
+            assert selection.describe() == "avx512 (" + ", ".join(EVERY_KERNEL) + ")"
 
 
 def test_native_kernels_off_is_said_as_such():
@@ -111,13 +123,38 @@ def test_native_kernels_off_is_said_as_such():
         native.select(previous or "auto", previous is not None)
 
 
-def test_without_a_compiler_the_fallback_is_logged_once_naming_every_kernel(monkeypatch, caplog):
-    """The one case that runs torch with native kernels on: no compiler at all (a build failure raises)."""
-    monkeypatch.setattr(native, "compiler", lambda: None)
+def fresh_kernels(monkeypatch, compiler: str | None) -> None:
+    """The kernels as a new process would find them with `compiler` (None: none), over an empty cache."""
+    monkeypatch.setattr(native, "compiler", lambda: compiler)
     monkeypatch.setattr(native, "_load", functools.cache(native._load.__wrapped__))  # nothing kept from before
     fresh = tuple(native.Library(lib.name, lib.functions.values(), lib.title, lib.levels, lib.exports_if,
                                  lib.extensions) for lib in selection.LIBRARIES)  # none of this process's builds
     monkeypatch.setattr(selection, "LIBRARIES", fresh)
+
+
+def test_a_broken_build_stops_a_cpu_engine_only(monkeypatch, tmp_path):
+    """A compiler that fails every build: selecting kernels for a CPU model raises, names the first kernel and the
+    level, says how to run anyway, and leaves the process's level as it was; for a model on another device,
+    which runs none of the CPU kernels, nothing is built and nothing fails."""
+    monkeypatch.setenv("PAGELLM_KERNEL_CACHE", str(tmp_path))
+    fresh_kernels(monkeypatch, "false")  # POSIX false: exits 1, says nothing
+    previous = native.level()
+    try:
+        with pytest.raises(KernelBuildError, match=r"(?s)^GGUF blocks x int8 matmul: native kernel 'quant_gguf' "
+                                                   r"failed to build at level generic: false failed on quant_gguf.cpp"
+                                                   r".*a lower --cpu-isa, or --no-native-kernels"):
+            selection.select_kernels(KernelConfig(cpu_isa="generic"))
+        assert native.level() == previous
+        assert selection.select_kernels(KernelConfig(cpu_isa="generic"), "cuda:0") == (
+            "CPU kernels not used on cuda (torch ops)")
+        assert native.level() is None
+    finally:
+        native.select(previous or "auto", previous is not None)
+
+
+def test_without_a_compiler_the_fallback_is_logged_once_naming_every_kernel(monkeypatch, caplog):
+    """The one case that runs torch with native kernels on: no compiler at all (a build failure raises)."""
+    fresh_kernels(monkeypatch, None)
     previous = native.level()
     try:
         with caplog.at_level(logging.INFO, logger="pagellm.kernels"):

@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     tokens = text_tokens(path, args.text, args.positions)
     select_kernels(KernelConfig(cpu_isa=args.cpu_isa or "auto"))  # each kernel of the level built, or an error
-    level = native.level()
+    level = native.level() or "off"  # the full line is logged by select_kernels
     dtype, kv_dtype = mode_dtype(args.dtype), mode_kv_cache_dtype(args.dtype, args.kv_cache_dtype)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
     llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()

@@ -145,7 +145,7 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     state.store.set_timeout(timedelta(seconds=join_timeout))
     config: EngineConfig = pickle.loads(state.store.get(_SETUP_KEY))
     mc = config.model
-    select_kernels(config.kernels)  # the head's choice (it checked this level runs on its own CPU)
+    select_kernels(config.kernels, mc.device)  # the head's choice (it checked this level runs on its own CPU)
     device, dtype = torch.device(mc.device), DTYPES[compute_dtype(mc.dtype, mc.device)]
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
     model = load_model(mc.model, dtype, device, with_tokenizer=False, quantization=mc.quantization,

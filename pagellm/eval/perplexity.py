@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
     if not chunks:
         raise ValueError(f"--text {args.text} has {len(tokens)} tokens, fewer than one window of --ctx {args.ctx}")
     select_kernels(KernelConfig(cpu_isa=args.cpu_isa or "auto"))  # each kernel of the level built, or an error
-    level = native.level()
+    level = native.level() or "off"  # the full line is logged by select_kernels
     dtype, kv_dtype = mode_dtype(args.dtype), mode_kv_cache_dtype(args.dtype)
     model = load_mode(path, args.quantization, dtype)
     _check_context(model, args.ctx)

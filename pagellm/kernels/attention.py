@@ -47,7 +47,8 @@ def _attend(
     sliding_window: int | None,
     logits_soft_cap: float | None,
 ) -> torch.Tensor:  # [B, Lq, H_kv, G, D]
-    scores = torch.einsum("bqhgd,blhd->bhgql", query.float(), keys.float()) * scale  # [B, H_kv, G, Lq, L]
+    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 maths; fp64 for an fp64 oracle in the tests
+    scores = torch.einsum("bqhgd,blhd->bhgql", query.to(acc), keys.to(acc)) * scale  # [B, H_kv, G, Lq, L]
     if logits_soft_cap is not None:
         scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     key_pos = torch.arange(keys.shape[1], device=keys.device)  # [L]
@@ -59,7 +60,7 @@ def _attend(
     # Rows past a sequence's end hold whatever the block last stored (or uninitialised memory):
     # zero them, since 0 * NaN would still poison the weighted sum.
     in_range = (key_pos[None, :] < kv_lens[:, None])[:, :, None, None]  # [B, L, 1, 1]
-    values = values.float().masked_fill(~in_range, 0.0)
+    values = values.to(acc).masked_fill(~in_range, 0.0)
     out = torch.einsum("bhgql,blhd->bqhgd", probs, values)
     return out.to(query.dtype)
 

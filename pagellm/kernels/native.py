@@ -33,6 +33,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -172,7 +173,7 @@ def library_path(name: str, flags: tuple[str, ...], cxx: str) -> Path:
     """Where `cxx`'s build of csrc/<name>.cpp with `flags` is cached: keyed by the sources, the flags and the
     compiler's version, so an edit, another level or another compiler is a new file."""
     source = CSRC / f"{name}.cpp"
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, text=True).stdout
     headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # shared includes (bf16.h)
     key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version]).encode()).hexdigest()[:16]
     return cache_dir() / f"{name}-{key}.so"
@@ -182,16 +183,23 @@ def _build(name: str, cxx: str, flags: tuple[str, ...]) -> Path:
     target = library_path(name, flags, cxx)
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target, then rename: concurrent processes never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        result = subprocess.run([cxx, *flags, str(CSRC / f"{name}.cpp"), "-o", str(out)], capture_output=True,
-                                text=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target, then rename: concurrent processes never load a half-written file.
+        tmp = Path(tempfile.mkdtemp(dir=target.parent))
+    except OSError as e:  # not the compiler's fault: say where the cache is and how to move it
+        raise KernelBuildError(f"cannot write the kernel cache {target.parent} ({e.strerror}); set "
+                               "PAGELLM_KERNEL_CACHE to a writable directory") from None
+    try:
+        out = tmp / target.name
+        result = subprocess.run([*shlex.split(cxx), *flags, str(CSRC / f"{name}.cpp"), "-o", str(out)],
+                                capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(f"{cxx} failed on {name}.cpp (exit {result.returncode}, flags "
                                    f"{' '.join(flags)}):\n{(result.stderr or result.stdout)[-4000:]}")
         os.replace(out, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -202,11 +210,17 @@ def _load(name: str, level: str, extensions: tuple[str, ...] = ()) -> ctypes.CDL
     cxx = compiler()
     if cxx is None:
         return None
+    at = level + "".join(f" + {ext}" for ext in extensions)
     try:
-        return ctypes.CDLL(str(_build(name, cxx, build_flags(level, extensions))))
-    except (KernelBuildError, OSError) as e:
-        built_with = "".join(f" + {ext}" for ext in extensions)
-        return KernelBuildError(f"native kernel {name!r} failed to build at level {level}{built_with}: {e}")
+        path = _build(name, cxx, build_flags(level, extensions))
+    except KernelBuildError as e:
+        return KernelBuildError(f"native kernel {name!r} failed to build at level {at}: {e}")
+    except OSError as e:  # e.g. CXX names no program
+        return KernelBuildError(f"native kernel {name!r} failed to build at level {at}: cannot run {cxx!r}: {e}")
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        return KernelBuildError(f"native kernel {name!r} built at level {at} but does not load: {e}")
 
 
 def load(name: str, at: str | None = None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
@@ -289,9 +303,9 @@ class Library:
             probe = getattr(lib, self.exports_if)
             probe.argtypes, probe.restype = [], ctypes.c_int
             if not probe():
-                raise KernelBuildError(f"native kernel {self.name!r} built at level {at} exports none of "
-                                       f"{self.title}'s functions ({self.exports_if}() is 0): its ISA guards and "
-                                       f"the level's flags {LEVEL_FLAGS[at]} disagree")
+                raise KernelBuildError(f"native kernel {self.name!r} built at level {at} exports none of its "
+                                       f"functions ({self.exports_if}() is 0): its ISA guards and the level's "
+                                       f"flags {LEVEL_FLAGS[at]} disagree")
         bind(self.name, self.functions.values(), at, extensions)
         return {symbol: f.callers(getattr(lib, symbol)) for symbol, f in self.functions.items()}
 

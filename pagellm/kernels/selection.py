@@ -12,6 +12,7 @@ import logging
 import torch
 
 from pagellm.config import KernelConfig
+from pagellm.kernels.errors import KernelBuildError
 from pagellm.kernels import (attention, elementwise, gated_delta_native, gguf_blocks, layer_ops, logits, native,
                              quant_gemv)
 
@@ -23,15 +24,24 @@ LIBRARIES: tuple[native.Library, ...] = (
     *gated_delta_native.LIBRARIES, *elementwise.LIBRARIES)
 
 
-def select_kernels(config: KernelConfig) -> str:
+def select_kernels(config: KernelConfig, device: str = "cpu") -> str:
     """Make the config's level the one every kernel wrapper loads (a ValueError naming cpu_isa if this CPU
     cannot run it), build each kernel it promises (a KernelBuildError if one fails), log and return what runs,
-    e.g. "avx2 (GGUF blocks x int8 matmul, ...); torch reference ops: int4/int8 x bf16 matmul (not at avx2)"."""
+    e.g. "avx2 (GGUF blocks x int8 matmul, ...); torch reference ops: int4/int8 x bf16 matmul (not at avx2)".
+    A model on another device runs none of these CPU kernels: nothing is built for it, and a broken compiler on
+    its host does not stop it."""
+    kind = torch.device(device).type
+    previous = native.level()
     try:
-        native.select(config.cpu_isa, config.native_kernels)
+        native.select(config.cpu_isa, config.native_kernels and kind == "cpu")
     except ValueError as e:
         raise ValueError(f"cpu_isa: {e}") from None
-    description = describe()
+    try:
+        description = describe() if kind == "cpu" else f"CPU kernels not used on {kind} (torch ops)"
+    except KernelBuildError as e:
+        native.select(previous or "auto", previous is not None)  # a failed selection leaves the process as it was
+        raise KernelBuildError(f"{e}\n(to run without it: a lower --cpu-isa, or --no-native-kernels for torch's "
+                               "reference ops)") from None
     if native.level() is not None and native.compiler() is None:
         logger.warning("kernels: %s", description)  # the one place the fallback is said
     else:
@@ -40,8 +50,9 @@ def select_kernels(config: KernelConfig) -> str:
 
 
 def kernel_levels(at: str | None = None) -> dict[str, str]:
-    """{kernel: the level it runs at, or "torch"} at level `at` (default: the selected one; None: off), each
-    promised kernel built now if not yet cached. A kernel that fails to build raises KernelBuildError."""
+    """{kernel: the level it runs at, or "torch"} at level `at` (by default the selected one, which is None
+    with native kernels off: every kernel "torch"), each promised kernel built now if not yet cached. A kernel
+    that fails to build raises KernelBuildError."""
     at = native.level() if at is None else at
     return {library.title: at if library.at(at) is not None else "torch" for library in LIBRARIES}
 

@@ -18,19 +18,8 @@ AVX512_ONLY = frozenset({"int4/int8 x bf16 matmul"})  # AVX-512 BF16 dot product
 
 
 def kernels_at(level: str) -> dict[str, str]:
-    """{kernel: where it runs} at `level` on a host with a compiler."""
-    return {kernel: "torch" if kernel in AVX512_ONLY and level != "avx512" else level for kernel in EVERY_KERNEL}
-
-
-def description_at(level: str) -> str:
-    """The kernels line start-up logs and LLM.stats()["kernels"] holds at `level`: the level (and the host's
-    extensions of it), every kernel that runs at it, then those that run in torch (all of them, without a
-    compiler)."""
-    where = kernels_at(level)
-    extended = "".join(f" + {e}" for e in native.host_extensions(level, ("avx_vnni",)))
-    if native.compiler() is None:
-        return f"{level}{extended}: no C++ compiler (set CXX or install g++), torch reference ops for " + ", ".join(
-            EVERY_KERNEL)
-    compiled = ", ".join(kernel for kernel, at in where.items() if at == level)
-    in_torch = ", ".join(kernel for kernel, at in where.items() if at == "torch")
-    return f"{level}{extended} ({compiled})" + (f"; torch reference ops: {in_torch} (not at {level})" if in_torch else "")
+    """{kernel: where it runs} at `level`: the level, or "torch" where the kernel does not exist at it or there is
+    no compiler."""
+    compiled = native.compiler() is not None
+    return {kernel: level if compiled and (level == "avx512" or kernel not in AVX512_ONLY) else "torch"
+            for kernel in EVERY_KERNEL}

@@ -22,8 +22,8 @@ from tests.kernels.attention_cases import Case, make_case
 
 
 def run_both(case: Case, window=None, cap=None):
-    """The kernel's output, and the reference's from the same (already rounded) inputs in fp64: the reference
-    computes in fp32 from them, so it stands for the exact result at the precision the bounds below need."""
+    """The kernel's output, and the reference's in fp64 from the same (already rounded) inputs: the exact
+    result, to far better than the bounds below need."""
     args = (case.meta, case.scale, window, cap)
     exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
                                                 case.value_cache.double(), *args)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.kernels import native
-from tests.kernels import description_at
+from pagellm.kernels import native, selection
+from tests.kernels import kernels_at
 from tests.loader.gguf_builders import T, write_tiny_gguf
 from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
@@ -41,7 +41,8 @@ def assert_same_ids_at_every_level(model: str, dtype: str, quantization: str, pr
         for level in native.host_levels():
             llm = LLM(model=model, dtype=dtype, quantization=quantization, cpu_isa=level,
                       skip_tokenizer_init=True, kv_cache_memory=0.01)
-            assert llm.stats()["kernels"] == description_at(level)  # every kernel built at this level
+            assert selection.kernel_levels() == kernels_at(level)  # every kernel built at this level
+            assert llm.stats()["kernels"] == selection.describe()
             ids[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             llm.shutdown()
     finally:
