@@ -40,11 +40,11 @@ ONE_ENGINE_BELOW_NATIVE = [f"tests/test_llm.py::test_greedy_ids_identical_across
 DESELECT = {"generic": ["tests/layers/test_quantized.py::test_default_model_accuracy_against_the_dense_gguf_model"]}
 
 
-# With native kernels off: parity with HF of every family (dense, MoE, hybrid; the model alone and through the
+# With native kernels off (tests/models/test_run_mode.py checks it is so): parity with HF of every family (dense, MoE, hybrid; the model alone and through the
 # engine) and the engine's own tests on the embedded model, as at a lower level.
 NATIVE_OFF = ["tests/models/test_hf_parity.py", "tests/models/test_hybrid_parity.py",
               "tests/models/test_hybrid_engine.py::test_engine_matches_hf_greedy", "tests/models/test_step_reuse.py",
-              "tests/test_llm.py"]
+              "tests/test_llm.py", "tests/models/test_run_mode.py"]
 
 
 def run(name: str, environment: dict[str, str], suites: list[str], deselected: list[str], extra: list[str]) -> int:
@@ -60,12 +60,12 @@ def run(name: str, environment: dict[str, str], suites: list[str], deselected: l
 def main(extra: list[str]) -> int:
     for level in native.host_levels()[1:]:
         code = run(f"at cpu_isa={level} (torch: {native.torch_env(level)})",
-                   {**native.torch_env(level), "PAGELLM_CPU_ISA": level}, SUITES,
+                   {**native.torch_env(level), "PAGELLM_CPU_ISA": level, "PAGELLM_TEST_KERNELS": level}, SUITES,
                    HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE + DESELECT.get(level, []), extra)
         if code != 0:
             return code
-    return run("with native kernels off (PAGELLM_NATIVE=0)", {"PAGELLM_NATIVE": "0"}, NATIVE_OFF,
-               HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE, extra)
+    return run("with native kernels off (PAGELLM_NATIVE=0)", {"PAGELLM_NATIVE": "0", "PAGELLM_TEST_KERNELS": "off"},
+               NATIVE_OFF, HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE, extra)
 
 
 if __name__ == "__main__":

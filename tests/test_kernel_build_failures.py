@@ -76,14 +76,20 @@ def test_a_kernel_that_does_not_build_fails_its_tests_and_llm(scenario, tmp_path
     if refuse is None:
         pytest.skip(f"the {TOP} level has no compiler flag of its own to refuse")
     environment = refusing_environment(tmp_path, refuse, refused)
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", *kernel_tests],
-                           cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)  # hang guard
-    summary = tests.stdout.strip().splitlines()[-1]  # e.g. "3 failed, 6 passed, 555 deselected in 4.1s"
-    assert tests.returncode == 1 and "skipped" not in summary, tests.stdout[-3000:]
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--tb=short",
+                            *kernel_tests], cwd=ROOT, env=environment, capture_output=True, text=True,
+                           timeout=900)  # hang guard
+    assert tests.returncode == 1, tests.stdout[-3000:]
     levels_refused = refused[next(iter(refused))]
-    failed = sum(bool(re.search(rf"\[{each}[-\]]", line)) for line in tests.stdout.splitlines()
-                 if line.startswith("FAILED") for each in levels_refused)
-    assert f"{failed} failed" in summary and failed > 0, summary  # every test at a refused level, and no other
+    # -rA: one "PASSED|FAILED|SKIPPED|ERROR <test id>" line per test; every test at a refused level fails, every
+    # other one passes (its level's builds are untouched), and none is skipped
+    outcomes = [line.split(" ", 2)[:2] for line in tests.stdout.splitlines()
+                if line.split(" ", 1)[0] in ("PASSED", "FAILED", "SKIPPED", "ERROR")]
+    at_refused = [outcome for outcome, test in outcomes
+                  if any(re.search(rf"\[{each}[-\]]", test) for each in levels_refused)]
+    assert at_refused and set(at_refused) == {"FAILED"}, outcomes
+    assert {outcome for outcome, _ in outcomes} <= {"FAILED", "PASSED"}, outcomes
+    assert len(outcomes) - len(at_refused) == sum(outcome == "PASSED" for outcome, _ in outcomes), outcomes
     for each in levels_refused:
         assert_names_the_failure(tests.stdout, title, each)
     engine = subprocess.run([sys.executable, "-c", "from pagellm import LLM\n"

@@ -2,6 +2,7 @@
 the heap."""
 
 import ctypes
+import platform
 import os
 
 import pytest
@@ -37,7 +38,8 @@ def _in_brk_heap(address: int) -> bool:
     return False
 
 
-GLIBC = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else None  # "glibc 2.36"; None elsewhere
+_LIBC = platform.libc_ver()  # ("glibc", "2.36"); ("", "") where the C library is another
+GLIBC = f"glibc {_LIBC[1]}" if _LIBC[0] == "glibc" else None
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 

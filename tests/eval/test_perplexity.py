@@ -95,7 +95,8 @@ def test_kl_against_the_dense_model_and_a_window_limit(tiny_llama, text_file, ca
     kl, kl_error, top1 = map(float, re.search(r"mean ([\d.]+) \+/- ([\d.]+); top-1 agreement ([\d.]+)",
                                               int4).groups())
     expected = int4_against_hf(directory, hf_model, text_file, 3)
-    assert expected.kl > 0  # int4 moves the distribution: a zero would not tell the direction or the rows apart
+    assert expected.kl > 0  # int4 moves the distribution (the direction is proven on hand values above: this small
+    # a change gives the same KL either way to second order; here the rows and the end-to-end plumbing are checked)
     # printed to 6 decimals (5e-7 of rounding); pagellm's dense fp32 reference and HF's move the KL by ~1e-7
     assert kl == pytest.approx(expected.kl, abs=1e-6) and kl_error == pytest.approx(expected.kl_error, abs=1e-6)
     assert top1 == pytest.approx(100 * expected.top1, abs=1e-3)

@@ -8,43 +8,23 @@ upper-bound grid, block-table reads, masks, GQA packing, online softmax.
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import pytest
 import torch
 
 from pagellm.kernels import attention
+from tests.gpu import interpreter
 from tests.kernels.attention_cases import make_case
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-INTERPRET = {} if ON_GPU else {"TRITON_INTERPRET": "1"}
-
-
-@contextlib.contextmanager
-def interpreter():
-    """TRITON_INTERPRET=1 within the block on a machine without CUDA (triton.jit reads it at import, launches
-    at each call), and as before after it: the server and worker processes other tests start inherit nothing."""
-    previous = {key: os.environ.get(key) for key in INTERPRET}
-    os.environ.update(INTERPRET)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-with interpreter():
+pytest.importorskip("triton", reason="triton is not installed (PyTorch's CPU-only wheel does not bring it)")
+with interpreter(not ON_GPU):  # tests/conftest.py imported triton itself under it
     from pagellm.kernels import triton_attention
 
 
 @pytest.fixture(autouse=True)
 def _interpreted():
-    with interpreter():
+    with interpreter(not ON_GPU):
         yield
 
 

@@ -59,6 +59,9 @@ def test_top_k_1_and_a_temperature_near_0_give_the_greedy_text(http):
     assert min(gaps) > 0.4, f"a near-tie on the greedy path makes temperature 0.02 a coin toss: {gaps}"
     assert texts(top_k) == [text] * 8
     assert texts(cold) == [text] * 8
+    # the control can tell: 8 draws at temperature 1 all give the greedy text with probability P(text) ** 8
+    log_p_text = sum(greedy["choices"][0]["logprobs"]["token_logprobs"])
+    assert 8 * log_p_text < math.log(1e-4), f"the greedy text is too likely (log p {log_p_text:.2f}) to tell"
     assert any(t != text for t in texts(control)), texts(control)
 
 
