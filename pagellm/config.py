@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTIZATION_SCHEMES = ("none", "int8", "int4", "auto")
+LOAD_FORMATS = ("auto", "dummy")
 CPU_ISAS = ("auto", "avx512", "avx2", "generic")
 
 
@@ -48,7 +49,14 @@ class ModelConfig(_FromDict):
         default="auto",
     )
 
+    load_format: str = _help(
+        "How weights load: auto (the default: the checkpoint's own) | dummy (random weights from the model's "
+        "config, vLLM's name and meaning: to run and measure a shape without its weights; the tokenizer is "
+        "loaded where the model has one, else prompts must be token ids).", default="auto")
+
     def __post_init__(self):
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {self.quantization!r}")
         if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):

@@ -73,7 +73,8 @@ class LLMEngine:
         """Load the model (this rank's shard of it when parallel) and size the KV cache and state slots."""
         mc, cc = config.model, config.cache
         loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
-                            quantization=mc.quantization, shard=shard, kernels=config.kernels)
+                            quantization=mc.quantization, shard=shard, kernels=config.kernels,
+                            load_format=mc.load_format)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         logits = None
         if parallel is not None:

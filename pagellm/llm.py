@@ -39,10 +39,11 @@ class LLM:
         enable_expert_parallel: bool = False,
         distributed_timeout: float = 60.0,
         cpu_isa: str | None = None,
+        load_format: str = "auto",
     ):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device,
-                              quantization=quantization),
+                              quantization=quantization, load_format=load_format),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                               enable_prefix_caching=enable_prefix_caching, state_cache_memory=state_cache_memory,
                               state_snapshot_memory=state_snapshot_memory),

@@ -66,12 +66,13 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
                  quantization: str = "auto",
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  parallel: ParallelConfig | None = None, cpu_isa: str | None = None,
-                 with_tokenizer: bool = False) -> LLMEngine:
+                 with_tokenizer: bool = False, device: str = "cpu", load_format: str = "auto") -> LLMEngine:
     """An engine that holds `max_batch` sequences at once; no tokenizer (benches feed token ids) unless
     grammars need its vocabulary."""
     batched_tokens = max_num_batched_tokens or max(max_batch * max_prompt, 64)
     config = EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
+        model=ModelConfig(model=model, dtype=dtype, quantization=quantization, device=device,
+                          load_format=load_format),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=batched_tokens,

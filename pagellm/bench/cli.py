@@ -51,6 +51,10 @@ def add_bench_parser(subparsers) -> None:
     batched.add_argument("--tensor-parallel-size", type=int, default=1,
                          help="ranks the model is split over (local worker processes share this host's cores)")
     batched.add_argument("--enable-expert-parallel", action="store_true", help="MoE: shard whole experts")
+    batched.add_argument("--device", default="cpu", help="torch device the engine runs on (default cpu)")
+    batched.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                         help="dummy: random weights from --model's config.json, any shape without its weights "
+                              "(vLLM's flag)")
     batched.add_argument("--json-schema", default=None, metavar="FILE",
                          help="hold every second request's output to this JSON schema (the cost of grammar masks); "
                               "its output must be longer than TG tokens")
@@ -165,6 +169,7 @@ def _run_batched(args: argparse.Namespace) -> int:
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                                   kv_cache_dtype=args.kv_cache_dtype,
                                   quantization=args.quantization, cpu_isa=args.cpu_isa,
+                                  device=args.device, load_format=args.load_format,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_prefix_caching=args.enable_prefix_caching,
                                   parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,

@@ -149,7 +149,7 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     device, dtype = torch.device(mc.device), DTYPES[compute_dtype(mc.dtype, mc.device)]
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
     model = load_model(mc.model, dtype, device, with_tokenizer=False, quantization=mc.quantization,
-                       shard=shard, kernels=config.kernels).model
+                       shard=shard, kernels=config.kernels, load_format=mc.load_format).model
     install_all_reduce(model, state.all_reduce_)
     setup: RunnerSetup = pickle.loads(state.store.get(_RUNNER_KEY))
     kv_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, mc.device)]

@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 from pagellm.config import KernelConfig
+from pagellm.loader.dummy import dummy_weights
 from pagellm.distributed.sharding import ShardSpec, install_expert_parallel, local_config, shard_weights
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
 from pagellm.loader.quantization import load_quantized, plan_quantization, weight_schemes
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.kernels import quant_gemv
 from pagellm.layers.quantized import Int4Linear
-from pagellm.loader.tokenizer import Tokenizer, load_tokenizer
+from pagellm.loader.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from pagellm.models.bound_layers import PlannedBackbone, layer_plan
 from pagellm.models.registry import build_model
 
@@ -98,9 +99,12 @@ def resolve_model_path(model: str | None) -> Path:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                with_tokenizer: bool = True, quantization: str = "none", shard: ShardSpec | None = None,
-               kernels: KernelConfig | None = None) -> LoadedModel:
+               kernels: KernelConfig | None = None, load_format: str = "auto") -> LoadedModel:
     """quantization: none | int8 | int4 | auto (GGUF as stored; see loader/quantization.py), applied as weights
     stream in.
+
+    load_format: auto (the file's weights) | dummy (random weights from the config: loader/dummy.py; "auto"
+    quantization is then none, and the tokenizer is loaded only where there is one).
 
     shard: tensor / expert parallel rank (distributed/sharding.py): the model is built with this
     rank's shapes and only its slice of each weight is kept; `hf_config` stays the full model's.
@@ -110,6 +114,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     path = resolve_model_path(model)
     # First: rebuilding a GGUF's tokenizer peaks at a few hundred MB of temporaries, which then never stack on
     # the weights already loaded (the process's peak RSS is what a user sees).
+    dummy = load_format == "dummy"
+    if with_tokenizer and dummy and not has_tokenizer(path):
+        logger.info("load format dummy: %s has no tokenizer; prompts must be token ids", path)
+        with_tokenizer = False
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     is_gguf = path.is_file()
     hf_config = load_gguf_config(path) if is_gguf else load_hf_config(path)
@@ -117,19 +125,22 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     net = build_model(local_config(hf_config, shard) if shard else hf_config, dtype, device)
     if shard and shard.expert_parallel:
         install_expert_parallel(net, hf_config, shard)
-    if quantization == "auto" and (torch.device(device).type != "cpu" or shard is not None):
-        # the block kernels are CPU code, and shards split float weights: the default must not refuse either
+    if quantization == "auto" and (torch.device(device).type != "cpu" or shard is not None or dummy):
+        # the block kernels are CPU code, shards split float weights, random weights have no file types: the
+        # default must not refuse any of them
         quantization = "none"
     types = gguf_weight_types(path, hf_config) if is_gguf and quantization == "auto" else None
     plan = plan_quantization(net, quantization, types)
     if plan and torch.device(device).type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
                          f"not on device {str(device)!r}")
-    if is_gguf:
+    if dummy:
+        weights = dummy_weights(net, device)  # already this rank's shapes: the model was built with them
+    elif is_gguf:
         weights = iter_gguf_weights(path, hf_config, quantized=weight_schemes(net, plan))
     else:
         weights = iter_safetensors_weights(path)
-    if shard:
+    if shard and not dummy:
         weights = shard_weights(weights, hf_config, shard)
     load_quantized(net, weights, plan)
     settle_activations(net, kernels)

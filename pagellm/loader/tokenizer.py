@@ -136,6 +136,12 @@ class Tokenizer:
         return self.hf_tokenizer.bos_token or "\0"  # no BOS text: a prefix no prompt starts with
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether a GGUF file or an HF directory carries a tokenizer (a GGUF always does)."""
+    path = Path(path)
+    return path.is_file() or any((path / name).is_file() for name in _HF_TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of an HF checkpoint directory or of a GGUF file."""
     path = Path(path)

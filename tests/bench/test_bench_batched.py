@@ -115,3 +115,17 @@ def test_batched_runs_on_a_hybrid_moe_model(tmp_path, capsys):
         check_row(row, shared=True)
     # The shared prompt's 2 full blocks (and their state snapshots) serve the 2 later sequences.
     assert [r["prefix_cache_hit_tokens"] for r in rows] == [0, 2 * 32]
+
+
+def test_batched_measures_a_shape_from_its_config_alone(tmp_path, capsys):
+    """--load-format dummy: a directory holding only config.json is benchmarked (random weights, no tokenizer)."""
+    from tests.models.tiny_checkpoints import TINY_CONFIGS
+
+    TINY_CONFIGS["llama"]().save_pretrained(tmp_path)
+    out = tmp_path / "rows.json"
+    run_cli(capsys, "batched", "--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--npl", "1,2",
+            "--pp", "8", "--tg", "3", "--out", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["B"] for r in rows] == [1, 2]
+    for row in rows:
+        check_row(row)
