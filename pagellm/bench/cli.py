@@ -76,6 +76,23 @@ def add_bench_parser(subparsers) -> None:
                          help="measure the roofline with small sizes (smoke tests: an order of magnitude only)")
     compare.set_defaults(func=_run_compare)
 
+    check = kinds.add_parser("device-check", help="parity, the Triton attention and speed rows on a device, "
+                             "at real shapes with random weights (rehearse with --device cpu --shapes tiny)")
+    check.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    check.add_argument("--shapes", type=lambda text: [s.strip() for s in text.split(",") if s.strip()],
+                       default=["1b", "8b"], help="Llama shapes: tiny, 1b, 8b (default 1b,8b)")
+    check.add_argument("--npl", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
+    check.add_argument("--pp", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    check.add_argument("--tg", type=int, default=64, help="generated tokens per sequence (default 64)")
+    check.add_argument("--repeats", type=int, default=1, help="measurements of each figure (median reported)")
+    check.add_argument("--peers", default="hf,hf-static", help="hf (dynamic cache), hf-static (default both)")
+    check.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                       help="compute dtype (default auto: bfloat16 on CUDA)")
+    check.add_argument("--kv-cache-memory", type=float, default=None, help="pagellm KV budget in GiB")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    add_output_arguments(check, "device-check", "write checks and rows to FILE.json")
+    check.set_defaults(func=_run_device_check)
+
     accuracy = kinds.add_parser("accuracy", help="a mode's distance from the dense fp32 model of the same file "
                                 "(top-1 agreement, KL, perplexity), beside llama.cpp's on the same text")
     _add_common(accuracy)
@@ -157,6 +174,12 @@ def _run_accuracy(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     return accuracy.main(args)
+
+
+def _run_device_check(args: argparse.Namespace) -> int:
+    from pagellm.bench import device_check
+
+    return device_check.main(args)
 
 
 def _run_batched(args: argparse.Namespace) -> int:

@@ -25,9 +25,12 @@ from pagellm.loader.model_loader import checkpoint_state_dict
 
 
 class HFTransformersPeer:
+    """HF generate on pagellm's weights; `static`: with a static KV cache, which transformers compiles itself
+    (torch.compile and CUDA graphs on a GPU: its fastest generate, the peer that matters there)."""
+
     name = "hf-transformers"
 
-    def __init__(self, engine):
+    def __init__(self, engine, static: bool = False):
         import transformers
         from transformers import AutoModelForCausalLM
 
@@ -39,19 +42,23 @@ class HFTransformersPeer:
         model.tie_weights()
         self.model = model.eval()
         self.pad_token_id = 0
+        self.device = engine.device
+        self.generate_options = {"cache_implementation": "static"} if static else {}
+        self.name = "hf-static" if static else type(self).name
         dtype = str(engine.dtype).removeprefix("torch.")
-        self.description = f"transformers {transformers.__version__} generate, sdpa, {dtype}"
+        cache = "static cache (compiled by transformers)" if static else "dynamic cache"
+        self.description = f"transformers {transformers.__version__} generate, sdpa, {cache}, {dtype}"
 
     def run(self, prompts: list[list[int]], tg: int) -> tuple[float, float]:
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)  # left pad
         clock = _FirstTokenClock()
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=mask, max_new_tokens=tg + 1, min_new_tokens=tg + 1,
                                       do_sample=False, eos_token_id=None, pad_token_id=self.pad_token_id,
-                                      streamer=clock)
+                                      streamer=clock, **self.generate_options)
         t_end = time.perf_counter()
         if out.shape[1] != width + tg + 1 or clock.first is None:
             raise RuntimeError(f"HF generate returned {out.shape[1] - width} tokens, expected {tg + 1}")

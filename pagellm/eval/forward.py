@@ -65,17 +65,19 @@ def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype
     if getattr(model, "state_layers", list)():
         raise ValueError("this evaluation does not drive hybrid (recurrent-state) models yet")
     blocks = -(-len(tokens) // _BLOCK)
+    device = next(model.parameters()).device  # the cache and the step's inputs where the weights are
     for layer in model.attention_layers():
         shape = (blocks, _BLOCK, layer.num_kv_heads, layer.head_dim)
-        layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype),
-                            torch.zeros(shape, dtype=kv_cache_dtype or dtype))
+        layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device),
+                            torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device))
     fit_kv_cache(model, kv_cache_dtype or dtype)
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
-            meta = AttentionMetadata.build([len(piece)], [start + len(piece)], [table], _BLOCK)
-            hidden = model(torch.tensor(piece), torch.arange(start, start + len(piece)), meta)  # [T, E]
+            meta = AttentionMetadata.build([len(piece)], [start + len(piece)], [table], _BLOCK, device=device)
+            hidden = model(torch.tensor(piece, device=device), torch.arange(start, start + len(piece), device=device),
+                           meta)  # [T, E]
             if start + len(piece) > first:
                 out.append(model.compute_logits(hidden[max(0, first - start):]).float())  # [T', V]
     return torch.cat(out)

@@ -1,0 +1,163 @@
+"""`pagellm bench device-check`: the one prepared run for a GPU machine, rehearsed on a CPU at tiny shapes.
+
+GPU time comes in minutes, so everything a device session must learn is one command:
+
+    1. parity: a tiny Llama with random weights, fp32, pagellm's forward against HF transformers' on the device
+       (max |logit difference|, argmax agreement per position);
+    2. attention: the Triton paged-attention kernel against the torch reference on the device, fp32 and bf16
+       (on a CPU only under TRITON_INTERPRET=1, fp32);
+    3. speed: llama-batched-bench rows (S_PP, S_TG) at real shapes built with --load-format dummy (no download),
+       for pagellm and HF generate on the same weights (dynamic cache, and static cache, which transformers
+       compiles itself), engines alternating.
+
+    pagellm bench device-check --device cuda --shapes 1b,8b --npl 1,16,64 --pp 512 --tg 64 --kv-cache-memory 8 \
+        --out gpu.json
+    pagellm bench device-check --device cpu --shapes tiny --npl 1,2 --pp 16 --tg 4 --peers hf      (rehearsal)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagellm.bench import batched, peers, report
+from pagellm.bench.report import Column
+
+# Llama shapes (vocabulary cut to 32000, as the GPU notes measured them); "tiny" is for rehearsals and parity.
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000),
+}
+COLUMNS = [Column("shape", "shape"), Column("B", "B"), Column("engine", "engine"),
+           Column("S_PP", "S_PP t/s", "{:.1f}"), Column("S_TG", "S_TG t/s", "{:.1f}")]
+
+
+def write_shape(name: str, directory: Path) -> Path:
+    """A config.json of shape `name` in `directory` (a --load-format dummy model)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(**SHAPES[name], max_position_embeddings=4096, architectures=["LlamaForCausalLM"],
+                tie_word_embeddings=False).save_pretrained(directory)
+    return directory
+
+
+def parity(device: str, directory: Path) -> dict:
+    """pagellm's and HF's fp32 logits over one sequence of the tiny shape, weights redrawn in [-0.1, 0.1] (the
+    dummy range would leave every logit equal to a few ulps, where a comparison shows nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.eval.forward import pagellm_logits
+    from pagellm.loader.model_loader import checkpoint_state_dict, load_model
+
+    model = load_model(str(write_shape("tiny", directory)), torch.float32, torch.device(device),
+                       with_tokenizer=False, quantization="none", load_format="dummy").model
+    generator = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.uniform_(-0.1, 0.1, generator=generator)
+    hf = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = hf.load_state_dict(checkpoint_state_dict(model), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"HF model does not match pagellm's weights: missing {missing}, unexpected {unexpected}")
+    hf = hf.to(device).eval()
+    tokens = torch.randint(3, SHAPES["tiny"]["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours = pagellm_logits(model, tokens, torch.float32, chunk=16)  # [L, V]: prefill in chunks, as the engine
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([tokens], device=device)).logits[0].float()
+    difference = (ours - theirs).abs().max().item()
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    return {"max_abs_logit_difference": difference, "argmax_agreement": agree, "ok": difference < 1e-3 and agree == 1}
+
+
+def attention(device: str) -> dict:
+    """The Triton kernel against the torch reference on the device, per dtype: the worst error over its bound.
+    On a CPU only under TRITON_INTERPRET=1 (set before the process starts) and in fp32: the interpreter has
+    no bf16."""
+    on_cuda = torch.device(device).type == "cuda"
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"not_run": "the Triton kernel needs CUDA, or TRITON_INTERPRET=1 for its interpreter on a CPU"}
+    from pagellm.core.attention_metadata import AttentionMetadata
+    from pagellm.kernels.attention import paged_attention_reference
+    from pagellm.kernels.triton_attention import paged_attention_triton
+
+    results, generator = {}, torch.Generator().manual_seed(0)
+    query_lens, seq_lens, block = [1, 37, 1, 128], [700, 37, 3001, 300], 16  # decodes, a prefill, a chunk
+    tables, start = [], 0
+    for length in seq_lens:
+        tables.append(list(range(start, start + -(-length // block))))  # contiguous: the kernel tests shuffle
+        start += len(tables[-1])
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block, device=device)
+    for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 2.0**-8))[: 2 if on_cuda else 1]:
+        k, v = (torch.randn(start, block, 8, 128, generator=generator).to(device, dtype) for _ in range(2))
+        q = torch.randn(sum(query_lens), 32, 128, generator=generator).to(device, dtype)
+        got = paged_attention_triton(q, k, v, meta, 128**-0.5, None, None).double()
+        exact = paged_attention_reference(q.double(), k.double(), v.double(), meta, 128**-0.5)
+        worst = ((got - exact).abs() / (bound * exact.abs() + 1e-5 * exact.abs().amax())).max().item()
+        results[str(dtype).removeprefix("torch.")] = {"worst_error_over_bound": worst, "ok": worst <= 1.0}
+    return results
+
+
+def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
+    """llama-batched-bench rows of each engine at one shape: medians of --repeats, engines alternating."""
+    engine = batched.build_engine(str(write_shape(shape, directory)), args.dtype, max(args.npl), args.pp, args.tg,
+                                  kv_cache_memory=args.kv_cache_memory, device=args.device, load_format="dummy")
+    try:
+        runners = {"pagellm": lambda prompts, tg: _pagellm_times(engine, prompts, tg)}
+        for peer in (p.strip() for p in args.peers.split(",") if p.strip()):
+            if peer not in ("hf", "hf-static"):
+                raise ValueError(f"--peers: unknown peer {peer!r}; known: hf, hf-static")
+            hf = peers.HFTransformersPeer(engine, static=peer == "hf-static")
+            runners[hf.name] = hf.run
+        rng, vocab, figures = random.Random(args.seed), SHAPES[shape]["vocab_size"], {}
+        for run in runners.values():  # warm-up (and transformers' compilation): outside the figures
+            run(batched.random_prompts(rng, 1, min(args.pp, 16), vocab, False), 2)
+        for _ in range(args.repeats):
+            for b in args.npl:
+                prompts = batched.random_prompts(rng, b, args.pp, vocab, False)
+                for name, run in runners.items():
+                    row = batched.batched_row(args.pp, args.tg, b, *run(prompts, args.tg))
+                    figures.setdefault((name, b), []).append(row)
+                    print(f"  {shape} B={b} {name}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}", file=sys.stderr)
+    finally:
+        engine.shutdown()
+    return [{"shape": shape, "B": b, "engine": name, "PP": args.pp, "TG": args.tg,
+             **{k: statistics.median(r[k] for r in rows) for k in ("S_PP", "S_TG")}}
+            for (name, b), rows in figures.items()]
+
+
+def _pagellm_times(engine, prompts: list[list[int]], tg: int) -> tuple[float, float]:
+    engine.reset_prefix_cache()  # a repeat never reads another's blocks
+    times = batched.run_phases(engine, prompts, tg)
+    return times.t_pp, times.t_tg
+
+
+def main(args: argparse.Namespace) -> int:
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        raise ValueError(f"--shapes: unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    print(f"device: {args.device} ({torch.cuda.get_device_name(args.device) if 'cuda' in args.device else 'CPU'}), "
+          f"torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        checks = {"parity": parity(args.device, Path(tmp) / "parity"), "attention": attention(args.device)}
+        print(f"parity (tiny Llama, fp32, pagellm vs HF on {args.device}): {checks['parity']}")
+        print(f"attention (Triton vs reference): {checks['attention']}")
+        rows = [row for shape in args.shapes for row in speed(args, shape, Path(tmp) / shape)]
+    print(report.format_table(rows, COLUMNS))
+    if args.out:
+        report.write_json(args.out, {"device": args.device, "torch": torch.__version__, "checks": checks,
+                                     "settings": {k: getattr(args, k) for k in ("npl", "pp", "tg", "repeats", "dtype")},
+                                     "rows": rows})
+    failed = not checks["parity"]["ok"] or any(not r.get("ok", True) for r in checks["attention"].values()
+                                              if isinstance(r, dict))
+    return 1 if failed else 0
