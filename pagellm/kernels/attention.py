@@ -3,11 +3,12 @@
 The interface: queries for the packed tokens of a step, the layer's whole KV
 cache, and the block tables. K/V are addressed through the block table; the
 reference gathers the blocks of one batch with an index, the native kernel
-(`csrc/paged_attention.cpp`) reads them in place. `paged_attention` uses the
-native kernel for CPU float32/bfloat16 tensors with a head size that is a
-multiple of 16 (the cache in the query's dtype, or bf16 under fp32 queries),
-when it could be built (see `native.load`), and the reference otherwise; the
-reference is the oracle the native path is tested against.
+(`csrc/paged_attention.cpp`) reads them in place. `paged_attention` runs the
+Triton kernel on CUDA (kernels/triton_attention.py); on CPU the native kernel
+for float32/bfloat16 tensors with a head size that is a multiple of 16 (the
+cache in the query's dtype, or bf16 under fp32 queries), when it was built
+(see `native.load`), and the reference otherwise; the reference is the oracle
+both kernels are tested against.
 
 Masking follows HF transformers: token at position p sees keys at positions
 k <= p, and with a sliding window W only those with p - k < W.
@@ -16,6 +17,7 @@ k <= p, and with a sliding window W only those with p - k < W.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -168,6 +170,15 @@ def paged_attention_native(
     return out
 
 
+@functools.cache
+def _triton_attention():
+    """kernels/triton_attention, imported on the first CUDA call: triton's import costs a CPU process time for
+    nothing, and its kernels are decorated under the TRITON_INTERPRET of that moment (tests/gpu)."""
+    from pagellm.kernels import triton_attention
+
+    return triton_attention
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, H_q, D]
     key_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
@@ -179,8 +190,12 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H_q, D]
     """Causal attention of each request's new tokens over its whole paged context.
 
-    The native kernel when it applies (see the module docstring), else the torch reference.
+    On CUDA the Triton kernel (kernels/triton_attention.py); on CPU the native kernel when it applies (see the
+    module docstring); else the torch reference.
     """
+    if query.device.type == "cuda":  # one launch per step, K/V read in place: not gathered, not looped over
+        return _triton_attention().paged_attention_triton(query, key_cache, value_cache, meta, scale,
+                                                          sliding_window, logits_soft_cap)
     if (_native_supported(query, key_cache, value_cache)
             and _native_kernel() is not None):
         return paged_attention_native(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)

@@ -12,7 +12,8 @@ The design of vLLM's unified Triton attention (../shared/notes/gpu.md), written 
 
 Causal mask, sliding window and logit soft-cap as the torch reference (kernels/attention.py), which stays the
 oracle. Written against Triton 3.6 and 3.9 alike; tested on CPU under TRITON_INTERPRET=1 (fp32 only: the
-interpreter has no bf16), not yet run on a GPU. Not here yet: split-KV for long decodes.
+interpreter has no bf16), not yet run on a GPU (`pagellm bench device-check` is the prepared run). Not here
+yet: split-KV for long decodes.
 
 Import this module only where Triton kernels are wanted: `triton.jit` reads TRITON_INTERPRET when the
 module is imported.

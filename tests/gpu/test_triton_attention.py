@@ -8,6 +8,8 @@ upper-bound grid, block-table reads, masks, GQA packing, online softmax.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -101,3 +103,21 @@ def test_empty_steps_and_bad_layouts():
     case = make_case([1], [9], 3, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="query heads 3 over 2 kv heads"):
         triton_attention.paged_attention_triton(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+
+
+def test_tensors_on_cuda_go_to_the_triton_kernel(monkeypatch):
+    """kernels/attention.paged_attention's dispatch, seen from a CPU: a query that says it is on CUDA goes to
+    the Triton kernel with every argument; one on the CPU does not."""
+    class OnCuda(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda")
+
+    case = make_case([1, 3], [9, 3], 4, 2, 64, 16, torch.float32)
+    calls = []
+    monkeypatch.setattr(attention, "_triton_attention", lambda: SimpleNamespace(
+        paged_attention_triton=lambda *args: calls.append(args) or "triton"))
+    query = torch.Tensor._make_subclass(OnCuda, case.query)
+    args = (case.key_cache, case.value_cache, case.meta, case.scale, 7, 30.0)
+    assert attention.paged_attention(query, *args) == "triton" and calls == [(query, *args)]
+    assert isinstance(attention.paged_attention(case.query, *args), torch.Tensor) and len(calls) == 1
