@@ -1,0 +1,54 @@
+"""Compile the Triton paged-attention kernel to GPU machine code without a GPU: Triton's own code generator and
+the ptxas its wheel ships, for an NVIDIA architecture named on the command line. The interpreter (tests/gpu)
+checks what the kernel computes; this checks that it compiles as a GPU will compile it.
+
+    python -m tests.gpu.compile_for_gpus 90 80      (run in a process without TRITON_INTERPRET)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pagellm.kernels import triton_attention
+
+POINTERS = {"out_ptr": "q", "q_ptr": "q", "k_cache_ptr": "kv", "v_cache_ptr": "kv", "block_tables_ptr": "*i64",
+            "seq_lens_ptr": "*i64", "query_start_loc_ptr": "*i64"}
+# (query dtype, K/V dtype, query heads per kv head, head size, block size, pure decode, window, soft-cap): the
+# families' shapes (Llama 3 and Qwen3 GQA 4 x 128, Gemma 3 256 with window and cap, a head size of no power of 2)
+VARIANTS = [("bf16", "bf16", 4, 128, 16, True, False, False), ("bf16", "bf16", 4, 128, 16, False, False, False),
+            ("bf16", "bf16", 4, 256, 16, False, True, True), ("fp32", "fp32", 1, 64, 16, False, False, False),
+            ("fp16", "fp16", 3, 80, 32, True, True, False)]
+
+
+def compile_variant(q_dtype, kv_dtype, group, head_dim, block_size, decode, window, cap, arch: int) -> int:
+    """The size in bytes of the cubin for `arch` (e.g. 90: H100 / H200)."""
+    kernel = triton_attention._paged_attention_kernel
+    block_g = triton.next_power_of_2(group)
+    block_m = max(16 if decode else 64, block_g)  # as paged_attention_triton chooses
+    constexprs = dict(G=group, BLOCK_G=block_g, BLOCK_Q=block_m // block_g, HEAD_DIM=head_dim,
+                      BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+                      TILE=triton_attention.TILE_N, USE_CAP=cap, USE_WINDOW=window,
+                      DOT_PRECISION="ieee" if q_dtype == "fp32" else "tf32")
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in POINTERS:
+            kind = POINTERS[name]
+            signature[name] = {"q": f"*{q_dtype}", "kv": f"*{kv_dtype}"}.get(kind, kind)
+        elif name in ("scale", "soft_cap"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i64" if name.startswith("stride") else "i32"
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    return len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"])
+
+
+if __name__ == "__main__":
+    for arch in map(int, sys.argv[1:]):
+        for variant in VARIANTS:
+            print(arch, *variant, compile_variant(*variant, arch=arch), flush=True)
