@@ -30,17 +30,10 @@ class HFTransformersPeer:
 
     name = "hf-transformers"
 
-    def __init__(self, engine, static: bool = False):
+    def __init__(self, engine, static: bool = False, model=None):
         import transformers
-        from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype, attn_implementation="sdpa")
-        # assign=True: HF's parameters become pagellm's tensors, so the weights are not held twice.
-        missing, unexpected = model.load_state_dict(checkpoint_state_dict(engine.model), strict=False, assign=True)
-        if unexpected or set(missing) - {"lm_head.weight"}:
-            raise ValueError(f"HF model does not match pagellm's weights: missing {missing}, unexpected {unexpected}")
-        model.tie_weights()
-        self.model = model.eval()
+        self.model = model if model is not None else self._on_pagellms_weights(engine)
         self.pad_token_id = 0
         self.device = engine.device
         self.generate_options = {"cache_implementation": "static"} if static else {}
@@ -48,6 +41,19 @@ class HFTransformersPeer:
         dtype = str(engine.dtype).removeprefix("torch.")
         cache = "static cache (compiled by transformers)" if static else "dynamic cache"
         self.description = f"transformers {transformers.__version__} generate, sdpa, {cache}, {dtype}"
+
+    @staticmethod
+    def _on_pagellms_weights(engine):
+        from transformers import AutoModelForCausalLM
+
+        with torch.device(engine.device):  # its init and buffers on the device (on the CPU: slow, and copied)
+            model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype, attn_implementation="sdpa")
+        # assign=True: HF's parameters become pagellm's tensors, so the weights are not held twice.
+        missing, unexpected = model.load_state_dict(checkpoint_state_dict(engine.model), strict=False, assign=True)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(f"HF model does not match pagellm's weights: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
+        return model.eval()
 
     def run(self, prompts: list[list[int]], tg: int) -> tuple[float, float]:
         width = max(len(p) for p in prompts)

@@ -67,7 +67,8 @@ def compute_dtype(dtype: str | None, device: str) -> str:
         return dtype
     kind = torch.device(device).type
     if kind == "cuda":  # as vLLM: bf16 where the GPU computes it (Ampere and later), else fp16
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        # not emulated bf16 (pre-Ampere GPUs report it supported by default): those get fp16
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     return "bfloat16" if kind == "cpu" and native.level() == "avx512" else "float32"
 
 

@@ -46,7 +46,9 @@ def _find_request(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Not specialised on these: a value of 1 (or a multiple of 16) would compile another kernel mid-run, e.g. when
+# the batch or the block table's width changes.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale, soft_cap, window, num_seqs,
@@ -89,7 +91,7 @@ def _paged_attention_kernel(
     for start in range(first, last, TILE):
         keys = start + tl.arange(0, TILE)  # [N] absolute positions
         key_ok = keys < seq_len
-        block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0)
+        block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         row = keys % BLOCK_SIZE
         k = tl.load(k_cache_ptr + block[None, :] * stride_k_blk + row[None, :] * stride_k_pos
                     + kv_head * stride_k_h + dims[:, None],

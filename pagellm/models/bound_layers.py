@@ -120,10 +120,10 @@ def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dty
     forward hooks do the same on the module path, so those hooks are expected then)."""
     if not enabled:
         return None, "bound layers switched off (KernelConfig.bound_layers)"
-    why = (("native kernels unavailable (no compiler, or switched off)"
-            if layer_ops._lib() is None or attention._native_kernel() is None else "")
+    why = (("" if backbone.norm.weight.is_cpu else "not on the CPU")  # first: nothing CPU is built for a GPU
+           or ("native kernels unavailable (no compiler, or switched off)"
+               if layer_ops._lib() is None or attention._native_kernel() is None else "")
            or ("" if dtype in _DTYPE_CODES else f"the kernels take fp32 and bf16, not {dtype}")
-           or ("" if backbone.norm.weight.is_cpu else "not on the CPU")
            or ("" if len(backbone.layers) else "no layers"))
     layers = []
     for index, layer in enumerate(backbone.layers):

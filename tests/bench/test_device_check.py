@@ -1,4 +1,5 @@
-"""`pagellm bench device-check` rehearsed on the CPU at the tiny shape: what a GPU session will run, end to end."""
+"""`pagellm bench device-check` rehearsed on the CPU at the tiny shape: its parts and their reporting (on a CPU
+without the static-cache peer, bf16 or the real shapes' memory, which only a GPU run exercises)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,31 @@ def test_the_cpu_rehearsal_checks_parity_and_measures_both_engines(tmp_path, cap
 def test_an_unknown_shape_or_peer_is_named(capsys):
     assert main(["bench", "device-check", "--device", "cpu", "--shapes", "2b"]) == 2
     assert "--shapes: unknown shape(s) ['2b']; known: tiny, 1b, 8b" in capsys.readouterr().err
+    assert main(["bench", "device-check", "--device", "cpu", "--shapes", "tiny", "--peers", "vllm"]) == 2
+    assert "--peers: unknown peer(s) ['vllm']; known: hf, hf-static" in capsys.readouterr().err
+
+
+def test_the_kv_budget_fits_the_largest_batch_of_each_shape():
+    """The host-RAM default (at most 4 GiB) cannot hold 64 x 576 tokens of the 8B shape: each shape gets its own."""
+    from argparse import Namespace
+
+    from pagellm.bench.device_check import kv_gib
+
+    args = Namespace(npl=[1, 16, 64], pp=512, tg=64)
+    needed_8b = 2 * 32 * 8 * 128 * 2 * 64 * 576 / 2**30  # K and V, 32 layers, 8 kv heads x 128, bf16: 4.5 GiB
+    assert kv_gib("8b", args) >= needed_8b > 4
+    assert kv_gib("1b", args) < kv_gib("8b", args)
+
+
+def test_the_bf16_bound_scales_with_each_row():
+    """An error at an output near 0 is judged against its row (the kernel rounds P to bf16), not against itself."""
+    import torch
+
+    from pagellm.bench.device_check import _bound
+
+    exact = torch.tensor([[1.0, 1e-6], [0.5, -0.25]], dtype=torch.float64)
+    assert torch.equal(_bound(exact, torch.bfloat16), torch.tensor([[2**-7], [2**-8]], dtype=torch.float64) + 1e-30)
+    assert (_bound(exact, torch.float32) <= 2e-5).all()  # fp32: 1e-5 of the element and of the largest
 
 
 def test_the_attention_check_runs_the_kernel_under_the_interpreter_on_a_cpu():

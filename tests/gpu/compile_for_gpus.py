@@ -1,6 +1,7 @@
 """Compile the Triton paged-attention kernel to GPU machine code without a GPU: Triton's own code generator and
 the ptxas its wheel ships, for an NVIDIA architecture named on the command line. The interpreter (tests/gpu)
-checks what the kernel computes; this checks that it compiles as a GPU will compile it.
+checks what the kernel computes; this that its code generates for a GPU, with this venv's Triton and 64-bit
+strides (a GPU run may specialise other argument values, and the GPU image has an older Triton).
 
     python -m tests.gpu.compile_for_gpus 90 80      (run in a process without TRITON_INTERPRET)
 """

@@ -60,3 +60,13 @@ def test_a_load_format_is_named_and_checked():
         ModelConfig(load_format="safetensors")
     args = build_parser().parse_args(["generate", "--prompt", "x", "--load-format", "dummy"])
     assert engine_config_from_args(args).model.load_format == "dummy"
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_random_weights_can_be_quantized_as_they_load(quantization, tmp_path):
+    """The names are taken before quantized loading swaps its placeholders in (a lazy walk lost those weights)."""
+    TINY_CONFIGS["llama"]().save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"), with_tokenizer=False,
+                        quantization=quantization, load_format="dummy")
+    assert loaded.quantization and set(loaded.quantization.values()) == {quantization}
+    assert torch.isfinite(PagedHarness(loaded.model).prefill("a", list(range(3, 12)))).all()
