@@ -149,6 +149,14 @@ def run_phases(engine: LLMEngine, prompts: list[list[int]], tg: int,
                       dataclasses.asdict(engine.counters))
 
 
+def timed_run(engine: LLMEngine, prompts: list[list[int]], tg: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) of one run of `prompts`, as a peer's run reports them (bench compare,
+    device-check); the prefix cache is reset first, so no run reads another's blocks."""
+    engine.reset_prefix_cache()
+    times = run_phases(engine, prompts, tg)
+    return times.t_pp, times.t_tg
+
+
 def step_profile(before: dict, after: dict) -> dict:
     """Per-step instrumentation between two snapshots of EngineStats."""
     steps = after["num_steps"] - before["num_steps"]

@@ -11,6 +11,7 @@ tokens/s). Each pagellm figure is also placed under the machine's roofline.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -25,18 +26,9 @@ from pagellm.bench.report import Column
 PAGELLM = "pagellm"
 
 
-def _pagellm_runner(engine):
-    def run(prompts, tg):
-        engine.reset_prefix_cache()  # repeats use fresh prompts, but never let a run read another's blocks
-        times = batched.run_phases(engine, prompts, tg)
-        return times.t_pp, times.t_tg
-
-    return run
-
-
 def make_runners(args: argparse.Namespace, engine) -> tuple[dict, dict[str, str], dict[str, str]]:
     """name -> run(prompts, tg); name -> description of what ran; peer -> why it did not run."""
-    runners = {PAGELLM: _pagellm_runner(engine)}
+    runners = {PAGELLM: functools.partial(batched.timed_run, engine)}
     # what was asked (auto on an HF checkpoint is none), unless no layer ended up quantized
     quantized = engine.config.model.quantization if engine.quantization else "none"
     described = {PAGELLM: f"LLMEngine, {report.engine_dtypes(engine)}, weights {quantized}, "

@@ -18,6 +18,7 @@ GPU time comes in minutes, so everything a device session must learn is one comm
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -125,7 +126,7 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
                                   kv_cache_memory=args.kv_cache_memory or kv_gib(shape, args), device=args.device,
                                   load_format="dummy")
     try:
-        runners, model = {"pagellm": lambda prompts, tg: _pagellm_times(engine, prompts, tg)}, None
+        runners, model = {"pagellm": functools.partial(batched.timed_run, engine)}, None
         for peer in args.peers:
             hf = peers.HFTransformersPeer(engine, static=peer == "hf-static", model=model)
             runners[hf.name], model = hf.run, hf.model  # one HF model on pagellm's tensors serves both peers
@@ -153,12 +154,6 @@ def kv_gib(shape: str, args: argparse.Namespace) -> float:
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4  # K and V, <= fp32
     return 1.1 * per_token * max(args.npl) * (args.pp + args.tg + 16) / 2**30
-
-
-def _pagellm_times(engine, prompts: list[list[int]], tg: int) -> tuple[float, float]:
-    engine.reset_prefix_cache()  # a repeat never reads another's blocks
-    times = batched.run_phases(engine, prompts, tg)
-    return times.t_pp, times.t_tg
 
 
 def main(args: argparse.Namespace) -> int:

@@ -169,11 +169,17 @@ def build_flags(level: str, extensions: tuple[str, ...] = ()) -> tuple[str, ...]
     return (*CXX_FLAGS, *LEVEL_FLAGS[level], *(EXTENSIONS[e][1] for e in extensions))
 
 
+@functools.cache
+def _compiler_version(cxx: str) -> str:
+    """`cxx --version`, asked once per process (it keys every library's cache entry; start-up loads nine)."""
+    return subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, text=True).stdout
+
+
 def library_path(name: str, flags: tuple[str, ...], cxx: str) -> Path:
     """Where `cxx`'s build of csrc/<name>.cpp with `flags` is cached: keyed by the sources, the flags and the
     compiler's version, so an edit, another level or another compiler is a new file."""
     source = CSRC / f"{name}.cpp"
-    version = subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, text=True).stdout
+    version = _compiler_version(cxx)
     headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # shared includes (bf16.h)
     key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version]).encode()).hexdigest()[:16]
     return cache_dir() / f"{name}-{key}.so"

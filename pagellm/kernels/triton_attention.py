@@ -144,13 +144,12 @@ def paged_attention_triton(
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
-    k, v = key_cache, value_cache  # K/V in another dtype than the queries are converted as loaded
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads)
-    _paged_attention_kernel[grid](
-        out, query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+    _paged_attention_kernel[grid](  # K/V in another dtype than the queries are converted as the kernel loads them
+        out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         scale, logits_soft_cap or 1.0, sliding_window or 0, meta.num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), meta.block_tables.stride(0),
+        *key_cache.stride()[:3], *value_cache.stride()[:3], meta.block_tables.stride(0),
         G=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=meta.block_size, TILE=TILE_N,
         USE_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
