@@ -80,7 +80,25 @@ def parity(device: str, directory: Path) -> dict:
         theirs = hf(torch.tensor([tokens], device=device)).logits[0].float()
     difference = (ours - theirs).abs().max().item()
     agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-    return {"max_abs_logit_difference": difference, "argmax_agreement": agree, "ok": difference < 1e-3 and agree == 1}
+    result = {"max_abs_logit_difference": difference, "argmax_agreement": agree}
+    # bf16, the CUDA default: its distance from the fp32 logits, beside HF's own bf16 on the same weights
+    hf.save_pretrained(directory / "weights")  # the same weights through the real loader, planned for bf16
+    model = load_model(str(directory / "weights"), torch.bfloat16, torch.device(device), with_tokenizer=False,
+                       quantization="none").model
+    ours_bf16 = pagellm_logits(model, tokens, torch.bfloat16, chunk=16)
+    with torch.inference_mode():
+        theirs_bf16 = hf.to(torch.bfloat16)(torch.tensor([tokens], device=device)).logits[0].float()
+    result["bf16_kl"], result["hf_bf16_kl"] = _kl(theirs, ours_bf16), _kl(theirs, theirs_bf16)
+    result["bf16_argmax_agreement"] = (ours_bf16.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    # bf16's bound: at most twice the KL of HF's own bf16 path (and 1e-4 for a KL lost in rounding noise)
+    result["ok"] = difference < 1e-3 and agree == 1 and result["bf16_kl"] <= max(2 * result["hf_bf16_kl"], 1e-4)
+    return result
+
+
+def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over positions of KL(reference || other) of the next-token distributions, [L, V] logits each."""
+    log_p, log_q = reference.double().log_softmax(-1), other.double().log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
 
 
 def attention(device: str) -> dict:
@@ -108,6 +126,42 @@ def attention(device: str) -> dict:
         exact = paged_attention_reference(q.double(), k.double(), v.double(), meta, 128**-0.5)
         worst = ((got - exact).abs() / _bound(exact, dtype)).max().item()
         results[str(dtype).removeprefix("torch.")] = {"worst_error_over_bound": worst, "ok": worst <= 1.0}
+    return results
+
+
+def layer_ops(device: str) -> dict:
+    """The fused Triton layer ops against the torch modules they replace, in bf16 on the device, at a 1B layer's
+    shapes: the share of bit-equal elements (the kernels round where the torch ops round) and the worst error
+    over one bf16 rounding of the largest element. CUDA only: the interpreter has no bf16 (tests/gpu runs them
+    in fp32 and fp16)."""
+    if torch.device(device).type != "cuda":
+        return {"not_run": "bf16 Triton layer ops need CUDA (tests/gpu checks them in fp32 and fp16 on a CPU)"}
+    import torch.nn.functional as F
+
+    from pagellm.kernels import triton_layer_ops as ops
+    from pagellm.layers.norm import RMSNorm
+    from pagellm.layers.rotary import apply_rotary_reference
+
+    generator, bf16 = torch.Generator(device=device).manual_seed(3), torch.bfloat16
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=generator).to(bf16)  # noqa: E731
+    norm = RMSNorm(2048, 1e-5).to(device, bf16)
+    norm.weight.copy_(rand(2048) * 0.2 + 1)
+    residual, x, gate_up, qkv = rand(64, 2048), rand(64, 2048), rand(64, 2 * 8192) * 3, rand(64, 48 * 128)
+    angles = torch.rand(64, 64, device=device, generator=generator) * 6
+    cos, sin = angles.cos().to(bf16), angles.sin().to(bf16)
+    cache = torch.zeros(8, 16, 8, 128, device=device, dtype=bf16)
+    slots = torch.arange(64, device=device)
+    gate, up = gate_up.chunk(2, dim=-1)
+    q = ops.qkv_prepare(qkv, 32, 8, None, None, 1e-5, False, cos, sin, cache, cache.clone(), slots)
+    pairs = {"add_rms_norm": (ops.add_rms_norm(residual, x, None, norm.weight, 1e-5, False)[1],
+                              norm.reference(residual + x)),
+             "act_mul": (ops.act_mul(gate_up, "silu"), F.silu(gate) * up),
+             "qkv_prepare": (q, apply_rotary_reference(qkv[:, : 32 * 128].view(64, 32, 128), cos, sin))}
+    results = {}
+    for name, (got, want) in pairs.items():
+        equal = (got == want).float().mean().item()
+        worst = ((got.float() - want.float()).abs().max() / (2.0**-7 * want.float().abs().max())).item()
+        results[name] = {"bit_equal": equal, "worst_error_over_bound": worst, "ok": equal >= 0.9 and worst <= 1.0}
     return results
 
 
@@ -170,9 +224,11 @@ def main(args: argparse.Namespace) -> int:
     result = {"device": args.device, "torch": torch.__version__, "checks": {}, "rows": [], "errors": {},
               "settings": {k: getattr(args, k) for k in ("npl", "pp", "tg", "repeats", "dtype", "peers")}}
     with tempfile.TemporaryDirectory() as tmp:
-        result["checks"] = {"parity": parity(args.device, Path(tmp) / "parity"), "attention": attention(args.device)}
-        print(f"parity (tiny Llama, fp32, pagellm vs HF on {args.device}): {result['checks']['parity']}")
+        result["checks"] = {"parity": parity(args.device, Path(tmp) / "parity"), "attention": attention(args.device),
+                            "layer_ops": layer_ops(args.device)}
+        print(f"parity (tiny Llama, pagellm vs HF fp32 on {args.device}): {result['checks']['parity']}")
         print(f"attention (Triton vs reference): {result['checks']['attention']}")
+        print(f"layer ops (Triton vs torch, bf16): {result['checks']['layer_ops']}")
         for shape in args.shapes:
             try:
                 result["rows"] += speed(args, shape, Path(tmp) / shape)
@@ -183,6 +239,6 @@ def main(args: argparse.Namespace) -> int:
                 report.write_json(args.out, result)
     print(report.format_table(result["rows"], COLUMNS))
     checks = result["checks"]
-    failed = not checks["parity"]["ok"] or any(not r.get("ok", True) for r in checks["attention"].values()
-                                              if isinstance(r, dict))
+    failed = not checks["parity"]["ok"] or any(not r.get("ok", True) for check in ("attention", "layer_ops")
+                                              for r in checks[check].values() if isinstance(r, dict))
     return 1 if failed or result["errors"] else 0

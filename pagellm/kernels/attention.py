@@ -17,11 +17,10 @@ k <= p, and with a sliding window W only those with p - k < W.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from pagellm.kernels import native
+from pagellm.kernels import cuda_ops, native
 from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor, kv_cache_pairs
 from pagellm.core.attention_metadata import AttentionMetadata
 
@@ -170,15 +169,6 @@ def paged_attention_native(
     return out
 
 
-@functools.cache
-def _triton_attention():
-    """kernels/triton_attention, imported on the first CUDA call: triton's import costs a CPU process time for
-    nothing, and its kernels are decorated under the TRITON_INTERPRET of that moment (tests/gpu)."""
-    from pagellm.kernels import triton_attention
-
-    return triton_attention
-
-
 def paged_attention(
     query: torch.Tensor,  # [T, H_q, D]
     key_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
@@ -194,8 +184,8 @@ def paged_attention(
     module docstring); else the torch reference.
     """
     if query.device.type == "cuda":  # one launch per step, K/V read in place: not gathered, not looped over
-        return _triton_attention().paged_attention_triton(query, key_cache, value_cache, meta, scale,
-                                                          sliding_window, logits_soft_cap)
+        kernel = cuda_ops.triton_module("triton_attention").paged_attention_triton
+        return kernel(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
     if (_native_supported(query, key_cache, value_cache)
             and _native_kernel() is not None):
         return paged_attention_native(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)

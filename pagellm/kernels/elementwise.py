@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.kernels import native
+from pagellm.kernels import cuda_ops, native
 from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor
 
 _RMS_NORM = Function("pagellm_rms_norm", (
@@ -31,6 +31,9 @@ def _kernel(name: str):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor | None:
     """x [..., dim] -> normalised [..., dim]; weight fp32 when unit_offset, else x's dtype. None: not handled."""
+    if x.is_cuda:  # the Triton kernel of the fused add + norm, with nothing to add
+        ok = cuda_ops.takes(x, weight) and weight.dtype == (torch.float32 if unit_offset else x.dtype)
+        return cuda_ops.layer_ops().add_rms_norm(x, None, None, weight, eps, unit_offset)[1] if ok else None
     if (x.numel() == 0 or not _RMS_NORM.accepts(x=x, weight=weight)
             or weight.dtype != (torch.float32 if unit_offset else x.dtype)):
         return None

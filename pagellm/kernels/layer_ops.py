@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from pagellm.kernels import native
+from pagellm.kernels import cuda_ops, native
 from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor, kv_cache_pairs
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_mul's native activations
@@ -54,16 +54,24 @@ def qkv_prepare(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: 
     head_dim = cos.shape[-1] * 2
     norm_dtype = torch.float32 if unit_offset else qkv.dtype
     kv_row = (num_kv_heads, head_dim)
-    if (qkv.numel() == 0 or _lib() is None
-            or not _QKV_PREPARE.accepts(qkv=qkv, cos=cos, sin=sin, key_cache=key_cache, value_cache=value_cache,
-                                        slots=slots, q_weight=q_weight, k_weight=k_weight)
-            or not cos.dtype == sin.dtype == qkv.dtype
-            or not key_cache.dtype == value_cache.dtype or not kv_cache_pairs(qkv.dtype, key_cache.dtype)
+    on_cuda = qkv.is_cuda
+    if on_cuda:  # the Triton kernel takes any float cache dtype (stored as it converts)
+        handled = (cuda_ops.takes(qkv, cos, sin, key_cache, value_cache, q_weight, k_weight)
+                   and slots.is_cuda and slots.dtype == torch.int64)
+    else:
+        handled = (_lib() is not None and kv_cache_pairs(qkv.dtype, key_cache.dtype)
+                   and _QKV_PREPARE.accepts(qkv=qkv, cos=cos, sin=sin, key_cache=key_cache, value_cache=value_cache,
+                                            slots=slots, q_weight=q_weight, k_weight=k_weight))
+    if (not handled or qkv.numel() == 0 or not cos.dtype == sin.dtype == qkv.dtype
+            or key_cache.dtype != value_cache.dtype
             or qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim
             or cos.shape != sin.shape or cos.shape[0] != tokens or slots.numel() != tokens
             or key_cache.shape != value_cache.shape or tuple(key_cache.shape[-2:]) != kv_row
             or any(w is not None and (w.dtype != norm_dtype or w.numel() != head_dim) for w in (q_weight, k_weight))):
         return None
+    if on_cuda:
+        return cuda_ops.layer_ops().qkv_prepare(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, unit_offset,
+                                                cos, sin, key_cache, value_cache, slots)
     return qkv_prepare_unchecked(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, unit_offset, cos, sin,
                                  key_cache, value_cache, slots)
 
@@ -90,6 +98,11 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, post_weight: torch.Ten
     """(residual + post_norm(x) (post_weight None: x itself), RMSNorm of that sum), each [..., dim]. None: not
     handled. Both norms share eps and flavour; weights fp32 when unit_offset, else the dtype."""
     norm_dtype = torch.float32 if unit_offset else x.dtype
+    if x.is_cuda:
+        if (cuda_ops.takes(residual, x, weight, post_weight) and residual.dtype == x.dtype
+                and residual.shape == x.shape and all(w is None or w.dtype == norm_dtype for w in (weight, post_weight))):
+            return cuda_ops.layer_ops().add_rms_norm(residual, x, post_weight, weight, eps, unit_offset)
+        return None
     if (x.numel() == 0 or _lib() is None
             or not _ADD_RMS_NORM.accepts(x=x, residual=residual, weight=weight, post_weight=post_weight)
             or residual.dtype != x.dtype or residual.shape != x.shape
@@ -110,6 +123,9 @@ def add_rms_norm_unchecked(residual: torch.Tensor, x: torch.Tensor, post_weight:
 
 def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
     """gate_up [..., 2 I] -> act(gate) * up [..., I] (activation: a key of ACTIVATIONS). None: not handled."""
+    if gate_up.is_cuda:
+        ok = activation in ACTIVATIONS and cuda_ops.takes(gate_up) and gate_up.shape[-1] % 2 == 0
+        return cuda_ops.layer_ops().act_mul(gate_up, activation) if ok else None
     if activation not in ACTIVATIONS or gate_up.numel() == 0 or _lib() is None or not _ACT_MUL.accepts(gate_up=gate_up):
         return None
     return act_mul_unchecked(gate_up, activation)

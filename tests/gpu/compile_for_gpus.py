@@ -1,6 +1,6 @@
-"""Compile the Triton paged-attention kernel to GPU machine code without a GPU: Triton's own code generator and
+"""Compile the Triton kernels (paged attention, the fused layer ops) to GPU machine code without a GPU: Triton's own code generator and
 the ptxas its wheel ships, for an NVIDIA architecture named on the command line. The interpreter (tests/gpu)
-checks what the kernel computes; this that its code generates for a GPU, with this venv's Triton and 64-bit
+checks what the kernels compute; this that their code generates for a GPU, with this venv's Triton and 64-bit
 strides (a GPU run may specialise other argument values, and the GPU image has an older Triton).
 
     python -m tests.gpu.compile_for_gpus 90 80      (run in a process without TRITON_INTERPRET)
@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagellm.kernels import triton_attention
+from pagellm.kernels import triton_attention, triton_layer_ops
 
 POINTERS = {"out_ptr": "q", "q_ptr": "q", "k_cache_ptr": "kv", "v_cache_ptr": "kv", "block_tables_ptr": "*i64",
             "seq_lens_ptr": "*i64", "query_start_loc_ptr": "*i64"}
@@ -45,11 +45,43 @@ def compile_variant(q_dtype, kv_dtype, group, head_dim, block_size, decode, wind
             signature[name] = "fp32"
         else:
             signature[name] = "i64" if name.startswith("stride") else "i32"
+    return _cubin_size(kernel, signature, constexprs, arch)
+
+
+def _cubin_size(kernel, signature: dict, constexprs: dict, arch: int) -> int:
     source = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     return len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"])
+
+
+# (kernel, constexprs): bf16 activations, the variants the decoder layers launch (Llama 3's hidden size 2048 and
+# head 128; Gemma's flavour with post-norms and gelu(tanh); qk norms of Qwen3)
+LAYER_OP_VARIANTS = [
+    ("_add_rms_norm_kernel", dict(HAS_X=True, HAS_POST=False, UNIT_OFFSET=False, BLOCK=2048)),
+    ("_add_rms_norm_kernel", dict(HAS_X=True, HAS_POST=True, UNIT_OFFSET=True, BLOCK=1024)),
+    ("_qkv_prepare_kernel", dict(H=32, K=8, HEAD_DIM=128, HALF_BLOCK=64, HAS_NORM=False, UNIT_OFFSET=False)),
+    ("_qkv_prepare_kernel", dict(H=16, K=8, HEAD_DIM=128, HALF_BLOCK=64, HAS_NORM=True, UNIT_OFFSET=False)),
+    ("_act_mul_kernel", dict(ACT=0, BLOCK=1024)),
+    ("_act_mul_kernel", dict(ACT=1, BLOCK=1024)),
+]
+
+
+def compile_layer_op(name: str, constexprs: dict, arch: int) -> int:
+    """The cubin size of one fused layer op: pointers bf16 (slots int64), strides i64, eps fp32."""
+    kernel = getattr(triton_layer_ops, name)
+    signature = {}
+    for arg in kernel.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = "*i64" if arg == "slots_ptr" else "*bf16"
+        else:
+            signature[arg] = "fp32" if arg == "eps" else "i64" if arg.startswith("stride") else "i32"
+    return _cubin_size(kernel, signature, constexprs, arch)
 
 
 if __name__ == "__main__":
     for arch in map(int, sys.argv[1:]):
         for variant in VARIANTS:
             print(arch, *variant, compile_variant(*variant, arch=arch), flush=True)
+        for name, constexprs in LAYER_OP_VARIANTS:
+            print(arch, name, compile_layer_op(name, constexprs, arch), flush=True)

@@ -120,22 +120,22 @@ def test_tensors_on_cuda_go_to_the_triton_kernel(monkeypatch):
 
     case = make_case([1, 3], [9, 3], 4, 2, 64, 16, torch.float32)
     calls = []
-    monkeypatch.setattr(attention, "_triton_attention", lambda: SimpleNamespace(
-        paged_attention_triton=lambda *args: calls.append(args) or "triton"))
+    monkeypatch.setattr(attention.cuda_ops, "triton_module", lambda name: SimpleNamespace(
+        paged_attention_triton=lambda *args: calls.append((name, *args)) or "triton"))
     query = torch.Tensor._make_subclass(OnCuda, case.query)
     args = (case.key_cache, case.value_cache, case.meta, case.scale, 7, 30.0)
-    assert attention.paged_attention(query, *args) == "triton" and calls == [(query, *args)]
+    assert attention.paged_attention(query, *args) == "triton" and calls == [("triton_attention", query, *args)]
     assert isinstance(attention.paged_attention(case.query, *args), torch.Tensor) and len(calls) == 1
 
 
-def test_the_kernel_compiles_for_hopper_and_ampere_gpus():
-    """Triton's real code generator and ptxas (shipped in its wheel) need no GPU: every variant the model
-    families use compiles to a cubin for sm_90 (H100, H200) and sm_80 (A100). In a process of its own: this one
+def test_the_kernels_compile_for_hopper_and_ampere_gpus():
+    """Triton's real code generator and ptxas (shipped in its wheel) need no GPU: every variant of the attention
+    and the layer ops the model families use compiles to a cubin for sm_90 (H100, H200) and sm_80 (A100). In a process of its own: this one
     imported triton under the interpreter (tests/conftest.py)."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "tests.gpu.compile_for_gpus", "90", "80"], cwd=ROOT,
                             env=environment, capture_output=True, text=True, timeout=600)  # hang guard
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
-    # two architectures x the five variants of compile_for_gpus.VARIANTS, each a cubin of real size
-    assert len(lines) == 2 * 5 and all(int(line[-1]) > 10_000 for line in lines), result.stdout
+    # two architectures x (the five attention variants + the six layer-op ones), each a cubin of real size
+    assert len(lines) == 2 * (5 + 6) and all(int(line[-1]) > 4_000 for line in lines), result.stdout
