@@ -69,12 +69,16 @@ class ModelConfig(_FromDict):
 class CacheConfig(_FromDict):
     block_size: int = _help("Tokens per KV block.", default=16)
     kv_cache_memory: float | None = _help(
-        "KV cache budget in GiB (default: a quarter of available RAM, at most 4 GiB). "
-        "Reserved, but pages become resident only as blocks are written: a long-running server's resident set "
-        "approaches it as prefix-cached blocks accumulate (one is reused for new content only when every free "
+        "KV cache budget in GiB (default on a CPU: a quarter of available RAM, at most 4 GiB; on a GPU: from "
+        "gpu_memory_utilization). On a CPU it is reserved, but pages become resident only as blocks are written: "
+        "a long-running server's resident set approaches it as prefix-cached blocks accumulate (one is reused for new content only when every free "
         "block holds cached content).",
         default=None,
     )
+    gpu_memory_utilization: float = _help(
+        "On a GPU: the fraction of the device's memory this engine may use (vLLM's meaning). Weights, the largest "
+        "step's activations (measured by a profiling forward at start) and other allocations come off it; the "
+        "rest is the KV cache. Ignored when kv_cache_memory is given, and on a CPU.", default=0.9)
     enable_prefix_caching: bool = _help("Share KV blocks of identical prefixes across requests.", default=True)
     kv_cache_dtype: str = _help(
         "dtype K/V are stored in: auto (the default), float32, bfloat16 or float16. auto is the compute dtype, "
@@ -102,6 +106,8 @@ class CacheConfig(_FromDict):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import time
 
 import torch
@@ -23,6 +24,7 @@ from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_pa
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
+from pagellm.kernels import native
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, select_kernels
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import weight_bytes
@@ -33,8 +35,21 @@ from pagellm.platform import (DTYPES, GIB, default_kv_cache_gib, keep_step_buffe
                               resident_bytes)
 from pagellm.request import Request, RequestStatus, stop_ids_of
 from pagellm.runner.grammar import Grammars
+from pagellm.runner.kv_budget import (DeviceMemory, check_holds_one_sequence, kv_budget_bytes, profile_forward,
+                                      start_measuring)
 from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm.engine")
+
+
+def _attention_of(device: torch.device) -> str:
+    """The kernels a device runs, in words, for the backend line."""
+    if device.type == "cuda":
+        return "Triton paged attention and layer ops, cuBLAS matmuls"
+    level = native.level()
+    return f"native kernels at {level}" if level is not None else "torch reference ops"
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
@@ -72,6 +87,11 @@ class LLMEngine:
                parallel: ParallelState | None) -> None:
         """Load the model (this rank's shard of it when parallel) and size the KV cache and state slots."""
         mc, cc = config.model, config.cache
+        from_device = self.device.type == "cuda" and cc.kv_cache_memory is None  # KV from gpu_memory_utilization
+        if from_device and parallel is not None:
+            raise ValueError("tensor parallel on CUDA needs kv_cache_memory (GiB per rank): the profiling step that "
+                             "sizes the KV cache from gpu_memory_utilization runs on one device")
+        before = start_measuring(self.device) if from_device else None
         loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
                             quantization=mc.quantization, shard=shard, kernels=config.kernels,
                             load_format=mc.load_format)
@@ -84,11 +104,7 @@ class LLMEngine:
         self.model_path = loaded.path
         context = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         self.max_model_len = min(mc.max_model_len or context, context)
-        per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.kv_cache_dtype)
-        budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_gib()
-        num_blocks = int(budget * GIB // per_block)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {budget} GiB holds no block of {per_block} bytes")
+        num_blocks = self._kv_blocks(before, logits)
         self.state_pool = self._make_state_pool()
         # Hybrid models: a prefix hit must also restore the recurrent state after the prefix, so their
         # prefix cache needs state snapshots at block boundaries (none budgeted: the cache stays off).
@@ -105,6 +121,29 @@ class LLMEngine:
                                   logits=logits)
         self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
                        "model_file_bytes": self.model_path.stat().st_size if self.model_path.is_file() else None}
+
+    def _kv_blocks(self, before: DeviceMemory | None, logits) -> int:
+        """KV blocks from the configured budget, or (before: the device's memory before loading) from what
+        gpu_memory_utilization leaves after the weights and a profiling step (runner/kv_budget.py)."""
+        cc, sc = self.config.cache, self.config.scheduler
+        per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.kv_cache_dtype)
+        if before is None:
+            budget, flag = (cc.kv_cache_memory or default_kv_cache_gib()) * GIB, "kv_cache_memory"
+        else:
+            profile_forward(self.model, logits or self.model.compute_logits, sc.max_num_batched_tokens,
+                            sc.max_num_seqs, cc.block_size, self.kv_cache_dtype, self.device)
+            per_slot = state_bytes_per_slot(self.model)
+            states = 0 if per_slot == 0 else (
+                (cc.state_cache_memory * GIB if cc.state_cache_memory is not None else sc.max_num_seqs * per_slot)
+                + (cc.state_snapshot_memory * GIB if cc.enable_prefix_caching else 0))
+            budget = kv_budget_bytes(cc.gpu_memory_utilization, before, DeviceMemory.read(self.device), int(states))
+            flag = "gpu_memory_utilization (or give kv_cache_memory)"
+        num_blocks = int(budget // per_block)
+        check_holds_one_sequence(num_blocks, cc.block_size, self.max_model_len, per_block, flag)
+        logger.info("backend: %s (%s, %s, KV %.2f GiB: %d blocks of %d tokens)", self.device.type,
+                    _attention_of(self.device), str(self.dtype).removeprefix("torch."), num_blocks * per_block / GIB,
+                    num_blocks, cc.block_size)
+        return num_blocks
 
     def _runner_setup(self) -> RunnerSetup:
         """The cache sizes every runner (and, when parallel, every rank's) is built with."""

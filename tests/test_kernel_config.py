@@ -146,7 +146,7 @@ def test_a_broken_build_stops_a_cpu_engine_only(monkeypatch, tmp_path):
             selection.select_kernels(KernelConfig(cpu_isa="generic"))
         assert native.level() == previous
         assert selection.select_kernels(KernelConfig(cpu_isa="generic"), "cuda:0") == (
-            "CPU kernels not used on cuda (torch ops)")
+            "CPU kernels not used on cuda (see the backend line)")
         assert native.level() is None
     finally:
         native.select(previous or "auto", previous is not None)

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_memory=0.25)
+    return LLM(kv_cache_memory=0.25, max_model_len=4096)  # the pool must hold one max_model_len sequence
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_greedy_matches_hf_transformers_on_the_same_gguf():
     import torch
     from transformers import AutoModelForCausalLM
 
-    dense = LLM(kv_cache_memory=0.05, dtype="float32", quantization="none")
+    dense = LLM(kv_cache_memory=0.05, dtype="float32", quantization="none", max_model_len=1024)
     ids_of_ours = [out.outputs[0].token_ids for out in dense.generate(PROMPTS[:3], GREEDY, use_tqdm=False)]
     hf = AutoModelForCausalLM.from_config(dense.engine.hf_config, dtype=torch.float32, attn_implementation="eager")
     missing, unexpected = hf.load_state_dict(checkpoint_state_dict(dense.engine.model), strict=False)
@@ -75,7 +75,7 @@ def test_batch_equals_one_at_a_time(llm, reference_ids):
     {"enable_prefix_caching": False, "block_size": 32, "max_num_batched_tokens": 64, "n_ubatch": 16},
 ], ids=["prefix-cache-off", "block-32", "chunked-prefill-64", "all-three"])  # all-three: the lower levels' one run
 def test_greedy_ids_identical_across_engine_settings(kwargs, reference_ids):
-    other = LLM(kv_cache_memory=0.25, **kwargs)
+    other = LLM(kv_cache_memory=0.25, max_model_len=4096, **kwargs)
     out = other.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == reference_ids
 
@@ -169,7 +169,7 @@ def test_preemption_recomputes_and_keeps_greedy_ids(llm, reference_ids):
     from pagellm.runner.model_runner import kv_cache_bytes_per_block
 
     per_block = kv_cache_bytes_per_block(llm.engine.model, 16, llm.engine.kv_cache_dtype)
-    small = LLM(kv_cache_memory=6 * per_block / 2**30)  # 6 blocks for 5 requests needing 2 each
+    small = LLM(kv_cache_memory=6 * per_block / 2**30, max_model_len=96)  # 6 blocks for 5 requests needing 2 each
     assert small.stats()["kv_blocks_total"] == 6
     out = small.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == reference_ids

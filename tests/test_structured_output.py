@@ -30,7 +30,7 @@ PLAIN = ["The capital of France is", "def fibonacci(n):"]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_memory=0.25)
+    return LLM(kv_cache_memory=0.25, max_model_len=4096)
 
 
 def json_params(**kwargs) -> SamplingParams:
@@ -74,7 +74,7 @@ def test_preempted_requests_resume_their_grammar(llm):
     params = json_params(temperature=0.0)
     reference = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
     per_block = kv_cache_bytes_per_block(llm.engine.model, 16, llm.engine.kv_cache_dtype)
-    small = LLM(kv_cache_memory=7 * per_block / 2**30)  # 4 requests of ~3 blocks each
+    small = LLM(kv_cache_memory=7 * per_block / 2**30, max_model_len=112)  # 4 requests of ~3 blocks each
     outputs = small.generate([PROMPT] * 4, params, use_tqdm=False)
     assert small.stats()["num_preemptions"] > 0, reference
     assert [o.outputs[0].text for o in outputs] == [reference] * 4

@@ -100,7 +100,8 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, post_weight: torch.Ten
     norm_dtype = torch.float32 if unit_offset else x.dtype
     if x.is_cuda:
         if (cuda_ops.takes(residual, x, weight, post_weight) and residual.dtype == x.dtype
-                and residual.shape == x.shape and all(w is None or w.dtype == norm_dtype for w in (weight, post_weight))):
+                and residual.shape == x.shape
+                and all(w is None or w.dtype == norm_dtype for w in (weight, post_weight))):
             return cuda_ops.layer_ops().add_rms_norm(residual, x, post_weight, weight, eps, unit_offset)
         return None
     if (x.numel() == 0 or _lib() is None

@@ -37,7 +37,7 @@ def select_kernels(config: KernelConfig, device: str = "cpu") -> str:
     except ValueError as e:
         raise ValueError(f"cpu_isa: {e}") from None
     try:
-        description = describe() if kind == "cpu" else f"CPU kernels not used on {kind} (torch ops)"
+        description = describe() if kind == "cpu" else f"CPU kernels not used on {kind} (see the backend line)"
     except KernelBuildError as e:
         native.select(previous or "auto", previous is not None)  # a failed selection leaves the process as it was
         raise KernelBuildError(f"{e}\n(to run without it: a lower --cpu-isa, or --no-native-kernels for torch's "

@@ -3,7 +3,7 @@ K/V in place through the block table.
 
 The design of vLLM's unified Triton attention (../shared/notes/gpu.md), written for our cache layout:
 
-    grid (T // BLOCK_Q + B, H_kv)      an upper bound on the query tiles of all requests, from shapes alone,
+    grid (T // BLOCK_Q + B, H_kv, S)   an upper bound on the query tiles of all requests, from shapes alone,
                                        so a captured graph replays it for any mix of lengths
     program (tile, kv head)            finds its request by a binary search over query_start_loc, then
                                        attends BLOCK_Q of its tokens x the G query heads that share the kv head
@@ -12,14 +12,17 @@ The design of vLLM's unified Triton attention (../shared/notes/gpu.md), written 
 
 Causal mask, sliding window and logit soft-cap as the torch reference (kernels/attention.py), which stays the
 oracle. Written against Triton 3.6 and 3.9 alike; tested on CPU under TRITON_INTERPRET=1 (fp32 only: the
-interpreter has no bf16), not yet run on a GPU (`pagellm bench device-check` is the prepared run). Not here
-yet: split-KV for long decodes.
+interpreter has no bf16), and on an H200 by `pagellm bench device-check`. Split-KV (vLLM's 3D decode): a decode
+step with fewer (request, kv head) pairs than the GPU has multiprocessors, and a context of SPLIT_MIN_CONTEXT keys
+or more, splits each context's keys into up to MAX_SPLITS runs, joined by _reduce_splits_kernel.
 
 Import this module only where Triton kernels are wanted: `triton.jit` reads TRITON_INTERPRET when the
 module is imported.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -28,6 +31,10 @@ import triton.language as tl
 from pagellm.core.attention_metadata import AttentionMetadata
 
 TILE_N = 32  # keys per inner tile: >= 16 (tl.dot's smallest operand on GPUs)
+MAX_SPLITS = 16  # of one decode's keys (split-KV), as vLLM's 3D decode path bounds its segments
+# Eager decode steps split only from this longest context up: below it the reduce launch and the partial buffers
+# cost more than the split gains (measured on an H200: docs/benchmarks/2026-11-26-gpu-h200.md).
+SPLIT_MIN_CONTEXT = 2048
 
 
 @triton.jit
@@ -51,13 +58,16 @@ def _find_request(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, soft_cap, window, num_seqs,
+    partial_ptr, max_sum_ptr, scale, soft_cap, window, num_seqs,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_blk, stride_k_pos, stride_k_h, stride_v_blk, stride_v_pos, stride_v_h, stride_bt,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, USE_CAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
+    """NUM_SPLITS > 1 (decode): program (tile, kv head, split) attends one of NUM_SPLITS equal runs of the keys
+    and stores its unnormalised output and (max, sum) of its softmax in partial / max_sum [T, H, S, ...] for
+    _reduce_splits_kernel; NUM_SPLITS = 1 stores the output."""
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G  # rows of a tile: (query token, query head of this kv head)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -85,6 +95,11 @@ def _paged_attention_kernel(
     first = 0
     if USE_WINDOW:
         first = tl.maximum(context + local * BLOCK_Q - window + 1, 0) // TILE * TILE
+    if NUM_SPLITS > 1:  # this program's run of whole key tiles; a run past the keys is empty
+        split = tl.program_id(2)
+        per_split = tl.cdiv(tl.cdiv(last - first, TILE), NUM_SPLITS) * TILE
+        first = first + split * per_split
+        last = tl.minimum(last, first + per_split)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -113,9 +128,45 @@ def _paged_attention_kernel(
                     mask=key_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)  # [N, D]; past the end: not read
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + token)[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if NUM_SPLITS > 1:
+        at = ((q_start + token) * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split  # [M] (token, head, split)
+        tl.store(partial_ptr + at[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(max_sum_ptr + at * 2, m_i, mask=row_ok)
+        tl.store(max_sum_ptr + at * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (q_start + token)[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(out_ptr, partial_ptr, max_sum_ptr, stride_o_t, stride_o_h, num_heads,
+                          NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (token, head): the splits' partial softmaxes joined, each rescaled to the largest max."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    at = (token * num_heads + head) * NUM_SPLITS + splits  # [S]
+    m = tl.load(max_sum_ptr + at * 2)
+    l = tl.load(max_sum_ptr + at * 2 + 1)
+    m_all = tl.max(m, axis=0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all)))  # [S]
+    total = tl.sum(l * weight, axis=0)
+    acc = tl.sum(tl.load(partial_ptr + at[:, None] * BLOCK_D + dims[None, :]) * weight[:, None], axis=0)  # [D]
+    out = acc / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Key splits of a decode step: enough programs to fill the GPU's `num_sms` multiprocessors twice over when
+    (request, kv head) pairs alone would not, a power of two up to MAX_SPLITS; from shapes alone (a captured
+    graph replays it for any context length)."""
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * num_sms, programs)))
 
 
 def paged_attention_triton(
@@ -127,8 +178,11 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [T, H_q, D]
-    """The Triton kernel over one step; the same contract as kernels/attention.paged_attention_reference."""
+    """The Triton kernel over one step; the same contract as kernels/attention.paged_attention_reference.
+    num_splits: of each decode's keys (None: decode_splits for this GPU in a pure decode step whose longest context
+    reaches SPLIT_MIN_CONTEXT, else 1)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads or key_cache.shape != value_cache.shape:
@@ -144,14 +198,31 @@ def paged_attention_triton(
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
-    grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads)
+    if num_splits is None:  # eager: split only where it pays (a captured graph passes decode_splits' count)
+        long_enough = meta.is_pure_decode and max(meta.seq_lens_host) >= SPLIT_MIN_CONTEXT
+        num_splits = decode_splits(meta.num_seqs, num_kv_heads, _multiprocessors(query.device)) if long_enough else 1
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    partial = max_sum = out  # unused unless split
+    if num_splits > 1:
+        partial = torch.empty(num_tokens, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
+        max_sum = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
+    grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](  # K/V in another dtype than the queries are converted as the kernel loads them
         out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale, logits_soft_cap or 1.0, sliding_window or 0, meta.num_seqs,
+        partial, max_sum, scale, logits_soft_cap or 1.0, sliding_window or 0, meta.num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3], meta.block_tables.stride(0),
         G=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=meta.block_size, TILE=TILE_N,
+        BLOCK_D=block_d, BLOCK_SIZE=meta.block_size, TILE=TILE_N,
         USE_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits)
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](out, partial, max_sum, out.stride(0), out.stride(1), num_heads,
+                                                       NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d)
     return out
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessor count (0 off CUDA: nothing to fill, no split)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0

@@ -1,13 +1,14 @@
 """The fused decoder-layer ops for CUDA in Triton: residual add + RMSNorm, q/k/v preparation (per-head norm,
 rotary, K/V written at their slots), act * up.
 
-Why: on a GPU an eager step is bound by the host. Measured on an H200 (docs/benchmarks/2026-11-26-gpu-h200.md),
-the torch reference of these ops cost ~37 kernel launches per Llama layer, and a decode step ran ~600 of them
-while the GPU worked a fifth of the step. Fused, a layer is nine launches: three per op family here, four
-matmuls, one attention.
+Why: on a GPU an eager step is bound by the host, and the torch reference of these ops launched several kernels
+each (measured on an H200: docs/benchmarks/2026-11-26-gpu-h200.md). Fused, a Llama layer is nine launches: two
+norms, one q/k/v preparation, one act * up, four matmuls, one attention.
 
 Each kernel rounds where the torch reference (layers/norm.py, layers/rotary.py, layers/mlp.py) rounds, in the
-activations' dtype, so bf16 results follow HF's order of operations; the arithmetic between roundings is fp32.
+activations' dtype, so bf16 results follow HF's order of operations; the arithmetic between roundings is fp32,
+compiled without FP fusion (a fused multiply-add skips the rounding of its product, which torch's separate ops
+keep; these kernels are bound by memory, not by arithmetic).
 The torch ops stay the oracle (tests/gpu/test_triton_layer_ops.py, under TRITON_INTERPRET=1 on a CPU).
 
 Import this module only where Triton kernels are wanted: `triton.jit` reads TRITON_INTERPRET when the module is
@@ -69,7 +70,7 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor | None, post_weight: to
             rows, xs, weight if post_weight is None else post_weight, weight, new_residual, out, dim, eps,
             rows.stride(0), xs.stride(0), new_residual.stride(0), out.stride(0),
             HAS_X=x is not None, HAS_POST=post_weight is not None, UNIT_OFFSET=unit_offset,
-            BLOCK=triton.next_power_of_2(dim))
+            BLOCK=triton.next_power_of_2(dim), enable_fp_fusion=False)
     return new_residual.view(residual.shape), out.view(residual.shape)
 
 
@@ -138,7 +139,7 @@ def qkv_prepare(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: 
             qkv, q_weight if q_weight is not None else cos, k_weight if k_weight is not None else cos, cos, sin,
             key_cache, value_cache, slots, q, eps, qkv.stride(0), cos.stride(0), q.stride(0),
             H=num_heads, K=num_kv_heads, HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
-            HAS_NORM=q_weight is not None, UNIT_OFFSET=unit_offset)
+            HAS_NORM=q_weight is not None, UNIT_OFFSET=unit_offset, enable_fp_fusion=False)
     return q
 
 
@@ -167,5 +168,6 @@ def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     if rows.shape[0]:
         block = min(1024, triton.next_power_of_2(half))
         _act_mul_kernel[(rows.shape[0], triton.cdiv(half, block))](
-            rows, out, half, rows.stride(0), out.stride(0), ACT=ACTIVATIONS[activation], BLOCK=block)
+            rows, out, half, rows.stride(0), out.stride(0), ACT=ACTIVATIONS[activation], BLOCK=block,
+            enable_fp_fusion=False)
     return out.view(*gate_up.shape[:-1], half)

@@ -129,6 +129,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         # the block kernels are CPU code, shards split float weights, random weights have no file types: the
         # default must not refuse any of them
         quantization = "none"
+        if is_gguf and torch.device(device).type != "cpu":
+            logger.info("GGUF on %s: weights dequantized to %s at load (no quantized GPU matmul yet)",
+                        torch.device(device).type, str(dtype).removeprefix("torch."))
     types = gguf_weight_types(path, hf_config) if is_gguf and quantization == "auto" else None
     plan = plan_quantization(net, quantization, types)
     if plan and torch.device(device).type != "cpu":

@@ -1,7 +1,8 @@
-"""Compile the Triton kernels (paged attention, the fused layer ops) to GPU machine code without a GPU: Triton's own code generator and
-the ptxas its wheel ships, for an NVIDIA architecture named on the command line. The interpreter (tests/gpu)
-checks what the kernels compute; this that their code generates for a GPU, with this venv's Triton and 64-bit
-strides (a GPU run may specialise other argument values, and the GPU image has an older Triton).
+"""Compile the Triton kernels (paged attention, the fused layer ops) to GPU machine code without a GPU: Triton's
+own code generator and the ptxas its wheel ships, for an NVIDIA architecture named on the command line. The
+interpreter (tests/gpu) checks what the kernels compute; this that their code generates for a GPU, with this
+venv's Triton and 64-bit strides (a GPU run may specialise other argument values, and the GPU image has an older
+Triton).
 
     python -m tests.gpu.compile_for_gpus 90 80      (run in a process without TRITON_INTERPRET)
 """
@@ -17,7 +18,7 @@ from triton.compiler import ASTSource
 from pagellm.kernels import triton_attention, triton_layer_ops
 
 POINTERS = {"out_ptr": "q", "q_ptr": "q", "k_cache_ptr": "kv", "v_cache_ptr": "kv", "block_tables_ptr": "*i64",
-            "seq_lens_ptr": "*i64", "query_start_loc_ptr": "*i64"}
+            "seq_lens_ptr": "*i64", "query_start_loc_ptr": "*i64", "partial_ptr": "*fp32", "max_sum_ptr": "*fp32"}
 # (query dtype, K/V dtype, query heads per kv head, head size, block size, pure decode, window, soft-cap): the
 # families' shapes (Llama 3 and Qwen3 GQA 4 x 128, Gemma 3 256 with window and cap, a head size of no power of 2)
 VARIANTS = [("bf16", "bf16", 4, 128, 16, True, False, False), ("bf16", "bf16", 4, 128, 16, False, False, False),
@@ -33,7 +34,8 @@ def compile_variant(q_dtype, kv_dtype, group, head_dim, block_size, decode, wind
     constexprs = dict(G=group, BLOCK_G=block_g, BLOCK_Q=block_m // block_g, HEAD_DIM=head_dim,
                       BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
                       TILE=triton_attention.TILE_N, USE_CAP=cap, USE_WINDOW=window,
-                      DOT_PRECISION="ieee" if q_dtype == "fp32" else "tf32")
+                      DOT_PRECISION="ieee" if q_dtype == "fp32" else "tf32",
+                      NUM_SPLITS=triton_attention.MAX_SPLITS if decode else 1)  # a decode split, as B=1 runs
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -48,9 +50,19 @@ def compile_variant(q_dtype, kv_dtype, group, head_dim, block_size, decode, wind
     return _cubin_size(kernel, signature, constexprs, arch)
 
 
-def _cubin_size(kernel, signature: dict, constexprs: dict, arch: int) -> int:
+def _cubin_size(kernel, signature: dict, constexprs: dict, arch: int, options: dict | None = None) -> int:
     source = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    return len(triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["cubin"])
+    return len(triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"])
+
+
+def compile_reduce(arch: int) -> int:
+    """The split-KV reduce kernel, bf16 output of head size 128."""
+    kernel = triton_attention._reduce_splits_kernel
+    constexprs = dict(NUM_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128, BLOCK_D=128)
+    signature = {name: "constexpr" if name in constexprs else "*bf16" if name == "out_ptr" else "*fp32"
+                 if name.endswith("_ptr") else "i64" if name.startswith("stride") else "i32"
+                 for name in kernel.arg_names}
+    return _cubin_size(kernel, signature, constexprs, arch)
 
 
 # (kernel, constexprs): bf16 activations, the variants the decoder layers launch (Llama 3's hidden size 2048 and
@@ -76,12 +88,13 @@ def compile_layer_op(name: str, constexprs: dict, arch: int) -> int:
             signature[arg] = "*i64" if arg == "slots_ptr" else "*bf16"
         else:
             signature[arg] = "fp32" if arg == "eps" else "i64" if arg.startswith("stride") else "i32"
-    return _cubin_size(kernel, signature, constexprs, arch)
+    return _cubin_size(kernel, signature, constexprs, arch, {"enable_fp_fusion": False})  # as they launch
 
 
 if __name__ == "__main__":
     for arch in map(int, sys.argv[1:]):
         for variant in VARIANTS:
             print(arch, *variant, compile_variant(*variant, arch=arch), flush=True)
+        print(arch, "_reduce_splits_kernel", compile_reduce(arch), flush=True)
         for name, constexprs in LAYER_OP_VARIANTS:
             print(arch, name, compile_layer_op(name, constexprs, arch), flush=True)

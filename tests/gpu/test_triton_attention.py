@@ -101,6 +101,55 @@ def test_a_wrong_scale_or_a_dropped_mask_fails_the_comparison():
     assert not torch.allclose(unwindowed.double(), exact, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 4, 16])
+@pytest.mark.parametrize("config", CONFIGS[1:3], ids=lambda c: "hq{}-hkv{}-d{}-bs{}-w{}-cap{}".format(*c))
+def test_split_kv_decode_matches_the_reference(config, splits):
+    """Each decode's keys in `splits` runs joined by the reduce kernel: the same result as one run, with a
+    window and a cap, over contexts of 1 to 300 keys (16 runs of a 1-key context: 15 empty ones)."""
+    num_heads, num_kv_heads, head_dim, block_size, window, cap = config
+    case = make_case([1, 1, 1, 1], [1, 40, 300, 129], num_heads, num_kv_heads, head_dim, block_size, torch.float32)
+    args = (case.scale, window, cap)
+    got = triton_attention.paged_attention_triton(case.query.to(DEVICE), case.key_cache.to(DEVICE),
+                                                  case.value_cache.to(DEVICE), _meta_on(case.meta, DEVICE), *args,
+                                                  num_splits=splits).cpu()
+    exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
+                                                case.value_cache.double(), case.meta, *args)
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_eager_decodes_split_only_long_contexts(monkeypatch):
+    """On a GPU of 132 multiprocessors: a decode whose longest context is under SPLIT_MIN_CONTEXT runs one pass, a
+    longer one is split and joined by the reduce kernel; both equal the reference."""
+    launches = []
+    reduce = triton_attention._reduce_splits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return reduce[grid]
+
+    monkeypatch.setattr(triton_attention, "_reduce_splits_kernel", Spy())
+    monkeypatch.setattr(triton_attention, "_multiprocessors", lambda device: 132)
+    for longest, splits in ((triton_attention.SPLIT_MIN_CONTEXT - 1, 0), (triton_attention.SPLIT_MIN_CONTEXT, 1)):
+        case = make_case([1, 1], [longest, 5], 2, 1, 16, 64, torch.float32)
+        got = triton_attention.paged_attention_triton(case.query.to(DEVICE), case.key_cache.to(DEVICE),
+                                                      case.value_cache.to(DEVICE), _meta_on(case.meta, DEVICE),
+                                                      case.scale).cpu()
+        exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
+                                                    case.value_cache.double(), case.meta, case.scale)
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+        assert len(launches) == splits
+
+
+def test_decode_splits_fill_the_gpu_from_shapes_alone():
+    """Enough programs for twice the multiprocessors, a power of two up to MAX_SPLITS; none once the (request,
+    kv head) pairs fill the GPU, and none off CUDA."""
+    assert triton_attention.decode_splits(1, 8, 132) == 16  # 8 programs: 16 x 8 = 128, the cap
+    assert triton_attention.decode_splits(4, 8, 132) == 16 and triton_attention.decode_splits(8, 8, 132) == 8
+    assert triton_attention.decode_splits(16, 8, 132) == 4 and triton_attention.decode_splits(17, 8, 132) == 1
+    assert triton_attention.decode_splits(2, 1, 0) == 1
+
+
 def test_empty_steps_and_bad_layouts():
     case = make_case([], [], 2, 1, 64, 16, torch.float32)
     assert triton_attention.paged_attention_triton(case.query, case.key_cache, case.value_cache, case.meta,
@@ -130,12 +179,12 @@ def test_tensors_on_cuda_go_to_the_triton_kernel(monkeypatch):
 
 def test_the_kernels_compile_for_hopper_and_ampere_gpus():
     """Triton's real code generator and ptxas (shipped in its wheel) need no GPU: every variant of the attention
-    and the layer ops the model families use compiles to a cubin for sm_90 (H100, H200) and sm_80 (A100). In a process of its own: this one
-    imported triton under the interpreter (tests/conftest.py)."""
+    and the layer ops the model families use compiles to a cubin for sm_90 (H100, H200) and sm_80 (A100). In a
+    process of its own: this one imported triton under the interpreter (tests/conftest.py)."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "tests.gpu.compile_for_gpus", "90", "80"], cwd=ROOT,
                             env=environment, capture_output=True, text=True, timeout=600)  # hang guard
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
-    # two architectures x (the five attention variants + the six layer-op ones), each a cubin of real size
-    assert len(lines) == 2 * (5 + 6) and all(int(line[-1]) > 4_000 for line in lines), result.stdout
+    # two architectures x (the five attention variants, the split reduce, six layer ops), each a cubin of real size
+    assert len(lines) == 2 * (5 + 1 + 6) and all(int(line[-1]) > 4_000 for line in lines), result.stdout

@@ -73,7 +73,7 @@ def test_preemption_recomputes_state_and_keeps_greedy_ids(checkpoint):
 
     probe = _llm(path)
     per_block = kv_cache_bytes_per_block(probe.engine.model, 4, torch.float32)
-    llm = _llm(path, kv_cache_memory=40 * per_block / (1 << 30))
+    llm = _llm(path, kv_cache_memory=40 * per_block / (1 << 30), max_model_len=160)
     assert _generate(llm) == expected
     assert llm.stats()["num_preemptions"] > 0
 

@@ -156,7 +156,8 @@ def test_snapshot_rows_and_slots_return_after_aborts_and_preemption(checkpoint):
     from pagellm.runner.model_runner import kv_cache_bytes_per_block
 
     per_block = kv_cache_bytes_per_block(engine.model, 4, torch.float32)
-    small = _llm(path, 4, kv_cache_memory=16 * per_block / (1 << 30), max_num_batched_tokens=16, n_ubatch=8)
+    small = _llm(path, 4, kv_cache_memory=16 * per_block / (1 << 30), max_num_batched_tokens=16, n_ubatch=8,
+                 max_model_len=64)
     got = [o.outputs[0].token_ids for o in small.generate(PROMPTS, [PARAMS] * len(PROMPTS), use_tqdm=False)]
     assert got == expected[:3]
     assert small.stats()["num_preemptions"] > 0

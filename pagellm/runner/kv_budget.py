@@ -1,0 +1,107 @@
+"""How many KV blocks the engine gets: from device memory on a GPU, from the configured budget on a CPU.
+
+On CUDA, as vLLM does it (`--gpu-memory-utilization`, its name and meaning): the engine may use that fraction of
+the device's memory; what the weights, the largest step's activations (measured by one profiling forward, the
+most tokens a step can hold) and non-torch allocations (CUDA context, cuBLAS workspaces) use is taken off it,
+and the recurrent-state slots of hybrid models too; the rest is KV. Device memory is committed when allocated,
+so a budget is an allocation, not an address range as on a CPU (platform.default_kv_cache_gib).
+
+Whatever the device: a pool that cannot hold one sequence of max_model_len fails at start, with the figures and
+the ways out, rather than at the first long request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.models.bound_layers import fit_kv_cache
+from pagellm.platform import GIB
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A device's memory in bytes at one moment: total and free (every process), this process's torch
+    allocations now, their peak since the last reset, and what torch's allocator holds."""
+    total: int
+    free: int
+    allocated: int
+    peak: int
+    reserved: int
+
+    @classmethod
+    def read(cls, device: torch.device) -> DeviceMemory:
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(total, free, torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
+                   torch.cuda.memory_reserved(device))
+
+
+def start_measuring(device: torch.device) -> DeviceMemory:
+    """Before loading: peak statistics reset, the device's state read."""
+    torch.cuda.reset_peak_memory_stats(device)
+    return DeviceMemory.read(device)
+
+
+def kv_budget_bytes(utilization: float, before: DeviceMemory, after: DeviceMemory, reserved_elsewhere: int) -> int:
+    """The KV budget of an engine allowed `utilization` of the device: what is left of it after this process's
+    peak torch use since `before` (weights + the profiled step), its non-torch growth, and `reserved_elsewhere`
+    (state slots allocated later). ValueError, with the figures, when nothing is left or the device has less
+    free memory than the fraction asks for."""
+    requested = utilization * before.total
+    if requested > before.free + before.allocated:
+        raise ValueError(f"gpu_memory_utilization {utilization} asks for {requested / GIB:.2f} GiB of the device's "
+                         f"{before.total / GIB:.2f} GiB, but only {before.free / GIB:.2f} GiB are free (other "
+                         "processes hold the rest): lower gpu_memory_utilization")
+    torch_peak = after.peak - before.allocated
+    non_torch = max(0, (before.free - after.free) - (after.reserved - before.reserved))
+    budget = int(requested - torch_peak - non_torch - reserved_elsewhere)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {utilization} ({requested / GIB:.2f} GiB) leaves no KV cache: "
+                         f"weights and the largest step peak at {torch_peak / GIB:.2f} GiB, other allocations "
+                         f"{non_torch / GIB:.2f} GiB, state slots {reserved_elsewhere / GIB:.2f} GiB: raise "
+                         "gpu_memory_utilization or lower max_num_batched_tokens")
+    return budget
+
+
+def check_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: int, per_block: int,
+                             budget_flag: str) -> None:
+    """ValueError when `num_blocks` cannot hold one sequence of max_model_len tokens (`budget_flag` names the
+    setting that sized the pool)."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens, "
+            f"{_size(num_blocks * per_block)}); one sequence of max_model_len {max_model_len} needs {needed} "
+            f"({_size(needed * per_block)}): raise {budget_flag} or lower max_model_len")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.2f} MiB"
+
+
+def profile_forward(model, compute_logits, num_tokens: int, num_logits_rows: int, block_size: int,
+                    kv_cache_dtype: torch.dtype, device: torch.device) -> None:
+    """One forward of `num_tokens` prompt tokens (the most a step holds) and the logits of `num_logits_rows`
+    rows (the most a step samples), so the allocator's peak holds a step's activations. The KV cache is a
+    scratch one the size of this step, a hybrid model's state one scratch slot: both stay bound until the
+    runner binds the real ones (freeing these)."""
+    attention_layers, state_layers = model.attention_layers(), list(getattr(model, "state_layers", list)())
+    blocks = -(-num_tokens // block_size)
+    for layer in attention_layers:
+        shape = (blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype, device=device),
+                            torch.zeros(shape, dtype=kv_cache_dtype, device=device))
+    fit_kv_cache(model, kv_cache_dtype)
+    for layer in state_layers:
+        shapes = layer.state_shapes()
+        layer.bind_state(torch.zeros((1, *shapes.conv_state), dtype=shapes.conv_dtype, device=device),
+                         torch.zeros((1, *shapes.recurrent_state), dtype=shapes.recurrent_dtype, device=device))
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(blocks))], block_size, device,
+                                   [0] if state_layers else None)
+    with torch.inference_mode():
+        hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device),
+                       torch.arange(num_tokens, device=device), meta)  # [T, E]
+        rows = torch.arange(num_tokens - min(num_logits_rows, num_tokens), num_tokens, device=device)
+        compute_logits(hidden[rows])  # [rows, V] fp32
