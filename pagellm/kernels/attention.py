@@ -129,6 +129,11 @@ def _native_kernel(at: str | None = None):
     return _LIBRARY.unchecked(_PAGED_ATTENTION.symbol, at)
 
 
+def native_available() -> bool:
+    """Whether the native paged-attention kernel runs at the selected level (built, native kernels on)."""
+    return _native_kernel() is not None
+
+
 def _native_supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     # a copy of the cache would cost more than the reference: rows of unit stride are what the kernel takes
     return (query.shape[-1] % 16 == 0  # the AVX-512 loops step 16 lanes

@@ -40,6 +40,11 @@ def _lib():
     return _LIBRARY.at(native.level())
 
 
+def native_available() -> bool:
+    """Whether the fused layer ops' native kernels run at the selected level (built, native kernels on)."""
+    return _lib() is not None
+
+
 def _call(function: Function):
     return _LIBRARY.unchecked(function.symbol)
 

@@ -17,34 +17,34 @@ from pagellm.kernels.layer_ops import act_mul
 from pagellm.layers.quantized import concat_linears
 
 # HF `hidden_act` names -> the function HF's ACT2FN maps them to.
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
-_FUSED_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # act_mul's native ones
+FUSED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # act_mul's native ones
 
 
 def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """[..., 2 I] (gate, then up) -> act(gate) * up [..., I]: one fused kernel call where it applies."""
-    fused = _FUSED_NAMES.get(activation)
+    fused = FUSED_ACTIVATIONS.get(activation)
     out = act_mul(gate_up, fused) if fused else None
     if out is None:
         gate, up = gate_up.chunk(2, dim=-1)
-        out = _ACTIVATIONS[activation](gate) * up
+        out = ACTIVATION_FUNCTIONS[activation](gate) * up
     return out
 
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden activation {activation!r}; supported: {sorted(_ACTIVATIONS)}")
+        if activation not in ACTIVATION_FUNCTIONS:
+            raise ValueError(f"unsupported hidden activation {activation!r}; supported: {sorted(ACTIVATION_FUNCTIONS)}")
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.activation, self.act_fn = activation, _ACTIVATIONS[activation]
+        self.activation, self.act_fn = activation, ACTIVATION_FUNCTIONS[activation]
         self.gate_up_proj: nn.Module | None = None  # set by join_projections
 
     def join_projections(self) -> bool:

@@ -24,14 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.layers.mlp import _ACTIVATIONS, GatedMLP, gated_act
+from pagellm.layers.mlp import ACTIVATION_FUNCTIONS, GatedMLP, gated_act
 
 # Dispatch: per-token for a single token, grouped otherwise. Everything is bound by reading expert
 # weights. At one token the paths read the same k experts and tie (per-token skips the sort); with
 # more, per-token re-reads an expert for every token routed to it and loses badly, while the grouped
 # forms read each active expert once. torch._grouped_mm (one call, no host sync for counts) matches
-# or beats the Python loop, clearly in bf16, so it is used on CPU when present (it is a private API:
-# the loop stays as the fallback). measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
+# or beats the Python loop, clearly in bf16, so it is used when present (it is a private API: the loop
+# stays as the fallback). measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md. On CUDA
+# the grouped call serves one token too (see dispatch); that path has not run on a GPU yet.
 PER_TOKEN_MAX_TOKENS = 1
 
 
@@ -50,8 +51,8 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
 class MoeExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"unsupported expert activation {activation!r}; supported: {sorted(_ACTIVATIONS)}")
+        if activation not in ACTIVATION_FUNCTIONS:
+            raise ValueError(f"unsupported expert activation {activation!r}; supported: {sorted(ACTIVATION_FUNCTIONS)}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                          requires_grad=False)  # [X, 2I, E]
@@ -63,10 +64,16 @@ class MoeExperts(nn.Module):
         return F.linear(gated_act(F.linear(x, self.gate_up_proj[e]), self.activation), self.down_proj[e])
 
     def dispatch(self, x: torch.Tensor) -> str:
-        """Which path runs this batch (see the measurements above)."""
+        """Which path runs this batch (see the measurements above). On CUDA in bf16 always the grouped call: no
+        host sync and no Python loop whatever the batch (torch's CUTLASS kernel on Hopper; torch loops over the
+        groups itself on older GPUs), its rows 16-byte aligned as that kernel wants; the loop otherwise."""
+        if x.device.type == "cuda":
+            aligned = self.hidden_size % 8 == 0 and self.intermediate_size % 8 == 0
+            return ("grouped_mm" if x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm")
+                    else "grouped_loop")
         if x.shape[0] <= PER_TOKEN_MAX_TOKENS:
             return "per_token"
-        return "grouped_mm" if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") else "grouped_loop"
+        return "grouped_mm" if hasattr(torch, "_grouped_mm") else "grouped_loop"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 first_expert: int | None = None) -> torch.Tensor:

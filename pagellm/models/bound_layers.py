@@ -24,7 +24,7 @@ from pagellm.kernels import attention, layer_ops, native
 from pagellm.kernels.binding import kv_cache_pairs
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.kernel_binding import KernelBinding
-from pagellm.layers.mlp import _FUSED_NAMES
+from pagellm.layers.mlp import FUSED_ACTIVATIONS
 from pagellm.layers.quantized import Int4Linear
 
 _DTYPE_CODES = native.DTYPE_CODES
@@ -55,7 +55,7 @@ class BoundLayer:
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.qk_args = attn.qk_norm_args()
         self.paged = attn.attn
-        self.activation = _FUSED_NAMES[mlp.activation]
+        self.activation = FUSED_ACTIVATIONS[mlp.activation]
         # each fused residual call applies one eps and flavour to two norms
         self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down) and attn.head_dim % 16 == 0
                    and attn.head_dim <= layer_ops.MAX_HEAD_DIM  # known here, not mid-step
@@ -122,7 +122,7 @@ def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dty
         return None, "bound layers switched off (KernelConfig.bound_layers)"
     why = (("" if backbone.norm.weight.is_cpu else "not on the CPU")  # first: nothing CPU is built for a GPU
            or ("native kernels unavailable (no compiler, or switched off)"
-               if layer_ops._lib() is None or attention._native_kernel() is None else "")
+               if not (layer_ops.native_available() and attention.native_available()) else "")
            or ("" if dtype in _DTYPE_CODES else f"the kernels take fp32 and bf16, not {dtype}")
            or ("" if len(backbone.layers) else "no layers"))
     layers = []

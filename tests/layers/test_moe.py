@@ -85,6 +85,22 @@ def test_dispatch_paths_agree(dtype):
     assert experts.dispatch(x).startswith("grouped")
 
 
+class _OnCuda(torch.Tensor):
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype,path", [(torch.bfloat16, "grouped_mm"), (torch.float32, "grouped_loop")])
+def test_cuda_batches_of_any_size_take_the_grouped_path(dtype, path):
+    """On CUDA no batch takes the per-token loop (a host sync per token): bf16 runs the grouped call (the path
+    test_dispatch_paths_agree checks on the CPU), other dtypes the loop over experts."""
+    experts = MoeExperts(EXPERTS, HIDDEN, INTER, "silu")
+    for tokens in (1, 9):
+        x = torch.Tensor._make_subclass(_OnCuda, torch.zeros(tokens, HIDDEN, dtype=dtype))
+        assert experts.dispatch(x) == path
+
+
 def _per_expert_checkpoint(num_experts: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     weights = {}
     for e in range(num_experts):
