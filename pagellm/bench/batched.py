@@ -99,9 +99,11 @@ def check_capacity(engine: LLMEngine, batch: int, seq_len: int) -> None:
 
 
 def _budget_gib(engine: LLMEngine) -> float:
-    from pagellm.platform import default_kv_cache_gib
+    """The pool's size in GiB, however it was sized (given, the host's default, or from device memory)."""
+    from pagellm.runner.model_runner import kv_cache_bytes_per_block
 
-    return engine.config.cache.kv_cache_memory or default_kv_cache_gib()
+    per_block = kv_cache_bytes_per_block(engine.model, engine.kv_cache.block_size, engine.kv_cache_dtype)
+    return engine.kv_cache.pool.num_blocks * per_block / (1 << 30)
 
 
 def random_prompts(rng: random.Random, batch: int, length: int, vocab_size: int, shared: bool) -> list[list[int]]:

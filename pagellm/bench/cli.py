@@ -27,9 +27,17 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=float, default=None,
-                        help="pagellm KV budget in GiB (default: a quarter of available RAM, at most 4)")
+                        help="pagellm KV budget in GiB (default on a CPU: a quarter of available RAM, at most 4; on "
+                             "a GPU: gpu_memory_utilization's, a quarter of the free memory in compare)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="pagellm K/V storage (default auto: bfloat16 under an auto float32, else the dtype)")
+
+
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="torch device the engine runs on (default cpu)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights from --model's config.json, any shape without its weights "
+                             "(vLLM's flag)")
 
 
 def add_bench_parser(subparsers) -> None:
@@ -51,10 +59,7 @@ def add_bench_parser(subparsers) -> None:
     batched.add_argument("--tensor-parallel-size", type=int, default=1,
                          help="ranks the model is split over (local worker processes share this host's cores)")
     batched.add_argument("--enable-expert-parallel", action="store_true", help="MoE: shard whole experts")
-    batched.add_argument("--device", default="cpu", help="torch device the engine runs on (default cpu)")
-    batched.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                         help="dummy: random weights from --model's config.json, any shape without its weights "
-                              "(vLLM's flag)")
+    _add_device(batched)
     batched.add_argument("--json-schema", default=None, metavar="FILE",
                          help="hold every second request's output to this JSON schema (the cost of grammar masks); "
                               "its output must be longer than TG tokens")
@@ -69,7 +74,9 @@ def add_bench_parser(subparsers) -> None:
     compare.add_argument("--tg", type=int, default=32, help="generated tokens per sequence (default 32)")
     compare.add_argument("--repeats", type=int, default=3, help="measurements of each figure (median reported)")
     compare.add_argument("--peers", default="hf,llama.cpp",
-                         help="comma-separated peers to try: hf, llama.cpp (default both)")
+                         help="comma-separated peers to try: hf (dynamic cache), hf-static (static cache, compiled "
+                              "by transformers: its fastest on a GPU), llama.cpp (on the CPU) (default hf,llama.cpp)")
+    _add_device(compare)
     compare.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
     add_output_arguments(compare, "compare", "write figures, roofline and peers to FILE.json")
     compare.add_argument("--quick-roofline", action="store_true",

@@ -6,6 +6,10 @@ engines take turns (pagellm, HF, llama.cpp, pagellm, ...) --repeats times, and
 the median of each figure is printed with the ratio pagellm / peer. The
 figures are llama-batched-bench's S_PP (prefill tokens/s) and S_TG (decode
 tokens/s). Each pagellm figure is also placed under the machine's roofline.
+
+On a GPU (`--device cuda`, with `--load-format dummy` any shape from its config.json): the roofline is the
+device's, the peers are HF's two generates on the same tensors (`--peers hf,hf-static`; llama.cpp runs on the
+CPU and is skipped), and pagellm's KV budget defaults to a quarter of the free device memory.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from pagellm.bench import batched, peers, report, roofline
 from pagellm.bench.report import Column
+from pagellm.platform import GIB
 
 PAGELLM = "pagellm"
 
@@ -35,16 +40,19 @@ def make_runners(args: argparse.Namespace, engine) -> tuple[dict, dict[str, str]
                           f"{torch.get_num_threads()} torch threads"}
     skipped: dict[str, str] = {}
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
-    unknown = wanted - {"hf", "llama.cpp"}
+    unknown = wanted - {"hf", "hf-static", "llama.cpp"}
     if unknown:
-        raise ValueError(f"--peers: unknown peer(s) {sorted(unknown)}; known: hf, llama.cpp")
-    if "hf" in wanted and quantized != "none":
-        skipped["hf"] = f"pagellm runs quantized weights ({quantized}); HF would need dense ones"
-    elif "hf" in wanted:
-        hf = peers.HFTransformersPeer(engine)
-        runners[hf.name] = hf.run
-        described[hf.name] = hf.description
-    if "llama.cpp" in wanted:
+        raise ValueError(f"--peers: unknown peer(s) {sorted(unknown)}; known: hf, hf-static, llama.cpp")
+    model = None  # one HF model on pagellm's tensors serves both HF peers
+    for peer in ("hf", "hf-static"):
+        if peer in wanted and quantized != "none":
+            skipped[peer] = f"pagellm runs quantized weights ({quantized}); HF would need dense ones"
+        elif peer in wanted:
+            hf = peers.HFTransformersPeer(engine, static=peer == "hf-static", model=model)
+            runners[hf.name], described[hf.name], model = hf.run, hf.description, hf.model
+    if "llama.cpp" in wanted and engine.device.type != "cpu":
+        skipped["llama.cpp"] = f"the llama.cpp peer runs on the CPU; pagellm runs on {engine.device}"
+    elif "llama.cpp" in wanted:
         reason = peers.llama_cpp_available()
         if reason is None and engine.model_path.suffix != ".gguf":
             reason = f"{engine.model_path} is not a GGUF file"
@@ -112,7 +120,7 @@ def summarize(figures: dict, engine, roof: roofline.Roofline, npl, pp: int, tg: 
 
 def table_columns(rows: list[dict]) -> list[Column]:
     cols = [Column("B", "B"), Column("figure", "figure"), Column(PAGELLM, "pagellm t/s", "{:.1f}")]
-    for peer in ("hf-transformers", "llama.cpp"):
+    for peer in ("hf-transformers", "hf-static", "llama.cpp"):
         if rows and peer in rows[0]:
             cols += [Column(peer, f"{peer} t/s", "{:.1f}"), Column(f"{PAGELLM}/{peer}", "ratio", "{:.2f}")]
             if peer == "llama.cpp":
@@ -126,14 +134,19 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: compare writes JSON, the file name must end in .json")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    kv_cache_memory = args.kv_cache_memory
+    if kv_cache_memory is None and torch.device(args.device).type == "cuda":  # not gpu_memory_utilization's 0.9:
+        kv_cache_memory = torch.cuda.mem_get_info(args.device)[0] / 4 / GIB  # the HF peers need the rest
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), args.pp, args.tg,
-                                  block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                                  kv_cache_dtype=args.kv_cache_dtype,
-                                  quantization=args.quantization, cpu_isa=args.cpu_isa)
+                                  block_size=args.block_size, kv_cache_memory=kv_cache_memory,
+                                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                                  cpu_isa=args.cpu_isa, device=args.device, load_format=args.load_format)
     machine = report.machine_info(report.dtype_name(engine.dtype))
     print(report.describe_machine(machine))
+    if engine.device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(engine.device)}, torch {torch.__version__}")
     print(f"model: {engine.model_path}")
-    roof = roofline.measure_roofline(engine.dtype, quick=args.quick_roofline)
+    roof = roofline.measure_roofline(engine.dtype, quick=args.quick_roofline, device=args.device)
     print(roof.describe())
     runners, described, skipped = make_runners(args, engine)
     print("engines run: " + "; ".join(f"{n} ({d})" for n, d in described.items()))

@@ -35,41 +35,52 @@ class Roofline:
                 f"memory read bandwidth {self.read_bytes_per_s / 1e9:.1f} GB/s (torch.sum)")
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: thread pool start-up, page faults
+def _best_seconds(fn, repeats: int, device: torch.device) -> float:
+    """The fastest of `repeats` calls, each waited for on a GPU (its work is queued, not done, when fn returns)."""
+    done = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up: thread pool start-up, page faults, cuBLAS handles
+    done()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        done()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def measure_gemm_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _best_seconds(lambda: torch.matmul(a, b), repeats)
+def measure_gemm_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3, device: str = "cpu") -> float:
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / _best_seconds(lambda: torch.matmul(a, b), repeats, device)
 
 
-def measure_int8_gemm_ops(n: int = 2048, repeats: int = 3) -> float | None:
-    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+def measure_int8_gemm_ops(n: int = 2048, repeats: int = 3, device: str = "cpu") -> float | None:
+    device = torch.device(device)
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
     try:
-        return 2 * n**3 / _best_seconds(lambda: torch._int_mm(a, b), repeats)
+        return 2 * n**3 / _best_seconds(lambda: torch._int_mm(a, b), repeats, device)
     except (RuntimeError, AttributeError):  # no int8 matmul in this torch build / on this device
         return None
 
 
-def measure_read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)  # written once, so every page is resident
-    return num_bytes / _best_seconds(lambda: data.sum(), repeats)
+def measure_read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5, device: str = "cpu") -> float:
+    device = torch.device(device)
+    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)  # written once: every page resident
+    return num_bytes / _best_seconds(lambda: data.sum(), repeats, device)
 
 
-def measure_roofline(dtype: torch.dtype, quick: bool = False) -> Roofline:
-    """`quick` uses small sizes (tests); the figures are then only an order of magnitude."""
-    gemm = measure_gemm_flops(dtype, n=256 if quick else 2048)
-    bandwidth = measure_read_bandwidth(num_bytes=(8 << 20) if quick else (512 << 20))
-    return Roofline(gemm, bandwidth, str(dtype).removeprefix("torch."), measure_int8_gemm_ops(n=256 if quick else 2048))
+def measure_roofline(dtype: torch.dtype, quick: bool = False, device: str = "cpu") -> Roofline:
+    """The roofline of `device`; `quick` uses small sizes (tests): the figures are then only an order of magnitude.
+    A GPU's sizes are larger, so a launch does not hide its peak."""
+    on_gpu = torch.device(device).type != "cpu"
+    n = 256 if quick else 8192 if on_gpu else 2048
+    num_bytes = (8 << 20) if quick else (4 << 30) if on_gpu else (512 << 20)
+    return Roofline(measure_gemm_flops(dtype, n=n, device=device),
+                    measure_read_bandwidth(num_bytes=num_bytes, device=device), str(dtype).removeprefix("torch."),
+                    measure_int8_gemm_ops(n=n, device=device))
 
 
 @dataclass(frozen=True)

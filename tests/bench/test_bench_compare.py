@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pagellm.bench.peers import llama_cpp_available
 from tests.bench.cli_runner import run_cli
@@ -43,3 +44,32 @@ def test_compare_runs_llama_cpp_on_a_gguf(tmp_path, capsys):
     assert "peer not run" not in text
     line = next(line for line in text.splitlines() if line.startswith("| 2 |") and "S_TG" in line)
     assert "unified" in line or "per-seq" in line
+
+
+def test_compare_a_shape_from_its_config_beside_both_hf_peers(tmp_path, capsys):
+    """--load-format dummy --peers hf,hf-static: random weights from config.json alone, and HF's dynamic and
+    static-cache generate on the same tensors, each with its ratio."""
+    from tests.models.tiny_checkpoints import TINY_CONFIGS
+
+    TINY_CONFIGS["llama"]().save_pretrained(tmp_path)
+    out = tmp_path / "compare.json"
+    run_cli(capsys, "compare", "--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--npl", "1",
+            "--pp", "8", "--tg", "2", "--repeats", "1", "--quick-roofline", "--peers", "hf,hf-static",
+            "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["engines_run"] == ["pagellm", "hf-transformers", "hf-static"] and not report["peers_not_run"]
+    for row in report["rows"]:
+        assert row["pagellm/hf-static"] == pytest.approx(row["pagellm"] / row["hf-static"])
+
+
+def test_llama_cpp_is_not_compared_with_an_engine_on_a_gpu(monkeypatch):
+    """llama.cpp's peer runs on the CPU: beside pagellm on CUDA it is skipped, and the output says why."""
+    from types import SimpleNamespace
+
+    from pagellm.bench import compare
+
+    monkeypatch.setattr(compare.report, "engine_dtypes", lambda engine: "bfloat16")
+    engine = SimpleNamespace(device=torch.device("cuda"), quantization={},
+                             config=SimpleNamespace(model=SimpleNamespace(quantization="none")))
+    runners, _, skipped = compare.make_runners(SimpleNamespace(peers="llama.cpp", llama_threads=2), engine)
+    assert list(runners) == ["pagellm"] and "runs on the CPU; pagellm runs on cuda" in skipped["llama.cpp"]
