@@ -28,7 +28,6 @@ from pagellm.kernels import native
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, select_kernels
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import weight_bytes
-from pagellm.models.bound_layers import layer_plan
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
 from pagellm.platform import (DTYPES, GIB, default_kv_cache_gib, keep_step_buffers_in_heap, limit_threads_to_cores,
@@ -118,7 +117,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, setup.num_blocks, cc.block_size, config.scheduler.max_num_seqs,
                                   self.kv_cache_dtype, self.device, num_state_slots=setup.num_state_slots,
                                   num_snapshot_slots=setup.num_snapshot_slots, grammars=self.grammars,
-                                  logits=logits)
+                                  logits=logits, kernels=config.kernels, compute_dtype=self.dtype,
+                                  all_reduce=parallel.all_reduce_ if parallel is not None else None)
         self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
                        "model_file_bytes": self.model_path.stat().st_size if self.model_path.is_file() else None}
 
@@ -305,6 +305,6 @@ class LLMEngine:
         stats["kernels"] = self.kernels
         stats["dtype"] = str(self.dtype).removeprefix("torch.")
         stats["kv_cache_dtype"] = str(self.kv_cache_dtype).removeprefix("torch.")
-        stats["layers"] = layer_plan(self.model)  # bound to the kernels, or modules and why
+        stats["layers"] = self.runner.plan.description  # bound to the kernels, or modules and why
         stats.update(self.memory)  # weights, and the process with its KV pool still empty, as loaded
         return stats

@@ -32,7 +32,6 @@ from torch import nn
 
 from pagellm.layers.moe import MoeExperts, SparseMoeBlock
 from pagellm.layers.quantized import GroupAffine
-from pagellm.models.bound_layers import PlannedBackbone
 from pagellm.models.llama import head_dim_of
 
 Weight = torch.Tensor | GroupAffine
@@ -88,8 +87,9 @@ def install_expert_parallel(model: nn.Module, hf_config, spec: ShardSpec) -> Non
 
 
 def install_all_reduce(model: nn.Module, all_reduce_) -> None:
-    """Sum the partial outputs of every attention / linear-attention / MLP block over ranks, in place: as a
-    forward hook on each block for the module path, and in the plan of a bound backbone (planned again)."""
+    """Sum the partial outputs of every attention / linear-attention / MLP block over ranks, in place, as a
+    forward hook on each block for the module path (a bound plan sums them itself: the runner plans with
+    `all_reduce_`)."""
     def hook(module, args, output):
         return all_reduce_(output)
 
@@ -98,8 +98,6 @@ def install_all_reduce(model: nn.Module, all_reduce_) -> None:
             block = getattr(layer, name, None)
             if block is not None:
                 block.register_forward_hook(hook)
-    if isinstance(model.model, PlannedBackbone):
-        model.model.replan(all_reduce_)
 
 
 class VocabParallelLogits:

@@ -156,7 +156,8 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     runner = ModelRunner(model, setup.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
                          kv_dtype, device, num_state_slots=setup.num_state_slots,
                          num_snapshot_slots=setup.num_snapshot_slots, samples=False,
-                         logits=vocab_parallel_logits(model, state))  # the head's decision: same model and world
+                         logits=vocab_parallel_logits(model, state),  # the head's decision: same model and world
+                         kernels=config.kernels, compute_dtype=dtype, all_reduce=state.all_reduce_)
     keep_step_buffers_in_heap(config.kernels.heap_tuning)
     state.store.set(f"pagellm/ready/{rank}", "1")
     return _serve_steps(state, runner)

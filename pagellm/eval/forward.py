@@ -13,7 +13,8 @@ import torch
 from pagellm.platform import DTYPES
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype
 from pagellm.loader.model_loader import load_model
-from pagellm.models.bound_layers import fit_kv_cache
+from pagellm.config import KernelConfig
+from pagellm.models.bound_layers import plan_model
 from pagellm.loader.tokenizer import load_tokenizer
 from pagellm.core.attention_metadata import AttentionMetadata
 
@@ -58,10 +59,11 @@ def tokenize_text(path: Path, text_file: str) -> tuple[list[int], int | None]:
 
 
 def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype, chunk: int = 128,
-                   first: int = 0, kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   first: int = 0, kv_cache_dtype: torch.dtype | None = None,
+                   kernels: KernelConfig | None = None) -> torch.Tensor:
     """[len(tokens) - first, V] fp32 logits of positions first .. end, one sequence prefilled `chunk` tokens
     per step; positions before `first` only build the cache (their logits are never computed). K/V are stored
-    in `kv_cache_dtype` (default: `dtype`)."""
+    in `kv_cache_dtype` (default: `dtype`); the layers run as the engine's runner would plan them (`kernels`)."""
     if getattr(model, "state_layers", list)():
         raise ValueError("this evaluation does not drive hybrid (recurrent-state) models yet")
     blocks = -(-len(tokens) // _BLOCK)
@@ -70,14 +72,14 @@ def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype
         shape = (blocks, _BLOCK, layer.num_kv_heads, layer.head_dim)
         layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device),
                             torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device))
-    fit_kv_cache(model, kv_cache_dtype or dtype)
+    plan = plan_model(model, (kernels or KernelConfig()).bound_layers, dtype, kv_cache_dtype or dtype).bound
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             meta = AttentionMetadata.build([len(piece)], [start + len(piece)], [table], _BLOCK, device=device)
             hidden = model(torch.tensor(piece, device=device), torch.arange(start, start + len(piece), device=device),
-                           meta)  # [T, E]
+                           meta, plan=plan)  # [T, E]
             if start + len(piece) > first:
                 out.append(model.compute_logits(hidden[max(0, first - start):]).float())  # [T', V]
     return torch.cat(out)

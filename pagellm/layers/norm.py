@@ -23,7 +23,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
-        self._fp32_weight: tuple[int, torch.Tensor] | None = None  # (data_ptr of the weight it came from, copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         out = rms_norm(x, self.flavour_weight(), self.eps, self.unit_offset)
@@ -48,15 +47,9 @@ class RMSNorm(nn.Module):
         return (self.eps, self.unit_offset) == (other.eps, other.unit_offset)
 
     def flavour_weight(self) -> torch.Tensor:
-        """The weight as the kernels take it: fp32 for the unit-offset flavour, else the parameter."""
-        return self._kernel_weight() if self.unit_offset else self.weight
-
-    def _kernel_weight(self) -> torch.Tensor:
-        """The Gemma flavour adds 1 in fp32: keep an fp32 copy, redone if the weight was replaced."""
-        source = self.weight.data_ptr()
-        if self._fp32_weight is None or self._fp32_weight[0] != source:
-            self._fp32_weight = (source, self.weight.detach().float().contiguous())
-        return self._fp32_weight[1]
+        """The weight as the kernels take it: fp32 for the unit-offset flavour (Gemma adds 1 in fp32: a copy
+        per call here; the runner's plan makes it once), else the parameter."""
+        return self.weight.detach().float().contiguous() if self.unit_offset else self.weight
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -18,7 +18,6 @@ from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.kernels import quant_gemv
 from pagellm.layers.quantized import Int4Linear
 from pagellm.loader.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
-from pagellm.models.bound_layers import PlannedBackbone, layer_plan
 from pagellm.models.registry import build_model
 
 logger = logging.getLogger("pagellm.loader")
@@ -40,18 +39,6 @@ def settle_activations(model: nn.Module, kernels: KernelConfig) -> None:
         if isinstance(module, Int4Linear):
             module.int8_activations = (module.layout.native and kernels.int8_activations
                                        and quant_gemv.q8_available())
-
-
-def plan_layers(model: nn.Module, kernels: KernelConfig, dtype: torch.dtype) -> str:
-    """Settle once, after loading and joining, how the decoder layers run, and say how (logged): backbones that
-    can bind their layers to the kernels (models/bound_layers.py) do so unless switched off; the rest run the
-    modules."""
-    for module in model.modules():
-        if isinstance(module, PlannedBackbone):
-            module.plan_layers(kernels.bound_layers, dtype)
-    description = layer_plan(model)
-    logger.info("layers: %s", description)
-    return description
 
 
 def join_projections(model: nn.Module) -> int:
@@ -147,7 +134,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         weights = shard_weights(weights, hf_config, shard)
     load_quantized(net, weights, plan)
     settle_activations(net, kernels)
-    join_projections(net)
-    plan_layers(net, kernels, dtype)
+    join_projections(net)  # the layers' plan is the runner's (models/bound_layers.plan_model)
     net.eval()
     return LoadedModel(net, hf_config, tokenizer, path, plan)

@@ -1,8 +1,8 @@
 """The plan of a Llama-family backbone: chosen once after loading, its decoder layers bound to the native kernels.
 
-`plan_backbone` decides once per model (the loader calls it; tensor parallel calls it again with its all-reduce)
-whether the layers run bound, and says why not where they cannot; the backbone's forward then runs the plan
-it was given, with no per-step choice. Bound, a step's layer is 9 direct kernel calls: everything that does not
+`plan_model` decides once per model and runner (the runner calls it when it binds the KV cache, with tensor
+parallel's all-reduce) whether the layers run bound, and says why not where they cannot; the runner hands the
+plan to the backbone's forward every step, and nothing of it is kept on the modules. Bound, a step's layer is 9 direct kernel calls: everything that does not
 change between steps (weight pointers, norm flavours, eps, head counts, the cache objects) is resolved at
 planning time. Why: at decode a Gemma 3 270M layer spent more time in nn.Module dispatch and in the per-call
 checks of each kernel wrapper than in its kernels.
@@ -11,10 +11,12 @@ Bound applies when every linear layer is dense, in GGUF blocks, or int4 with int
 every M, so no dispatch by batch size), the norms, q/k preparation, attention and act * up have their native
 kernels, and no module has a forward hook the plan does not know; otherwise, or with KernelConfig.bound_layers
 off, the modules run (they are the reference: tests/models/test_bound_layers.py checks the two bit for bit). A
-change to the layers after planning (a linear replaced, a hook added) takes effect at the next plan_backbone.
+change to the layers after planning (a linear replaced, a hook added) takes effect at the next plan_model.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,6 @@ from torch import nn
 from pagellm.kernels import attention, layer_ops, native
 from pagellm.kernels.binding import kv_cache_pairs
 from pagellm.layers.gguf_linear import GGUFLinear
-from pagellm.layers.kernel_binding import KernelBinding
 from pagellm.layers.mlp import FUSED_ACTIVATIONS
 from pagellm.layers.quantized import Int4Linear
 
@@ -49,6 +50,8 @@ class BoundLayer:
         attn, mlp = layer.self_attn, layer.mlp
         self.modules = (attn, mlp)
         self.norm_in, self.norm_mid, self.post_mid, self.post_mlp = norms
+        # the norms' weights as the kernels take them (fp32 copies for the unit-offset flavour), made once
+        self.weights = tuple(None if n is None else n.flavour_weight() for n in norms)
         self.all_reduce = all_reduce  # tensor parallel: sums each block's partial output over ranks, in place
         self.qkv, self.o, self.gate_up, self.down = (_linear(getattr(attn, "qkv_proj", None)), _linear(attn.o_proj),
                                                      _linear(getattr(mlp, "gate_up_proj", None)), _linear(mlp.down_proj))
@@ -65,33 +68,34 @@ class BoundLayer:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     @staticmethod
-    def residual(h, x, post, norm):
-        """(h + post(x), norm of it) in one call (post: a flavour weight or None; x None: h unchanged)."""
+    def residual(h, x, post, norm, weight):
+        """(h + post(x), norm of it) in one call (post: a flavour weight or None; x None: h unchanged; weight:
+        the norm's flavour weight)."""
         if x is None:
             return h, norm(h)
-        return layer_ops.add_rms_norm_unchecked(h, x, post, norm.flavour_weight(), norm.eps, norm.unit_offset)
+        return layer_ops.add_rms_norm_unchecked(h, x, post, weight, norm.eps, norm.unit_offset)
 
     def __call__(self, h, cos, sin, meta, pending):
         tokens = h.shape[0]
         heads, kv_heads, head_dim = self.shape
         paged = self.paged
-        h, x = self.residual(h, *pending, self.norm_in)
+        w_in, w_mid, w_post_mid, w_post_mlp = self.weights
+        h, x = self.residual(h, *pending, self.norm_in, w_in)
         q = layer_ops.qkv_prepare_unchecked(self.qkv(x), heads, kv_heads, *self.qk_args, cos, sin, paged.key_cache,
                                             paged.value_cache, meta.slot_mapping)  # [T, H, D]; k, v in the cache
         if q is None:
             raise RuntimeError(f"qkv_prepare cannot take head_dim {head_dim}")
         out = attention.paged_attention_native(q, paged.key_cache, paged.value_cache, meta, paged.scale,
                                                paged.sliding_window, paged.logits_soft_cap)
-        post = None if self.post_mid is None else self.post_mid.flavour_weight()
         attended = self.o(out.view(tokens, heads * head_dim))  # [T, E]
         if self.all_reduce is not None:
             attended = self.all_reduce(attended)
-        h, x = self.residual(h, attended, post, self.norm_mid)
+        h, x = self.residual(h, attended, w_post_mid, self.norm_mid, w_mid)
         hidden = layer_ops.act_mul_unchecked(self.gate_up(x), self.activation)  # [T, 2I] -> [T, I]
         mlp_out = self.down(hidden)  # [T, E]
         if self.all_reduce is not None:
             mlp_out = self.all_reduce(mlp_out)
-        return h, (mlp_out, None if self.post_mlp is None else self.post_mlp.flavour_weight())
+        return h, (mlp_out, w_post_mlp)
 
 
 class BoundModel:
@@ -99,6 +103,7 @@ class BoundModel:
 
     def __init__(self, layers: list[BoundLayer], final_norm: nn.Module, dtype: torch.dtype):
         self.layers, self.final_norm, self.dtype = layers, final_norm, dtype
+        self.final_weight = final_norm.flavour_weight()
 
     def __call__(self, h: torch.Tensor, ropes: list, meta) -> torch.Tensor:
         """ropes: (cos, sin) [T, D/2] per layer, in the model dtype."""
@@ -110,7 +115,7 @@ class BoundModel:
         pending = (None, None)
         for layer, (cos, sin) in zip(self.layers, ropes):
             h, pending = layer(h, cos, sin, meta, pending)
-        return BoundLayer.residual(h, *pending, self.final_norm)[1]
+        return BoundLayer.residual(h, *pending, self.final_norm, self.final_weight)[1]
 
 
 def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dtype,
@@ -142,51 +147,41 @@ def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dty
     return (None, why) if why else (BoundModel(layers, backbone.norm, dtype), "")
 
 
-class PlannedBackbone(KernelBinding):
-    """Mixin of a backbone whose forward runs its plan: `bound` where the layers could be bound, else the
-    modules. `norms_of(layer)`: the layer's norms in BoundLayer's order."""
+class PlannedBackbone:
+    """Marker of a backbone whose layers a plan can bind: its forward takes the runner's plan (`plan`, a
+    BoundModel) or runs the modules. `norms_of(layer)`: the layer's norms in BoundLayer's order."""
 
     norms_of = None
-    plan_description = "modules: not planned yet"
 
-    def plan_layers(self, enabled: bool, dtype: torch.dtype, all_reduce=None) -> str:
-        """Choose, once, how the layers run; returns the choice in words."""
-        bound, why = plan_backbone(self, type(self).norms_of, enabled, dtype, all_reduce)
-        kv = self.__dict__.get("_kv_cache_dtype")
-        if bound is not None and kv is not None and not kv_cache_pairs(dtype, kv):
-            bound, why = None, f"a {kv} KV cache under {dtype} activations, which the kernels do not pair"
-        self.__dict__["_bound"] = bound
-        self.__dict__["_plan_settings"] = (enabled, dtype, all_reduce)
-        self.plan_description = f"bound to the kernels ({len(bound.layers)} layers)" if bound else f"modules: {why}"
-        return self.plan_description
 
-    def fit_kv_cache(self, kv_cache_dtype: torch.dtype) -> str:
-        """Plan again for the KV cache the runner bound (the modules, if the kernels cannot take its dtype)."""
-        self.__dict__["_kv_cache_dtype"] = kv_cache_dtype
-        return self.replan()
+@dataclass(frozen=True)
+class LayerPlan:
+    """How a model's decoder layers run, chosen once by its runner: `bound` (the layers bound to the kernels) or
+    None (the modules, the reference), and the choice in words (LLM.stats()["layers"], logged)."""
+    bound: BoundModel | None
+    description: str
 
-    def replan(self, all_reduce=None) -> str:
-        """plan_layers again with the last plan's settings (and its all-reduce, unless one is given): after tensor
-        parallel installed its all-reduce, or after a layer changed."""
-        enabled, dtype, kept = self.__dict__.get("_plan_settings", (False, None, None))
-        return self.plan_layers(enabled, dtype, all_reduce or kept)
 
-    @property
-    def bound(self) -> BoundModel | None:
-        return self.__dict__.get("_bound")
+def plan_model(model: nn.Module, enabled: bool, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
+               all_reduce=None) -> LayerPlan:
+    """The plan of `model` under compute dtype `dtype` and a KV cache of `kv_cache_dtype`: its backbone's
+    layers bound where they can be (`enabled`: KernelConfig.bound_layers), else the modules and why.
+    `all_reduce`: tensor parallel's sum over ranks after each block."""
+    backbones = planned_backbones(model)
+    if not backbones:
+        return LayerPlan(None, "modules")
+    backbone = backbones[0]
+    bound, why = plan_backbone(backbone, type(backbone).norms_of, enabled, dtype, all_reduce)
+    if bound is not None and not kv_cache_pairs(dtype, kv_cache_dtype):
+        bound, why = None, f"a {kv_cache_dtype} KV cache under {dtype} activations, which the kernels do not pair"
+    return LayerPlan(bound, f"bound to the kernels ({len(bound.layers)} layers)" if bound else f"modules: {why}")
+
+
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model's activations run in: its embedding's output (a quantized embedding says its own)."""
+    embed = model.model.embed_tokens
+    return getattr(embed, "dtype", None) or embed.weight.dtype
 
 
 def planned_backbones(model: nn.Module) -> list[PlannedBackbone]:
     return [m for m in model.modules() if isinstance(m, PlannedBackbone)]
-
-
-def fit_kv_cache(model: nn.Module, kv_cache_dtype: torch.dtype) -> None:
-    """Tell every planned backbone of `model` the dtype of the KV cache just bound to it."""
-    for backbone in planned_backbones(model):
-        backbone.fit_kv_cache(kv_cache_dtype)
-
-
-def layer_plan(model: nn.Module) -> str:
-    """How a loaded model's decoder layers run, in words (the plan of its backbone, if it has one)."""
-    backbones = planned_backbones(model)
-    return backbones[0].plan_description if backbones else "modules"

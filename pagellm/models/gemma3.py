@@ -23,7 +23,7 @@ from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
-from pagellm.models.bound_layers import PlannedBackbone
+from pagellm.models.bound_layers import BoundModel, PlannedBackbone
 from pagellm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, Pending, head_dim_of
 from pagellm.core.attention_metadata import AttentionMetadata
 
@@ -81,14 +81,15 @@ class Gemma3Model(PlannedBackbone, nn.Module):
             for layer_type in sorted(set(config.layer_types))
         })
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                plan: BoundModel | None = None) -> torch.Tensor:
+        """plan: the runner's, chosen once (models/bound_layers.py); None runs the modules."""
         h = self.embed_tokens(input_ids)  # [T, E] in the model dtype, also from a QuantizedEmbedding
         h = h * self.embed_scale.to(h.dtype)  # sqrt(E) rounded to the dtype, as HF does
         rope = {layer_type: emb(positions, h.dtype) for layer_type, emb in self.rotary_emb.items()}
         ropes = [rope[layer.layer_type] for layer in self.layers]  # (cos, sin) [T, D/2] each
-        bound = self.bound  # chosen once after loading (models/bound_layers.py)
-        if bound is not None:
-            return bound(h, ropes, meta)  # the same kernels as the modules, bound
+        if plan is not None:
+            return plan(h, ropes, meta)  # the same kernels as the modules, bound
         pending = (None, None)
         for layer, (cos, sin) in zip(self.layers, ropes):
             h, pending = layer(h, cos, sin, meta, pending)

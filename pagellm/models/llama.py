@@ -25,7 +25,7 @@ from pagellm.kernels.layer_ops import qkv_prepare
 from pagellm.kernels.logits import logits_to_f32
 from pagellm.layers.quantized import concat_linears, lm_head_logits
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagellm.models.bound_layers import PlannedBackbone
+from pagellm.models.bound_layers import BoundModel, PlannedBackbone
 from pagellm.core.attention_metadata import AttentionMetadata
 
 
@@ -156,12 +156,13 @@ class LlamaModel(PlannedBackbone, nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config),
                                          config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                plan: BoundModel | None = None) -> torch.Tensor:
+        """plan: the runner's, chosen once (models/bound_layers.py); None runs the modules."""
         h = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary_emb(positions, h.dtype)  # [T, D/2] each
-        bound = self.bound  # chosen once after loading (models/bound_layers.py)
-        if bound is not None:
-            return bound(h, [(cos, sin)] * len(self.layers), meta)  # the same kernels as the modules, bound
+        if plan is not None:
+            return plan(h, [(cos, sin)] * len(self.layers), meta)  # the same kernels as the modules, bound
         pending = (None, None)
         for layer in self.layers:
             h, pending = layer(h, cos, sin, meta, pending)
@@ -227,9 +228,12 @@ class LlamaForCausalLM(nn.Module):
         bias = getattr(config, "attention_bias", False)
         return LlamaModel(config, AttentionOptions(qkv_bias=bias, o_bias=bias))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)  # [T] ids and positions -> [T, E]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                plan: BoundModel | None = None) -> torch.Tensor:
+        """[T] ids and positions -> [T, E]; plan: the runner's (models/bound_layers.py), None: the modules."""
+        if plan is None:
+            return self.model(input_ids, positions, attn_metadata)
+        return self.model(input_ids, positions, attn_metadata, plan)
 
     def compute_logits(self, hidden: torch.Tensor, vocab_rows: slice | None = None) -> torch.Tensor:
         """[N, E] -> [N, V] fp32; `vocab_rows` (a dense head only): just those vocabulary rows' logits."""

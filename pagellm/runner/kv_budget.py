@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.core.attention_metadata import AttentionMetadata
-from pagellm.models.bound_layers import fit_kv_cache
 from pagellm.platform import GIB
 
 
@@ -93,7 +92,6 @@ def profile_forward(model, compute_logits, num_tokens: int, num_logits_rows: int
         shape = (blocks, block_size, layer.num_kv_heads, layer.head_dim)
         layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype, device=device),
                             torch.zeros(shape, dtype=kv_cache_dtype, device=device))
-    fit_kv_cache(model, kv_cache_dtype)
     for layer in state_layers:
         shapes = layer.state_shapes()
         layer.bind_state(torch.zeros((1, *shapes.conv_state), dtype=shapes.conv_dtype, device=device),

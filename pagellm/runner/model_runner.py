@@ -7,6 +7,7 @@ with prompt_logprobs rows reads those back once more (runner/prompt_logprobs.py)
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -14,12 +15,15 @@ import torch
 
 from pagellm.core.types import ModelOutput, SchedulerOutput, StepTimings, TokenLogprobs
 from pagellm.core.attention_metadata import AttentionMetadata
-from pagellm.models.bound_layers import fit_kv_cache
+from pagellm.config import KernelConfig
+from pagellm.models.bound_layers import LayerPlan, activation_dtype, plan_model
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import GrammarError, Grammars, accept_sampled
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_prompt_rows
 from pagellm.runner.sampler import Sampler, SamplerOutput
+
+logger = logging.getLogger("pagellm.runner")
 
 
 def state_layers_of(model) -> list:
@@ -46,7 +50,9 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
                  kv_cache_dtype: torch.dtype, device: torch.device, num_state_slots: int = 0, num_snapshot_slots: int = 0,
                  samples: bool = True, grammars: Grammars | None = None,
-                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: KernelConfig | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 compute_dtype: torch.dtype | None = None):
         self.model = model
         # [N, E] -> [N, V] fp32. `logits` when tensor parallel splits the LM head (distributed/sharding.py):
         # then every rank runs every logits pass, and the head rank gets them gathered.
@@ -63,7 +69,11 @@ class ModelRunner:
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
             layer.bind_kv_cache(torch.empty(shape, dtype=kv_cache_dtype, device=device),
                                 torch.empty(shape, dtype=kv_cache_dtype, device=device))
-        fit_kv_cache(model, kv_cache_dtype)
+        # How the layers run, chosen once for this device, dtype and cache: bound to the kernels, or the modules
+        # (models/bound_layers.py); tensor parallel's all-reduce goes into a bound plan.
+        self._plan_settings = ((kernels or KernelConfig()).bound_layers, compute_dtype or activation_dtype(model),
+                               kv_cache_dtype, all_reduce)
+        self.plan: LayerPlan = self.replan()
         self.state_layers = state_layers_of(model)
         # Rows [0, num_state_slots) are running requests' slots, the rest prefix-cache snapshots
         # (core/snapshot_pool.py). Uninitialised too: a request's first chunk starts from zero state
@@ -92,7 +102,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
         self._restore_snapshots(output)
-        hidden = self.model(input_ids, positions, meta)  # [T, hidden]
+        hidden = self.model(input_ids, positions, meta, plan=self.plan.bound)  # [T, hidden]
         if not self.samples:  # a tensor-parallel worker: only its share of a vocab-parallel LM head
             self._join_logits_gathers(output, hidden, logits_rows)
             return ModelOutput((), (), timings=StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, 0, reused))
@@ -127,6 +137,12 @@ class ModelRunner:
             return ModelOutput(ids, tokens, entries if logprobs else None, prompt_logprobs, tuple(failed), timings)
         return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs, prompt_logprobs,
                            timings=timings)
+
+    def replan(self) -> LayerPlan:
+        """Choose how the layers run (at start, or again after a layer changed), log it and keep it."""
+        self.plan = plan_model(self.model, *self._plan_settings)
+        logger.info("layers: %s", self.plan.description)
+        return self.plan
 
     def reset_step_reuse(self) -> None:
         """After a step that failed part-way: the next decode step is prepared from scratch."""

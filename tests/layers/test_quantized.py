@@ -351,7 +351,7 @@ def test_llm_greedy_equals_the_dense_model_on_dequantized_weights(tmp_path, fami
     assert {type(m).__name__ for m in layers} == {CLASSES[scheme].__name__}
     for layer in layers:
         layer.dense_from_rows = DENSE
-    quantized.engine.model.model.replan()  # the layers' paths changed after loading: plan again (modules now)
+    quantized.engine.runner.replan()  # the layers' paths changed after loading: plan again (modules now)
     dense = LLM(model=str(dequantized_checkpoint(quantized.engine.model, tmp_path / "hf", tmp_path / "deq")), **kwargs)
     prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 20, 33)]
     params = SamplingParams(max_tokens=16, temperature=0.0)

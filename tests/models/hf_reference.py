@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.config import KernelConfig
-from pagellm.loader.model_loader import join_projections, plan_layers
+from pagellm.loader.model_loader import join_projections
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.models.registry import build_model
 
@@ -16,12 +15,11 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 
 def load_ours(path) -> torch.nn.Module:
-    """pagellm's model of an HF checkpoint directory, fp32, through the real loader, its projections joined
-    and its layers planned as load_model does."""
+    """pagellm's model of an HF checkpoint directory, fp32, through the real loader, its projections joined as
+    load_model does (the harness plans its layers as the runner does)."""
     model = build_model(load_hf_config(path), torch.float32)
     model.load_weights(iter_safetensors_weights(path))
     join_projections(model)
-    plan_layers(model, KernelConfig(), torch.float32)
     return model
 
 

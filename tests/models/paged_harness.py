@@ -13,11 +13,13 @@ from __future__ import annotations
 import torch
 
 from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.models.bound_layers import activation_dtype, plan_model
 
 
 class PagedHarness:
     def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0, num_state_slots: int = 8,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, bound_layers: bool = True):
+        """bound_layers: plan the layers as the runner does (bound where they can be), else run the modules."""
         self.model, self.block_size = model, block_size
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
@@ -33,6 +35,7 @@ class PagedHarness:
                            device=self.device),
                 torch.full((num_state_slots, *shapes.recurrent_state), float("nan"), dtype=shapes.recurrent_dtype,
                            device=self.device))
+        self.plan = plan_model(model, bound_layers, activation_dtype(model), kv_cache_dtype or self.dtype)
         generator = torch.Generator().manual_seed(seed)
         self.free_blocks: list[int] = torch.randperm(num_blocks, generator=generator).tolist()
         self.free_slots: list[int] = torch.randperm(num_state_slots, generator=generator).tolist()
@@ -61,7 +64,7 @@ class PagedHarness:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, state_slots=slots)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(input_ids, device=self.device),
-                                torch.tensor(positions, device=self.device), meta)  # [T, E]
+                                torch.tensor(positions, device=self.device), meta, plan=self.plan.bound)  # [T, E]
             logits = self.model.compute_logits(hidden)  # [T, V]
         return dict(zip(chunks, logits.split(query_lens)))
 

@@ -9,7 +9,8 @@ from pagellm import SamplingParams
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from pagellm.engine import LLMEngine
 from pagellm.loader.model_loader import load_model
-from pagellm.models.bound_layers import layer_plan
+from pagellm.layers.norm import RMSNorm
+from pagellm.models.bound_layers import PlannedBackbone, plan_model
 from tests.loader.gguf_builders import T, write_tiny_gguf
 from tests.models.paged_harness import PagedHarness
 from tests.models.tiny_checkpoints import write_tiny_checkpoint
@@ -20,9 +21,9 @@ FAMILIES = ["llama", "qwen2", "qwen3-yarn", "gemma3"]  # plain, q/k/v bias, q/k 
 def _prefill_both_ways(model, prompt, kv_cache_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = []
     for bound in (True, False):
-        model.model.plan_layers(bound, model.model.norm.weight.dtype)  # as the loader plans from KernelConfig
-        assert (model.model.bound is not None) is bound  # the path under test does apply
-        logits.append(PagedHarness(model, kv_cache_dtype=kv_cache_dtype).prefill("a", prompt))
+        harness = PagedHarness(model, kv_cache_dtype=kv_cache_dtype, bound_layers=bound)  # planned as the runner
+        assert (harness.plan.bound is not None) is bound  # the path under test does apply
+        logits.append(harness.prefill("a", prompt))
     return logits[0], logits[1]
 
 
@@ -73,7 +74,7 @@ def test_engine_greedy_ids_equal_with_and_without_bound_layers(tmp_path):
         engine = LLMEngine(EngineConfig(ModelConfig(model=str(tmp_path), quantization="int4", dtype="bfloat16"),
                                         CacheConfig(kv_cache_memory=0.01), kernels=KernelConfig(bound_layers=bound)),
                            skip_tokenizer_init=True)
-        assert (engine.model.model.bound is not None) is bound
+        assert (engine.runner.plan.bound is not None) is bound
         ids.append(_greedy_ids(engine, prompts, params))
     assert ids[0] == ids[1]
 
@@ -90,7 +91,7 @@ def test_a_kv_cache_the_kernels_do_not_pair_runs_the_modules(tmp_path, dtype, kv
         engine = LLMEngine(EngineConfig(ModelConfig(model=str(tmp_path), quantization="int4", dtype=dtype),
                                         CacheConfig(kv_cache_memory=0.01, kv_cache_dtype=kv_cache_dtype),
                                         kernels=KernelConfig(bound_layers=bound)), skip_tokenizer_init=True)
-        assert engine.model.model.bound is None
+        assert engine.runner.plan.bound is None
         if bound:
             assert engine.stats()["layers"] == (f"modules: a torch.{kv_cache_dtype} KV cache under torch.{dtype} "
                                                 "activations, which the kernels do not pair")
@@ -103,25 +104,33 @@ def test_plan_says_why_layers_run_as_modules(tmp_path):
     not know (one tensor parallel installs comes with its all-reduce, and binds); planning again follows."""
     write_tiny_checkpoint("llama", tmp_path)
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), False, "int4").model
-    backbone = model.model
-    assert layer_plan(model) == f"bound to the kernels ({len(backbone.layers)} layers)"
-    handle = backbone.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
-    assert backbone.replan() == "modules: layer 1 has forward hooks" and backbone.bound is None
-    assert backbone.replan(all_reduce=lambda t: t).startswith("bound") and backbone.bound is not None
+    layers, fp32 = model.model.layers, torch.float32
+
+    def plan(enabled=True, **kwargs):
+        return plan_model(model, enabled, fp32, fp32, **kwargs)
+
+    assert plan().description == f"bound to the kernels ({len(layers)} layers)" and plan().bound is not None
+    handle = layers[1].mlp.register_forward_hook(lambda module, args, out: out)
+    assert plan().description == "modules: layer 1 has forward hooks" and plan().bound is None
+    assert plan(all_reduce=lambda t: t).description.startswith("bound")
     handle.remove()
-    backbone.layers[0].self_attn.o_proj.dense_from_rows = 1  # dense tiles from one row: batch-size dependent
-    assert backbone.replan().startswith("modules: layer 0 has a linear") and backbone.bound is None
-    assert backbone.plan_layers(False, torch.float32) == ("modules: bound layers switched off "
-                                                          "(KernelConfig.bound_layers)")
+    layers[0].self_attn.o_proj.dense_from_rows = 1  # dense tiles from one row: batch-size dependent
+    assert plan().description.startswith("modules: layer 0 has a linear") and plan().bound is None
+    assert plan(False).description == "modules: bound layers switched off (KernelConfig.bound_layers)"
 
 
-def test_a_copy_drops_the_plan_and_runs_the_modules(tmp_path):
-    """The plan holds raw pointers into the model's tensors: a deep copy must not carry them over."""
+def test_nothing_of_the_plan_stays_on_the_modules(tmp_path):
+    """The plan (raw pointers into the model's tensors, the norms' fp32 weights) is the runner's: the modules
+    keep none of it, so a deep copy planned on its own runs the same as the original."""
     import copy
 
     write_tiny_checkpoint("gemma3", tmp_path)
-    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), False, "int4").model
-    twin = copy.deepcopy(model)
-    assert model.model.bound is not None and twin.model.bound is None
+    model = load_model(str(tmp_path), torch.float32, torch.device("cpu"), False, "none").model
+    backbone, norms = model.model, [m for m in model.modules() if isinstance(m, RMSNorm)]
+    before = [set(m.__dict__) for m in (backbone, *norms)]
+    harness = PagedHarness(model)
     prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(1)).tolist()
-    assert torch.equal(PagedHarness(model).prefill("a", prompt), PagedHarness(twin).prefill("a", prompt))
+    logits = harness.prefill("a", prompt)
+    assert harness.plan.bound is not None and isinstance(backbone, PlannedBackbone)
+    assert [set(m.__dict__) for m in (backbone, *norms)] == before  # planning and running added nothing
+    assert torch.equal(logits, PagedHarness(copy.deepcopy(model)).prefill("a", prompt))
