@@ -1,34 +1,69 @@
-"""The plan of a Llama-family backbone: chosen once after loading, its decoder layers bound to the native kernels.
+"""The plan of a Llama-family backbone: chosen once per device, its decoder layers bound to the device's kernels.
 
 `plan_model` decides once per model and runner (the runner calls it when it binds the KV cache, with tensor
 parallel's all-reduce) whether the layers run bound, and says why not where they cannot; the runner hands the
-plan to the backbone's forward every step, and nothing of it is kept on the modules. Bound, a step's layer is 9 direct kernel calls: everything that does not
-change between steps (weight pointers, norm flavours, eps, head counts, the cache objects) is resolved at
-planning time. Why: at decode a Gemma 3 270M layer spent more time in nn.Module dispatch and in the per-call
-checks of each kernel wrapper than in its kernels.
+plan to the backbone's forward every step, and nothing of it is kept on the modules. Bound, a step's layer is 9
+direct kernel calls: everything that does not change between steps (weight pointers, norm flavours and their
+kernel weights, eps, head counts, the cache objects) is resolved at planning time. Why: at decode a Gemma 3 270M
+layer spent more time in nn.Module dispatch and in the per-call checks of each kernel wrapper than in its
+kernels, and a GPU's eager step is bound by the same host work.
 
-Bound applies when every linear layer is dense, in GGUF blocks, or int4 with int8 activations (one kernel at
-every M, so no dispatch by batch size), the norms, q/k preparation, attention and act * up have their native
-kernels, and no module has a forward hook the plan does not know; otherwise, or with KernelConfig.bound_layers
-off, the modules run (they are the reference: tests/models/test_bound_layers.py checks the two bit for bit). A
-change to the layers after planning (a linear replaced, a hook added) takes effect at the next plan_model.
+The kernels are one set per device (`kernels_for`): the native CPU kernels, or on CUDA the Triton ones with
+cuBLAS matmuls. Bound applies when every linear layer is dense, in GGUF blocks, or int4 with int8 activations
+(one kernel at every M, so no dispatch by batch size), the set takes the dtype, head size and norms, and no
+module has a forward hook the plan does not know; otherwise, or with KernelConfig.bound_layers off, the modules
+run (they are the reference: tests/models/test_bound_layers.py checks the two bit for bit on the CPU,
+tests/gpu/test_cuda_plan.py the Triton set under Triton's interpreter). A change to the layers after planning
+(a linear replaced, a hook added) takes effect at the next plan_model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import attention, layer_ops, native
+from pagellm.kernels import attention, cuda_ops, layer_ops, native
 from pagellm.kernels.binding import kv_cache_pairs
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.mlp import FUSED_ACTIVATIONS
 from pagellm.layers.quantized import Int4Linear
 
 _DTYPE_CODES = native.DTYPE_CODES
+
+
+@dataclass(frozen=True)
+class StepKernels:
+    """The kernels a bound layer calls, one set per device, chosen once by the plan (kernels_for)."""
+    name: str  # as the plan's description says it
+    add_rms_norm: Callable  # (h, x, post weight | None, weight, eps, unit_offset) -> (h + post(x), its norm)
+    qkv_prepare: Callable  # (qkv, H, K, q_w, k_w, eps, unit_offset, cos, sin, k cache, v cache, slots) -> q
+    attention: Callable  # (q, k cache, v cache, meta, scale, window, soft cap) -> [T, H, D]
+    act_mul: Callable  # (gate_up, activation) -> act(gate) * up
+    dtypes: tuple  # of the activations
+    pairs: Callable[[torch.dtype, torch.dtype], bool]  # (activations, KV cache) dtypes taken together
+    head_dim_ok: Callable[[int], bool]
+
+
+def kernels_for(device: torch.device) -> tuple[StepKernels | None, str]:
+    """The bound layers' kernels on `device`, or (None, why not): the native CPU kernels, the Triton ones on
+    CUDA (kernels/triton_layer_ops.py, triton_attention.py, imported here, once)."""
+    if device.type == "cuda":
+        ops, triton_attention = cuda_ops.layer_ops(), cuda_ops.triton_module("triton_attention")
+        return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare,
+                           triton_attention.paged_attention_triton, ops.act_mul, cuda_ops.FLOATS,
+                           lambda act, kv: act in cuda_ops.FLOATS and kv in cuda_ops.FLOATS,
+                           lambda head_dim: head_dim % 2 == 0), ""
+    if device.type != "cpu":
+        return None, f"no bound kernels on {device.type}"
+    if not (layer_ops.native_available() and attention.native_available()):
+        return None, "native kernels unavailable (no compiler, or switched off)"
+    return StepKernels("the kernels", layer_ops.add_rms_norm_unchecked, layer_ops.qkv_prepare_unchecked,
+                       attention.paged_attention_native, layer_ops.act_mul_unchecked, tuple(_DTYPE_CODES),
+                       kv_cache_pairs, lambda head_dim: head_dim % 16 == 0 and head_dim <= layer_ops.MAX_HEAD_DIM), ""
 
 
 def _linear(module: nn.Module):
@@ -46,8 +81,9 @@ def _linear(module: nn.Module):
 class BoundLayer:
     """One decoder layer's step: (h, pending) -> (h, pending), pending = (MLP output, its post-norm weight)."""
 
-    def __init__(self, layer: nn.Module, norms: tuple, all_reduce=None):
+    def __init__(self, layer: nn.Module, norms: tuple, kernels: StepKernels, all_reduce=None):
         attn, mlp = layer.self_attn, layer.mlp
+        self.kernels = kernels
         self.modules = (attn, mlp)
         self.norm_in, self.norm_mid, self.post_mid, self.post_mlp = norms
         # the norms' weights as the kernels take them (fp32 copies for the unit-offset flavour), made once
@@ -60,20 +96,19 @@ class BoundLayer:
         self.paged = attn.attn
         self.activation = FUSED_ACTIVATIONS[mlp.activation]
         # each fused residual call applies one eps and flavour to two norms
-        self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down) and attn.head_dim % 16 == 0
-                   and attn.head_dim <= layer_ops.MAX_HEAD_DIM  # known here, not mid-step
+        self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down)
+                   and kernels.head_dim_ok(attn.head_dim)  # known here, not mid-step
                    and all(self.norm_in.same_kind(n) for n in norms if n is not None) and attn.qk_norms_fuse())
 
     def hooked(self) -> bool:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
-    @staticmethod
-    def residual(h, x, post, norm, weight):
+    def residual(self, h, x, post, norm, weight):
         """(h + post(x), norm of it) in one call (post: a flavour weight or None; x None: h unchanged; weight:
         the norm's flavour weight)."""
         if x is None:
             return h, norm(h)
-        return layer_ops.add_rms_norm_unchecked(h, x, post, weight, norm.eps, norm.unit_offset)
+        return self.kernels.add_rms_norm(h, x, post, weight, norm.eps, norm.unit_offset)
 
     def __call__(self, h, cos, sin, meta, pending):
         tokens = h.shape[0]
@@ -81,17 +116,18 @@ class BoundLayer:
         paged = self.paged
         w_in, w_mid, w_post_mid, w_post_mlp = self.weights
         h, x = self.residual(h, *pending, self.norm_in, w_in)
-        q = layer_ops.qkv_prepare_unchecked(self.qkv(x), heads, kv_heads, *self.qk_args, cos, sin, paged.key_cache,
-                                            paged.value_cache, meta.slot_mapping)  # [T, H, D]; k, v in the cache
+        kernels = self.kernels
+        q = kernels.qkv_prepare(self.qkv(x), heads, kv_heads, *self.qk_args, cos, sin, paged.key_cache,
+                                paged.value_cache, meta.slot_mapping)  # [T, H, D]; k, v in the cache
         if q is None:
             raise RuntimeError(f"qkv_prepare cannot take head_dim {head_dim}")
-        out = attention.paged_attention_native(q, paged.key_cache, paged.value_cache, meta, paged.scale,
-                                               paged.sliding_window, paged.logits_soft_cap)
+        out = kernels.attention(q, paged.key_cache, paged.value_cache, meta, paged.scale, paged.sliding_window,
+                                paged.logits_soft_cap)
         attended = self.o(out.view(tokens, heads * head_dim))  # [T, E]
         if self.all_reduce is not None:
             attended = self.all_reduce(attended)
         h, x = self.residual(h, attended, w_post_mid, self.norm_mid, w_mid)
-        hidden = layer_ops.act_mul_unchecked(self.gate_up(x), self.activation)  # [T, 2I] -> [T, I]
+        hidden = kernels.act_mul(self.gate_up(x), self.activation)  # [T, 2I] -> [T, I]
         mlp_out = self.down(hidden)  # [T, E]
         if self.all_reduce is not None:
             mlp_out = self.all_reduce(mlp_out)
@@ -101,41 +137,42 @@ class BoundLayer:
 class BoundModel:
     """Every layer of a Llama-family backbone bound: h [T, E] embedded -> the final norm's output [T, E]."""
 
-    def __init__(self, layers: list[BoundLayer], final_norm: nn.Module, dtype: torch.dtype):
-        self.layers, self.final_norm, self.dtype = layers, final_norm, dtype
+    def __init__(self, layers: list[BoundLayer], final_norm: nn.Module, dtype: torch.dtype, kernels: str):
+        self.layers, self.final_norm, self.dtype, self.kernels = layers, final_norm, dtype, kernels
         self.final_weight = final_norm.flavour_weight()
 
     def __call__(self, h: torch.Tensor, ropes: list, meta) -> torch.Tensor:
         """ropes: (cos, sin) [T, D/2] per layer, in the model dtype."""
         caches = self.layers[0].paged.key_cache
         # the runner's invariants
-        if h.dtype != self.dtype or caches is None or not kv_cache_pairs(self.dtype, caches.dtype):
+        if h.dtype != self.dtype or caches is None or not self.layers[0].kernels.pairs(self.dtype, caches.dtype):
             raise RuntimeError(f"the bound layers were planned for {self.dtype} activations and a KV cache paired "
                                f"with them; got {h.dtype} and {None if caches is None else caches.dtype}")
         pending = (None, None)
         for layer, (cos, sin) in zip(self.layers, ropes):
             h, pending = layer(h, cos, sin, meta, pending)
-        return BoundLayer.residual(h, *pending, self.final_norm, self.final_weight)[1]
+        return self.layers[-1].residual(h, *pending, self.final_norm, self.final_weight)[1]
 
 
-def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dtype,
-                  all_reduce=None) -> tuple[BoundModel | None, str]:
+def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dtype, all_reduce=None,
+                  kernels: StepKernels | None = None) -> tuple[BoundModel | None, str]:
     """(the bound plan, "") if every layer of `backbone` (compute dtype `dtype`) can run bound, else (None, why
     not). `all_reduce`: tensor parallel's sum over ranks after each attention and MLP block (the modules'
-    forward hooks do the same on the module path, so those hooks are expected then)."""
+    forward hooks do the same on the module path, so those hooks are expected then). `kernels`: those of the
+    weights' device unless given (tests run the Triton set on a CPU under its interpreter)."""
     if not enabled:
         return None, "bound layers switched off (KernelConfig.bound_layers)"
-    why = (("" if backbone.norm.weight.is_cpu else "not on the CPU")  # first: nothing CPU is built for a GPU
-           or ("native kernels unavailable (no compiler, or switched off)"
-               if not (layer_ops.native_available() and attention.native_available()) else "")
-           or ("" if dtype in _DTYPE_CODES else f"the kernels take fp32 and bf16, not {dtype}")
+    why = ""
+    if kernels is None:
+        kernels, why = kernels_for(backbone.norm.weight.device)
+    why = (why or ("" if dtype in kernels.dtypes else f"{kernels.name} take {kernels.dtypes}, not {dtype}")
            or ("" if len(backbone.layers) else "no layers"))
     layers = []
     for index, layer in enumerate(backbone.layers):
         if why:
             break
         try:
-            bound = BoundLayer(layer, norms_of(layer), all_reduce)
+            bound = BoundLayer(layer, norms_of(layer), kernels, all_reduce)
         except (AttributeError, KeyError) as e:  # not joined, an activation without a native kernel, ...
             why = f"layer {index} cannot be bound ({type(e).__name__}: {e})"
             break
@@ -144,7 +181,7 @@ def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dty
         layers.append(bound)
     if not why and not layers[-1].norm_in.same_kind(backbone.norm):  # the final add + norm is fused too
         why = "the final norm differs in kind from the layers' norms"
-    return (None, why) if why else (BoundModel(layers, backbone.norm, dtype), "")
+    return (None, why) if why else (BoundModel(layers, backbone.norm, dtype, kernels.name), "")
 
 
 class PlannedBackbone:
@@ -163,7 +200,7 @@ class LayerPlan:
 
 
 def plan_model(model: nn.Module, enabled: bool, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
-               all_reduce=None) -> LayerPlan:
+               all_reduce=None, kernels: StepKernels | None = None) -> LayerPlan:
     """The plan of `model` under compute dtype `dtype` and a KV cache of `kv_cache_dtype`: its backbone's
     layers bound where they can be (`enabled`: KernelConfig.bound_layers), else the modules and why.
     `all_reduce`: tensor parallel's sum over ranks after each block."""
@@ -171,10 +208,10 @@ def plan_model(model: nn.Module, enabled: bool, dtype: torch.dtype, kv_cache_dty
     if not backbones:
         return LayerPlan(None, "modules")
     backbone = backbones[0]
-    bound, why = plan_backbone(backbone, type(backbone).norms_of, enabled, dtype, all_reduce)
-    if bound is not None and not kv_cache_pairs(dtype, kv_cache_dtype):
+    bound, why = plan_backbone(backbone, type(backbone).norms_of, enabled, dtype, all_reduce, kernels)
+    if bound is not None and not bound.layers[0].kernels.pairs(dtype, kv_cache_dtype):
         bound, why = None, f"a {kv_cache_dtype} KV cache under {dtype} activations, which the kernels do not pair"
-    return LayerPlan(bound, f"bound to the kernels ({len(bound.layers)} layers)" if bound else f"modules: {why}")
+    return LayerPlan(bound, f"bound to {bound.kernels} ({len(bound.layers)} layers)" if bound else f"modules: {why}")
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:

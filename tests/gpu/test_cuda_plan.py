@@ -1,0 +1,58 @@
+"""The CUDA plan (models/bound_layers.py with the Triton kernel set) against the modules, on a CPU.
+
+Without CUDA the Triton kernels run under Triton's interpreter (tests/gpu/__init__.py) on CPU tensors: what is
+proved is the plan's logic on the GPU's kernels (the residual stream handed on, norms' kernel weights made once,
+q/k/v preparation writing the cache, GQA attention through the block table, act * up), for the families'
+variants: plain Llama, Qwen3's q/k norms, Gemma 3's unit-offset sandwich norms, sliding window and gelu(tanh).
+fp32, so it matches the modules to the kernels' summation order; bf16 is the device check's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.loader.model_loader import load_model
+from pagellm.models.bound_layers import kernels_for, plan_model
+from tests.gpu import interpreter
+from tests.models.paged_harness import PagedHarness
+from tests.models.tiny_checkpoints import write_tiny_checkpoint
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+pytest.importorskip("triton", reason="triton is not installed (PyTorch's CPU-only wheel does not bring it)")
+
+
+@pytest.fixture(autouse=True)
+def _interpreted():
+    with interpreter(not ON_GPU):
+        yield
+
+
+def _triton_kernels():
+    with interpreter(not ON_GPU):  # the kernel modules are decorated under the interpreter when first imported
+        return kernels_for(torch.device("cuda"))[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-yarn", "gemma3"])
+def test_the_triton_plan_equals_the_modules(tmp_path, family):
+    write_tiny_checkpoint(family, tmp_path)
+    reference, model = (load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
+                        for _ in range(2))  # each harness binds its own caches to its model's layers
+    plan = plan_model(model, True, torch.float32, torch.float32, kernels=_triton_kernels())
+    assert plan.description == f"bound to the Triton kernels ({len(model.model.layers)} layers)"
+    modules, bound = PagedHarness(reference, bound_layers=False), PagedHarness(model, bound_layers=False)
+    bound.plan = plan  # the Triton set on this device's tensors
+    prompt = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(2)).tolist()
+    for feed in (prompt[:9], prompt[9:], [7], [9]):  # a prefill in two chunks, then two decodes
+        torch.testing.assert_close(bound.step({"a": feed})["a"], modules.step({"a": feed})["a"], atol=1e-4,
+                                   rtol=1e-4)
+
+
+def test_the_triton_set_takes_what_the_gpu_kernels_take():
+    """Any float activations and K/V pair and any even head size (the CPU set: fp32 / bf16 pairs, multiples of
+    16); a device with no set plans the modules and says so."""
+    kernels = _triton_kernels()
+    assert kernels.pairs(torch.float16, torch.float16) and kernels.pairs(torch.bfloat16, torch.float32)
+    assert kernels.head_dim_ok(80) and kernels.head_dim_ok(72) and not kernels.head_dim_ok(81)
+    assert kernels_for(torch.device("meta")) == (None, "no bound kernels on meta")
