@@ -56,3 +56,11 @@ def test_the_triton_set_takes_what_the_gpu_kernels_take():
     assert kernels.pairs(torch.float16, torch.float16) and kernels.pairs(torch.bfloat16, torch.float32)
     assert kernels.head_dim_ok(80) and kernels.head_dim_ok(72) and not kernels.head_dim_ok(81)
     assert kernels_for(torch.device("meta")) == (None, "no bound kernels on meta")
+
+
+def test_the_device_family_check_runs_here(capsys):
+    """tests/gpu/device_families.py, the GPU run's family check, rehearsed on the CPU with one family."""
+    from tests.gpu.device_families import check
+
+    assert check("llama", "cpu")
+    assert "llama | float32: 3/3 identical" in capsys.readouterr().out

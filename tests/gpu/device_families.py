@@ -1,0 +1,67 @@
+"""Greedy ids of every tiny family on a device, pagellm's engine against HF generate, fp32 and bf16: the family
+check of a GPU run (docs/benchmarks/2026-11-26-gpu-h200.md). fp32 ids must be identical; bf16 ids are reported
+(where they first leave HF's fp32 ids), not judged.
+
+    python -m tests.gpu.device_families cuda        (exit status 1 if an fp32 run differs or a family fails)
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.models.tiny_checkpoints import (HYBRID_CONFIGS, TINY_CONFIGS, write_hybrid_checkpoint,
+                                           write_tiny_checkpoint)
+
+PROMPTS = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 21, 40)]
+N = 16
+
+
+def main(device: str) -> int:
+    failed = False
+    for family in [*TINY_CONFIGS, *HYBRID_CONFIGS]:
+        failed |= not check(family, device)
+    return 1 if failed else 0
+
+
+def check(family: str, device: str) -> bool:
+    """Print one family's line; False if its fp32 ids differ from HF's or it fails."""
+    t = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            if family in TINY_CONFIGS:
+                hf = write_tiny_checkpoint(family, Path(tmp), redraw=True)
+            else:
+                hf = write_hybrid_checkpoint(family, Path(tmp))
+            hf = hf.to(device).eval()
+            want = []
+            for prompt in PROMPTS:
+                with torch.inference_mode():
+                    out = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=N, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)
+                want.append(out[0, len(prompt):].tolist())
+            line = [family]
+            for dtype in ("float32", "bfloat16"):
+                llm = LLM(model=tmp, skip_tokenizer_init=True, block_size=16, device=device, dtype=dtype,
+                          kv_cache_memory=0.05)
+                outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True),
+                                    use_tqdm=False)
+                got = [o.outputs[0].token_ids for o in outs]
+                same = sum(g == w for g, w in zip(got, want))
+                first = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), N) for g, w in zip(got, want)]
+                line.append(f"{dtype}: {same}/{len(want)} identical, first divergence {first}")
+                del llm
+            print(" | ".join(line), f"({time.perf_counter() - t:.1f}s)", flush=True)
+            return line[1].startswith(f"float32: {len(PROMPTS)}/")
+        except Exception as e:  # noqa: BLE001 - one family's failure must not hide the others'
+            print(family, "FAILED", type(e).__name__, str(e)[:300], flush=True)
+            return False
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cuda"))
