@@ -34,8 +34,8 @@ from pagellm.platform import (DTYPES, GIB, default_kv_cache_gib, keep_step_buffe
                               resident_bytes)
 from pagellm.request import Request, RequestStatus, stop_ids_of
 from pagellm.runner.grammar import Grammars
-from pagellm.runner.kv_budget import (DeviceMemory, check_holds_one_sequence, kv_budget_bytes, profile_forward,
-                                      start_measuring)
+from pagellm.runner.kv_budget import (DeviceMemory, check_holds_one_sequence, fit_max_model_len, kv_budget_bytes,
+                                      profile_forward, start_measuring)
 from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
 
@@ -55,6 +55,8 @@ class LLMEngine:
         self.config = config
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device)
+        if self.device.type == "cuda":  # Triton launches on the current device, not the tensors': make it this one
+            torch.cuda.set_device(self.device)
         self.kernels = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
         self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type)]  # after: "auto" follows the level
         self.kv_cache_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, self.device.type)]
@@ -139,6 +141,8 @@ class LLMEngine:
             budget = kv_budget_bytes(cc.gpu_memory_utilization, before, DeviceMemory.read(self.device), int(states))
             flag = "gpu_memory_utilization (or give kv_cache_memory)"
         num_blocks = int(budget // per_block)
+        if self.config.model.max_model_len is None:  # the model's own context: shortened to the pool, said once
+            self.max_model_len = fit_max_model_len(num_blocks, cc.block_size, self.max_model_len, per_block, flag)
         check_holds_one_sequence(num_blocks, cc.block_size, self.max_model_len, per_block, flag)
         logger.info("backend: %s (%s, %s, KV %.2f GiB: %d blocks of %d tokens)", self.device.type,
                     _attention_of(self.device), str(self.dtype).removeprefix("torch."), num_blocks * per_block / GIB,

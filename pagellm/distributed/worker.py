@@ -147,6 +147,8 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     mc = config.model
     select_kernels(config.kernels, mc.device)  # the head's choice (it checked this level runs on its own CPU)
     device, dtype = torch.device(mc.device), DTYPES[compute_dtype(mc.dtype, mc.device)]
+    if device.type == "cuda":  # Triton launches on the current device, not the tensors'
+        torch.cuda.set_device(device)
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
     model = load_model(mc.model, dtype, device, with_tokenizer=False, quantization=mc.quantization,
                        shard=shard, kernels=config.kernels, load_format=mc.load_format).model

@@ -198,9 +198,11 @@ def paged_attention_triton(
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
-    if num_splits is None:  # eager: split only where it pays (a captured graph passes decode_splits' count)
+    if num_splits is None:  # eager: split only where it pays (a captured graph would pass its bucket's count)
         long_enough = meta.is_pure_decode and max(meta.seq_lens_host) >= SPLIT_MIN_CONTEXT
         num_splits = decode_splits(meta.num_seqs, num_kv_heads, _multiprocessors(query.device)) if long_enough else 1
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1 (the reduce kernel's range), got {num_splits}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     partial = max_sum = out  # unused unless split
     if num_splits > 1:

@@ -3,7 +3,7 @@ rotary, K/V written at their slots), act * up.
 
 Why: on a GPU an eager step is bound by the host, and the torch reference of these ops launched several kernels
 each (measured on an H200: docs/benchmarks/2026-11-26-gpu-h200.md). Fused, a Llama layer is nine launches: two
-norms, one q/k/v preparation, one act * up, four matmuls, one attention.
+norms, one q/k/v preparation, one act * up, four matmuls, one attention (and its reduce in a split decode).
 
 Each kernel rounds where the torch reference (layers/norm.py, layers/rotary.py, layers/mlp.py) rounds, in the
 activations' dtype, so bf16 results follow HF's order of operations; the arithmetic between roundings is fp32,

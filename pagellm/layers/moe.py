@@ -73,7 +73,7 @@ class MoeExperts(nn.Module):
                     else "grouped_loop")
         if x.shape[0] <= PER_TOKEN_MAX_TOKENS:
             return "per_token"
-        return "grouped_mm" if hasattr(torch, "_grouped_mm") else "grouped_loop"
+        return "grouped_mm" if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") else "grouped_loop"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 first_expert: int | None = None) -> torch.Tensor:

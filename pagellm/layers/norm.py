@@ -23,6 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
+        self._fp32_weight: tuple[int, torch.Tensor] | None = None  # (data_ptr of the weight it came from, copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         out = rms_norm(x, self.flavour_weight(), self.eps, self.unit_offset)
@@ -47,9 +48,16 @@ class RMSNorm(nn.Module):
         return (self.eps, self.unit_offset) == (other.eps, other.unit_offset)
 
     def flavour_weight(self) -> torch.Tensor:
-        """The weight as the kernels take it: fp32 for the unit-offset flavour (Gemma adds 1 in fp32: a copy
-        per call here; the runner's plan makes it once), else the parameter."""
-        return self.weight.detach().float().contiguous() if self.unit_offset else self.weight
+        """The weight as the kernels take it: fp32 for the unit-offset flavour (Gemma adds 1 in fp32), else the
+        parameter. The fp32 copy is kept for the module path (the hybrid families run only modules: a copy per
+        call would add an allocation and a cast to every norm), made again when the weight is replaced; a bound
+        plan takes its copy once."""
+        if not self.unit_offset:
+            return self.weight
+        source = self.weight.data_ptr()
+        if self._fp32_weight is None or self._fp32_weight[0] != source:
+            self._fp32_weight = (source, self.weight.detach().float().contiguous())
+        return self._fp32_weight[1]
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -6,18 +6,22 @@ most tokens a step can hold) and non-torch allocations (CUDA context, cuBLAS wor
 and the recurrent-state slots of hybrid models too; the rest is KV. Device memory is committed when allocated,
 so a budget is an allocation, not an address range as on a CPU (platform.default_kv_cache_gib).
 
-Whatever the device: a pool that cannot hold one sequence of max_model_len fails at start, with the figures and
-the ways out, rather than at the first long request.
+Whatever the device: a pool that cannot hold one sequence of the model's context shortens max_model_len to what
+it holds (logged, as llama.cpp serves the context it could allocate); one that cannot hold an explicit
+max_model_len fails at start, with the figures and the ways out, rather than at the first long request.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from pagellm.core.attention_metadata import AttentionMetadata
 from pagellm.platform import GIB
+
+logger = logging.getLogger("pagellm.engine")
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ def kv_budget_bytes(utilization: float, before: DeviceMemory, after: DeviceMemor
     (state slots allocated later). ValueError, with the figures, when nothing is left or the device has less
     free memory than the fraction asks for."""
     requested = utilization * before.total
-    if requested > before.free + before.allocated:
+    if requested > before.free:  # as vLLM: what this process already holds is not counted as free
         raise ValueError(f"gpu_memory_utilization {utilization} asks for {requested / GIB:.2f} GiB of the device's "
                          f"{before.total / GIB:.2f} GiB, but only {before.free / GIB:.2f} GiB are free (other "
                          "processes hold the rest): lower gpu_memory_utilization")
@@ -74,6 +78,19 @@ def check_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: in
             f"the KV cache holds {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens, "
             f"{_size(num_blocks * per_block)}); one sequence of max_model_len {max_model_len} needs {needed} "
             f"({_size(needed * per_block)}): raise {budget_flag} or lower max_model_len")
+
+
+def fit_max_model_len(num_blocks: int, block_size: int, context: int, per_block: int, budget_flag: str) -> int:
+    """The model's context, or what the pool holds when that is shorter (logged, with the setting to raise and
+    the figures), as llama.cpp serves the context it could allocate; an explicit max_model_len is not shortened
+    (check_holds_one_sequence refuses it instead)."""
+    held = num_blocks * block_size
+    if held >= context or held == 0:
+        return context
+    logger.warning("max_model_len %d (the model's context) shortened to %d, what the KV cache holds (%d blocks, "
+                   "%s; the full context needs %s): raise %s for the full context", context, held, num_blocks,
+                   _size(num_blocks * per_block), _size(-(-context // block_size) * per_block), budget_flag)
+    return held
 
 
 def _size(nbytes: int) -> str:

@@ -51,11 +51,18 @@ def test_gpu_memory_utilization_outside_0_1_is_refused(value):
         CacheConfig(gpu_memory_utilization=value)
 
 
-def test_engine_start_fails_when_max_model_len_does_not_fit(tmp_path):
+def test_a_pool_shorter_than_the_context_shortens_it_or_refuses_an_explicit_length(tmp_path, caplog):
+    """The model's own context (256 here) is shortened to what the pool holds, said once with the setting to
+    raise; a max_model_len the user asked for is refused at start instead, with the figures."""
     write_tiny_checkpoint("llama", tmp_path)  # max_position_embeddings 256
-    with pytest.raises(ValueError, match="max_model_len 256 needs 16 .* raise kv_cache_memory or lower max_model_len"):
-        LLM(model=str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=1e-5)
-    LLM(model=str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=1e-5, max_model_len=32)  # the way out
+    with caplog.at_level(logging.WARNING, logger="pagellm.engine"):
+        llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=1e-5)  # 2 blocks of 16
+    assert llm.engine.max_model_len == 32 and llm.engine.scheduler.max_model_len == 32
+    assert "max_model_len 256 (the model's context) shortened to 32" in caplog.text and "kv_cache_memory" in caplog.text
+    with pytest.raises(ValueError, match="prompt is 40 tokens, longer than the 31 this engine can hold"):
+        llm.generate([[5] * 40], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len 48 needs 3 .* raise kv_cache_memory or lower max_model_len"):
+        LLM(model=str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=1e-5, max_model_len=48)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3-next"])
