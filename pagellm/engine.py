@@ -34,8 +34,8 @@ from pagellm.platform import (DTYPES, GIB, default_kv_cache_gib, keep_step_buffe
                               resident_bytes)
 from pagellm.request import Request, RequestStatus, stop_ids_of
 from pagellm.runner.grammar import Grammars
-from pagellm.runner.kv_budget import (DeviceMemory, check_holds_one_sequence, fit_max_model_len, kv_budget_bytes,
-                                      profile_forward, start_measuring)
+from pagellm.runner.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, check_holds_one_sequence,
+                                      fit_max_model_len, kv_budget_bytes, profile_forward, start_measuring)
 from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
 
@@ -138,7 +138,9 @@ class LLMEngine:
             states = 0 if per_slot == 0 else (
                 (cc.state_cache_memory * GIB if cc.state_cache_memory is not None else sc.max_num_seqs * per_slot)
                 + (cc.state_snapshot_memory * GIB if cc.enable_prefix_caching else 0))
-            budget = kv_budget_bytes(cc.gpu_memory_utilization, before, DeviceMemory.read(self.device), int(states))
+            sampler = sc.max_num_seqs * self.hf_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
+            budget = kv_budget_bytes(cc.gpu_memory_utilization, before, DeviceMemory.read(self.device),
+                                     int(states) + sampler)
             flag = "gpu_memory_utilization (or give kv_cache_memory)"
         num_blocks = int(budget // per_block)
         if self.config.model.max_model_len is None:  # the model's own context: shortened to the pool, said once

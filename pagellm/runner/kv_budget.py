@@ -24,6 +24,11 @@ from pagellm.platform import GIB
 logger = logging.getLogger("pagellm.engine")
 
 
+# Bytes per logit the sampler may hold at once beside the logits: top-k / top-p sort their [B, V] fp32 rows with
+# int64 indices and take fp32 probabilities (runner/sampler.py). Not in the profiling forward, so reserved.
+SAMPLER_BYTES_PER_LOGIT = 16
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     """A device's memory in bytes at one moment: total and free (every process), this process's torch
@@ -50,8 +55,8 @@ def start_measuring(device: torch.device) -> DeviceMemory:
 def kv_budget_bytes(utilization: float, before: DeviceMemory, after: DeviceMemory, reserved_elsewhere: int) -> int:
     """The KV budget of an engine allowed `utilization` of the device: what is left of it after this process's
     peak torch use since `before` (weights + the profiled step), its non-torch growth, and `reserved_elsewhere`
-    (state slots allocated later). ValueError, with the figures, when nothing is left or the device has less
-    free memory than the fraction asks for."""
+    (state slots allocated later, the sampler's buffers). ValueError, with the figures, when nothing is left or
+    the device has less free memory than the fraction asks for."""
     requested = utilization * before.total
     if requested > before.free:  # as vLLM: what this process already holds is not counted as free
         raise ValueError(f"gpu_memory_utilization {utilization} asks for {requested / GIB:.2f} GiB of the device's "
@@ -63,8 +68,8 @@ def kv_budget_bytes(utilization: float, before: DeviceMemory, after: DeviceMemor
     if budget <= 0:
         raise ValueError(f"gpu_memory_utilization {utilization} ({requested / GIB:.2f} GiB) leaves no KV cache: "
                          f"weights and the largest step peak at {torch_peak / GIB:.2f} GiB, other allocations "
-                         f"{non_torch / GIB:.2f} GiB, state slots {reserved_elsewhere / GIB:.2f} GiB: raise "
-                         "gpu_memory_utilization or lower max_num_batched_tokens")
+                         f"{non_torch / GIB:.2f} GiB, state slots and sampler buffers {reserved_elsewhere / GIB:.2f} "
+                         "GiB: raise gpu_memory_utilization or lower max_num_batched_tokens")
     return budget
 
 

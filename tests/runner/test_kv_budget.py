@@ -69,7 +69,8 @@ def test_a_pool_shorter_than_the_context_shortens_it_or_refuses_an_explicit_leng
 def test_sizing_from_device_memory_profiles_a_full_step_then_sizes_the_pool(family, tmp_path, monkeypatch, caplog):
     """The engine's device branch, run on the CPU with the device's figures given: the profiling forward of the
     largest step runs (a hybrid model's state too), the pool is what the budget leaves after other allocations
-    and the state slots, the backend line says so, and the engine then runs on the pool the runner binds."""
+    and the state slots (and the sampler's buffers), the backend line says so, and the engine then runs on the
+    pool the runner binds."""
     writer = write_tiny_checkpoint if family == "llama" else write_hybrid_checkpoint
     writer(family, tmp_path)
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, max_num_batched_tokens=96,
@@ -87,6 +88,7 @@ def test_sizing_from_device_memory_profiles_a_full_step_then_sizes_the_pool(fami
     assert profiled == [(96, 4)]  # the largest step: max_num_batched_tokens tokens, max_num_seqs logits rows
     per_slot = state_bytes_per_slot(engine.model)
     states = 0 if per_slot == 0 else 4 * per_slot + GIB  # max_num_seqs slots + the snapshots' 1 GiB default
+    states += 4 * engine.hf_config.vocab_size * kv_budget.SAMPLER_BYTES_PER_LOGIT  # the sampler's sort buffers
     assert (per_slot > 0) == (family == "qwen3-next")
     assert blocks == (5 * GIB // 2 - states) // kv_cache_bytes_per_block(engine.model, 16, torch.float32)
     assert f"KV {blocks * kv_cache_bytes_per_block(engine.model, 16, torch.float32) / GIB:.2f} GiB: {blocks} " \
