@@ -4,8 +4,9 @@ GPU time comes in minutes, so everything a device session must learn is one comm
 
     1. parity: a tiny Llama with random weights, fp32, pagellm's forward against HF transformers' on the device
        (max |logit difference|, argmax agreement per position);
-    2. attention: the Triton paged-attention kernel against the torch reference on the device, fp32 and bf16
-       (on a CPU only under TRITON_INTERPRET=1, fp32);
+    2. attention: the Triton paged-attention kernel against the torch reference on the device, fp32 and bf16,
+       a mixed step and split-KV decodes (on a CPU only under TRITON_INTERPRET=1, fp32); the fused layer ops
+       against the torch ops in bf16 (CUDA only);
     3. speed: llama-batched-bench rows (S_PP, S_TG) at real shapes built with --load-format dummy (no download),
        for pagellm and HF generate on the same weights (dynamic cache, and static cache, which transformers
        compiles itself), engines alternating.
@@ -119,13 +120,17 @@ def attention(device: str) -> dict:
         tables.append(list(range(start, start + -(-length // block))))  # contiguous: the kernel tests shuffle
         start += len(tables[-1])
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block, device=device)
+    # the two long decodes alone, their keys split 16 ways (split-KV and its reduce kernel)
+    decodes = AttentionMetadata.build([1, 1], [3001, 700], [tables[2], tables[0]], block, device=device)
     for dtype in (torch.float32, torch.bfloat16)[: 2 if on_cuda else 1]:
         k, v = (torch.randn(start, block, 8, 128, generator=generator).to(device, dtype) for _ in range(2))
         q = torch.randn(sum(query_lens), 32, 128, generator=generator).to(device, dtype)
-        got = paged_attention_triton(q, k, v, meta, 128**-0.5, None, None).double()
-        exact = paged_attention_reference(q.double(), k.double(), v.double(), meta, 128**-0.5)
-        worst = ((got - exact).abs() / _bound(exact, dtype)).max().item()
-        results[str(dtype).removeprefix("torch.")] = {"worst_error_over_bound": worst, "ok": worst <= 1.0}
+        for name, step, queries, splits in ((str(dtype).removeprefix("torch."), meta, q, None),
+                                            (f"{str(dtype).removeprefix('torch.')} split", decodes, q[:2], 16)):
+            got = paged_attention_triton(queries, k, v, step, 128**-0.5, None, None, num_splits=splits).double()
+            exact = paged_attention_reference(queries.double(), k.double(), v.double(), step, 128**-0.5)
+            worst = ((got - exact).abs() / _bound(exact, dtype)).max().item()
+            results[name] = {"worst_error_over_bound": worst, "ok": worst <= 1.0}
     return results
 
 
