@@ -3,7 +3,8 @@
 GPU time comes in minutes, so everything a device session must learn is one command:
 
     1. parity: a tiny Llama with random weights, fp32, pagellm's forward against HF transformers' on the device
-       (max |logit difference|, argmax agreement per position);
+       (max |logit difference|, argmax agreement per position), and its bf16 KL from those fp32 logits beside
+       HF's own bf16 (the bound: at most twice HF's);
     2. attention: the Triton paged-attention kernel against the torch reference on the device, fp32 and bf16,
        a mixed step and split-KV decodes (on a CPU only under TRITON_INTERPRET=1, fp32); the fused layer ops
        against the torch ops in bf16 (CUDA only);
