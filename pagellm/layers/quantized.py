@@ -96,7 +96,7 @@ class QuantizedLinear(KernelBinding, nn.Module):
         rows = x.numel() // self.in_features  # M
         native_below, dense_from = self._crossovers(x.dtype == torch.bfloat16)
         if rows < native_below:  # the decode path: kept to one kernel call and one allocation
-            return self._bound_matmul(self.int8_activations)(x)  # [..., N] in x's dtype, bias added
+            return self.bound_matmul(self.int8_activations)(x)  # [..., N] in x's dtype, bias added
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if rows >= dense_from:
             y = self._dense_matmul(x2)
@@ -112,7 +112,7 @@ class QuantizedLinear(KernelBinding, nn.Module):
         dense_from = self.dense_from_rows or DENSE_FROM_ROWS[key]
         return (min(NATIVE_BELOW_ROWS[key], dense_from) if self.native else 0), dense_from
 
-    def _bound_matmul(self, q8: bool = False) -> quant_gemv.BoundMatmul:
+    def bound_matmul(self, q8: bool = False) -> quant_gemv.BoundMatmul:
         names = self._weight_buffers
         weight, scales = self._buffers[names[0]], self._buffers[names[1]]  # plain dict reads: no __getattr__
         bound = self.__dict__.setdefault("_bound", {}).get(q8)

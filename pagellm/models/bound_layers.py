@@ -72,7 +72,7 @@ def _linear(module: nn.Module):
         weight, bias = module.weight, module.bias
         return lambda x: F.linear(x, weight, bias)
     if type(module) is Int4Linear and module.int8_activations and module.dense_from_rows is None:
-        return module._bound_matmul(True)
+        return module.bound_matmul(True)
     if type(module) is GGUFLinear:
         return module.bound()
     return None

@@ -60,7 +60,7 @@ def test_kernel_matches_the_dequantized_reference(scheme, rows, cols, dtype, bia
     large shapes take the threaded path, 208 rows is an odd number of int4 blocks, 37 an odd int8 row count."""
     layer = random_layer(scheme, rows, cols, bias, dtype, native=True)
     g = torch.Generator().manual_seed(1)
-    kernel = layer._bound_matmul()  # the native kernel itself, whatever M the layer would give it
+    kernel = layer.bound_matmul()  # the native kernel itself, whatever M the layer would give it
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 19):
         x = (torch.randn(m, cols, generator=g) * 2).to(dtype)
         y = kernel(x)
@@ -75,7 +75,7 @@ def test_native_and_torch_kernels_agree(scheme, dtype):
     torch_layer = random_layer(scheme, 304, 640, True, dtype, native=False)
     assert torch.equal(native_layer.dequantize(), torch_layer.dequantize())
     x = torch.randn(6, 640).to(dtype)
-    ours, theirs = native_layer._bound_matmul()(x).float(), torch_layer(x).float()
+    ours, theirs = native_layer.bound_matmul()(x).float(), torch_layer(x).float()
     # torch rounds to bf16 before adding the bias, the native kernel after: two bf16 roundings apart at most
     torch.testing.assert_close(ours, theirs, atol=2**-7 * theirs.abs().max().item(), rtol=2**-7)
 
@@ -89,7 +89,7 @@ def test_inputs_of_any_layout_and_dtype():
     strided = torch.randn(5, 192).to(torch.bfloat16)[:, ::2]  # not contiguous
     assert_matches_reference(layer, strided, layer(strided))
     with pytest.raises(ValueError, match="96 features"):  # the kernel reads raw memory: K is checked
-        layer._bound_matmul()(torch.randn(2, 64).to(torch.bfloat16))
+        layer.bound_matmul()(torch.randn(2, 64).to(torch.bfloat16))
     half = torch.randn(3, 96).half()  # converted to bf16 and back, as torch's kernels see it
     y = layer(half)
     assert y.dtype == torch.float16

@@ -140,7 +140,7 @@ def test_int8_activations_take_every_row_count(head, monkeypatch):
     layer = Int4Linear.from_float(torch.randn(128, 64, generator=g) * 0.05, native=True)
     assert layer.int8_activations
     calls = []
-    monkeypatch.setattr(layer, "_bound_matmul", lambda q8, f=layer._bound_matmul: calls.append(q8) or f(q8))
+    monkeypatch.setattr(layer, "bound_matmul", lambda q8, f=layer.bound_matmul: calls.append(q8) or f(q8))
     for rows in (1, 3, 4, 64, 600):
         calls.clear()
         x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
@@ -170,13 +170,13 @@ def test_dispatch_follows_the_measured_crossovers(scheme, dtype, head, native, m
     if native and scheme == "int4":  # its layout has no torch kernel: native, then dense tiles
         native_below = dense_from = NATIVE_BELOW_ROWS[key]
     calls = []
-    for path in ("_bound_matmul", "_torch_kernel", "_dense_matmul"):
+    for path in ("bound_matmul", "_torch_kernel", "_dense_matmul"):
         monkeypatch.setattr(layer, path, lambda *a, path=path, f=getattr(layer, path): calls.append(path) or f(*a))
     sizes = sorted({1, native_below - 1, native_below, dense_from - 1, dense_from} & set(range(1, 600)))
     for rows in sizes:
         calls.clear()
         layer(torch.randn(rows, 64).to(dtype))
-        expected = "_bound_matmul" if rows < native_below else "_torch_kernel" if rows < dense_from else "_dense_matmul"
+        expected = "bound_matmul" if rows < native_below else "_torch_kernel" if rows < dense_from else "_dense_matmul"
         assert calls == [expected], rows
 
 
