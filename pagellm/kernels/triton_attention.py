@@ -130,13 +130,19 @@ def _paged_attention_kernel(
         m_i = m_new
     if NUM_SPLITS > 1:
         at = ((q_start + token) * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split  # [M] (token, head, split)
-        tl.store(partial_ptr + at[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
-        tl.store(max_sum_ptr + at * 2, m_i, mask=row_ok)
-        tl.store(max_sum_ptr + at * 2 + 1, l_i, mask=row_ok)
+        _store_split(partial_ptr, max_sum_ptr, at, acc, m_i, l_i, row_ok, dims, BLOCK_D)
     else:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_start + token)[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _store_split(partial_ptr, max_sum_ptr, at, acc, m_i, l_i, row_ok, dims, BLOCK_D: tl.constexpr):
+    """One split's unnormalised output [M, D] and its softmax's (max, sum) [M] at rows `at` of the partials."""
+    tl.store(partial_ptr + at[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
+    tl.store(max_sum_ptr + at * 2, m_i, mask=row_ok)
+    tl.store(max_sum_ptr + at * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit

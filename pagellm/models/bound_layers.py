@@ -137,7 +137,7 @@ class BoundLayer:
 class BoundModel:
     """Every layer of a Llama-family backbone bound: h [T, E] embedded -> the final norm's output [T, E]."""
 
-    def __init__(self, layers: list[BoundLayer], final_norm: nn.Module, dtype: torch.dtype, kernels: str):
+    def __init__(self, layers: list[BoundLayer], final_norm: nn.Module, dtype: torch.dtype, kernels: StepKernels):
         self.layers, self.final_norm, self.dtype, self.kernels = layers, final_norm, dtype, kernels
         self.final_weight = final_norm.flavour_weight()
 
@@ -145,7 +145,7 @@ class BoundModel:
         """ropes: (cos, sin) [T, D/2] per layer, in the model dtype."""
         caches = self.layers[0].paged.key_cache
         # the runner's invariants
-        if h.dtype != self.dtype or caches is None or not self.layers[0].kernels.pairs(self.dtype, caches.dtype):
+        if h.dtype != self.dtype or caches is None or not self.kernels.pairs(self.dtype, caches.dtype):
             raise RuntimeError(f"the bound layers were planned for {self.dtype} activations and a KV cache paired "
                                f"with them; got {h.dtype} and {None if caches is None else caches.dtype}")
         pending = (None, None)
@@ -181,7 +181,7 @@ def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dty
         layers.append(bound)
     if not why and not layers[-1].norm_in.same_kind(backbone.norm):  # the final add + norm is fused too
         why = "the final norm differs in kind from the layers' norms"
-    return (None, why) if why else (BoundModel(layers, backbone.norm, dtype, kernels.name), "")
+    return (None, why) if why else (BoundModel(layers, backbone.norm, dtype, kernels), "")
 
 
 class PlannedBackbone:
@@ -209,9 +209,10 @@ def plan_model(model: nn.Module, enabled: bool, dtype: torch.dtype, kv_cache_dty
         return LayerPlan(None, "modules")
     backbone = backbones[0]
     bound, why = plan_backbone(backbone, type(backbone).norms_of, enabled, dtype, all_reduce, kernels)
-    if bound is not None and not bound.layers[0].kernels.pairs(dtype, kv_cache_dtype):
+    if bound is not None and not bound.kernels.pairs(dtype, kv_cache_dtype):
         bound, why = None, f"a {kv_cache_dtype} KV cache under {dtype} activations, which the kernels do not pair"
-    return LayerPlan(bound, f"bound to {bound.kernels} ({len(bound.layers)} layers)" if bound else f"modules: {why}")
+    described = f"bound to {bound.kernels.name} ({len(bound.layers)} layers)" if bound else f"modules: {why}"
+    return LayerPlan(bound, described)
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
