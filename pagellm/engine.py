@@ -24,7 +24,6 @@ from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_pa
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
-from pagellm.kernels import native
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, select_kernels
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import weight_bytes
@@ -42,11 +41,10 @@ from pagellm.sampling_params import SamplingParams
 logger = logging.getLogger("pagellm.engine")
 
 
-def _attention_of(device: torch.device) -> str:
-    """The kernels a device runs, in words, for the backend line."""
+def _attention_of(device: torch.device, level: str | None) -> str:
+    """The kernels a device runs (`level`: the CPU kernels'), in words, for the backend line."""
     if device.type == "cuda":
         return "Triton paged attention and layer ops, cuBLAS matmuls"
-    level = native.level()
     return f"native kernels at {level}" if level is not None else "torch reference ops"
 
 
@@ -57,9 +55,11 @@ class LLMEngine:
         self.device = torch.device(mc.device)
         if self.device.type == "cuda":  # Triton launches on the current device, not the tensors': make it this one
             torch.cuda.set_device(self.device)
-        self.kernels = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
-        self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type)]  # after: "auto" follows the level
-        self.kv_cache_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, self.device.type)]
+        chosen = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
+        self.kernels, self.kernel_level = chosen.description, chosen.level
+        level = chosen.level
+        self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type, level)]  # "auto" follows the level
+        self.kv_cache_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, self.device.type, level)]
         limit_threads_to_cores()
         parallel, workers, shard = None, None, None
         if config.parallel.tensor_parallel_size > 1:
@@ -147,8 +147,8 @@ class LLMEngine:
             self.max_model_len = fit_max_model_len(num_blocks, cc.block_size, self.max_model_len, per_block, flag)
         check_holds_one_sequence(num_blocks, cc.block_size, self.max_model_len, per_block, flag)
         logger.info("backend: %s (%s, %s, KV %.2f GiB: %d blocks of %d tokens)", self.device.type,
-                    _attention_of(self.device), str(self.dtype).removeprefix("torch."), num_blocks * per_block / GIB,
-                    num_blocks, cc.block_size)
+                    _attention_of(self.device, self.kernel_level), str(self.dtype).removeprefix("torch."),
+                    num_blocks * per_block / GIB, num_blocks, cc.block_size)
         return num_blocks
 
     def _runner_setup(self) -> RunnerSetup:

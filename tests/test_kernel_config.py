@@ -13,6 +13,7 @@ from pagellm.cli import build_parser, engine_config_from_args
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig
 from pagellm.kernels import native, selection
 from pagellm.kernels.errors import KernelBuildError
+from pagellm.layers.kernel_user import KernelUser
 from tests.kernels import EVERY_KERNEL, kernels_at, requires_compiler
 
 
@@ -51,15 +52,13 @@ def test_every_engine_command_takes_the_kernel_flags():
 
 def test_kv_cache_dtype_auto_is_bf16_under_an_auto_fp32_on_cpu():
     """auto: bf16 K/V where auto chose fp32 compute on a CPU; the compute dtype wherever a dtype was named."""
-    with native.using("avx2"):
-        assert selection.kv_cache_dtype("auto", None, "cpu") == "bfloat16"
-        assert selection.kv_cache_dtype("auto", "auto", "cpu") == "bfloat16"
-        assert selection.kv_cache_dtype("auto", "float32", "cpu") == "float32"  # the HF-parity mode stays fp32
-        assert selection.kv_cache_dtype("auto", "float16", "cpu") == "float16"
-        assert selection.kv_cache_dtype("float32", None, "cpu") == "float32"
-    if "avx512" in native.host_levels():
-        with native.using("avx512"):
-            assert selection.kv_cache_dtype("auto", None, "cpu") == "bfloat16"  # the compute dtype itself
+    assert selection.kv_cache_dtype("auto", None, "cpu", "avx2") == "bfloat16"
+    assert selection.kv_cache_dtype("auto", "auto", "cpu", "avx2") == "bfloat16"
+    assert selection.kv_cache_dtype("auto", "float32", "cpu", "avx2") == "float32"  # the HF-parity mode stays fp32
+    assert selection.kv_cache_dtype("auto", "float16", "cpu", "avx2") == "float16"
+    assert selection.kv_cache_dtype("float32", None, "cpu", "avx2") == "float32"
+    assert selection.kv_cache_dtype("auto", None, "cpu", "avx512") == "bfloat16"  # the compute dtype itself
+    assert selection.kv_cache_dtype("auto", None, "cpu", None) == "float32"  # torch's ops: nothing to gain
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, bfloat16 or float16, got 'int8'"):
         CacheConfig(kv_cache_dtype="int8")
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "float32"])
@@ -72,27 +71,28 @@ def test_auto_dtype_on_cuda_is_bf16_or_fp16_and_the_cache_follows(monkeypatch, b
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16_gpu)
     expected = "bfloat16" if bf16_gpu else "float16"
     for device in ("cuda", "cuda:1"):
-        assert selection.compute_dtype(None, device) == selection.compute_dtype("auto", device) == expected
-        assert selection.kv_cache_dtype("auto", None, device) == expected
-    assert selection.compute_dtype("float32", "cuda") == "float32"  # a dtype named is kept
-    assert selection.kv_cache_dtype("auto", "float32", "cuda") == "float32"
-    assert selection.compute_dtype(None, "meta") == "float32"  # other devices
+        assert selection.compute_dtype(None, device, None) == selection.compute_dtype("auto", device, None) == expected
+        assert selection.kv_cache_dtype("auto", None, device, None) == expected
+    assert selection.compute_dtype("float32", "cuda", None) == "float32"  # a dtype named is kept
+    assert selection.kv_cache_dtype("auto", "float32", "cuda", None) == "float32"
+    assert selection.compute_dtype(None, "meta", None) == "float32"  # other devices
 
 
 def test_llm_runs_the_level_asked_and_reports_every_kernel():
-    previous = native.level()
-    try:
-        llm = LLM(cpu_isa="generic", kv_cache_memory=0.05, max_model_len=64, skip_tokenizer_init=True)
-        assert native.level() == "generic"
-        assert selection.kernel_levels() == kernels_at("generic")  # the whole set, not a prefix
-        assert llm.stats()["kernels"] == selection.describe()
-        assert llm.stats()["layers"] == "bound to the kernels (18 layers)"  # the embedded model, planned once
-        assert (llm.stats()["dtype"], llm.stats()["kv_cache_dtype"]) == ("float32", "bfloat16")  # the level's auto
-        out = llm.generate([[2, 818, 5279, 529, 7001, 563]], use_tqdm=False)[0].outputs[0].token_ids
-        assert len(out) > 0
-        llm.shutdown()
-    finally:
-        native.select(previous or "auto", previous is not None)
+    """The engine's level reaches every module through its plan, and nothing process-wide changes."""
+    llm = LLM(cpu_isa="generic", kv_cache_memory=0.05, max_model_len=64, skip_tokenizer_init=True)
+    engine = llm.engine
+    assert engine.kernel_level == engine.runner.kernel_level == "generic"
+    assert selection.kernel_levels("generic") == kernels_at("generic")  # the whole set, not a prefix
+    assert llm.stats()["kernels"] == selection.describe("generic")
+    assert llm.stats()["layers"] == "bound to the kernels at generic (18 layers)"  # the embedded model, planned once
+    assert (llm.stats()["dtype"], llm.stats()["kv_cache_dtype"]) == ("float32", "bfloat16")  # the level's auto
+    levels = {m.kernel_level for m in engine.model.modules() if isinstance(m, KernelUser)}
+    assert levels == {"generic"}  # every module that calls a CPU kernel, bound by the plan
+    assert engine.runner.sampler._level == "generic"
+    out = llm.generate([[2, 818, 5279, 529, 7001, 563]], use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) > 0
+    llm.shutdown()
 
 
 @requires_compiler
@@ -104,23 +104,19 @@ def test_every_kernel_the_level_promises_builds(level):
 
 @requires_compiler
 def test_the_kernels_line_names_every_kernel_and_where_it_runs():
-    with native.using("generic"):  # the one level every host has, with no extensions
-        assert selection.describe() == (
-            "generic (GGUF blocks x int8 matmul, int4 x int8 matmul, int4 weight layout, paged attention, fused "
-            "layer ops, logits epilogue, Gated DeltaNet decode, RMS norm, rotary embedding); torch reference ops: "
-            "int4/int8 x bf16 matmul (not at generic)")
+    # generic: the one level every host has, with no extensions
+    assert selection.describe("generic") == (
+        "generic (GGUF blocks x int8 matmul, int4 x int8 matmul, int4 weight layout, paged attention, fused "
+        "layer ops, logits epilogue, Gated DeltaNet decode, RMS norm, rotary embedding); torch reference ops: "
+        "int4/int8 x bf16 matmul (not at generic)")
     if "avx512" in native.host_levels():
-        with native.using("avx512"):
-            assert selection.describe() == "avx512 (" + ", ".join(EVERY_KERNEL) + ")"
+        assert selection.describe("avx512") == "avx512 (" + ", ".join(EVERY_KERNEL) + ")"
 
 
 def test_native_kernels_off_is_said_as_such():
-    previous = native.level()
-    try:
-        assert selection.select_kernels(KernelConfig(native_kernels=False)) == "off (torch reference ops)"
-        assert native.level() is None and set(selection.kernel_levels().values()) == {"torch"}
-    finally:
-        native.select(previous or "auto", previous is not None)
+    assert selection.select_kernels(KernelConfig(native_kernels=False)) == selection.Kernels(
+        None, "off (torch reference ops)")
+    assert set(selection.kernel_levels(None).values()) == {"torch"}
 
 
 def fresh_kernels(monkeypatch, compiler: str | None) -> None:
@@ -134,33 +130,24 @@ def fresh_kernels(monkeypatch, compiler: str | None) -> None:
 
 def test_a_broken_build_stops_a_cpu_engine_only(monkeypatch, tmp_path):
     """A compiler that fails every build: selecting kernels for a CPU model raises, names the first kernel and the
-    level, says how to run anyway, and leaves the process's level as it was; for a model on another device,
-    which runs none of the CPU kernels, nothing is built and nothing fails."""
+    level and says how to run anyway; for a model on another device, which runs none of the CPU kernels, nothing
+    is built and nothing fails."""
     monkeypatch.setenv("PAGELLM_KERNEL_CACHE", str(tmp_path))
     fresh_kernels(monkeypatch, "false")  # POSIX false: exits 1, says nothing
-    previous = native.level()
-    try:
-        with pytest.raises(KernelBuildError, match=r"(?s)^GGUF blocks x int8 matmul: native kernel 'quant_gguf' "
-                                                   r"failed to build at level generic: false failed on quant_gguf.cpp"
-                                                   r".*a lower --cpu-isa, or --no-native-kernels"):
-            selection.select_kernels(KernelConfig(cpu_isa="generic"))
-        assert native.level() == previous
-        assert selection.select_kernels(KernelConfig(cpu_isa="generic"), "cuda:0") == (
-            "CPU kernels not used on cuda (see the backend line)")
-        assert native.level() is None
-    finally:
-        native.select(previous or "auto", previous is not None)
+    with pytest.raises(KernelBuildError, match=r"(?s)^GGUF blocks x int8 matmul: native kernel 'quant_gguf' "
+                                               r"failed to build at level generic: false failed on quant_gguf.cpp"
+                                               r".*a lower --cpu-isa, or --no-native-kernels"):
+        selection.select_kernels(KernelConfig(cpu_isa="generic"))
+    assert selection.select_kernels(KernelConfig(cpu_isa="generic"), "cuda:0") == selection.Kernels(
+        None, "CPU kernels not used on cuda (see the backend line)")
 
 
 def test_without_a_compiler_the_fallback_is_logged_once_naming_every_kernel(monkeypatch, caplog):
     """The one case that runs torch with native kernels on: no compiler at all (a build failure raises)."""
     fresh_kernels(monkeypatch, None)
-    previous = native.level()
-    try:
-        with caplog.at_level(logging.INFO, logger="pagellm.kernels"):
-            description = selection.select_kernels(KernelConfig(cpu_isa="generic"))
-    finally:
-        native.select(previous or "auto", previous is not None)
-    assert description == ("generic: no C++ compiler (set CXX or install g++), torch reference ops for "
+    with caplog.at_level(logging.INFO, logger="pagellm.kernels"):
+        chosen = selection.select_kernels(KernelConfig(cpu_isa="generic"))
+    description = chosen.description
+    assert chosen.level == "generic" and description == ("generic: no C++ compiler (set CXX or install g++), torch reference ops for "
                            + ", ".join(EVERY_KERNEL))
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", f"kernels: {description}")]

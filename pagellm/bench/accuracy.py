@@ -20,7 +20,6 @@ from pagellm.bench import peers
 from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, pagellm_logits,
                                   tokenize_text)
 from pagellm.eval.perplexity import score_positions, summarize
-from pagellm.kernels import native
 from pagellm.kernels.selection import select_kernels
 from pagellm.loader.model_loader import resolve_model_path
 
@@ -52,22 +51,23 @@ def distance(reference: torch.Tensor, logits: torch.Tensor, tokens: list[int]) -
 def main(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     tokens = text_tokens(path, args.text, args.positions)
-    select_kernels(KernelConfig(cpu_isa=args.cpu_isa or "auto"))  # each kernel of the level built, or an error
-    level = native.level() or "off"  # the full line is logged by select_kernels
-    dtype, kv_dtype = mode_dtype(args.dtype), mode_kv_cache_dtype(args.dtype, args.kv_cache_dtype)
+    kernels = KernelConfig(cpu_isa=args.cpu_isa or "auto")
+    chosen = select_kernels(kernels).level  # each kernel of the level built, or an error
+    level = chosen or "off"  # the full line is logged by select_kernels
+    dtype, kv_dtype = mode_dtype(args.dtype, chosen), mode_kv_cache_dtype(args.dtype, chosen, args.kv_cache_dtype)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
     llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()
     why_not = peers.llama_cpp_available() if llama_cpp else None
     if why_not is not None:  # said now, not after minutes of measuring pagellm
         print(f"llama.cpp: not run: {why_not}")
-    dense = load_dense_reference(path)
-    reference = pagellm_logits(dense, tokens, torch.float32)
+    dense = load_dense_reference(path, kernels)
+    reference = pagellm_logits(dense, tokens, torch.float32, kernels=kernels)
     del dense
     rows = {"pagellm dense fp32 (reference)": distance(reference, reference, tokens)}
-    model = load_mode(path, args.quantization, dtype)
+    model = load_mode(path, args.quantization, dtype, kernels)
     kv = "" if kv_dtype == dtype else f", {dtype_name(kv_dtype)} KV"
     rows[f"pagellm {args.quantization} {dtype_name(dtype)}{kv} ({level})"] = distance(
-        reference, pagellm_logits(model, tokens, dtype, kv_cache_dtype=kv_dtype), tokens)
+        reference, pagellm_logits(model, tokens, dtype, kv_cache_dtype=kv_dtype, kernels=kernels), tokens)
     del model
     if llama_cpp and why_not is None:
         rows["llama.cpp (the file as stored)"] = distance(reference, llama_cpp_logits(path, tokens, args.llama_threads),

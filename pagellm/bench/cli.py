@@ -235,7 +235,7 @@ def _report_batched(args: argparse.Namespace, engine) -> int:
     from pagellm.bench import batched, report
 
     sched = engine.config.scheduler
-    print(report.describe_machine(report.machine_info(report.dtype_name(engine.dtype))))
+    print(report.describe_machine(report.machine_info(report.dtype_name(engine.dtype), engine.kernels)))
     print(f"model: {engine.model_path}\n"
           f"engine: max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens}, "
           f"block_size {engine.kv_cache.block_size}, KV blocks {engine.kv_cache.pool.num_blocks}, "

@@ -141,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
                                   block_size=args.block_size, kv_cache_memory=kv_cache_memory,
                                   kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                                   cpu_isa=args.cpu_isa, device=args.device, load_format=args.load_format)
-    machine = report.machine_info(report.dtype_name(engine.dtype))
+    machine = report.machine_info(report.dtype_name(engine.dtype), engine.kernels)
     print(report.describe_machine(machine))
     if engine.device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(engine.device)}, torch {torch.__version__}")

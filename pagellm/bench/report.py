@@ -122,16 +122,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(dtype: str) -> dict[str, Any]:
+def machine_info(dtype: str, kernels: str) -> dict[str, Any]:
+    """The machine, and `kernels`: the engine's description of its CPU kernels (LLM.stats()["kernels"])."""
     import torch
 
-    from pagellm.kernels import native, selection
+    from pagellm.kernels import native
 
     simd = ("avx512f", "avx512_bf16", "avx512_vnni", "avx2", "fma", "avx_vnni", "asimd", "sve")
     return {
         "cpu": cpu_model(),
         "cpu_simd": [flag for flag in simd if flag in native.cpu_flags()],
-        "kernels": selection.describe(),
+        "kernels": kernels,
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -145,8 +145,8 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     state.store.set_timeout(timedelta(seconds=join_timeout))
     config: EngineConfig = pickle.loads(state.store.get(_SETUP_KEY))
     mc = config.model
-    select_kernels(config.kernels, mc.device)  # the head's choice (it checked this level runs on its own CPU)
-    device, dtype = torch.device(mc.device), DTYPES[compute_dtype(mc.dtype, mc.device)]
+    level = select_kernels(config.kernels, mc.device).level  # the head's choice (checked on its own CPU)
+    device, dtype = torch.device(mc.device), DTYPES[compute_dtype(mc.dtype, mc.device, level)]
     if device.type == "cuda":  # Triton launches on the current device, not the tensors'
         torch.cuda.set_device(device)
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
@@ -154,7 +154,7 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
                        shard=shard, kernels=config.kernels, load_format=mc.load_format).model
     install_all_reduce(model, state.all_reduce_)
     setup: RunnerSetup = pickle.loads(state.store.get(_RUNNER_KEY))
-    kv_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, mc.device)]
+    kv_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, mc.device, level)]
     runner = ModelRunner(model, setup.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
                          kv_dtype, device, num_state_slots=setup.num_state_slots,
                          num_snapshot_slots=setup.num_snapshot_slots, samples=False,

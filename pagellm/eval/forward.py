@@ -14,22 +14,22 @@ from pagellm.platform import DTYPES
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype
 from pagellm.loader.model_loader import load_model
 from pagellm.config import KernelConfig
-from pagellm.models.bound_layers import plan_model
+from pagellm.kernels import native
+from pagellm.models.bound_layers import PlanSettings, plan_model
 from pagellm.loader.tokenizer import load_tokenizer
 from pagellm.core.attention_metadata import AttentionMetadata
 
 _BLOCK = 16  # tokens per KV block of the sequence's private cache
 
 
-def mode_dtype(name: str | None) -> torch.dtype:
-    """The compute dtype --dtype names on CPU; None / "auto" as the engine resolves it, so after the kernel
-    level is selected (native.select)."""
-    return DTYPES[compute_dtype(name, "cpu")]
+def mode_dtype(name: str | None, level: str | None) -> torch.dtype:
+    """The compute dtype --dtype names on CPU; None / "auto" as the engine resolves it at the kernels' `level`."""
+    return DTYPES[compute_dtype(name, "cpu", level)]
 
 
-def mode_kv_cache_dtype(name: str | None, kv: str = "auto") -> torch.dtype:
-    """The dtype the engine stores K/V in under --dtype `name` and --kv-cache-dtype `kv`, so after native.select."""
-    return DTYPES[kv_cache_dtype(kv, name, "cpu")]
+def mode_kv_cache_dtype(name: str | None, level: str | None, kv: str = "auto") -> torch.dtype:
+    """The dtype the engine stores K/V in under --dtype `name` and --kv-cache-dtype `kv` at the kernels' `level`."""
+    return DTYPES[kv_cache_dtype(kv, name, "cpu", level)]
 
 
 def is_dense_mode(path: Path, quantization: str, dtype: torch.dtype) -> bool:
@@ -39,15 +39,18 @@ def is_dense_mode(path: Path, quantization: str, dtype: torch.dtype) -> bool:
     return dense_weights and dtype == torch.float32
 
 
-def load_mode(path: Path, quantization: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The model of `path` on CPU in one mode. Quantization and dtype are always passed: the loader's
-    defaults may differ by file type, and the dense reference must be dense whatever they are."""
-    return load_model(str(path), dtype, torch.device("cpu"), with_tokenizer=False, quantization=quantization).model
+def load_mode(path: Path, quantization: str, dtype: torch.dtype,
+              kernels: KernelConfig | None = None) -> torch.nn.Module:
+    """The model of `path` on CPU in one mode (layouts for `kernels`' level). Quantization and dtype are always
+    passed: the loader's defaults may differ by file type, and the dense reference must be dense whatever they
+    are."""
+    return load_model(str(path), dtype, torch.device("cpu"), with_tokenizer=False, quantization=quantization,
+                      kernels=kernels).model
 
 
-def load_dense_reference(path: Path) -> torch.nn.Module:
+def load_dense_reference(path: Path, kernels: KernelConfig | None = None) -> torch.nn.Module:
     """The dense fp32 model of the same file (a GGUF's blocks dequantized): what every mode is measured against."""
-    return load_mode(path, "none", torch.float32)
+    return load_mode(path, "none", torch.float32, kernels)
 
 
 def tokenize_text(path: Path, text_file: str) -> tuple[list[int], int | None]:
@@ -72,7 +75,9 @@ def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype
         shape = (blocks, _BLOCK, layer.num_kv_heads, layer.head_dim)
         layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device),
                             torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device))
-    plan = plan_model(model, (kernels or KernelConfig()).bound_layers, dtype, kv_cache_dtype or dtype).bound
+    kernels = kernels or KernelConfig()
+    level = native.level_of(kernels) if device.type == "cpu" else None
+    plan = plan_model(model, PlanSettings(level, dtype, kv_cache_dtype or dtype, kernels.bound_layers)).bound
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):

@@ -124,14 +124,14 @@ _LIBRARY = native.Library("paged_attention", [_PAGED_ATTENTION], "paged attentio
 LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
 
 
-def _native_kernel(at: str | None = None):
-    """The C++ entry point's unchecked caller at level `at` (default: the selected one), or None."""
+def _native_kernel(at: str | None):
+    """The C++ entry point's unchecked caller at level `at`, or None."""
     return _LIBRARY.unchecked(_PAGED_ATTENTION.symbol, at)
 
 
-def native_available() -> bool:
-    """Whether the native paged-attention kernel runs at the selected level (built, native kernels on)."""
-    return _native_kernel() is not None
+def native_available(at: str | None) -> bool:
+    """Whether the native paged-attention kernel runs at level `at` (built; None: native kernels off)."""
+    return _native_kernel(at) is not None
 
 
 def _native_supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -154,8 +154,10 @@ def paged_attention_native(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    *,
+    at: str,
 ) -> torch.Tensor:  # [T, H_q, D]
-    """The C++ kernel; the caller checked `_native_supported` and that `_native_kernel()` is not None."""
+    """The C++ kernel at level `at`; the caller checked `_native_supported` and `native_available(at)`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if query.stride(-1) != 1:
@@ -164,7 +166,7 @@ def paged_attention_native(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
     if num_tokens == 0:
         return out
-    status = _native_kernel()(
+    status = _native_kernel(at)(
         out, query, key_cache, value_cache, tables, starts, lens,
         meta.num_seqs, num_heads, num_kv_heads, head_dim, meta.block_size, tables.stride(0),
         query.stride(0), query.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
@@ -182,16 +184,19 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    *,
+    at: str | None,
 ) -> torch.Tensor:  # [T, H_q, D]
     """Causal attention of each request's new tokens over its whole paged context.
 
-    On CUDA the Triton kernel (kernels/triton_attention.py); on CPU the native kernel when it applies (see the
-    module docstring); else the torch reference.
+    On CUDA the Triton kernel (kernels/triton_attention.py); on CPU the native kernel at level `at` when it
+    applies (see the module docstring); else the torch reference.
     """
     if query.device.type == "cuda":  # one launch per step, K/V read in place: not gathered, not looped over
         kernel = cuda_ops.triton_module("triton_attention").paged_attention_triton
         return kernel(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
     if (_native_supported(query, key_cache, value_cache)
-            and _native_kernel() is not None):
-        return paged_attention_native(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)
+            and _native_kernel(at) is not None):
+        return paged_attention_native(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap,
+                                      at=at)
     return paged_attention_reference(query, key_cache, value_cache, meta, scale, sliding_window, logits_soft_cap)

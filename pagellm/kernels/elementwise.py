@@ -24,12 +24,13 @@ _LIBRARIES = {"rms_norm": native.Library("rms_norm", [_RMS_NORM], "RMS norm"),
 LIBRARIES = tuple(_LIBRARIES.values())  # for kernels/selection.py
 
 
-def _kernel(name: str):
-    """pagellm_<name> of csrc/<name>.cpp at the selected level (unchecked caller), or None."""
-    return _LIBRARIES[name].unchecked(f"pagellm_{name}")
+def _kernel(name: str, at: str | None):
+    """pagellm_<name> of csrc/<name>.cpp at level `at` (unchecked caller), or None."""
+    return _LIBRARIES[name].unchecked(f"pagellm_{name}", at)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor | None:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool,
+             at: str | None) -> torch.Tensor | None:
     """x [..., dim] -> normalised [..., dim]; weight fp32 when unit_offset, else x's dtype. None: not handled."""
     if x.is_cuda:  # the Triton kernel of the fused add + norm, with nothing to add
         ok = cuda_ops.takes(x, weight) and weight.dtype == (torch.float32 if unit_offset else x.dtype)
@@ -37,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     if (x.numel() == 0 or not _RMS_NORM.accepts(x=x, weight=weight)
             or weight.dtype != (torch.float32 if unit_offset else x.dtype)):
         return None
-    fn = _kernel("rms_norm")
+    fn = _kernel("rms_norm", at)
     if fn is None:
         return None
     out = torch.empty_like(x)
@@ -46,12 +47,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return out
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: str | None) -> torch.Tensor | None:
     """x [T, H, D] rotated by cos/sin [T, D/2] (same dtype as x). None: not handled."""
     if (x.dim() != 3 or x.numel() == 0 or not _ROTARY.accepts(x=x, cos=cos, sin=sin)
             or not cos.dtype == sin.dtype == x.dtype):
         return None
-    fn = _kernel("rotary")
+    fn = _kernel("rotary", at)
     if fn is None:
         return None
     out = torch.empty_like(x)

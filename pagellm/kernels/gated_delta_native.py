@@ -28,9 +28,9 @@ LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
 _SYMBOLS = {"conv": _CONV.symbol, "rule": _RULE.symbol}
 
 
-def _kernel(which: str):
-    """A function of csrc/gated_delta_decode.cpp at the selected level (unchecked caller), or None."""
-    return _LIBRARY.unchecked(_SYMBOLS[which])
+def _kernel(which: str, at: str | None):
+    """A function of csrc/gated_delta_decode.cpp at level `at` (unchecked caller), or None."""
+    return _LIBRARY.unchecked(_SYMBOLS[which], at)
 
 
 def _slots_ok(function: Function, slots: torch.Tensor, num_slots: int) -> bool:
@@ -40,11 +40,11 @@ def _slots_ok(function: Function, slots: torch.Tensor, num_slots: int) -> bool:
 
 
 def decode_handled(conv_state: torch.Tensor, recurrent_state: torch.Tensor, x: torch.Tensor,
-                   weight: torch.Tensor, slots: list[int]) -> bool:
+                   weight: torch.Tensor, slots: list[int], at: str | None) -> bool:
     """Whether both kernels take this decode step (checked before either touches a state)."""
     return (_CONV.accepts(conv_state=conv_state, x=x, weight=weight) and _RULE.accepts(state=recurrent_state)
             and conv_state.dtype == weight.dtype == x.dtype and bool(slots) and 0 <= min(slots) and max(slots) < min(conv_state.shape[0], recurrent_state.shape[0])
-            and _kernel("conv") is not None and _kernel("rule") is not None)
+            and _kernel("conv", at) is not None and _kernel("rule", at) is not None)
 
 
 def slot_index_usable(index: torch.Tensor | None, count: int) -> bool:
@@ -53,7 +53,7 @@ def slot_index_usable(index: torch.Tensor | None, count: int) -> bool:
 
 
 def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
-                 weight: torch.Tensor) -> torch.Tensor | None:
+                 weight: torch.Tensor, at: str | None) -> torch.Tensor | None:
     """conv_state [S, C, K-1] (in place), slots [B] int64, x [B, C], weight [C, K] -> silu(conv) [B, C].
 
     All of conv_state, x, weight in one dtype (fp32 or bf16). None: not handled.
@@ -61,7 +61,7 @@ def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     if (not _CONV.accepts(conv_state=conv_state, x=x, weight=weight) or not conv_state.dtype == weight.dtype == x.dtype
             or not _slots_ok(_CONV, slots, conv_state.shape[0])):
         return None
-    fn = _kernel("conv")
+    fn = _kernel("conv", at)
     if fn is None:
         return None
     batch, channels = x.shape
@@ -71,7 +71,7 @@ def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
 
 
 def rule_decode_(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor | None:
+                 g: torch.Tensor, beta: torch.Tensor, at: str | None) -> torch.Tensor | None:
     """One token of the gated delta rule on state[slots[b], h] in place -> out [B, Hv, dv] fp32.
 
     state [S, Hv, dk, dv] fp32; q, k [B, Hk, dk] fp32, already l2-normalised (q scaled), one
@@ -80,7 +80,7 @@ def rule_decode_(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: t
     """
     if not _RULE.accepts(state=state, q=q, k=k, v=v, g=g, beta=beta) or not _slots_ok(_RULE, slots, state.shape[0]):
         return None
-    fn = _kernel("rule")
+    fn = _kernel("rule", at)
     if fn is None:
         return None
     _, v_heads, dk, dv = state.shape

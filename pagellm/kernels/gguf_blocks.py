@@ -52,9 +52,17 @@ LIBRARIES = (_KERNELS,)  # for kernels/selection.py
 _DTYPE_FLAG = native.DTYPE_CODES
 
 
-def available() -> bool:
-    """Whether the kernels run here: at every level with a compiler (and native kernels on)."""
-    return _KERNELS.available()
+def available(at: str | None) -> bool:
+    """Whether the kernels run at level `at`: at every level with a compiler (None: native kernels off)."""
+    return _KERNELS.available(at)
+
+
+def _kernel(symbol: str, at: str | None):
+    fn = _KERNELS.unchecked(symbol, at)
+    if fn is None:  # weights kept in blocks have no other path: the loader keeps them only where this runs
+        raise RuntimeError(f"GGUF block weights need the native kernels, which do not run at level {at!r} "
+                           "(native kernels off, or no C++ compiler)")
+    return fn
 
 
 def supports(ggml_type: T, rows: int, cols: int) -> bool:
@@ -215,12 +223,12 @@ class BoundMatmul:
     tensors: a decode call is one allocation and one ctypes call per weight. Why several: a joined q/k/v or
     gate/up whose parts the file stores in different formats still writes one output, with no copies."""
 
-    def __init__(self, weights: list[GGUFWeight], bias: torch.Tensor | None):
+    def __init__(self, weights: list[GGUFWeight], bias: torch.Tensor | None, at: str | None):
         self.weights, self.bias = list(weights), bias
         self.cols, self.rows = weights[0].cols, sum(w.rows for w in weights)
         if any(w.cols != self.cols for w in weights):
             raise ValueError(f"weights side by side need one input width, got {[w.cols for w in weights]}")
-        self._fn = _KERNELS.unchecked(_MATMUL.symbol)
+        self._fn = _kernel(_MATMUL.symbol, at)
         offsets = np.cumsum([0] + [w.rows for w in weights])[:-1].tolist()
         self._calls = [(int(o), (w.format_id, w.qs, w.gp, w.sp, w.rows)) for o, w in zip(offsets, weights)]
         self._biases = {}  # dtype -> the bias in it
@@ -253,17 +261,17 @@ class BoundMatmul:
         return self._biases[dtype].data_ptr()
 
 
-def rows(weight: GGUFWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def rows(weight: GGUFWeight, ids: torch.Tensor, at: str | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The dequantized rows `ids` [T, K] (fp32 or bf16): exactly gguf.quants.dequantize's values."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), weight.cols, dtype=dtype if dtype in _DTYPE_FLAG else torch.float32)
-    bad = _KERNELS.unchecked(_ROWS.symbol)(weight.format_id, *weight.tensors(), weight.rows, weight.cols, ids,
+    bad = _kernel(_ROWS.symbol, at)(weight.format_id, *weight.tensors(), weight.rows, weight.cols, ids,
                                            ids.numel(), out)
     if bad:  # checked in the kernel: a reduction and a host read here cost more than the lookup
         raise IndexError(f"{bad} row index(es) out of range for {weight.rows} rows")
     return out.to(dtype)
 
 
-def matmul(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None, at: str | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, x quantized to int8 per 32 columns."""
-    return BoundMatmul([weight], bias)(x)
+    return BoundMatmul([weight], bias, at)(x)

@@ -27,9 +27,9 @@ LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
 _SYMBOLS = {"logits_to_f32": _TO_F32.symbol, "argmax_rows": _ARGMAX.symbol, "mask_rows": _MASK.symbol}
 
 
-def _kernel(name: str):
-    """A function of csrc/logits.cpp at the selected level (unchecked caller), or None."""
-    return _LIBRARY.unchecked(_SYMBOLS[name])
+def _kernel(name: str, at: str | None):
+    """A function of csrc/logits.cpp at level `at` (unchecked caller), or None."""
+    return _LIBRARY.unchecked(_SYMBOLS[name], at)
 
 
 def _handled(function: Function, x: torch.Tensor) -> bool:
@@ -44,7 +44,8 @@ def _check_out(out: torch.Tensor, logits: torch.Tensor) -> None:
                          f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})")
 
 
-def logits_to_f32(logits: torch.Tensor, cap: float | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+def logits_to_f32(logits: torch.Tensor, cap: float | None, at: str | None,
+                  out: torch.Tensor | None = None) -> torch.Tensor | None:
     """`(torch.tanh(logits / cap) * cap).float()` (or `logits.float()` when cap is None or <= 0).
 
     The soft-capping rounds as torch does in logits' dtype: bit-identical for bf16, within a
@@ -61,7 +62,7 @@ def logits_to_f32(logits: torch.Tensor, cap: float | None, out: torch.Tensor | N
     capped = cap is not None and cap > 0
     if out is None and logits.dtype == torch.float32 and not capped:
         return logits
-    fn = _kernel("logits_to_f32")
+    fn = _kernel("logits_to_f32", at)
     if fn is None:
         return None
     if out is None:
@@ -73,12 +74,12 @@ def logits_to_f32(logits: torch.Tensor, cap: float | None, out: torch.Tensor | N
     return out
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+def argmax_rows(x: torch.Tensor, at: str | None) -> torch.Tensor | None:
     """`x.argmax(dim=-1)` for fp32 x: the first index of each row's maximum, a NaN counting as
     the maximum (the first NaN wins), as torch's CPU argmax. int64, shape x.shape[:-1].
     None: not handled here (not fp32, empty last dim, ...); use torch.
     """
-    fn = _kernel("argmax_rows")
+    fn = _kernel("argmax_rows", at)
     if fn is None or not _handled(_ARGMAX, x):  # the kernel first: with none, torch's argmax is all that runs
         return None
     V = x.shape[-1]
@@ -88,10 +89,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], at: str | None) -> None:
     """In place: logits[rows[j], t] = -inf wherever bit t % 32 of bitmask[j, t // 32] is 0 (a grammar's packed
     allowed-token mask, xgrammar's layout). logits [B, V] fp32, bitmask [len(rows), ceil(V / 32)] int32."""
-    fn = _kernel("mask_rows") if logits.dim() == 2 and _handled(_MASK, logits) else None
+    fn = _kernel("mask_rows", at) if logits.dim() == 2 and _handled(_MASK, logits) else None
     if not rows:
         return
     if fn is None or not _MASK.accepts(bitmask=bitmask):

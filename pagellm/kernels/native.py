@@ -12,9 +12,10 @@ compiler's own macros (`__AVX512F__`, `__AVX2__`, ...):
     avx2     AVX2 + FMA + F16C (Haswell and later, Zen 1-3)
     generic  the compiler's baseline for the machine (plain C++ loops; ARM, old x86)
 
-The process runs one level (`level()`), chosen by `select()` from the engine config's `cpu_isa` (as torch
-runs one ATEN_CPU_CAPABILITY); `load(name, level)` builds any level this CPU can execute, so tests check every
-one in one process. Libraries are cached under ~/.cache/pagellm/kernels (or $PAGELLM_KERNEL_CACHE), keyed by
+Nothing here selects a level for the process: every wrapper takes its level (`at`) from its caller, and a
+model's plan binds its modules to the engine's (`level_of(KernelConfig)`), so two engines in one process may
+run two levels and tests check every level in one process. `load(name, level)` builds any level this CPU can
+execute. Libraries are cached under ~/.cache/pagellm/kernels (or $PAGELLM_KERNEL_CACHE), keyed by
 the sources, the level's flags and the compiler. With no compiler `load` returns None: the torch reference path
 takes over only where there is no C++ compiler at all (`compiler()` is None; the engine logs it once, naming every
 kernel that runs in torch: kernels/selection.py). Where a compiler exists, a build that fails is a KernelBuildError
@@ -27,7 +28,6 @@ dynamic linker reuses it and both share one thread pool (two pools spinning on 2
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -116,47 +116,25 @@ def torch_env(level: str) -> dict[str, str]:
     return dict(_TORCH_ENV[level])
 
 
-class _Selection:
-    """The process's level (None: native kernels off). One object, set by `select`: the kernels a process
-    calls are process-wide, as torch's CPU capability is. Until an engine selects, the config's defaults."""
-
-    def __init__(self):
-        defaults = KernelConfig()
-        self.level = resolve(defaults.cpu_isa) if defaults.native_kernels else None
+DEFAULT_LEVEL = "process default"  # a level argument meaning default_level() (constructors' default)
 
 
-_SELECTION = _Selection()
+def level_of(config: KernelConfig) -> str | None:
+    """The level a KernelConfig runs its native kernels at (a ValueError if this CPU cannot), None with them off."""
+    return resolve(config.cpu_isa) if config.native_kernels else None
 
 
-def select(cpu_isa: str, enabled: bool = True) -> str | None:
-    """Make `cpu_isa` (resolved) the level the kernel wrappers load; enabled=False: none (torch references)."""
-    _SELECTION.level = resolve(cpu_isa) if enabled else None
-    return _SELECTION.level
-
-
-@contextlib.contextmanager
-def using(cpu_isa: str | None):
-    """Within the block the wrappers load `cpu_isa` (None: no native kernels); the previous level after."""
-    previous = _SELECTION.level
-    _SELECTION.level = None if cpu_isa is None else resolve(cpu_isa)
-    try:
-        yield _SELECTION.level
-    finally:
-        _SELECTION.level = previous
+@functools.cache
+def default_level() -> str | None:
+    """The level of the config's defaults ($PAGELLM_CPU_ISA, $PAGELLM_NATIVE): what a module runs at until its
+    model's plan binds it to an engine's level (layers/kernel_user.py). Fixed for the process: the environment
+    is read once, as torch reads ATEN_CPU_CAPABILITY."""
+    return level_of(KernelConfig())
 
 
 def each_level(fn) -> dict[str, object]:
-    """{level: fn()} with each level this CPU executes selected in turn (tests compare the builds with it)."""
-    results = {}
-    for each in host_levels():
-        with using(each):
-            results[each] = fn()
-    return results
-
-
-def level() -> str | None:
-    """The level the kernel wrappers use now (None: native kernels off)."""
-    return _SELECTION.level
+    """{level: fn(level)} for each level this CPU executes (tests compare the builds with it)."""
+    return {each: fn(each) for each in host_levels()}
 
 
 def compiler() -> str | None:
@@ -229,11 +207,11 @@ def _load(name: str, level: str, extensions: tuple[str, ...] = ()) -> ctypes.CDL
         return KernelBuildError(f"native kernel {name!r} built at level {at} but does not load: {e}")
 
 
-def load(name: str, at: str | None = None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled `csrc/<name>.cpp` for level `at` (default: the selected level) plus `extensions` (keys of
-    EXTENSIONS); None when native kernels are off or there is no C++ compiler. A failed build is a
-    KernelBuildError with the compiler's message; a level or extension this CPU cannot execute, a ValueError."""
-    at = level() if at is None else resolve(at)
+def load(name: str, at: str | None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled `csrc/<name>.cpp` for level `at` plus `extensions` (keys of EXTENSIONS); None when `at` is
+    None (native kernels off) or there is no C++ compiler. A failed build is a KernelBuildError with the
+    compiler's message; a level or extension this CPU cannot execute, a ValueError."""
+    at = None if at is None else resolve(at)
     missing = [e for e in extensions if e not in cpu_flags() or EXTENSIONS[e][0] != at]
     if missing:
         raise ValueError(f"extension(s) {missing} do not apply to {at} builds on this CPU")
@@ -245,7 +223,7 @@ def load(name: str, at: str | None = None, extensions: tuple[str, ...] = ()) -> 
     return lib
 
 
-def bind(name: str, functions, at: str | None = None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def bind(name: str, functions, at: str | None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """`load(name, at, extensions)` with each of `functions` (binding.Function) typed for ctypes (tests use it
     for one-off probes; kernel wrappers go through Library)."""
     lib = load(name, at, extensions)
@@ -281,9 +259,8 @@ class Library:
         self.functions = MappingProxyType({f.symbol: f for f in functions})
         self._builds: dict[tuple, dict | None] = {}
 
-    def promised(self, at: str | None = None) -> bool:
-        """Whether the kernel exists at level `at` (default: the selected one; None: native kernels off)."""
-        at = level() if at is None else at
+    def promised(self, at: str | None) -> bool:
+        """Whether the kernel exists at level `at` (None: native kernels off)."""
         return at in self.levels
 
     def at(self, at: str | None, extensions: tuple[str, ...] | None = None) -> dict | None:
@@ -315,18 +292,18 @@ class Library:
         bind(self.name, self.functions.values(), at, extensions)
         return {symbol: f.callers(getattr(lib, symbol)) for symbol, f in self.functions.items()}
 
-    def available(self, at: str | None = None) -> bool:
-        """Whether the library runs at level `at` (default: the selected one)."""
-        return self.at(level() if at is None else at) is not None
+    def available(self, at: str | None) -> bool:
+        """Whether the library runs at level `at`."""
+        return self.at(at) is not None
 
-    def unchecked(self, symbol: str, at: str | None = None):
-        """The unchecked caller of one function at level `at` (default: the selected one), or None."""
-        callers = self.at(level() if at is None else at)
+    def unchecked(self, symbol: str, at: str | None):
+        """The unchecked caller of one function at level `at`, or None."""
+        callers = self.at(at)
         return None if callers is None else callers[symbol][0]
 
-    def checked(self, symbol: str, at: str | None = None):
+    def checked(self, symbol: str, at: str | None):
         """The checked caller (binding.KernelArgumentError on a tensor it cannot take), or None."""
-        callers = self.at(level() if at is None else at)
+        callers = self.at(at)
         return None if callers is None else callers[symbol][1]
 
     def accepts(self, symbol: str, **tensors) -> bool:

@@ -16,7 +16,7 @@ int4 codes are kept in the kernel's own layout (blocks of 16 rows; see the .cpp 
 the same bytes as torch's int4pack layout (N*K/2 codes, 4 bytes of scale and zero per group). int8 weights
 keep Int8Linear's [N, K] layout.
 
-`available()` (the bf16-activation kernels) needs AVX-512 BF16; `q8_available()` (the int8-activation kernel, and
+`available(at)` (the bf16-activation kernels) needs AVX-512 BF16; `q8_available(at)` (the int8-activation kernel, and
 the layout's dequantizers) holds at every level (native.py) where a compiler is. Without them (native kernels
 off, no compiler) layers keep torch's layouts and kernels (layers/quantized.py), which stay the reference.
 
@@ -63,25 +63,32 @@ _Q8 = native.Library("quant_gemv_q8", [_INT4_Q8], "int4 x int8 matmul", extensio
 LIBRARIES = (_Q8, _LAYOUT, _MATMULS)  # for kernels/selection.py
 
 
-def available() -> bool:
-    """Whether the bf16-activation int4 / int8 kernels run here (AVX-512 BF16)."""
-    return _MATMULS.available()
+def available(at: str | None) -> bool:
+    """Whether the bf16-activation int4 / int8 kernels run at level `at` (avx512: AVX-512 BF16)."""
+    return _MATMULS.available(at)
 
 
-def promised(at: str | None = None) -> bool:
-    """Whether the bf16-activation kernels exist at level `at` (default: the selected one), built or not."""
+def promised(at: str | None) -> bool:
+    """Whether the bf16-activation kernels exist at level `at`, built or not."""
     return _MATMULS.promised(at)
 
 
-def q8_available() -> bool:
-    """Whether int4_matmul_q8 (and with it the native int4 layout, whose dequantizers come with it) runs here: at
-    every level with a compiler."""
-    return _Q8.available() and _LAYOUT.available()
+def q8_available(at: str | None) -> bool:
+    """Whether int4_matmul_q8 (and with it the native int4 layout, whose dequantizers come with it) runs at
+    level `at`: at every level with a compiler."""
+    return _Q8.available(at) and _LAYOUT.available(at)
 
 
-def native_layout_available() -> bool:
-    """Whether int4 weights can be kept in this module's layout: some kernel here computes with it."""
-    return available() or q8_available()
+def native_layout_available(at: str | None) -> bool:
+    """Whether int4 weights can be kept in this module's layout at level `at`: some kernel computes with it."""
+    return available(at) or q8_available(at)
+
+
+def _kernel(library: native.Library, symbol: str, at: str | None):
+    fn = library.unchecked(symbol, at)
+    if fn is None:  # the caller chose this path from available(at) / q8_available(at): not an input to fall back on
+        raise RuntimeError(f"{library.title} does not run at level {at!r}")
+    return fn
 
 
 # ---- int4 layout ----------------------------------------------------------------------------------
@@ -134,17 +141,17 @@ def _matmul(fn, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
     return out
 
 
-def int4_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,
+                at: str | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype."""
-    return _matmul(_MATMULS.unchecked(_INT4.symbol), x, codes, sz, bias, 2 * codes.shape[1])
+    return _matmul(_kernel(_MATMULS, _INT4.symbol, at), x, codes, sz, bias, 2 * codes.shape[1])
 
 
-def int4_matmul_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_matmul_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,
+                   at: str | None) -> torch.Tensor:
     """int4_matmul with x quantized to int8 per row and 32-column group (see the module docstring): more
-    throughput, at the cost of the activations' int8 rounding. Needs q8_available()."""
-    return _matmul(_Q8.unchecked(_INT4_Q8.symbol), x, codes, sz, bias, 2 * codes.shape[1])
+    throughput, at the cost of the activations' int8 rounding. Needs q8_available(at)."""
+    return _matmul(_kernel(_Q8, _INT4_Q8.symbol, at), x, codes, sz, bias, 2 * codes.shape[1])
 
 
 class BoundMatmul:
@@ -155,11 +162,11 @@ class BoundMatmul:
     int4_matmul_q8 instead. measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md"""
 
     def __init__(self, scheme: str, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 q8: bool = False):
+                 q8: bool, at: str | None):
         if q8 and scheme != "int4":
             raise ValueError(f"the int8-activation kernel takes int4 weights, not {scheme}")
         self.tensors = (weight, scales, bias)
-        self._fn = _Q8.unchecked(_INT4_Q8.symbol) if q8 else _MATMULS.unchecked(f"pagellm_{scheme}_matmul")
+        self._fn = _kernel(_Q8, _INT4_Q8.symbol, at) if q8 else _kernel(_MATMULS, f"pagellm_{scheme}_matmul", at)
         self._rows, self._cols = weight.shape[0], weight.shape[1] * (2 if scheme == "int4" else 1)  # N, K
 
     def binds(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -176,23 +183,25 @@ class BoundMatmul:
         return out
 
 
-def int4_rows(codes: torch.Tensor, sz: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def int4_rows(codes: torch.Tensor, sz: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
+              at: str | None) -> torch.Tensor:
     """The dequantized rows `ids` into out [len(ids), K] (fp32 or bf16): exactly the weights the kernel uses."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     target = out if out.dtype in _DTYPE_FLAG and out.is_contiguous() else torch.empty(out.shape)
-    bad = _LAYOUT.unchecked(_ROWS.symbol)(codes, sz, codes.shape[0], 2 * codes.shape[1], ids, ids.numel(), target)
+    bad = _kernel(_LAYOUT, _ROWS.symbol, at)(codes, sz, codes.shape[0], 2 * codes.shape[1], ids, ids.numel(), target)
     if bad:  # checked in the kernel: a reduction and a host read here cost more than the lookup
         raise IndexError(f"{bad} row index(es) out of range for {codes.shape[0]} rows")
     return out if target is out else out.copy_(target)
 
 
-def int4_tile_t(codes: torch.Tensor, sz: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+def int4_tile_t(codes: torch.Tensor, sz: torch.Tensor, start: int, stop: int, out: torch.Tensor,
+                at: str | None) -> torch.Tensor:
     """Rows [start, stop) (multiples of 16) dequantized and transposed into out [K, stop - start] (fp32 or bf16;
     a column slice of a wider buffer is fine): the dense path's weight tile, as tile.t()."""
     rows, cols = stop - start, 2 * codes.shape[1]
     if start % BLOCK_ROWS or rows % BLOCK_ROWS or not 0 <= start < stop <= codes.shape[0]:
         raise IndexError(f"rows [{start}, {stop}) of {codes.shape[0]} are not whole blocks of {BLOCK_ROWS}")
     if out.dtype not in _DTYPE_FLAG or out.stride(1) != 1:
-        return out.copy_(int4_tile_t(codes, sz, start, stop, torch.empty(cols, rows)))
-    _LAYOUT.unchecked(_TILE_T.symbol)(codes, sz, cols, start, rows, out, out.stride(0))
+        return out.copy_(int4_tile_t(codes, sz, start, stop, torch.empty(cols, rows), at))
+    _kernel(_LAYOUT, _TILE_T.symbol, at)(codes, sz, cols, start, rows, out, out.stride(0))
     return out

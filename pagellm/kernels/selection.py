@@ -1,6 +1,6 @@
-"""The process's native kernels, chosen once from the engine config (KernelConfig), checked, and described.
+"""An engine's native kernels, chosen once from its config (KernelConfig), checked, and described.
 
-Every kernel the selected level promises is built (or loaded from the cache) at selection: one that does not
+Every kernel the chosen level promises is built (or loaded from the cache) at selection: one that does not
 build is a KernelBuildError with the compiler's message, so start-up stops rather than running a torch fallback
 the user did not ask for. Only a machine with no C++ compiler runs the torch reference ops with native kernels
 on; that is logged once, naming every kernel it affects."""
@@ -8,6 +8,7 @@ on; that is logged once, naming every kernel it affects."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -24,42 +25,47 @@ LIBRARIES: tuple[native.Library, ...] = (
     *gated_delta_native.LIBRARIES, *elementwise.LIBRARIES)
 
 
-def select_kernels(config: KernelConfig, device: str = "cpu") -> str:
-    """Make the config's level the one every kernel wrapper loads (a ValueError naming cpu_isa if this CPU
-    cannot run it), build each kernel it promises (a KernelBuildError if one fails), log and return what runs,
-    e.g. "avx2 (GGUF blocks x int8 matmul, ...); torch reference ops: int4/int8 x bf16 matmul (not at avx2)".
-    A model on another device runs none of these CPU kernels: nothing is built for it, and a broken compiler on
-    its host does not stop it."""
+@dataclass(frozen=True)
+class Kernels:
+    """The CPU kernels an engine runs: `level` (None: torch's reference ops, or a model on another device),
+    which its runner's plan binds the model to, and `description`, the line start-up logs and LLM.stats()
+    shows."""
+    level: str | None
+    description: str
+
+
+def select_kernels(config: KernelConfig, device: str = "cpu") -> Kernels:
+    """The config's level (a ValueError naming cpu_isa if this CPU cannot run it), each kernel it promises
+    built (a KernelBuildError if one fails), logged, e.g. "avx2 (GGUF blocks x int8 matmul, ...); torch
+    reference ops: int4/int8 x bf16 matmul (not at avx2)". A model on another device runs none of these CPU
+    kernels: nothing is built for it, and a broken compiler on its host does not stop it."""
     kind = torch.device(device).type
-    previous = native.level()
     try:
-        native.select(config.cpu_isa, config.native_kernels and kind == "cpu")
+        level = native.level_of(config) if kind == "cpu" else None
     except ValueError as e:
         raise ValueError(f"cpu_isa: {e}") from None
     try:
-        description = describe() if kind == "cpu" else f"CPU kernels not used on {kind} (see the backend line)"
+        description = describe(level) if kind == "cpu" else f"CPU kernels not used on {kind} (see the backend line)"
     except KernelBuildError as e:
-        native.select(previous or "auto", previous is not None)  # a failed selection leaves the process as it was
         raise KernelBuildError(f"{e}\n(to run without it: a lower --cpu-isa, or --no-native-kernels for torch's "
                                "reference ops)") from None
-    if native.level() is not None and native.compiler() is None:
+    if level is not None and native.compiler() is None:
         logger.warning("kernels: %s", description)  # the one place the fallback is said
     else:
         logger.info("kernels: %s", description)
-    return description
+    return Kernels(level, description)
 
 
-def kernel_levels(at: str | None = None) -> dict[str, str]:
-    """{kernel: the level it runs at, or "torch"} at level `at` (by default the selected one, which is None
-    with native kernels off: every kernel "torch"), each promised kernel built now if not yet cached. A kernel
-    that fails to build raises KernelBuildError."""
-    at = native.level() if at is None else at
+def kernel_levels(at: str | None) -> dict[str, str]:
+    """{kernel: the level it runs at, or "torch"} at level `at` (None, native kernels off: every kernel
+    "torch"), each promised kernel built now if not yet cached. A kernel that fails to build raises
+    KernelBuildError."""
     return {library.title: at if library.at(at) is not None else "torch" for library in LIBRARIES}
 
 
-def compute_dtype(dtype: str | None, device: str) -> str:
+def compute_dtype(dtype: str | None, device: str, level: str | None) -> str:
     """The compute dtype `dtype` names; None or "auto": on CUDA bfloat16 (float16 on a GPU without it); on a CPU
-    bfloat16 where the selected level has a native bf16 dot product (avx512: AVX-512 BF16); float32 elsewhere.
+    bfloat16 where the kernels' `level` has a native bf16 dot product (avx512: AVX-512 BF16); float32 elsewhere.
     Why not bf16 on every CPU: without AVX-512 BF16, torch and our kernels emulate bf16 arithmetic, slower
     than fp32.
     measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md"""
@@ -69,10 +75,10 @@ def compute_dtype(dtype: str | None, device: str) -> str:
     if kind == "cuda":  # as vLLM: bf16 where the GPU computes it (Ampere and later), else fp16
         # not emulated bf16 (pre-Ampere GPUs report it supported by default): those get fp16
         return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
-    return "bfloat16" if kind == "cpu" and native.level() == "avx512" else "float32"
+    return "bfloat16" if kind == "cpu" and level == "avx512" else "float32"
 
 
-def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str) -> str:
+def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str, level: str | None) -> str:
     """The dtype K/V are stored in: `kv_cache_dtype` when named; for "auto" the compute dtype, except bfloat16
     when `dtype` is auto and chose float32 on a CPU with native kernels. Why: a decode step streams the whole
     context's K/V, so their bytes set attention's time on a bandwidth-bound host, and the kernels read bf16 K/V
@@ -80,15 +86,14 @@ def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str) -> str:
     measured: docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md"""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
-    compute = compute_dtype(dtype, device)
+    compute = compute_dtype(dtype, device, level)
     on_cpu = torch.device(device).type == "cpu"
-    narrow = dtype in (None, "auto") and on_cpu and compute == "float32" and native.level() is not None
+    narrow = dtype in (None, "auto") and on_cpu and compute == "float32" and level is not None
     return "bfloat16" if narrow else compute  # (the torch reference would only widen a bf16 cache every step)
 
 
-def describe() -> str:
-    """The selected level and every kernel: those that run at it, and those that run in torch and why."""
-    level = native.level()
+def describe(level: str | None) -> str:
+    """`level` and every kernel: those that run at it, and those that run in torch and why."""
     if level is None:
         return "off (torch reference ops)"
     levels = kernel_levels(level)

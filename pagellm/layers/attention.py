@@ -11,9 +11,10 @@ from torch import nn
 
 from pagellm.kernels.attention import paged_attention, write_kv
 from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.layers.kernel_user import KernelUser
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(KernelUser, nn.Module):
     def __init__(
         self,
         num_heads: int,
@@ -49,5 +50,5 @@ class PagedAttention(nn.Module):
     def attend(self, query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, H_q, D] -> [T, H_q * D]
         """Attention over the cache alone: this step's K/V must already be in it."""
         out = paged_attention(query, self.key_cache, self.value_cache, meta, self.scale,
-                              self.sliding_window, self.logits_soft_cap)
+                              self.sliding_window, self.logits_soft_cap, at=self.kernel_level)
         return out.flatten(1)  # [T, H_q * D]

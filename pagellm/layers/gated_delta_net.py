@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import gated_delta_native
+from pagellm.layers.kernel_user import KernelUser
 from pagellm.kernels.gated_delta import chunked_gated_delta, gated_delta_step_, prepare_qk, recurrent_gated_delta_
 from pagellm.core.attention_metadata import AttentionMetadata
 
@@ -77,7 +78,7 @@ def _consecutive(slots: list[int]) -> bool:
     return all(b - a == 1 for a, b in zip(slots, slots[1:]))
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(KernelUser, nn.Module):
     def __init__(self, config, fused_projections: bool):
         super().__init__()
         hidden = config.hidden_size
@@ -239,11 +240,12 @@ class GatedDeltaNet(nn.Module):
         a conv update followed by a torch fallback would shift the conv state twice.
         """
         weight = self.conv1d.weight[:, 0]  # [C, K], contiguous (a view of [C, 1, K])
-        if not gated_delta_native.decode_handled(self.conv_state, self.recurrent_state, x, weight, slots):
+        level = self.kernel_level
+        if not gated_delta_native.decode_handled(self.conv_state, self.recurrent_state, x, weight, slots, level):
             return None
         index = slot_index if gated_delta_native.slot_index_usable(slot_index, len(slots)) else \
             torch.tensor(slots, dtype=torch.int64)
-        conv_out = gated_delta_native.conv_decode_(self.conv_state, index, x.contiguous(), weight)
+        conv_out = gated_delta_native.conv_decode_(self.conv_state, index, x.contiguous(), weight, level)
         if conv_out is None:
             return None
         n = conv_out.shape[0]
@@ -253,7 +255,8 @@ class GatedDeltaNet(nn.Module):
                           self.num_k_heads)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim).float()
         out = gated_delta_native.rule_decode_(self.recurrent_state, index, q.contiguous(), k.contiguous(),
-                                              v.contiguous(), g.float().contiguous(), beta.float().contiguous())
+                                              v.contiguous(), g.float().contiguous(), beta.float().contiguous(),
+                                              level)
         if out is None:  # unreachable after decode_handled; the conv state has already moved on
             raise RuntimeError("gated delta decode kernel refused a step its conv half took")
         return out.to(x.dtype)

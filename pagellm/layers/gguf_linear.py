@@ -16,10 +16,10 @@ from torch import nn
 
 from pagellm.kernels import gguf_blocks
 from pagellm.kernels.gguf_blocks import GGUFWeight
-from pagellm.layers.kernel_binding import KernelBinding
+from pagellm.layers.kernel_user import KernelUser
 
 
-class GGUFLinear(KernelBinding, nn.Module):
+class GGUFLinear(KernelUser, nn.Module):
     scheme = "gguf"
 
     def __init__(self, segments: list[GGUFWeight], bias: torch.Tensor | None = None):
@@ -46,12 +46,11 @@ class GGUFLinear(KernelBinding, nn.Module):
         """The kernel bound to this layer's tensors: built once, again if a buffer or the bias was replaced
         (checked by identity: a forward pays a few attribute reads, not a rebuild of the segments)."""
         tensors = (*self._buffers.values(), self.bias)
-        bound, key = self.__dict__.get("_bound", (None, ()))
+        bound, key = self.bindings.get("matmul", (None, ()))
         if bound is None or len(key) != len(tensors) or any(a is not b for a, b in zip(key, tensors)):
-            bound = gguf_blocks.BoundMatmul(self.segments(), self.bias)
-            self.__dict__["_bound"] = (bound, tensors)
+            bound = gguf_blocks.BoundMatmul(self.segments(), self.bias, self.kernel_level)
+            self.bindings["matmul"] = (bound, tensors)
         return bound
-
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bound()(x)  # [..., K] -> [..., N] in x's dtype
@@ -65,11 +64,11 @@ class GGUFLinear(KernelBinding, nn.Module):
         segments = self.segments()
         if len(segments) != 1:
             raise ValueError("row lookups read a single-segment GGUFLinear (a token table)")
-        return gguf_blocks.rows(segments[0], ids, dtype)
+        return gguf_blocks.rows(segments[0], ids, self.kernel_level, dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The dense [N, K] float32 weight (tests and references only)."""
-        return torch.cat([gguf_blocks.rows(s, torch.arange(s.rows)) for s in self.segments()])
+        return torch.cat([gguf_blocks.rows(s, torch.arange(s.rows), self.kernel_level) for s in self.segments()])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

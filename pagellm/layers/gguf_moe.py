@@ -8,19 +8,19 @@ from torch import nn
 from pagellm.kernels import gguf_blocks
 from pagellm.kernels.gguf_blocks import GGUFWeight
 from pagellm.layers.gguf_linear import merged_segments
-from pagellm.layers.kernel_binding import KernelBinding
+from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.mlp import gated_act
 from pagellm.layers.moe import PER_TOKEN_MAX_TOKENS, MoeExperts
 
 
-class GGUFMoeExperts(KernelBinding, MoeExperts):
+class GGUFMoeExperts(MoeExperts):
     """MoeExperts with every expert in its GGUF blocks (a MoE GGUF then needs about its file size in memory):
     per projection one stacked buffer [X, ...] of the experts' repacked blocks (within a layer every expert
     shares its tensor's format). The routing, grouping and summation are MoeExperts'; each active expert runs
     the block kernels over its rows, gate and up as one call when they share a format."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
-        nn.Module.__init__(self)  # no dense parameters: experts arrive as blocks (put), then `finish`
+        KernelUser.__init__(self)  # no dense parameters: experts arrive as blocks (put), then `finish`
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.activation = activation
         self._arriving: dict[str, dict[int, GGUFWeight]] = {"gate_proj": {}, "up_proj": {}, "down_proj": {}}
@@ -59,17 +59,18 @@ class GGUFMoeExperts(KernelBinding, MoeExperts):
 
     def _kernels(self, e: int) -> tuple[gguf_blocks.BoundMatmul, gguf_blocks.BoundMatmul]:
         """Expert e's (gate_up, down) kernels, bound once (views into the stacked buffers)."""
-        bound = self.__dict__.setdefault("_bound", {})
+        bound, level = self.bindings, self.kernel_level
         if e not in bound:
             first = [self._weight("gate_up", e)] if "gate_up" in self.formats else [self._weight("gate", e),
                                                                                     self._weight("up", e)]
-            bound[e] = (gguf_blocks.BoundMatmul(first, None), gguf_blocks.BoundMatmul([self._weight("down", e)], None))
+            bound[e] = (gguf_blocks.BoundMatmul(first, None, level),
+                        gguf_blocks.BoundMatmul([self._weight("down", e)], None, level))
         return bound[e]
 
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [n, E] -> [n, E] through expert e
         gate_up, down = self._kernels(e)
-        return down(gated_act(gate_up(x), self.activation).contiguous())
+        return down(gated_act(gate_up(x), self.activation, self.kernel_level).contiguous())
 
     def dispatch(self, x: torch.Tensor) -> str:
         return "per_token" if x.shape[0] <= PER_TOKEN_MAX_TOKENS else "grouped_loop"  # no grouped_mm on blocks
@@ -78,7 +79,7 @@ class GGUFMoeExperts(KernelBinding, MoeExperts):
         """(gate_up [X, 2I, E], down [X, E, I]) float32, as MoeExperts holds them (tests and references only)."""
         def rows(name, e):
             w = self._weight(name, e)
-            return gguf_blocks.rows(w, torch.arange(w.rows))
+            return gguf_blocks.rows(w, torch.arange(w.rows), self.kernel_level)
         names = ["gate_up"] if "gate_up" in self.formats else ["gate", "up"]
         gate_up = torch.stack([torch.cat([rows(n, e) for n in names]) for e in range(self.num_experts)])
         return gate_up, torch.stack([rows("down", e) for e in range(self.num_experts)])

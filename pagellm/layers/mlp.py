@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels.layer_ops import act_mul
+from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.quantized import concat_linears
 
 # HF `hidden_act` names -> the function HF's ACT2FN maps them to.
@@ -26,17 +27,18 @@ ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 FUSED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # act_mul's native ones
 
 
-def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """[..., 2 I] (gate, then up) -> act(gate) * up [..., I]: one fused kernel call where it applies."""
+def gated_act(gate_up: torch.Tensor, activation: str, at: str | None) -> torch.Tensor:
+    """[..., 2 I] (gate, then up) -> act(gate) * up [..., I]: one fused kernel call (CPU kernels at level `at`)
+    where it applies."""
     fused = FUSED_ACTIVATIONS.get(activation)
-    out = act_mul(gate_up, fused) if fused else None
+    out = act_mul(gate_up, fused, at) if fused else None
     if out is None:
         gate, up = gate_up.chunk(2, dim=-1)
         out = ACTIVATION_FUNCTIONS[activation](gate) * up
     return out
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(KernelUser, nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
         super().__init__()
         if activation not in ACTIVATION_FUNCTIONS:
@@ -57,4 +59,5 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.gate_up_proj is None:
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(gated_act(self.gate_up_proj(x), self.activation))  # [T, 2 I] -> [T, I] -> [T, hidden]
+        hidden = gated_act(self.gate_up_proj(x), self.activation, self.kernel_level)  # [T, 2 I] -> [T, I]
+        return self.down_proj(hidden)  # [T, hidden]

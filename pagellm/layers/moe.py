@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.mlp import ACTIVATION_FUNCTIONS, GatedMLP, gated_act
 
 # Dispatch: per-token for a single token, grouped otherwise. Everything is bound by reading expert
@@ -48,7 +49,7 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     return weights.to(router_logits.dtype), ids
 
 
-class MoeExperts(nn.Module):
+class MoeExperts(KernelUser, nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()
         if activation not in ACTIVATION_FUNCTIONS:
@@ -61,7 +62,8 @@ class MoeExperts(nn.Module):
         self.activation = activation
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [n, E] -> [n, E] through expert e
-        return F.linear(gated_act(F.linear(x, self.gate_up_proj[e]), self.activation), self.down_proj[e])
+        return F.linear(gated_act(F.linear(x, self.gate_up_proj[e]), self.activation, self.kernel_level),
+                        self.down_proj[e])
 
     def dispatch(self, x: torch.Tensor) -> str:
         """Which path runs this batch (see the measurements above). On CUDA in bf16 always the grouped call: no
@@ -125,8 +127,8 @@ class MoeExperts(nn.Module):
         """All groups in one call: group e is rows offs[e-1]:offs[e] times expert e's weights."""
         offs = counts.cumsum(0).to(torch.int32)  # [X] end row of each group
         gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs)  # [n, 2I]
-        return torch._grouped_mm(gated_act(gate_up, self.activation).contiguous(), self.down_proj.transpose(1, 2),
-                                 offs=offs)
+        return torch._grouped_mm(gated_act(gate_up, self.activation, self.kernel_level).contiguous(),
+                                 self.down_proj.transpose(1, 2), offs=offs)
 
     def _per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)

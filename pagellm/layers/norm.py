@@ -15,18 +15,18 @@ from torch import nn
 
 from pagellm.kernels.elementwise import rms_norm
 from pagellm.kernels.layer_ops import add_rms_norm
+from pagellm.layers.kernel_user import KernelUser
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(KernelUser, nn.Module):
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
-        self._fp32_weight: tuple[int, torch.Tensor] | None = None  # (data_ptr of the weight it came from, copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        out = rms_norm(x, self.flavour_weight(), self.eps, self.unit_offset)
+        out = rms_norm(x, self.flavour_weight(), self.eps, self.unit_offset, self.kernel_level)
         return out if out is not None else self.reference(x)
 
     def residual(self, h: torch.Tensor, x: torch.Tensor | None,
@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
             return h, self(h)
         if post is None or self.same_kind(post):
             fused = add_rms_norm(h, x, None if post is None else post.flavour_weight(), self.flavour_weight(),
-                                 self.eps, self.unit_offset)
+                                 self.eps, self.unit_offset, self.kernel_level)
             if fused is not None:
                 return fused
         h = h + (x if post is None else post(x))
@@ -49,15 +49,16 @@ class RMSNorm(nn.Module):
 
     def flavour_weight(self) -> torch.Tensor:
         """The weight as the kernels take it: fp32 for the unit-offset flavour (Gemma adds 1 in fp32), else the
-        parameter. The fp32 copy is kept for the module path (the hybrid families run only modules: a copy per
+        parameter. The fp32 copy is one of the module's bindings (the hybrid families run only modules: a copy per
         call would add an allocation and a cast to every norm), made again when the weight is replaced; a bound
         plan takes its copy once."""
         if not self.unit_offset:
             return self.weight
         source = self.weight.data_ptr()
-        if self._fp32_weight is None or self._fp32_weight[0] != source:
-            self._fp32_weight = (source, self.weight.detach().float().contiguous())
-        return self._fp32_weight[1]
+        kept = self.bindings.get("fp32_weight")
+        if kept is None or kept[0] != source:
+            kept = self.bindings["fp32_weight"] = (source, self.weight.detach().float().contiguous())
+        return kept[1]
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -36,9 +36,10 @@ from torch import nn
 
 from pagellm.kernels import quant_gemv
 from pagellm.kernels.gguf_blocks import GGUFWeight
+from pagellm.kernels.native import default_level
 from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.gguf_linear import GGUFLinear, concat_gguf_linears
-from pagellm.layers.kernel_binding import KernelBinding
+from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.quant_codes import (  # noqa: F401  -- GROUP_SIZE, GroupAffine, can_quantize: the loader's
     GROUP_SIZE, KERNEL_DTYPE, GroupAffine, Int4Layout, can_quantize, group_affine_from_float, int4_row_codes,
     pack_int4, quantize_int8, unpack_tile)
@@ -68,9 +69,10 @@ _HEAD_ROWS = 65536  # a layer with more output rows than this is a vocab head
 
 def int8_activations_default() -> bool:
     """int4 layers take int8 activations where the kernel runs (every level with a compiler; the loader applies
-    KernelConfig.int8_activations after): faster than bf16 activations, for an activation rounding error well
-    below the int4 weights' own (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md)."""
-    return quant_gemv.q8_available()
+    KernelConfig.int8_activations and the engine's level after): faster than bf16 activations, for an activation
+    rounding error well below the int4 weights' own
+    (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md)."""
+    return quant_gemv.q8_available(default_level())
 
 
 def _aligned_kernel_input(x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,7 @@ def _aligned_kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % _ALIGN == 0 else x.clone()
 
 
-class QuantizedLinear(KernelBinding, nn.Module):
+class QuantizedLinear(KernelUser, nn.Module):
     """y = x W^T + b with W held quantized. Subclasses supply the int kernels, rows, and dense tiles."""
 
     scheme = ""
@@ -115,9 +117,10 @@ class QuantizedLinear(KernelBinding, nn.Module):
     def bound_matmul(self, q8: bool = False) -> quant_gemv.BoundMatmul:
         names = self._weight_buffers
         weight, scales = self._buffers[names[0]], self._buffers[names[1]]  # plain dict reads: no __getattr__
-        bound = self.__dict__.setdefault("_bound", {}).get(q8)
+        bound = self.bindings.get(q8)
         if bound is None or not bound.binds(weight, scales, self.bias):  # built once; again if a buffer is replaced
-            bound = self.__dict__["_bound"][q8] = quant_gemv.BoundMatmul(self.scheme, weight, scales, self.bias, q8)
+            bound = self.bindings[q8] = quant_gemv.BoundMatmul(self.scheme, weight, scales, self.bias, q8,
+                                                               self.kernel_level)
         return bound
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +150,7 @@ class Int8Linear(QuantizedLinear):
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  dense_from_rows: int | None = None, native: bool | None = None):
-        native = quant_gemv.available() if native is None else native
+        native = quant_gemv.available(default_level()) if native is None else native
         super().__init__(*qweight.shape, bias, native, dense_from_rows)
         self.register_buffer("qweight", qweight)  # [N, K] int8
         self.register_buffer("scale", scale.to(KERNEL_DTYPE))  # [N]
@@ -198,7 +201,7 @@ class Int4Linear(QuantizedLinear):
         """From a float [N, K] weight (requantized) or a GroupAffine (kept as it is); in the native kernel's
         layout when that kernel is available (or `native`), else in torch's."""
         affine = weight if isinstance(weight, GroupAffine) else group_affine_from_float(weight)
-        native = quant_gemv.native_layout_available() if native is None else native
+        native = quant_gemv.native_layout_available(default_level()) if native is None else native
         return cls(*pack_int4(affine, native), bias, **kwargs)
 
     def _torch_kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +213,7 @@ class Int4Linear(QuantizedLinear):
         # the native layout has no torch kernel: native kernel, then dense tiles, which the int8-activation
         # kernel beats at every M measured.
         # measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
-        if not self.int8_activations and not quant_gemv.available():
+        if not self.int8_activations and not quant_gemv.available(self.kernel_level):
             below = 0  # no bf16-activation kernel at this level (it needs AVX-512 BF16): dense tiles at every M
         elif self.dense_from_rows:
             below = self.dense_from_rows
@@ -222,7 +225,7 @@ class Int4Linear(QuantizedLinear):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.native:
             out = torch.empty(ids.numel(), self.in_features, dtype=dtype)
-            return quant_gemv.int4_rows(self.packed, self.scales_and_zeros, ids, out)
+            return quant_gemv.int4_rows(self.packed, self.scales_and_zeros, ids, out, self.kernel_level)
         codes = int4_row_codes(self.packed, self.layout, ids)  # [T, K]
         sz = self.scales_and_zeros[:, ids.reshape(-1)].float().transpose(0, 1)  # [T, G, 2]
         w = (codes.view(codes.shape[0], -1, GROUP_SIZE).float() - 8) * sz[..., :1] + sz[..., 1:]
@@ -238,7 +241,8 @@ class Int4Linear(QuantizedLinear):
     def _weight_tile(self, start: int, stop: int, scratch) -> torch.Tensor:
         if self.native:
             tile = scratch[:, : stop - start]  # [K, rows]
-            return quant_gemv.int4_tile_t(self.packed, self.scales_and_zeros, start, stop, tile).t()
+            return quant_gemv.int4_tile_t(self.packed, self.scales_and_zeros, start, stop, tile,
+                                          self.kernel_level).t()
         codes, tile = (buf[:, : stop - start] for buf in scratch)  # [K, rows] each
         unpack_tile(self.packed, self.layout, start, stop, codes)
         sz = self.scales_and_zeros[:, start:stop].float()  # [G, rows, 2]
@@ -278,18 +282,22 @@ def lm_head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return head(hidden)
 
 
-def quantized_module(scheme: str, weight, *, bias: torch.Tensor | None = None, embedding: bool = False,
-                     dtype: torch.dtype = torch.float32) -> nn.Module:
+def quantized_module(scheme: str, weight, level: str | None, *, bias: torch.Tensor | None = None,
+                     embedding: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
     """An Int8Linear / Int4Linear / GGUFLinear (or, for a token table, a QuantizedEmbedding holding one) of
-    `weight`. Scheme "gguf" takes a GGUFWeight; given a float tensor (a weight the loader had to transform) it
-    builds the dense layer instead."""
+    `weight`, in the layout the kernels of `level` compute with and bound to that level. Scheme "gguf" takes a
+    GGUFWeight; given a float tensor (a weight the loader had to transform) it builds the dense layer instead."""
     if scheme == "gguf" and not isinstance(weight, GGUFWeight):
         return _dense_module(weight, bias, embedding, dtype)
-    cls = {"int8": Int8Linear, "int4": Int4Linear, "gguf": GGUFLinear}[scheme]
-    build = cls.from_blocks if scheme == "gguf" else cls.from_float
-    if embedding:
-        return QuantizedEmbedding(build(weight), dtype)
-    return build(weight, bias)
+    if scheme == "gguf":
+        layer = GGUFLinear.from_blocks(weight, None if embedding else bias)
+    elif scheme == "int8":
+        layer = Int8Linear.from_float(weight, None if embedding else bias, native=quant_gemv.available(level))
+    else:
+        layer = Int4Linear.from_float(weight, None if embedding else bias,
+                                      native=quant_gemv.native_layout_available(level))
+    layer.use_kernel_level(level)
+    return QuantizedEmbedding(layer, dtype) if embedding else layer
 
 
 def _dense_module(weight: torch.Tensor, bias: torch.Tensor | None, embedding: bool, dtype: torch.dtype) -> nn.Module:
@@ -312,6 +320,13 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     BLAS may block it differently, so fp32 sums can differ in the last bits from the separate products),
     Int8Linear and Int4Linear in the native layout (rows in blocks of 16; each output row computed exactly as
     before)."""
+    joined = _concat_parts(parts)
+    if isinstance(joined, KernelUser):  # the parts' level: the layout was chosen for it
+        joined.use_kernel_level(parts[0].kernel_level)
+    return joined
+
+
+def _concat_parts(parts: list[nn.Module]) -> nn.Module | None:
     first = parts[0]
     if all(type(p) is GGUFLinear for p in parts):
         return concat_gguf_linears(parts)

@@ -141,9 +141,10 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, D/2]: the fused kernel where it applies, else the reference."""
-    out = rotary(x, cos, sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: str | None) -> torch.Tensor:
+    """x [T, H, D] rotated by cos/sin [T, D/2]: the fused kernel (at level `at`) where it applies, else the
+    reference."""
+    out = rotary(x, cos, sin, at)
     return out if out is not None else apply_rotary_reference(x, cos, sin)
 
 

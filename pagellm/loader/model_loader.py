@@ -15,7 +15,7 @@ from pagellm.distributed.sharding import ShardSpec, install_expert_parallel, loc
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
 from pagellm.loader.quantization import load_quantized, plan_quantization, weight_schemes
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
-from pagellm.kernels import quant_gemv
+from pagellm.kernels import native, quant_gemv
 from pagellm.layers.quantized import Int4Linear
 from pagellm.loader.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from pagellm.models.registry import build_model
@@ -32,13 +32,13 @@ class LoadedModel:
     quantization: dict[str, str] = field(default_factory=dict)  # {module path: "int8" | "int4" | "gguf"}
 
 
-def settle_activations(model: nn.Module, kernels: KernelConfig) -> None:
+def settle_activations(model: nn.Module, kernels: KernelConfig, level: str | None) -> None:
     """int4 layers in the native layout take int8 activations where that kernel runs (every level with a
     compiler) unless switched off. Before join_projections: a joined layer copies its parts' setting."""
     for module in model.modules():
         if isinstance(module, Int4Linear):
             module.int8_activations = (module.layout.native and kernels.int8_activations
-                                       and quant_gemv.q8_available())
+                                       and quant_gemv.q8_available(level))
 
 
 def join_projections(model: nn.Module) -> int:
@@ -98,6 +98,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     kernels: the switches that decide how layers run (int8 activations, bound layers; default: KernelConfig()).
     """
     kernels = kernels or KernelConfig()
+    # the CPU kernels' level the layouts are chosen for (the runner's plan binds the modules to the same)
+    level = native.level_of(kernels) if torch.device(device).type == "cpu" else None
     path = resolve_model_path(model)
     # First: rebuilding a GGUF's tokenizer peaks at a few hundred MB of temporaries, which then never stack on
     # the weights already loaded (the process's peak RSS is what a user sees).
@@ -120,7 +122,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
             logger.info("GGUF on %s: weights dequantized to %s at load (no quantized GPU matmul yet)",
                         torch.device(device).type, str(dtype).removeprefix("torch."))
     types = gguf_weight_types(path, hf_config) if is_gguf and quantization == "auto" else None
-    plan = plan_quantization(net, quantization, types)
+    plan = plan_quantization(net, quantization, level, types)
     if plan and torch.device(device).type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
                          f"not on device {str(device)!r}")
@@ -132,8 +134,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         weights = iter_safetensors_weights(path)
     if shard and not dummy:
         weights = shard_weights(weights, hf_config, shard)
-    load_quantized(net, weights, plan)
-    settle_activations(net, kernels)
+    load_quantized(net, weights, plan, level)
+    settle_activations(net, kernels, level)
     join_projections(net)  # the layers' plan is the runner's (models/bound_layers.plan_model)
     net.eval()
     return LoadedModel(net, hf_config, tokenizer, path, plan)

@@ -53,17 +53,17 @@ def auto_scheme(ggml_type: gguf.GGMLQuantizationType | None) -> str | None:
     return "int4" if type_size * 8 / block_size <= _INT4_MAX_BITS else "int8"
 
 
-def plan_quantization(model: nn.Module, scheme: str,
+def plan_quantization(model: nn.Module, scheme: str, level: str | None,
                       weight_types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
                       keep_blocks: bool = True) -> dict[str, str]:
     """{module path: "int8" | "int4" | "gguf" | "gguf_experts" (a MoE layer's experts)}; `weight_types`
     ({HF name: ggml type}) is what `auto` follows, keeping tensors in their GGUF blocks where `keep_blocks`
-    and the kernels run here."""
+    and the kernels run at the CPU kernels' `level`."""
     if scheme not in QUANTIZATION_SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {scheme!r}")
     if scheme == "none" or (scheme == "auto" and weight_types is None):
         return {}
-    blocks = scheme == "auto" and keep_blocks and gguf_blocks.available()
+    blocks = scheme == "auto" and keep_blocks and gguf_blocks.available(level)
     plan, routers, dequantized = {}, router_paths(model), {}
     for path, module in model.named_modules():
         if blocks and isinstance(module, MoeExperts):
@@ -127,28 +127,31 @@ def router_paths(model: nn.Module) -> set[str]:
 class _PendingWeight(nn.Module):
     """Stands in for a layer until its weight arrives: holds the bias parameter, no weight."""
 
-    def __init__(self, module: nn.Module, scheme: str):
+    def __init__(self, module: nn.Module, scheme: str, level: str | None):
         super().__init__()
-        self.scheme, self.embedding = scheme, isinstance(module, nn.Embedding)
+        self.scheme, self.embedding, self.level = scheme, isinstance(module, nn.Embedding), level
         self.shape, self.dtype = tuple(module.weight.shape), module.weight.dtype
         self.bias = getattr(module, "bias", None)
 
     def build(self, weight: torch.Tensor | GroupAffine | gguf_blocks.GGUFWeight) -> nn.Module:
-        return quantized_module(self.scheme, weight, bias=self.bias, embedding=self.embedding, dtype=self.dtype)
+        return quantized_module(self.scheme, weight, self.level, bias=self.bias, embedding=self.embedding,
+                                dtype=self.dtype)
 
 
 def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | GroupAffine]],
-                   plan: Mapping[str, str]) -> None:
-    """`model.load_weights(weights)`, quantizing the weight of each layer in `plan` as it arrives."""
+                   plan: Mapping[str, str], level: str | None) -> None:
+    """`model.load_weights(weights)`, quantizing the weight of each layer in `plan` as it arrives, in the layouts
+    of the CPU kernels' `level`."""
     pending, experts = {}, {}
     for path, scheme in plan.items():
         module = model.get_submodule(path)
         if scheme == "gguf_experts":
             experts[path] = GGUFMoeExperts(module.num_experts, module.hidden_size, module.intermediate_size,
                                            module.activation)
+            experts[path].use_kernel_level(level)
             replace_module(model, path, experts[path])
             continue
-        pending[path] = _PendingWeight(module, scheme)
+        pending[path] = _PendingWeight(module, scheme, level)
         replace_module(model, path, pending[path])
     renames = getattr(model, "checkpoint_renames", None)
     if renames is not None:  # match names as load_weights will see them (it renames again: a no-op then)
@@ -191,15 +194,15 @@ def replace_module(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), child, module)
 
 
-def quantize_model(model: nn.Module, plan: str | Mapping[str, str]) -> dict[str, str]:
-    """Quantize a loaded dense model in place: `plan` is a scheme for every layer that takes it, or
-    {module path: scheme}. Returns the plan applied."""
+def quantize_model(model: nn.Module, plan: str | Mapping[str, str], level: str | None) -> dict[str, str]:
+    """Quantize a loaded dense model in place, in the layouts of the CPU kernels' `level`: `plan` is a scheme
+    for every layer that takes it, or {module path: scheme}. Returns the plan applied."""
     if isinstance(plan, str):
-        plan = plan_quantization(model, plan)
+        plan = plan_quantization(model, plan, level)
     for path, scheme in plan.items():
         module = model.get_submodule(path)
         replace_module(model, path, quantized_module(
-            scheme, module.weight.detach(), bias=getattr(module, "bias", None),
+            scheme, module.weight.detach(), level, bias=getattr(module, "bias", None),
             embedding=isinstance(module, nn.Embedding), dtype=module.weight.dtype))
     return dict(plan)
 

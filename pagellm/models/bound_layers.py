@@ -1,8 +1,9 @@
 """The plan of a Llama-family backbone: chosen once per device, its decoder layers bound to the device's kernels.
 
 `plan_model` decides once per model and runner (the runner calls it when it binds the KV cache, with tensor
-parallel's all-reduce) whether the layers run bound, and says why not where they cannot; the runner hands the
-plan to the backbone's forward every step, and nothing of it is kept on the modules. Bound, a step's layer is 9
+parallel's all-reduce) which CPU kernel level every module calls (layers/kernel_user.py: the one place that
+sets it) and whether the layers run bound, and says why not where they cannot; the runner hands the bound plan
+to the backbone's forward every step. Bound, a step's layer is 9
 direct kernel calls: everything that does not change between steps (weight pointers, norm flavours and their
 kernel weights, eps, head counts, the cache objects) is resolved at planning time. Why: at decode a Gemma 3 270M
 layer spent more time in nn.Module dispatch and in the per-call checks of each kernel wrapper than in its
@@ -19,6 +20,7 @@ tests/gpu/test_cuda_plan.py the Triton set under Triton's interpreter). A change
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ from torch import nn
 from pagellm.kernels import attention, cuda_ops, layer_ops, native
 from pagellm.kernels.binding import kv_cache_pairs
 from pagellm.layers.gguf_linear import GGUFLinear
+from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.mlp import FUSED_ACTIVATIONS
 from pagellm.layers.quantized import Int4Linear
 
@@ -48,9 +51,9 @@ class StepKernels:
     head_dim_ok: Callable[[int], bool]
 
 
-def kernels_for(device: torch.device) -> tuple[StepKernels | None, str]:
-    """The bound layers' kernels on `device`, or (None, why not): the native CPU kernels, the Triton ones on
-    CUDA (kernels/triton_layer_ops.py, triton_attention.py, imported here, once)."""
+def kernels_for(device: torch.device, level: str | None) -> tuple[StepKernels | None, str]:
+    """The bound layers' kernels on `device`, or (None, why not): the native CPU kernels at `level`, the Triton
+    ones on CUDA (kernels/triton_layer_ops.py, triton_attention.py, imported here, once)."""
     if device.type == "cuda":
         ops, triton_attention = cuda_ops.layer_ops(), cuda_ops.triton_module("triton_attention")
         return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare,
@@ -59,11 +62,14 @@ def kernels_for(device: torch.device) -> tuple[StepKernels | None, str]:
                            lambda head_dim: head_dim % 2 == 0), ""
     if device.type != "cpu":
         return None, f"no bound kernels on {device.type}"
-    if not (layer_ops.native_available() and attention.native_available()):
+    if not (layer_ops.native_available(level) and attention.native_available(level)):
         return None, "native kernels unavailable (no compiler, or switched off)"
-    return StepKernels("the kernels", layer_ops.add_rms_norm_unchecked, layer_ops.qkv_prepare_unchecked,
-                       attention.paged_attention_native, layer_ops.act_mul_unchecked, tuple(_DTYPE_CODES),
-                       kv_cache_pairs, lambda head_dim: head_dim % 16 == 0 and head_dim <= layer_ops.MAX_HEAD_DIM), ""
+    bind = functools.partial  # the level given once: the step calls them with their inputs alone
+    return StepKernels(f"the kernels at {level}", bind(layer_ops.add_rms_norm_unchecked, at=level),
+                       bind(layer_ops.qkv_prepare_unchecked, at=level),
+                       bind(attention.paged_attention_native, at=level), bind(layer_ops.act_mul_unchecked, at=level),
+                       tuple(_DTYPE_CODES), kv_cache_pairs,
+                       lambda head_dim: head_dim % 16 == 0 and head_dim <= layer_ops.MAX_HEAD_DIM), ""
 
 
 def _linear(module: nn.Module):
@@ -154,17 +160,29 @@ class BoundModel:
         return self.layers[-1].residual(h, *pending, self.final_norm, self.final_weight)[1]
 
 
-def plan_backbone(backbone: nn.Module, norms_of, enabled: bool, dtype: torch.dtype, all_reduce=None,
+@dataclass(frozen=True)
+class PlanSettings:
+    """What a runner plans its model under: the CPU kernels' `level` (None: torch's reference ops; on a GPU the
+    CPU kernels do not apply), the compute and K/V cache dtypes, KernelConfig.bound_layers, and tensor
+    parallel's `all_reduce`, the sum over ranks after each attention and MLP block (the modules' forward hooks
+    do the same on the module path, so those hooks are expected then)."""
+    level: str | None
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    bound_layers: bool = True
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
                   kernels: StepKernels | None = None) -> tuple[BoundModel | None, str]:
-    """(the bound plan, "") if every layer of `backbone` (compute dtype `dtype`) can run bound, else (None, why
-    not). `all_reduce`: tensor parallel's sum over ranks after each attention and MLP block (the modules'
-    forward hooks do the same on the module path, so those hooks are expected then). `kernels`: those of the
-    weights' device unless given (tests run the Triton set on a CPU under its interpreter)."""
-    if not enabled:
+    """(the bound plan, "") if every layer of `backbone` can run bound under `settings`, else (None, why not).
+    `kernels`: those of the weights' device unless given (tests run the Triton set on a CPU under its
+    interpreter)."""
+    if not settings.bound_layers:
         return None, "bound layers switched off (KernelConfig.bound_layers)"
-    why = ""
+    why, dtype, all_reduce = "", settings.dtype, settings.all_reduce
     if kernels is None:
-        kernels, why = kernels_for(backbone.norm.weight.device)
+        kernels, why = kernels_for(backbone.norm.weight.device, settings.level)
     why = (why or ("" if dtype in kernels.dtypes else f"{kernels.name} take {kernels.dtypes}, not {dtype}")
            or ("" if len(backbone.layers) else "no layers"))
     layers = []
@@ -199,16 +217,16 @@ class LayerPlan:
     description: str
 
 
-def plan_model(model: nn.Module, enabled: bool, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
-               all_reduce=None, kernels: StepKernels | None = None) -> LayerPlan:
-    """The plan of `model` under compute dtype `dtype` and a KV cache of `kv_cache_dtype`: its backbone's
-    layers bound where they can be (`enabled`: KernelConfig.bound_layers), else the modules and why.
-    `all_reduce`: tensor parallel's sum over ranks after each block."""
+def plan_model(model: nn.Module, settings: PlanSettings, kernels: StepKernels | None = None) -> LayerPlan:
+    """The plan of `model` under `settings`: every module's CPU kernels at settings.level, and its backbone's
+    layers bound where they can be, else the modules and why."""
+    bind_kernel_level(model, settings.level)
     backbones = planned_backbones(model)
     if not backbones:
         return LayerPlan(None, "modules")
     backbone = backbones[0]
-    bound, why = plan_backbone(backbone, type(backbone).norms_of, enabled, dtype, all_reduce, kernels)
+    bound, why = plan_backbone(backbone, type(backbone).norms_of, settings, kernels)
+    dtype, kv_cache_dtype = settings.dtype, settings.kv_cache_dtype
     if bound is not None and not bound.kernels.pairs(dtype, kv_cache_dtype):
         bound, why = None, f"a {kv_cache_dtype} KV cache under {dtype} activations, which the kernels do not pair"
     described = f"bound to {bound.kernels.name} ({len(bound.layers)} layers)" if bound else f"modules: {why}"

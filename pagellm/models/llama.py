@@ -19,6 +19,7 @@ from torch import nn
 
 from pagellm.layers.attention import PagedAttention
 from pagellm.layers.embedding import empty_embedding
+from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
 from pagellm.kernels.layer_ops import qkv_prepare
@@ -55,7 +56,7 @@ class AttentionOptions:
     query_scale: float | None = None  # None: head_dim ** -0.5 (Gemma 3 uses query_pre_attn_scalar ** -0.5)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(KernelUser, nn.Module):
     def __init__(self, config, layer_idx: int, options: AttentionOptions):
         super().__init__()
         hidden, head_dim = config.hidden_size, head_dim_of(config)
@@ -98,7 +99,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, self.kernel_level), apply_rotary(k, cos, sin, self.kernel_level)
         return self.o_proj(self.attn(q, k, v, meta))  # [T, H * D] -> [T, E]
 
     def _prepare_in_place(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -108,7 +109,7 @@ class LlamaAttention(nn.Module):
         if self.attn.key_cache is None or not self.qk_norms_fuse():
             return None
         return qkv_prepare(qkv, self.num_heads, self.num_kv_heads, *self.qk_norm_args(), cos, sin,
-                           self.attn.key_cache, self.attn.value_cache, meta.slot_mapping)
+                           self.attn.key_cache, self.attn.value_cache, meta.slot_mapping, self.kernel_level)
 
     def qk_norms_fuse(self) -> bool:
         """Whether q_norm and k_norm can run as one fused call (which applies one eps and flavour)."""
@@ -210,7 +211,7 @@ def load_checkpoint_weights(
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s) of {type(model).__name__}: {shown}")
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(KernelUser, nn.Module):
     """Also serves MistralForCausalLM; Qwen2/Qwen3/Gemma 3 override `build_backbone`."""
 
     def __init__(self, hf_config, *, load_device: torch.device | str = "cpu"):
@@ -244,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
             logits = lm_head_logits(head, hidden)  # [N, V]; dense, or quantized (layers/quantized.py)
         # One native pass: soft-cap with HF's roundings in the logits' dtype (fp32 already for a GGUF head, capped
         # in place: every head returns a fresh tensor), and the conversion to fp32.
-        fast = logits_to_f32(logits, self.final_logit_softcap, out=logits if logits.dtype == torch.float32 else None)
+        fast = logits_to_f32(logits, self.final_logit_softcap, self.kernel_level,
+                             out=logits if logits.dtype == torch.float32 else None)
         if fast is not None:
             return fast
         if self.final_logit_softcap is not None:  # Gemma; in the logits' dtype, as HF does in the model's

@@ -29,6 +29,7 @@ from torch import nn
 from pagellm.layers.attention import PagedAttention
 from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.gated_delta_net import GatedDeltaNet
+from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.moe import SparseMoeBlock, stack_expert_weights
 from pagellm.layers.norm import RMSNorm
@@ -46,15 +47,15 @@ def partial_rotary(config) -> tuple[int, dict]:
     return int(head_dim_of(config) * factor), params
 
 
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: str | None) -> torch.Tensor:
     """x [T, H, D] with cos/sin [T, R/2]: rotate the first R dims (rotate-half layout), keep the rest."""
     rotary = 2 * cos.shape[-1]
     if rotary == x.shape[-1]:
-        return apply_rotary(x, cos, sin)
-    return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
+        return apply_rotary(x, cos, sin, at)
+    return torch.cat([apply_rotary(x[..., :rotary], cos, sin, at), x[..., rotary:]], dim=-1)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(KernelUser, nn.Module):
     """Full attention with an output gate from q_proj, zero-centred q/k norms, partial RoPE."""
 
     def __init__(self, config, layer_idx: int):
@@ -77,7 +78,8 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, K, D]
         v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
-        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        level = self.kernel_level
+        q, k = apply_partial_rotary(q, cos, sin, level), apply_partial_rotary(k, cos, sin, level)
         out = self.attn(q, k, v, meta) * torch.sigmoid(gate.reshape(num_tokens, -1))  # [T, H * D]
         return self.o_proj(out)  # [T, E]
 

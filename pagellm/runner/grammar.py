@@ -152,7 +152,8 @@ def _grammar_text(spec: StructuredOutputs) -> str:
 class GrammarMasks:
     """The sampler's reusable bitmask buffer, grown to the most grammar rows seen: [rows, ceil(V / 32)] int32."""
 
-    def __init__(self):
+    def __init__(self, kernel_level: str | None):
+        self._level = kernel_level  # of the CPU kernel applying the masks (None: torch's ops)
         self._bitmask: torch.Tensor | None = None
         self._executor = None
 
@@ -175,7 +176,7 @@ class GrammarMasks:
                                                                       for j, i in enumerate(rows)], bitmask)
         for j, i in enumerate(rows):
             grammars[i].patch_stop_bits(bitmask[j])
-        mask_rows(logits, bitmask.to(logits.device, non_blocking=True), rows)
+        mask_rows(logits, bitmask.to(logits.device, non_blocking=True), rows, self._level)
 
 
 def accept_sampled(request_id: str, grammar: RowGrammar, token: int) -> None:

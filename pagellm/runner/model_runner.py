@@ -16,7 +16,8 @@ import torch
 from pagellm.core.types import ModelOutput, SchedulerOutput, StepTimings, TokenLogprobs
 from pagellm.core.attention_metadata import AttentionMetadata
 from pagellm.config import KernelConfig
-from pagellm.models.bound_layers import LayerPlan, activation_dtype, plan_model
+from pagellm.kernels import native
+from pagellm.models.bound_layers import LayerPlan, PlanSettings, activation_dtype, plan_model
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import GrammarError, Grammars, accept_sampled
 from pagellm.runner.input_batch import InputBatch, SlotState
@@ -63,16 +64,19 @@ class ModelRunner:
         self.device = device
         self.input_batch = InputBatch(max_num_seqs, device, grammars if samples else None)
         self.decode_inputs: DecodeInputs | None = DecodeInputs(max_num_seqs, block_size, device)  # None: no reuse
-        self.sampler = Sampler()
+        kernels = kernels or KernelConfig()
+        # the CPU kernels' level (checked at start by kernels/selection.py): every module's, bound by the plan
+        self.kernel_level = native.level_of(kernels) if device.type == "cpu" else None
+        self.sampler = Sampler(kernel_level=self.kernel_level)
         for layer in model.attention_layers():
             # torch.empty reserves address space only: pages become resident as blocks are written.
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
             layer.bind_kv_cache(torch.empty(shape, dtype=kv_cache_dtype, device=device),
                                 torch.empty(shape, dtype=kv_cache_dtype, device=device))
-        # How the layers run, chosen once for this device, dtype and cache: bound to the kernels, or the modules
-        # (models/bound_layers.py); tensor parallel's all-reduce goes into a bound plan.
-        self._plan_settings = ((kernels or KernelConfig()).bound_layers, compute_dtype or activation_dtype(model),
-                               kv_cache_dtype, all_reduce)
+        # How the layers run, chosen once for this device, level, dtype and cache: bound to the kernels, or the
+        # modules (models/bound_layers.py); tensor parallel's all-reduce goes into a bound plan.
+        self.plan_settings = PlanSettings(self.kernel_level, compute_dtype or activation_dtype(model),
+                                          kv_cache_dtype, kernels.bound_layers, all_reduce)
         self.plan: LayerPlan = self.replan()
         self.state_layers = state_layers_of(model)
         # Rows [0, num_state_slots) are running requests' slots, the rest prefix-cache snapshots
@@ -140,7 +144,7 @@ class ModelRunner:
 
     def replan(self) -> LayerPlan:
         """Choose how the layers run (at start, or again after a layer changed), log it and keep it."""
-        self.plan = plan_model(self.model, *self._plan_settings)
+        self.plan = plan_model(self.model, self.plan_settings)
         logger.info("layers: %s", self.plan.description)
         return self.plan
 

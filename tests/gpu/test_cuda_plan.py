@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagellm.loader.model_loader import load_model
-from pagellm.models.bound_layers import kernels_for, plan_model
+from pagellm.models.bound_layers import PlanSettings, kernels_for, plan_model
 from tests.gpu import interpreter
 from tests.models.paged_harness import PagedHarness
 from tests.models.tiny_checkpoints import write_tiny_checkpoint
@@ -31,7 +31,7 @@ def _interpreted():
 
 def _triton_kernels():
     with interpreter(not ON_GPU):  # the kernel modules are decorated under the interpreter when first imported
-        return kernels_for(torch.device("cuda"))[0]
+        return kernels_for(torch.device("cuda"), None)[0]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3-yarn", "gemma3"])
@@ -39,7 +39,7 @@ def test_the_triton_plan_equals_the_modules(tmp_path, family):
     write_tiny_checkpoint(family, tmp_path)
     reference, model = (load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
                         for _ in range(2))  # each harness binds its own caches to its model's layers
-    plan = plan_model(model, True, torch.float32, torch.float32, kernels=_triton_kernels())
+    plan = plan_model(model, PlanSettings(None, torch.float32, torch.float32), kernels=_triton_kernels())
     assert plan.description == f"bound to the Triton kernels ({len(model.model.layers)} layers)"
     modules, bound = PagedHarness(reference, bound_layers=False), PagedHarness(model, bound_layers=False)
     bound.plan = plan  # the Triton set on this device's tensors
@@ -55,7 +55,7 @@ def test_the_triton_set_takes_what_the_gpu_kernels_take():
     kernels = _triton_kernels()
     assert kernels.pairs(torch.float16, torch.float16) and kernels.pairs(torch.bfloat16, torch.float32)
     assert kernels.head_dim_ok(80) and kernels.head_dim_ok(72) and not kernels.head_dim_ok(81)
-    assert kernels_for(torch.device("meta")) == (None, "no bound kernels on meta")
+    assert kernels_for(torch.device("meta"), None) == (None, "no bound kernels on meta")
 
 
 def test_the_device_family_check_runs_here(capsys):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import attention, cuda_ops, elementwise, layer_ops
+from pagellm.kernels import attention, cuda_ops, elementwise, layer_ops, native
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import apply_rotary_reference
 from tests.gpu import interpreter
@@ -135,14 +135,15 @@ def test_cuda_tensors_go_to_the_triton_ops(monkeypatch):
     monkeypatch.setattr(cuda_ops, "layer_ops", lambda: fake)
     cuda = lambda t: torch.Tensor._make_subclass(_OnCuda, t)  # noqa: E731
     x, weight = cuda(torch.randn(2, 8)), cuda(torch.ones(8))
-    assert layer_ops.add_rms_norm(x, x, None, weight, 1e-6, False) == ("add_rms_norm", "add_rms_norm")
-    assert elementwise.rms_norm(x, weight, 1e-6, False) == "add_rms_norm"
-    assert layer_ops.act_mul(x, "silu") == ("act_mul", "act_mul")
+    # on a GPU the runner's CPU kernel level is None: CUDA tensors go to Triton whatever it is
+    assert layer_ops.add_rms_norm(x, x, None, weight, 1e-6, False, None) == ("add_rms_norm", "add_rms_norm")
+    assert elementwise.rms_norm(x, weight, 1e-6, False, None) == "add_rms_norm"
+    assert layer_ops.act_mul(x, "silu", None) == ("act_mul", "act_mul")
     cache = cuda(torch.zeros(2, 4, 1, 8))
     cos = cuda(torch.ones(2, 4))
     assert layer_ops.qkv_prepare(cuda(torch.randn(2, 24)), 1, 1, None, None, 1e-6, False, cos, cos, cache, cache,
-                                 cuda(torch.tensor([0, 1]))) == ("qkv_prepare", "qkv_prepare")
+                                 cuda(torch.tensor([0, 1])), None) == ("qkv_prepare", "qkv_prepare")
     assert calls == ["add_rms_norm", "add_rms_norm", "act_mul", "qkv_prepare"]
-    layer_ops.act_mul(torch.randn(2, 8), "silu")  # a CPU tensor: the native kernel or None, not the Triton op
-    assert layer_ops.act_mul(x, "relu") is None  # what the kernel has no activation for: the caller's torch ops
+    layer_ops.act_mul(torch.randn(2, 8), "silu", native.default_level())  # CPU: native or None, not Triton
+    assert layer_ops.act_mul(x, "relu", None) is None  # what the kernel has no activation for: the caller's torch ops
     assert len(calls) == 4

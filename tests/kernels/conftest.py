@@ -1,5 +1,6 @@
-"""Every kernel test runs once per instruction-set level this CPU can execute (native.host_levels()): the
-wrappers load the level's build of each library, so a host with AVX-512 proves the avx2 and generic code too.
+"""Every kernel test runs once per instruction-set level this CPU can execute (native.host_levels()): its
+`cpu_isa` fixture is the level it passes the wrappers (their `at`), so a host with AVX-512 proves the avx2 and
+generic code too.
 A test marked `across_levels` runs once and compares the levels itself (native.each_level); one marked
 `levels(name, ...)` runs at those of them only (a kernel that exists at some levels, e.g. AVX-512 BF16 only)."""
 
@@ -25,7 +26,6 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(autouse=True)  # autouse: in every test's fixtures, so pytest_generate_tests can parametrize it
 def cpu_isa(request):
-    """The level under test, selected for the test's duration (the process's level otherwise)."""
-    with native.using(getattr(request, "param", native.level())) as level:
-        yield level
+    """The level under test (the process default where a test runs once)."""
+    return getattr(request, "param", native.default_level())
 

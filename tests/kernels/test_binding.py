@@ -16,13 +16,14 @@ RMS_NORM = elementwise._RMS_NORM
 pytestmark = requires_compiler
 
 
-def _callers():
+def _callers(at: str):
+    """The unchecked and checked callers of the rms_norm kernel built for level `at`."""
     library = elementwise._LIBRARIES["rms_norm"]
-    return library.unchecked(RMS_NORM.symbol), library.checked(RMS_NORM.symbol)
+    return library.unchecked(RMS_NORM.symbol, at), library.checked(RMS_NORM.symbol, at)
 
 
-def test_checked_and_unchecked_callers_compute_the_same():
-    unchecked, checked = _callers()
+def test_checked_and_unchecked_callers_compute_the_same(cpu_isa):
+    unchecked, checked = _callers(cpu_isa)
     x, w = torch.randn(3, 64), torch.rand(64)
     outs = [torch.empty_like(x), torch.empty_like(x)]
     unchecked(x, w, outs[0], 3, 64, 1e-6, 0)
@@ -38,8 +39,8 @@ def test_checked_and_unchecked_callers_compute_the_same():
     (lambda x, w, out: (x, w, [1.0]), "'out' is a list, not a tensor"),
     (lambda x, w, out: (x.requires_grad_(), w, out), "'x' requires grad"),
 ])
-def test_the_checked_caller_names_the_argument_it_refuses(bad, message):
-    _, checked = _callers()
+def test_the_checked_caller_names_the_argument_it_refuses(bad, message, cpu_isa):
+    _, checked = _callers(cpu_isa)
     x, w = torch.randn(64, 64), torch.rand(64)
     with pytest.raises(KernelArgumentError, match=f"pagellm_rms_norm: argument {message}"):
         checked(*bad(x, w, torch.empty_like(x)), 64, 64, 1e-6, 0)

@@ -7,6 +7,7 @@ import torch
 
 from pagellm.kernels import elementwise as native_norm
 from pagellm.kernels import native
+from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.norm import RMSNorm
 from tests.kernels import requires_compiler
 
@@ -16,9 +17,10 @@ pytestmark = requires_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("shape", [(1, 640), (7, 64), (3, 4, 256), (300, 640), (2, 24)])
-def test_native_matches_reference(dtype, unit_offset, shape):
+def test_native_matches_reference(dtype, unit_offset, shape, cpu_isa):
     torch.manual_seed(0)
     layer = RMSNorm(shape[-1], 1e-6, unit_offset=unit_offset)
+    bind_kernel_level(layer, cpu_isa)
     layer.weight.data = (torch.randn(shape[-1]) * 0.5 + (0 if unit_offset else 1)).to(dtype)
     x = (torch.randn(shape) * 3).to(dtype)
     with torch.inference_mode():
@@ -31,17 +33,19 @@ def test_native_matches_reference(dtype, unit_offset, shape):
         torch.testing.assert_close(fast.float(), reference.float(), atol=0, rtol=2 ** -7)
 
 
-def test_falls_back_where_the_kernel_does_not_apply():
+def test_falls_back_where_the_kernel_does_not_apply(cpu_isa):
     layer = RMSNorm(16, 1e-6)
+    bind_kernel_level(layer, cpu_isa)
     x = torch.randn(4, 32)[:, ::2]  # not contiguous
-    assert native_norm.rms_norm(x, layer.weight, 1e-6, False) is None
+    assert native_norm.rms_norm(x, layer.weight, 1e-6, False, cpu_isa) is None
     torch.testing.assert_close(layer(x), layer.reference(x))
     half = torch.randn(4, 16, dtype=torch.float16)
-    assert native_norm.rms_norm(half, layer.weight.half(), 1e-6, False) is None
+    assert native_norm.rms_norm(half, layer.weight.half(), 1e-6, False, cpu_isa) is None
 
 
-def test_refreshes_the_fp32_weight_copy_when_the_weight_is_replaced():
+def test_refreshes_the_fp32_weight_copy_when_the_weight_is_replaced(cpu_isa):
     layer = RMSNorm(8, 1e-6, unit_offset=True)
+    bind_kernel_level(layer, cpu_isa)
     layer.weight = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
     x = torch.randn(2, 8)
     with torch.inference_mode():
@@ -53,7 +57,7 @@ def test_refreshes_the_fp32_weight_copy_when_the_weight_is_replaced():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 4, 256), (9, 2, 64), (200, 8, 128)])
-def test_native_rotary_matches_reference_exactly(dtype, shape):
+def test_native_rotary_matches_reference_exactly(dtype, shape, cpu_isa):
     from pagellm.layers.rotary import apply_rotary, apply_rotary_reference
 
     torch.manual_seed(1)
@@ -61,9 +65,9 @@ def test_native_rotary_matches_reference_exactly(dtype, shape):
     x = (torch.randn(shape) * 2).to(dtype)
     angles = torch.rand(tokens, dim // 2) * 6.3
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    assert native_norm.rotary(x, cos, sin) is not None  # the native path runs here
+    assert native_norm.rotary(x, cos, sin, cpu_isa) is not None  # the native path runs here
     # The same per-op rounding as torch: bit-identical results in fp32 and bf16.
-    assert torch.equal(apply_rotary(x, cos, sin), apply_rotary_reference(x, cos, sin))
+    assert torch.equal(apply_rotary(x, cos, sin, cpu_isa), apply_rotary_reference(x, cos, sin))
 
 
 @pytest.mark.across_levels
@@ -75,7 +79,12 @@ def test_levels_bit_identical(dtype, unit_offset):
     layer = RMSNorm(648, 1e-6, unit_offset=unit_offset)  # 648: a tail past the 16-lane body
     layer.weight.data = (torch.randn(648) * 0.5 + (0 if unit_offset else 1)).to(dtype)
     x = (torch.randn(37, 648) * 3).to(dtype)
+
+    def norm_at(level):  # the module, bound to each level in turn
+        bind_kernel_level(layer, level)
+        return layer(x)
+
     with torch.inference_mode():
-        outputs = native.each_level(lambda: layer(x))
+        outputs = native.each_level(norm_at)
     for level, out in outputs.items():
         assert torch.equal(out, outputs["generic"]), level

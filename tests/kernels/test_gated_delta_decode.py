@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from pagellm.kernels import gated_delta_native, native
 from pagellm.kernels.gated_delta import gated_delta_step_, prepare_qk
 from pagellm.layers.gated_delta_net import GatedDeltaNet
+from pagellm.layers.kernel_user import bind_kernel_level
 from tests.kernels import requires_compiler
 
 pytestmark = requires_compiler
@@ -46,14 +47,14 @@ def _rule_inputs(batch, hk, hv, dk, dv, seed):
 @pytest.mark.parametrize("slots", SLOTS.values(), ids=SLOTS.keys())
 @pytest.mark.parametrize("hk,hv", [(4, 4), (2, 4)], ids=["r1", "r2"])
 @pytest.mark.parametrize("dk,dv", [(32, 64), (16, 12), (128, 128)], ids=["tile", "scalar-tail", "qwen"])
-def test_rule_kernel_matches_step_in_place(slots, hk, hv, dk, dv):
+def test_rule_kernel_matches_step_in_place(slots, hk, hv, dk, dv, cpu_isa):
     state = _pattern((NUM_SLOTS, hv, dk, dv))
     state[slots] = torch.randn(len(slots), hv, dk, dv, generator=torch.Generator().manual_seed(0))
     reference, before, address = state.clone(), state.clone(), state.data_ptr()
     index = torch.tensor(slots)
     for step in range(4):
         q, k, v, g, beta = _rule_inputs(len(slots), hk, hv, dk, dv, seed=step)
-        out = gated_delta_native.rule_decode_(state, index, q, k, v, g, beta)
+        out = gated_delta_native.rule_decode_(state, index, q, k, v, g, beta, cpu_isa)
         qr, kr = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
         for b, slot in enumerate(slots):  # the reference, one request at a time on its slot's view
             expected = gated_delta_step_(reference[slot], qr[b], kr[b], v[b], g[b], beta[b])
@@ -64,7 +65,8 @@ def test_rule_kernel_matches_step_in_place(slots, hk, hv, dk, dv):
     assert state.data_ptr() == address
 
 
-def _layer(hk: int, hv: int, dtype: torch.dtype, dk: int = 16, dv: int = 16) -> GatedDeltaNet:
+def _layer(hk: int, hv: int, dtype: torch.dtype, level: str | None, dk: int = 16, dv: int = 16) -> GatedDeltaNet:
+    """A layer calling the kernels at `level`, its state bound to NUM_SLOTS slots of NaN."""
     config = SimpleNamespace(hidden_size=32, linear_num_key_heads=hk, linear_num_value_heads=hv,
                              linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=4,
                              hidden_act="silu", rms_norm_eps=1e-6)
@@ -80,6 +82,7 @@ def _layer(hk: int, hv: int, dtype: torch.dtype, dk: int = 16, dv: int = 16) -> 
     conv, rec = _pattern((NUM_SLOTS, *shapes.conv_state), shapes.conv_dtype), _pattern((NUM_SLOTS,
                                                                                         *shapes.recurrent_state))
     layer.bind_state(conv, rec)
+    bind_kernel_level(layer, level)
     return layer
 
 
@@ -119,8 +122,8 @@ _METADATA_ONLY = {"__get__", "data_ptr", "is_contiguous", "size", "dim"}
 @pytest.mark.parametrize("slots", SLOTS.values(), ids=SLOTS.keys())
 @pytest.mark.parametrize("hk,hv", [(2, 2), (2, 4)], ids=["r1", "r2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_layer_native_decode_matches_torch_decode(slots, hk, hv, dtype):
-    native, reference = _layer(hk, hv, dtype), _layer(hk, hv, dtype)
+def test_layer_native_decode_matches_torch_decode(slots, hk, hv, dtype, cpu_isa):
+    native, reference = _layer(hk, hv, dtype, cpu_isa), _layer(hk, hv, dtype, cpu_isa)
     _fill_slots(native, slots)
     _fill_slots(reference, slots)
     conv_before, rec_before = native.conv_state.clone(), native.recurrent_state.clone()
@@ -151,9 +154,9 @@ def test_layer_native_decode_matches_torch_decode(slots, hk, hv, dtype):
     assert (native.conv_state.data_ptr(), native.recurrent_state.data_ptr()) == addresses
 
 
-def test_unsupported_inputs_fall_back_without_touching_state():
+def test_unsupported_inputs_fall_back_without_touching_state(cpu_isa):
     """A conv state in another dtype than the step's inputs is not handled: None, and no slot moved."""
-    layer = _layer(2, 2, torch.float32)
+    layer = _layer(2, 2, torch.float32, cpu_isa)
     _fill_slots(layer, [1, 3])
     before = (layer.conv_state.clone(), layer.recurrent_state.clone())
     x, g, beta = _step_inputs(layer, 2, torch.bfloat16, seed=0)
@@ -161,13 +164,13 @@ def test_unsupported_inputs_fall_back_without_touching_state():
     assert layer._decode(x, g, beta, [1, 3]).shape == (2, layer.num_v_heads, layer.head_v_dim)  # torch path
     assert torch.equal(_bits(layer.conv_state[[0, 2]]), _bits(before[0][[0, 2]]))
     assert not gated_delta_native.decode_handled(layer.conv_state, layer.recurrent_state, x,
-                                                 layer.conv1d.weight[:, 0], [1, 3])
+                                                 layer.conv1d.weight[:, 0], [1, 3], cpu_isa)
     assert not gated_delta_native.decode_handled(layer.conv_state, layer.recurrent_state,
-                                                 x.float(), layer.conv1d.weight[:, 0], [1, NUM_SLOTS])
+                                                 x.float(), layer.conv1d.weight[:, 0], [1, NUM_SLOTS], cpu_isa)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_conv_kernel_matches_torch_over_extreme_inputs(dtype):
+def test_conv_kernel_matches_torch_over_extreme_inputs(dtype, cpu_isa):
     """The kernel's vectorised exp in SiLU, over pre-activations from -300 to 300 (0 / inf in e^-x), and a
     channel count that is not a multiple of the vector width."""
     channels, taps, slots = 37 * 16 + 5, 4, [2, 0]
@@ -179,7 +182,7 @@ def test_conv_kernel_matches_torch_over_extreme_inputs(dtype):
     window = torch.cat([state[slots], x[:, :, None]], dim=-1)
     expected = torch.nn.functional.silu((window.float() * weight.float()).sum(-1).to(dtype))
     expected_state[slots] = window[:, :, 1:]
-    out = gated_delta_native.conv_decode_(state, torch.tensor(slots), x, weight)
+    out = gated_delta_native.conv_decode_(state, torch.tensor(slots), x, weight, cpu_isa)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out, expected, **tol)
     assert torch.equal(_bits(state), _bits(expected_state))  # the shift moves values, no arithmetic
@@ -189,14 +192,6 @@ def test_conv_kernel_matches_torch_over_extreme_inputs(dtype):
 # The avx512, avx2 and generic builds do the same operations in the same order (per column an fma chain
 # over dk, one rounded product and an fma per state update, the SiLU's exp from exp512.h at 16, 8 or 1
 # lanes): outputs and states must be the same bits at every level.
-
-
-def _per_level(fn):
-    results = {}
-    for level in native.host_levels():
-        with native.using(level):
-            results[level] = fn()
-    return results
 
 
 def _assert_levels_agree(results: dict) -> None:
@@ -214,14 +209,14 @@ def test_rule_kernel_is_the_same_bits_at_every_level(dk, dv):
     state0 = _pattern((NUM_SLOTS, hv, dk, dv))
     state0[slots] = torch.randn(len(slots), hv, dk, dv, generator=torch.Generator().manual_seed(0))
 
-    def run():
+    def run(at):
         state, outs = state0.clone(), []
         for step in range(3):
             q, k, v, g, beta = _rule_inputs(len(slots), hk, hv, dk, dv, seed=step)
-            outs.append(gated_delta_native.rule_decode_(state, torch.tensor(slots), q, k, v, g, beta))
+            outs.append(gated_delta_native.rule_decode_(state, torch.tensor(slots), q, k, v, g, beta, at))
         return (state, *outs)
 
-    _assert_levels_agree(_per_level(run))
+    _assert_levels_agree(native.each_level(run))
 
 
 @pytest.mark.across_levels
@@ -236,11 +231,11 @@ def test_conv_kernel_is_the_same_bits_at_every_level(dtype, channels):
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 300.0, -300.0])
     x[0, : min(8, channels)] = special[:channels].to(dtype)
 
-    def run():
+    def run(at):
         state = state0.clone()
-        return state, gated_delta_native.conv_decode_(state, torch.tensor(slots), x, weight)
+        return state, gated_delta_native.conv_decode_(state, torch.tensor(slots), x, weight, at)
 
-    results = _per_level(run)
+    results = native.each_level(run)
     nan = torch.isnan(results[native.host_levels()[0]][1])
     for _, out in results.values():  # NaN payloads aside (a NaN input's sum is NaN at every level)
         assert torch.equal(torch.isnan(out), nan)

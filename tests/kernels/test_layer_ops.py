@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from pagellm.kernels import layer_ops, native
 from pagellm.kernels.attention import write_kv
+from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.mlp import gated_act
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import apply_rotary
@@ -26,8 +27,10 @@ DTYPES = [torch.float32, torch.bfloat16]
 NATIVE_NAMES = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _norm(dim: int, unit_offset: bool, dtype: torch.dtype, seed: int) -> RMSNorm:
+def _norm(dim: int, unit_offset: bool, dtype: torch.dtype, seed: int, at: str | None) -> RMSNorm:
+    """A norm whose module path runs at level `at`: the unfused native kernels the fused ones must equal."""
     norm = RMSNorm(dim, 1e-6, unit_offset=unit_offset)
+    bind_kernel_level(norm, at)
     g = torch.Generator().manual_seed(seed)
     norm.weight.data = (torch.randn(dim, generator=g) * 0.5 + (0 if unit_offset else 1)).to(dtype)
     return norm
@@ -42,52 +45,58 @@ def _rope(tokens: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torc
                                                (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "fp32-bf16kv"])
 @pytest.mark.parametrize("qk_norm,unit_offset", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("tokens,dim", [(1, 64), (5, 80), (300, 64), (3, 256)])  # 80: the norm's scalar tail
-def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, cache_dtype, qk_norm, unit_offset, tokens, dim):
+def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, cache_dtype, qk_norm, unit_offset, tokens, dim,
+                                                        cpu_isa):
     """Bit-identical to the unfused ops, also where k and v are rounded once into a bf16 cache (write_kv's .to)."""
     heads, kv_heads, blocks, block_size = 4, 2, 40, 16
     torch.manual_seed(tokens)
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 2).to(dtype)
     cos, sin = _rope(tokens, dim, dtype)
     slots = torch.randperm(blocks * block_size)[:tokens]  # scattered over blocks, as the block table places them
-    norms = (_norm(dim, unit_offset, dtype, 1), _norm(dim, unit_offset, dtype, 2)) if qk_norm else None
+    norms = tuple(_norm(dim, unit_offset, dtype, seed, cpu_isa) for seed in (1, 2)) if qk_norm else None
     caches = [torch.zeros(blocks, block_size, kv_heads, dim, dtype=cache_dtype) for _ in range(4)]
 
     with torch.inference_mode():
         q = layer_ops.qkv_prepare(qkv, heads, kv_heads, norms[0].flavour_weight() if norms else None,
                                   norms[1].flavour_weight() if norms else None, 1e-6, unit_offset, cos, sin,
-                                  caches[0], caches[1], slots)
+                                  caches[0], caches[1], slots, cpu_isa)
         rq, rk, rv = (t.reshape(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
         if norms:
             rq, rk = norms[0](rq.contiguous()), norms[1](rk.contiguous())
-        rq, rk = apply_rotary(rq.contiguous(), cos, sin), apply_rotary(rk.contiguous(), cos, sin)
+        rq, rk = (apply_rotary(t.contiguous(), cos, sin, cpu_isa) for t in (rq, rk))
         write_kv(rk, rv, caches[2], caches[3], slots)
     assert q is not None and q.shape == (tokens, heads, dim)
     assert torch.equal(q, rq)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])  # only the tokens' slots written
 
 
-def test_qkv_prepare_declines_what_it_cannot_do():
+def test_qkv_prepare_declines_what_it_cannot_do(cpu_isa):
     qkv, cos, sin = torch.randn(2, 4 * 32), *_rope(2, 32, torch.float32)
     cache = torch.zeros(4, 16, 1, 32)
     slots = torch.tensor([0, 1])
     assert layer_ops.qkv_prepare(qkv.bfloat16(), 2, 1, None, None, 0.0, False, cos.bfloat16(), sin.bfloat16(),
-                                 cache, cache, slots) is None  # an fp32 cache under bf16: not a pair it takes
+                                 cache, cache, slots, cpu_isa) is None  # an fp32 cache under bf16: not a pair it takes
     assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache.bfloat16(),
-                                 slots) is None  # K and V differ
-    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots.int()) is None
-    assert layer_ops.qkv_prepare(qkv[:, ::2], 1, 0, None, None, 0.0, False, cos, sin, cache, cache, slots) is None
-    assert layer_ops.qkv_prepare(qkv, 3, 1, None, None, 0.0, False, cos, sin, cache, cache, slots) is None
-    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots[:1]) is None
-    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos[:1], sin[:1], cache, cache, slots) is None
+                                 slots, cpu_isa) is None  # K and V differ
+    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots.int(),
+                                 cpu_isa) is None
+    assert layer_ops.qkv_prepare(qkv[:, ::2], 1, 0, None, None, 0.0, False, cos, sin, cache, cache, slots,
+                                 cpu_isa) is None
+    assert layer_ops.qkv_prepare(qkv, 3, 1, None, None, 0.0, False, cos, sin, cache, cache, slots, cpu_isa) is None
+    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots[:1],
+                                 cpu_isa) is None
+    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos[:1], sin[:1], cache, cache, slots,
+                                 cpu_isa) is None
     assert not cache.any()  # nothing written when declined
 
 
-def test_qkv_prepare_refuses_slots_outside_the_cache():
+def test_qkv_prepare_refuses_slots_outside_the_cache(cpu_isa):
     qkv, cos, sin = torch.randn(2, 4 * 32), *_rope(2, 32, torch.float32)
     cache = torch.zeros(4, 16, 1, 32)
     for bad in (64, -1):
         with pytest.raises(IndexError, match="outside the KV cache"):
-            layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, torch.tensor([0, bad]))
+            layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, torch.tensor([0, bad]),
+                                  cpu_isa)
     assert not cache.any()  # checked before any write
 
 
@@ -95,14 +104,15 @@ def test_qkv_prepare_refuses_slots_outside_the_cache():
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("with_post", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 200])
-def test_residual_norm_equals_add_then_norm(dtype, unit_offset, with_post, rows):
+def test_residual_norm_equals_add_then_norm(dtype, unit_offset, with_post, rows, cpu_isa):
     dim = 640
     torch.manual_seed(rows)
     h, x = (torch.randn(rows, dim) * 4).to(dtype), torch.randn(rows, dim).to(dtype)
-    norm, post = _norm(dim, unit_offset, dtype, 3), _norm(dim, unit_offset, dtype, 4) if with_post else None
+    norm = _norm(dim, unit_offset, dtype, 3, cpu_isa)
+    post = _norm(dim, unit_offset, dtype, 4, cpu_isa) if with_post else None
     with torch.inference_mode():
         fused = layer_ops.add_rms_norm(h, x, post.flavour_weight() if post else None, norm.flavour_weight(), norm.eps,
-                                       unit_offset)
+                                       unit_offset, cpu_isa)
         summed = h + (post(x) if post else x)
         reference = (summed, norm(summed))
         via_module = norm.residual(h, x, post)
@@ -112,28 +122,30 @@ def test_residual_norm_equals_add_then_norm(dtype, unit_offset, with_post, rows)
     assert norm.residual(h, None)[0] is h and torch.equal(norm.residual(h, None)[1], norm(h))
 
 
-def test_residual_norm_falls_back_for_mismatched_norms():
+def test_residual_norm_falls_back_for_mismatched_norms(cpu_isa):
     h, x = torch.randn(2, 32), torch.randn(2, 32)
     norm, post = RMSNorm(32, 1e-6), RMSNorm(32, 1e-5)
+    bind_kernel_level(norm, cpu_isa)
+    bind_kernel_level(post, cpu_isa)
     post.weight.data = torch.rand(32) + 0.5
     got = norm.residual(h, x, post)  # different eps: two calls of the torch path
     summed = h + post(x)
     assert torch.equal(got[0], summed) and torch.equal(got[1], norm(summed))
-    assert layer_ops.add_rms_norm(h, x.double(), None, norm.weight, 1e-6, False) is None
+    assert layer_ops.add_rms_norm(h, x.double(), None, norm.weight, 1e-6, False, cpu_isa) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("shape", [(1, 2 * 2048), (7, 2 * 24), (64, 2 * 1000)])
-def test_gated_act_matches_torch(dtype, activation, shape):
+def test_gated_act_matches_torch(dtype, activation, shape, cpu_isa):
     torch.manual_seed(shape[0])
     gate_up = (torch.randn(shape) * 3).to(dtype)
     gate_up[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # exp overflow / underflow and signed zeros
     act = F.silu if activation == "silu" else (lambda v: F.gelu(v, approximate="tanh"))
     gate, up = gate_up.chunk(2, dim=-1)
     with torch.inference_mode():
-        got, reference = gated_act(gate_up, activation), act(gate) * up
-        native_out = layer_ops.act_mul(gate_up, NATIVE_NAMES[activation])
+        got, reference = gated_act(gate_up, activation, cpu_isa), act(gate) * up
+        native_out = layer_ops.act_mul(gate_up, NATIVE_NAMES[activation], cpu_isa)
     assert native_out is not None and torch.equal(got, native_out)  # the kernel, at every level
     assert got.dtype == dtype and got.shape == reference.shape and torch.isfinite(got).all()
     # Apart from last-ulp exp differences, values differ only where gelu's 1 + tanh(y) cancels (tanh near -1),
@@ -145,11 +157,11 @@ def test_gated_act_matches_torch(dtype, activation, shape):
         assert (got != reference).float().mean() < 0.05
 
 
-def test_gated_act_keeps_torch_for_erf_gelu():
+def test_gated_act_keeps_torch_for_erf_gelu(cpu_isa):
     gate_up = torch.randn(3, 16)
     gate, up = gate_up.chunk(2, dim=-1)
-    assert torch.equal(gated_act(gate_up, "gelu"), F.gelu(gate) * up)
-    assert layer_ops.act_mul(gate_up, "gelu") is None
+    assert torch.equal(gated_act(gate_up, "gelu", cpu_isa), F.gelu(gate) * up)
+    assert layer_ops.act_mul(gate_up, "gelu", cpu_isa) is None
 
 
 def _act_inputs(rows: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -178,8 +190,8 @@ def test_act_mul_is_the_same_bits_at_every_level(dtype, activation, rows, n):
     gate_up = _act_inputs(rows, n, dtype, seed=rows * 1000 + n)
     results = {}
     for level in native.host_levels():
-        with native.using(level), torch.inference_mode():
-            results[level] = layer_ops.act_mul(gate_up, activation)
+        with torch.inference_mode():
+            results[level] = layer_ops.act_mul(gate_up, activation, level)
     assert all(out is not None for out in results.values()), "act_mul declined at some level"
     want = results[native.host_levels()[0]]
     bits = torch.int32 if dtype == torch.float32 else torch.int16

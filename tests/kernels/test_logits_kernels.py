@@ -47,41 +47,41 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("cap", [30.0, 50.0, 1.0, 0.1, 7.3])
 @pytest.mark.parametrize("shape", [(1, 65536), (3855, 17), (3, 65536), (7717, 17)])
-def test_bf16_softcap_is_bit_identical_to_torch_on_every_bf16_value(cap, shape):
+def test_bf16_softcap_is_bit_identical_to_torch_on_every_bf16_value(cap, shape, cpu_isa):
     # Up to 65536 logits are capped one by one, from 2 * 65536 on through a table of every bf16
     # value: both, each with and without a partial vector at the end.
     x = every_bf16().repeat(4)[: shape[0] * shape[1]].view(shape)
-    assert_same_bits(native_logits.logits_to_f32(x, cap), torch_softcap(x, cap))
+    assert_same_bits(native_logits.logits_to_f32(x, cap, cpu_isa), torch_softcap(x, cap))
 
 
-def test_fp32_softcap_within_a_few_ulp_of_torch():
+def test_fp32_softcap_within_a_few_ulp_of_torch(cpu_isa):
     torch.manual_seed(0)
     bits = torch.randint(-(2**31), 2**31 - 1, (2_000_000,), dtype=torch.int64).to(torch.int32)
     x = torch.cat([bits.view(torch.float32), torch.randn(1_000_000) * 30, torch.linspace(-600, 600, 100_001),
                    torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, -1e-40, 3e38, -3e38])])
     x = x[~torch.isnan(x)]
     for cap in (30.0, 1.0):
-        got = native_logits.logits_to_f32(x.view(1, -1), cap).view(-1)
+        got = native_logits.logits_to_f32(x.view(1, -1), cap, cpu_isa).view(-1)
         assert int(ulp_distance(got, torch_softcap(x, cap)).max()) <= 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_nan_and_infinities_soft_cap_as_torch(dtype):
+def test_nan_and_infinities_soft_cap_as_torch(dtype, cpu_isa):
     x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 0.0, -0.0]], dtype=dtype)
     want = torch_softcap(x, 30.0)
-    assert_same_bits(native_logits.logits_to_f32(x, 30.0), want)
+    assert_same_bits(native_logits.logits_to_f32(x, 30.0, cpu_isa), want)
     assert want[0, 1:3].tolist() == [30.0, -30.0]
 
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("vocab", VOCAB)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_shapes_with_and_without_cap(rows, vocab, dtype):
+def test_shapes_with_and_without_cap(rows, vocab, dtype, cpu_isa):
     torch.manual_seed(rows * 31 + vocab)
     x = (torch.randn(rows, vocab) * 40).to(dtype)
-    plain = native_logits.logits_to_f32(x, None)
+    plain = native_logits.logits_to_f32(x, None, cpu_isa)
     assert plain.dtype == torch.float32 and torch.equal(plain, x.float())
-    capped = native_logits.logits_to_f32(x, 30.0)
+    capped = native_logits.logits_to_f32(x, 30.0, cpu_isa)
     if dtype == torch.bfloat16:
         assert_same_bits(capped, torch_softcap(x, 30.0))
     else:
@@ -89,38 +89,38 @@ def test_shapes_with_and_without_cap(rows, vocab, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_writes_into_a_given_buffer(dtype):
+def test_writes_into_a_given_buffer(dtype, cpu_isa):
     x = (torch.randn(3, 1000) * 40).to(dtype)
     buffer = torch.full((8, 1000), 7.0)
     out = buffer[:3]  # a reused [max_rows, V] buffer's leading rows
-    assert native_logits.logits_to_f32(x, 30.0, out=out) is out
+    assert native_logits.logits_to_f32(x, 30.0, cpu_isa, out=out) is out
     assert torch.allclose(out, torch_softcap(x, 30.0), rtol=1e-6, atol=0)
-    assert native_logits.logits_to_f32(x, None, out=out) is out and torch.equal(out, x.float())
+    assert native_logits.logits_to_f32(x, None, cpu_isa, out=out) is out and torch.equal(out, x.float())
     assert (buffer[3:] == 7.0).all()
 
 
-def test_fp32_in_place_and_no_copy_without_cap():
+def test_fp32_in_place_and_no_copy_without_cap(cpu_isa):
     x = torch.randn(2, 300) * 40
-    assert native_logits.logits_to_f32(x, None) is x  # as x.float()
+    assert native_logits.logits_to_f32(x, None, cpu_isa) is x  # as x.float()
     want = torch_softcap(x, 30.0)
-    assert native_logits.logits_to_f32(x, 30.0, out=x) is x
+    assert native_logits.logits_to_f32(x, 30.0, cpu_isa, out=x) is x
     assert int(ulp_distance(x, want).max()) <= 4
 
 
-def test_rejects_a_wrong_buffer():
+def test_rejects_a_wrong_buffer(cpu_isa):
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     for bad in (torch.empty(2, 17), torch.empty(2, 16, dtype=torch.bfloat16), torch.empty(16, 2).t()):
         with pytest.raises(ValueError):
-            native_logits.logits_to_f32(x, 30.0, out=bad)
+            native_logits.logits_to_f32(x, 30.0, cpu_isa, out=bad)
 
 
-def test_logits_to_f32_declines_what_it_does_not_handle():
-    assert native_logits.logits_to_f32(torch.randn(4, 32)[:, ::2], 30.0) is None  # not contiguous
-    assert native_logits.logits_to_f32(torch.randn(4, 16, dtype=torch.float16), 30.0) is None
-    assert native_logits.logits_to_f32(torch.randn(4, 16, dtype=torch.float64), None) is None
-    assert native_logits.logits_to_f32(torch.randn(4, 0), 30.0) is None
-    assert native_logits.logits_to_f32(torch.tensor(1.0), 30.0) is None  # 0-d
-    assert native_logits.logits_to_f32(torch.randn(4, 16, device="meta"), 30.0) is None
+def test_logits_to_f32_declines_what_it_does_not_handle(cpu_isa):
+    assert native_logits.logits_to_f32(torch.randn(4, 32)[:, ::2], 30.0, cpu_isa) is None  # not contiguous
+    assert native_logits.logits_to_f32(torch.randn(4, 16, dtype=torch.float16), 30.0, cpu_isa) is None
+    assert native_logits.logits_to_f32(torch.randn(4, 16, dtype=torch.float64), None, cpu_isa) is None
+    assert native_logits.logits_to_f32(torch.randn(4, 0), 30.0, cpu_isa) is None
+    assert native_logits.logits_to_f32(torch.tensor(1.0), 30.0, cpu_isa) is None  # 0-d
+    assert native_logits.logits_to_f32(torch.randn(4, 16, device="meta"), 30.0, cpu_isa) is None
 
 
 # ---- argmax_rows ---------------------------------------------------------------------------
@@ -150,14 +150,14 @@ def planted(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("vocab", VOCAB)
-def test_argmax_matches_torch(rows, vocab):
+def test_argmax_matches_torch(rows, vocab, cpu_isa):
     x = planted(rows, vocab, seed=rows * 7 + vocab)
-    assert torch.equal(native_logits.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(native_logits.argmax_rows(x, cpu_isa), x.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("vocab", [64, 65, 100_003, 262144])
-def test_argmax_ties_across_split_parts_and_threads(threads, vocab):
+def test_argmax_ties_across_split_parts_and_threads(threads, vocab, cpu_isa):
     # Rows are split between threads when they are fewer than the threads: the earliest part wins ties.
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -169,26 +169,27 @@ def test_argmax_ties_across_split_parts_and_threads(threads, vocab):
             if rows > 1:
                 x[1, vocab - 2] = float("nan")
                 x[2, 0] = 5.0
-            assert torch.equal(native_logits.argmax_rows(x), x.argmax(dim=-1))
-            assert torch.equal(native_logits.argmax_rows(planted(rows, vocab, seed=vocab)),
+            assert torch.equal(native_logits.argmax_rows(x, cpu_isa), x.argmax(dim=-1))
+            assert torch.equal(native_logits.argmax_rows(planted(rows, vocab, seed=vocab), cpu_isa),
                                planted(rows, vocab, seed=vocab).argmax(dim=-1))
     finally:
         torch.set_num_threads(before)
 
 
-def test_argmax_keeps_leading_dims():
+def test_argmax_keeps_leading_dims(cpu_isa):
     x = torch.randn(2, 3, 50)
-    assert torch.equal(native_logits.argmax_rows(x), x.argmax(dim=-1))
-    assert torch.equal(native_logits.argmax_rows(torch.randn(0, 50)), torch.empty(0, dtype=torch.int64))
+    assert torch.equal(native_logits.argmax_rows(x, cpu_isa), x.argmax(dim=-1))
+    assert torch.equal(native_logits.argmax_rows(torch.randn(0, 50), cpu_isa), torch.empty(0, dtype=torch.int64))
     one_d = torch.randn(50)
-    assert native_logits.argmax_rows(one_d).shape == () and int(native_logits.argmax_rows(one_d)) == int(one_d.argmax())
+    ids = native_logits.argmax_rows(one_d, cpu_isa)
+    assert ids.shape == () and int(ids) == int(one_d.argmax())
 
 
-def test_argmax_declines_what_it_does_not_handle():
-    assert native_logits.argmax_rows(torch.randn(4, 32)[:, ::2]) is None  # not contiguous
-    assert native_logits.argmax_rows(torch.randn(4, 16, dtype=torch.bfloat16)) is None  # fp32 only
-    assert native_logits.argmax_rows(torch.randn(4, 0)) is None  # torch raises on an empty reduction
-    assert native_logits.argmax_rows(torch.randn(4, 16, device="meta")) is None
+def test_argmax_declines_what_it_does_not_handle(cpu_isa):
+    assert native_logits.argmax_rows(torch.randn(4, 32)[:, ::2], cpu_isa) is None  # not contiguous
+    assert native_logits.argmax_rows(torch.randn(4, 16, dtype=torch.bfloat16), cpu_isa) is None  # fp32 only
+    assert native_logits.argmax_rows(torch.randn(4, 0), cpu_isa) is None  # torch raises on an empty reduction
+    assert native_logits.argmax_rows(torch.randn(4, 16, device="meta"), cpu_isa) is None
 
 
 # ---- one result at every level ---------------------------------------------------------------
@@ -200,15 +201,6 @@ _EXP = Function("pagellm_exp_f32", (Tensor("x", (torch.float32,)), Int("n"), Fla
                                     Tensor("out", (torch.float32,))), returns=ctypes.c_int)
 _FMA = Function("pagellm_fma_f32", (*(Tensor(n, (torch.float32,)) for n in "abc"), Int("n"),
                                     Tensor("out", (torch.float32,))))
-
-
-def per_level(fn):
-    """{level: fn()} with each level this CPU executes selected in turn."""
-    results = {}
-    for level in native.host_levels():
-        with native.using(level):
-            results[level] = fn()
-    return results
 
 
 EXP_FORMS = {16: "exp512", 8: "exp256", 1: "exp_scalar", 0: "exp_lanes<8>"}
@@ -304,12 +296,12 @@ def test_fma_is_rounded_once_at_every_level():
     # instruction, which the avx2 / avx512 builds use.
     a, b, c = fma_inputs()
 
-    def fma():
+    def fma(at):
         out = torch.empty_like(a)
-        _FMA.callers(getattr(native.bind("logits", [_FMA]), _FMA.symbol))[1](a, b, c, a.numel(), out)
+        _FMA.callers(getattr(native.bind("logits", [_FMA], at), _FMA.symbol))[1](a, b, c, a.numel(), out)
         return out
 
-    results = per_level(fma)
+    results = native.each_level(fma)
     want = results[native.host_levels()[0]]
     twice = (a.double() * b.double() + c.double()).float()
     differ = twice.view(torch.int32) != want.view(torch.int32)
@@ -327,7 +319,7 @@ def test_fp32_softcap_is_the_same_bits_at_every_level(cap):
     bits = torch.randint(-(2**31), 2**31 - 1, (500_000,), generator=g, dtype=torch.int64).to(torch.int32)
     x = torch.cat([bits.view(torch.float32), torch.randn(500_000, generator=g) * 40,
                    torch.tensor([0.55 * cap, -0.55 * cap, 0.0, -0.0, float("nan"), float("inf"), -float("inf")])])
-    results = per_level(lambda: native_logits.logits_to_f32(x.view(1, -1), cap).view(-1))
+    results = native.each_level(lambda at: native_logits.logits_to_f32(x.view(1, -1), cap, at).view(-1))
     want = results[native.host_levels()[0]]
     for got in results.values():
         assert_same_bits(got, want)
@@ -337,13 +329,13 @@ def test_fp32_softcap_is_the_same_bits_at_every_level(cap):
 @pytest.mark.parametrize("n", [13, 65536 + 13, 3 * 65536 + 13])  # direct, direct with tail, by table
 def test_bf16_softcap_is_the_same_bits_at_every_level(n):
     x = every_bf16().repeat(4)[:n].view(1, n)
-    results = per_level(lambda: native_logits.logits_to_f32(x, 30.0))
+    results = native.each_level(lambda at: native_logits.logits_to_f32(x, 30.0, at))
     for got in results.values():
         assert_same_bits(got, torch_softcap(x, 30.0))
 
 
 @pytest.mark.parametrize("vocab", [31, 32, 33, 95, 96, 97, 4099])
-def test_argmax_between_vector_body_and_tail(vocab):
+def test_argmax_between_vector_body_and_tail(vocab, cpu_isa):
     # The vector scans take whole groups (64 elements at avx512, 32 at avx2) and leave a tail: the answer
     # may be in either, tie across the boundary, or be a NaN in the tail only.
     g = torch.Generator().manual_seed(vocab)
@@ -363,14 +355,14 @@ def test_argmax_between_vector_body_and_tail(vocab):
         cases.append(w)
     cases.append(torch.full((vocab,), -float("inf")))
     x = torch.stack(cases)
-    assert torch.equal(native_logits.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(native_logits.argmax_rows(x, cpu_isa), x.argmax(dim=-1))
 
 
 # ---- grammar masks ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000, 262144])
-def test_mask_rows_matches_the_torch_unpacking(vocab):
+def test_mask_rows_matches_the_torch_unpacking(vocab, cpu_isa):
     """Rows listed get -inf where their packed bit is 0 (words of all ones, all zeros and mixed); others untouched."""
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=generator)
@@ -381,7 +373,7 @@ def test_mask_rows_matches_the_torch_unpacking(vocab):
     bitmask[2, 0] = -2**31  # only the top bit: token 31
     rows = [4, 0, 2]
     got, want = logits.clone(), logits.clone()
-    native_logits.mask_rows(got, bitmask, rows)
+    native_logits.mask_rows(got, bitmask, rows, cpu_isa)
     native_logits._mask_rows_torch(want, bitmask, rows)
     assert torch.equal(got, want)
     assert torch.equal(got[[1, 3]], logits[[1, 3]])

@@ -21,13 +21,13 @@ from tests.kernels import requires_compiler
 from tests.kernels.attention_cases import Case, make_case
 
 
-def run_both(case: Case, window=None, cap=None):
-    """The kernel's output, and the reference's in fp64 from the same (already rounded) inputs: the exact
-    result, to far better than the bounds below need."""
+def run_both(case: Case, at: str, window=None, cap=None):
+    """The kernel's output at level `at`, and the reference's in fp64 from the same (already rounded) inputs: the
+    exact result, to far better than the bounds below need."""
     args = (case.meta, case.scale, window, cap)
     exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
                                                 case.value_cache.double(), *args)
-    return attention.paged_attention_native(case.query, case.key_cache, case.value_cache, *args), exact
+    return attention.paged_attention_native(case.query, case.key_cache, case.value_cache, *args, at=at), exact
 
 
 BF16_ROUNDING = 2.0**-8  # bf16's unit roundoff: the kernel accumulates in fp32 and rounds each output once
@@ -73,89 +73,89 @@ PAIR_IDS = ["fp32", "bf16", "fp32-bf16kv"]
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hq{}-hkv{}-d{}-bs{}-w{}-cap{}".format(*c))
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_matches_reference(scenario, config, dtypes):
+def test_matches_reference(scenario, config, dtypes, cpu_isa):
     num_heads, num_kv_heads, head_dim, block_size, window, cap = config
     query_lens, seq_lens = SCENARIOS[scenario]
     dtype, cache_dtype = dtypes
     case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
                      cache_dtype=cache_dtype)
-    assert_close(*run_both(case, window, cap), dtype)
+    assert_close(*run_both(case, cpu_isa, window, cap), dtype)
 
 
 @requires_compiler
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_a_one_percent_error_fails_the_bf16_bound(scenario):
+def test_a_one_percent_error_fails_the_bf16_bound(scenario, cpu_isa):
     """The bf16 bound is tight enough to catch a kernel 1% off: in its softmax scale, or in its output."""
     query_lens, seq_lens = SCENARIOS[scenario]
     for num_heads, num_kv_heads, head_dim, block_size, window, cap in CONFIGS:
         case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
                          cache_dtype=torch.bfloat16)
-        native_out, exact = run_both(case, window, cap)
+        native_out, exact = run_both(case, cpu_isa, window, cap)
         assert_close(native_out, exact, torch.bfloat16)
         with pytest.raises(AssertionError, match="rounding bound"):
             assert_close((native_out.double() * 1.01).to(torch.bfloat16), exact, torch.bfloat16)
         off_scale = dataclasses.replace(case, scale=case.scale * 1.01)
         with pytest.raises(AssertionError, match="rounding bound"):
-            assert_close(run_both(off_scale, window, cap)[0], exact, torch.bfloat16)
+            assert_close(run_both(off_scale, cpu_isa, window, cap)[0], exact, torch.bfloat16)
 
 
 @requires_compiler
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [None, 512])
-def test_long_decode_with_key_splits(dtypes, threads, window):
+def test_long_decode_with_key_splits(dtypes, threads, window, cpu_isa):
     """One long decode: with 2 threads the kernel splits the keys and merges the partials."""
     dtype, cache_dtype = dtypes
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         case = make_case([1], [3001], 4, 1, 256, 16, dtype, cache_dtype=cache_dtype)
-        assert_close(*run_both(case, window), dtype)
+        assert_close(*run_both(case, cpu_isa, window), dtype)
         case = make_case([1, 1], [2500, 40], 8, 2, 64, 32, dtype, cache_dtype=cache_dtype)  # the long one splits
-        assert_close(*run_both(case, window, 20.0), dtype)
+        assert_close(*run_both(case, cpu_isa, window, 20.0), dtype)
     finally:
         torch.set_num_threads(saved)
 
 
 @requires_compiler
-def test_long_chunk_over_long_context():
+def test_long_chunk_over_long_context(cpu_isa):
     """A few query rows over a long context: tiles and splits in the same call."""
     case = make_case([40, 1], [2000, 700], 4, 1, 128, 16, torch.float32)
-    assert_close(*run_both(case, 300), torch.float32)
+    assert_close(*run_both(case, cpu_isa, 300), torch.float32)
 
 
 @requires_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_nan_beyond_context_never_read(dtype):
+def test_nan_beyond_context_never_read(dtype, cpu_isa):
     """Partially filled last blocks and unused blocks hold NaN; the output stays finite and exact."""
     case = make_case([1, 5, 1], [33, 21, 1], 4, 2, 64, 16, dtype)
     assert torch.isnan(case.key_cache).any() and torch.isnan(case.value_cache).any()
-    native_out, reference = run_both(case)
+    native_out, reference = run_both(case, cpu_isa)
     assert_close(native_out, reference, dtype)
 
 
 @requires_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_physical_placement_does_not_change_the_result(dtype):
+def test_physical_placement_does_not_change_the_result(dtype, cpu_isa):
     args = ([1, 7, 1], [300, 40, 77], 4, 1, 128, 16, dtype)
     first = make_case(*args, seed=3, placement_seed=10)
     second = make_case(*args, seed=3, placement_seed=11)
     assert not torch.equal(first.meta.block_tables, second.meta.block_tables)
     for window in (None, 50):
-        a, _ = run_both(first, window)
-        b, _ = run_both(second, window)
+        a, _ = run_both(first, cpu_isa, window)
+        b, _ = run_both(second, cpu_isa, window)
         assert torch.equal(a, b)
 
 
 @requires_compiler
-def test_strided_query():
+def test_strided_query(cpu_isa):
     """A query that is a view into a fused projection (row stride larger than H_q * D)."""
     case = make_case([3, 1], [9, 30], 4, 2, 64, 16, torch.float32)
     fused = torch.randn(case.query.shape[0], 8, 64)
     fused[:, 2:6] = case.query
     strided = dataclasses.replace(case, query=fused[:, 2:6])
     assert not strided.query.is_contiguous()
-    torch.testing.assert_close(run_both(strided)[0].double(), run_both(case)[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run_both(strided, cpu_isa)[0].double(), run_both(case, cpu_isa)[1], atol=1e-5, rtol=1e-5)
 
 
 def level_cases():
@@ -185,21 +185,20 @@ def level_cases():
 @pytest.mark.across_levels
 @requires_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-def test_lower_levels_agree_with_the_hosts_own(threads, monkeypatch):
+def test_lower_levels_agree_with_the_hosts_own(threads):
     """Each lower level's build against the host's best: avx2 gives avx512's bits; the generic (scalar)
     build sums in another order and agrees to rounding (fp32: 1e-5; bf16: one bf16 rounding). All match
     the reference."""
     best, *lower = native.host_levels()
     kernels = {each: attention._native_kernel(each) for each in (best, *lower)}
-    assert None not in kernels.values(), kernels
+    assert None not in kernels.values(), kernels  # every level built: none of them falls back to the reference
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)  # the same split plan for both builds
     try:
         for case, window, cap in level_cases():
             outputs = {}
-            for each, kernel in kernels.items():
-                monkeypatch.setattr(attention, "_native_kernel", lambda kernel=kernel: kernel)
-                outputs[each], reference = run_both(case, window, cap)
+            for each in kernels:
+                outputs[each], reference = run_both(case, each, window, cap)
                 assert_close(outputs[each], reference, case.query.dtype)
             base = outputs[best]
             for level in lower:
@@ -214,17 +213,18 @@ def test_lower_levels_agree_with_the_hosts_own(threads, monkeypatch):
         torch.set_num_threads(saved)
 
 
-def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch):
+def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch, cpu_isa):
     case = make_case([1, 3], [5, 3], 4, 2, 64, 16, torch.float32)
     calls = []
     reference, native_path = attention.paged_attention_reference, attention.paged_attention_native
     monkeypatch.setattr(attention, "paged_attention_reference",
                         lambda *a: calls.append("reference") or reference(*a))
-    monkeypatch.setattr(attention, "paged_attention_native", lambda *a: calls.append("native") or native_path(*a))
+    monkeypatch.setattr(attention, "paged_attention_native",
+                        lambda *a, **kw: calls.append("native") or native_path(*a, **kw))
 
-    def dispatched(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache):
+    def dispatched(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache, at=cpu_isa):
         calls.clear()
-        attention.paged_attention(query, key_cache, value_cache, case.meta, case.scale)
+        attention.paged_attention(query, key_cache, value_cache, case.meta, case.scale, at=at)
         return calls[0]
 
     bf16_k, bf16_v = case.key_cache.to(torch.bfloat16), case.value_cache.to(torch.bfloat16)
@@ -238,7 +238,6 @@ def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch):
                       case.value_cache[..., :24].contiguous()) == "reference"
     assert dispatched(case.query.to(torch.bfloat16)) == "reference"
     assert dispatched(case.query, bf16_k) == "reference"  # K and V in different dtypes
-    with native.using(None):  # native kernels off
-        assert dispatched() == "reference"
-    monkeypatch.setattr(attention, "_native_kernel", lambda: None)  # no compiler: nothing was built
+    assert dispatched(at=None) == "reference"  # native kernels off
+    monkeypatch.setattr(attention, "_native_kernel", lambda at: None)  # no compiler: nothing was built
     assert dispatched() == "reference"

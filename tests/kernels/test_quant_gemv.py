@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from pagellm.kernels import native, quant_gemv
+from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.quant_codes import group_affine_from_float, pack_int4
-from pagellm.layers.quantized import Int4Linear, Int8Linear, QuantizedEmbedding
+from pagellm.layers.quantized import Int4Linear, Int8Linear, QuantizedEmbedding, quantized_module
 from tests.kernels import requires_compiler
 
 # the bf16-activation kernels exist at the avx512 level only (elsewhere torch's serve: tests/layers); the int4
@@ -27,12 +28,16 @@ KERNEL, DENSE = 10**9, 1  # dense_from_rows forcing the int-kernel path / the de
 CLASSES = {"int8": Int8Linear, "int4": Int4Linear}
 
 
-def random_layer(scheme: str, rows: int, cols: int, bias: bool, dtype: torch.dtype, native: bool, seed: int = 0):
+def random_layer(scheme: str, rows: int, cols: int, bias: bool, dtype: torch.dtype, native: bool, level: str,
+                 seed: int = 0):
+    """A layer calling the kernels at `level` (`native`: in their layout, else in torch's)."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(rows, cols, generator=g) * 0.05
     b = (torch.randn(rows, generator=g) * 0.1).to(dtype) if bias else None
     bf16_activations = {"int8_activations": False} if scheme == "int4" else {}  # this file tests that kernel
-    return CLASSES[scheme].from_float(weight, b, native=native, dense_from_rows=KERNEL, **bf16_activations)
+    layer = CLASSES[scheme].from_float(weight, b, native=native, dense_from_rows=KERNEL, **bf16_activations)
+    bind_kernel_level(layer, level)
+    return layer
 
 
 def assert_matches_reference(layer, x: torch.Tensor, y: torch.Tensor, rounded: bool | None = None) -> None:
@@ -55,10 +60,10 @@ def assert_matches_reference(layer, x: torch.Tensor, y: torch.Tensor, rounded: b
                                               ("int8", 37, 96), ("int8", 1, 32), ("int8", 640, 2048)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_the_dequantized_reference(scheme, rows, cols, dtype, bias):
+def test_kernel_matches_the_dequantized_reference(scheme, rows, cols, dtype, bias, cpu_isa):
     """M from 1 to 19 covers every row-count specialisation (1..8) and passes of 8 with a remainder; the
     large shapes take the threaded path, 208 rows is an odd number of int4 blocks, 37 an odd int8 row count."""
-    layer = random_layer(scheme, rows, cols, bias, dtype, native=True)
+    layer = random_layer(scheme, rows, cols, bias, dtype, native=True, level=cpu_isa)
     g = torch.Generator().manual_seed(1)
     kernel = layer.bound_matmul()  # the native kernel itself, whatever M the layer would give it
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 19):
@@ -70,9 +75,9 @@ def test_kernel_matches_the_dequantized_reference(scheme, rows, cols, dtype, bia
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_and_torch_kernels_agree(scheme, dtype):
-    native_layer = random_layer(scheme, 304, 640, True, dtype, native=True)
-    torch_layer = random_layer(scheme, 304, 640, True, dtype, native=False)
+def test_native_and_torch_kernels_agree(scheme, dtype, cpu_isa):
+    native_layer = random_layer(scheme, 304, 640, True, dtype, native=True, level=cpu_isa)
+    torch_layer = random_layer(scheme, 304, 640, True, dtype, native=False, level=cpu_isa)
     assert torch.equal(native_layer.dequantize(), torch_layer.dequantize())
     x = torch.randn(6, 640).to(dtype)
     ours, theirs = native_layer.bound_matmul()(x).float(), torch_layer(x).float()
@@ -80,8 +85,8 @@ def test_native_and_torch_kernels_agree(scheme, dtype):
     torch.testing.assert_close(ours, theirs, atol=2**-7 * theirs.abs().max().item(), rtol=2**-7)
 
 
-def test_inputs_of_any_layout_and_dtype():
-    layer = random_layer("int4", 64, 96, True, torch.bfloat16, native=True)
+def test_inputs_of_any_layout_and_dtype(cpu_isa):
+    layer = random_layer("int4", 64, 96, True, torch.bfloat16, native=True, level=cpu_isa)
     batched = torch.randn(2, 3, 96).to(torch.bfloat16)
     y = layer(batched)
     assert y.shape == (2, 3, 64)
@@ -97,7 +102,7 @@ def test_inputs_of_any_layout_and_dtype():
 
 
 @ALL_LEVELS
-def test_int4_layout_round_trips():
+def test_int4_layout_round_trips(cpu_isa):
     g = torch.Generator().manual_seed(2)
     affine = group_affine_from_float(torch.randn(48, 128, generator=g))
     codes, scales, layout = pack_int4(affine, native=True)
@@ -108,16 +113,16 @@ def test_int4_layout_round_trips():
     assert torch.equal(scale, affine.scale.to(torch.bfloat16).float())
     assert torch.equal(zero, (affine.offset + 8 * affine.scale).to(torch.bfloat16).float())
     expected = (affine.q[ids].view(5, 4, 32).float() - 8) * scale[ids, :, None] + zero[ids, :, None]
-    rows = quant_gemv.int4_rows(codes, scales, ids, torch.empty(5, 128))
+    rows = quant_gemv.int4_rows(codes, scales, ids, torch.empty(5, 128), cpu_isa)
     assert torch.equal(rows, expected.view(5, 128))
     with pytest.raises(IndexError):
-        quant_gemv.int4_rows(codes, scales, torch.tensor([48]), torch.empty(1, 128))
+        quant_gemv.int4_rows(codes, scales, torch.tensor([48]), torch.empty(1, 128), cpu_isa)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_dense_tiles_and_lookups_read_the_native_layout(scheme, monkeypatch):
+def test_dense_tiles_and_lookups_read_the_native_layout(scheme, monkeypatch, cpu_isa):
     monkeypatch.setattr("pagellm.layers.quantized.TILE_ROWS", 64)  # several tiles, the last one partial
-    layer = random_layer(scheme, 176, 96, True, torch.float32, native=True)
+    layer = random_layer(scheme, 176, 96, True, torch.float32, native=True, level=cpu_isa)
     x = torch.randn(40, 96)
     kernel = layer(x)
     layer.dense_from_rows = DENSE
@@ -128,17 +133,23 @@ def test_dense_tiles_and_lookups_read_the_native_layout(scheme, monkeypatch):
     assert torch.equal(table(ids), layer.dequantize()[ids].to(torch.bfloat16))
 
 
-def test_replaced_weights_are_used():
+def test_replaced_weights_are_used(cpu_isa):
     """The layer binds its kernel call to its buffers once; replacing a buffer must rebind it."""
-    first, second = (random_layer("int4", 64, 96, False, torch.float32, native=True, seed=s) for s in (3, 4))
+    first, second = (random_layer("int4", 64, 96, False, torch.float32, native=True, level=cpu_isa, seed=s)
+                     for s in (3, 4))
     x = torch.randn(2, 96)
     first(x)
+    bound = first.bindings[False]  # the bf16-activation kernel's (int8_activations off)
+    first(x)
+    assert first.bindings[False] is bound  # bound once, not per call
     first.packed, first.scales_and_zeros = second.packed, second.scales_and_zeros
     assert torch.equal(first(x), second(x))
+    assert first.bindings[False] is not bound and first.bindings[False].binds(second.packed,
+                                                                              second.scales_and_zeros, None)
 
 
-def test_copies_bind_their_own_tensors():
-    layer = random_layer("int4", 64, 96, True, torch.bfloat16, native=True)
+def test_copies_bind_their_own_tensors(cpu_isa):
+    layer = random_layer("int4", 64, 96, True, torch.bfloat16, native=True, level=cpu_isa)
     x = torch.randn(2, 96).to(torch.bfloat16)
     expected = layer(x)
     for copy in (copy_module.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
@@ -148,13 +159,14 @@ def test_copies_bind_their_own_tensors():
 
 
 @ALL_LEVELS
-def test_disabled_native_kernels_fall_back_to_torch():
-    with native.using(None):
-        assert not quant_gemv.available() and not quant_gemv.native_layout_available()
-        int4 = Int4Linear.from_float(torch.randn(64, 96) * 0.05)
-        int8 = Int8Linear.from_float(torch.randn(64, 96) * 0.05)
-        assert not int4.native and not int4.layout.native and not int8.native
-        x = torch.randn(3, 96)
-        for layer in (int4, int8):
-            assert_matches_reference(layer, x, layer(x), rounded=True)  # torch's kernels return bf16
-    assert quant_gemv.native_layout_available()
+def test_disabled_native_kernels_fall_back_to_torch(cpu_isa):
+    assert not quant_gemv.available(None) and not quant_gemv.native_layout_available(None)
+    # built for level None (native kernels off) as the loader builds them: torch's layout, torch's kernels
+    int4 = quantized_module("int4", torch.randn(64, 96) * 0.05, None)
+    int8 = quantized_module("int8", torch.randn(64, 96) * 0.05, None)
+    assert not int4.native and not int4.layout.native and not int8.native
+    assert int4.kernel_level is None and int8.kernel_level is None
+    x = torch.randn(3, 96)
+    for layer in (int4, int8):
+        assert_matches_reference(layer, x, layer(x), rounded=True)  # torch's kernels return bf16
+    assert quant_gemv.native_layout_available(cpu_isa)

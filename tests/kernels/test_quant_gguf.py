@@ -27,36 +27,36 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-def test_rows_are_the_files_weights(ggml_type):
+def test_rows_are_the_files_weights(ggml_type, cpu_isa):
     data = gguf_tensor(ggml_type, 48, 512)
     weight = gguf_blocks.repack(data, ggml_type, (48, 512))
     ids = torch.tensor([0, 47, 16, 5, 5])
     reference = dequantized(data, ggml_type, (48, 512))
-    assert torch.equal(gguf_blocks.rows(weight, ids), reference[ids])
-    assert torch.equal(gguf_blocks.rows(weight, ids, torch.bfloat16), reference[ids].bfloat16())
+    assert torch.equal(gguf_blocks.rows(weight, ids, cpu_isa), reference[ids])
+    assert torch.equal(gguf_blocks.rows(weight, ids, cpu_isa, torch.bfloat16), reference[ids].bfloat16())
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 13, 40])
-def test_matmul_is_the_exact_product_with_int8_activations(ggml_type, rows):
+def test_matmul_is_the_exact_product_with_int8_activations(ggml_type, rows, cpu_isa):
     data = gguf_tensor(ggml_type, 64, 768, seed=rows)
     weight = gguf_blocks.repack(data, ggml_type, (64, 768))
     x, bias = torch.randn(rows, 768), torch.randn(64)
     exact = int8_activations(x) @ dequantized(data, ggml_type, (64, 768)).double().T + bias.double()
-    y = gguf_blocks.matmul(x, weight, bias)
+    y = gguf_blocks.matmul(x, weight, bias, cpu_isa)
     assert y.dtype == torch.float32 and y.shape == (rows, 64)
     assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-6  # fp32 sums of exact products
-    y16 = gguf_blocks.matmul(x.bfloat16(), weight, bias.bfloat16())
+    y16 = gguf_blocks.matmul(x.bfloat16(), weight, bias.bfloat16(), cpu_isa)
     exact16 = int8_activations(x.bfloat16()) @ dequantized(data, ggml_type, (64, 768)).double().T + bias.bfloat16().double()
     assert y16.dtype == torch.bfloat16 and ((y16.double() - exact16).norm() / exact16.norm()).item() < 1e-2
 
 
-def test_activation_rounding_costs_little_against_the_dense_product():
+def test_activation_rounding_costs_little_against_the_dense_product(cpu_isa):
     data = gguf_tensor(T.Q8_0, 256, 1024)
     weight = gguf_blocks.repack(data, T.Q8_0, (256, 1024))
     x = torch.randn(4, 1024)
     dense = x @ dequantized(data, T.Q8_0, (256, 1024)).T
-    assert ((gguf_blocks.matmul(x, weight) - dense).norm() / dense.norm()).item() < 0.01
+    assert ((gguf_blocks.matmul(x, weight, None, cpu_isa) - dense).norm() / dense.norm()).item() < 0.01
 
 
 @pytest.mark.across_levels
@@ -65,7 +65,7 @@ def test_levels_bit_identical(ggml_type):
     data = gguf_tensor(ggml_type, 32, 512, seed=3)
     weight = gguf_blocks.repack(data, ggml_type, (32, 512))
     x = torch.randn(7, 512)
-    results = native.each_level(lambda: gguf_blocks.matmul(x, weight))
+    results = native.each_level(lambda at: gguf_blocks.matmul(x, weight, None, at))
     first = next(iter(results.values()))
     assert all(torch.equal(first, y) for y in results.values()), list(results)
 
@@ -126,49 +126,55 @@ def test_resident_bytes_stay_near_the_files(ggml_type):
     assert data.nbytes <= resident <= 1.03 * data.nbytes
 
 
-def test_bad_input_is_refused():
+def test_bad_input_is_refused(cpu_isa):
     weight = gguf_blocks.repack(gguf_tensor(T.Q4_0, 16, 64), T.Q4_0, (16, 64))
     with pytest.raises(IndexError, match="out of range"):
-        gguf_blocks.rows(weight, torch.tensor([16]))
+        gguf_blocks.rows(weight, torch.tensor([16]), cpu_isa)
     with pytest.raises(ValueError, match="64 features"):
-        gguf_blocks.matmul(torch.randn(2, 32), weight)
+        gguf_blocks.matmul(torch.randn(2, 32), weight, None, cpu_isa)
     with pytest.raises(ValueError, match="cannot be kept in its blocks"):
         gguf_blocks.repack(gguf_tensor(T.Q4_0, 8, 64), T.Q4_0, (8, 64))
 
 
-def test_weights_side_by_side_write_one_output():
+def test_weights_side_by_side_write_one_output(cpu_isa):
     parts = [(T.Q5_0, 32), (T.Q8_0, 16), (T.Q4_K, 48)]
     data = [gguf_tensor(t, n, 512, seed=n) for t, n in parts]
     weights = [gguf_blocks.repack(d, t, (n, 512)) for d, (t, n) in zip(data, parts)]
     x, bias = torch.randn(6, 512), torch.randn(96)
-    joined = gguf_blocks.BoundMatmul(weights, bias)(x)
-    separate = torch.cat([gguf_blocks.matmul(x, w) for w in weights], dim=1) + bias
+    joined = gguf_blocks.BoundMatmul(weights, bias, cpu_isa)(x)
+    separate = torch.cat([gguf_blocks.matmul(x, w, None, cpu_isa) for w in weights], dim=1) + bias
     assert torch.equal(joined, separate)
 
 
-def test_repacking_in_chunks_keeps_every_row():
+def test_repacking_in_chunks_keeps_every_row(cpu_isa):
     """repack works 1024 rows at a time: a tensor of more than one chunk, not a whole number of them."""
     data = gguf_tensor(T.Q6_K, 2064, 256)
     weight = gguf_blocks.repack(data, T.Q6_K, (2064, 256))
-    assert torch.equal(gguf_blocks.rows(weight, torch.arange(2064)), dequantized(data, T.Q6_K, (2064, 256)))
+    assert torch.equal(gguf_blocks.rows(weight, torch.arange(2064), cpu_isa), dequantized(data, T.Q6_K, (2064, 256)))
 
 
-def test_layer_rebinds_when_a_buffer_is_replaced():
+def test_layer_rebinds_when_a_buffer_is_replaced(cpu_isa):
     from pagellm.layers.gguf_linear import GGUFLinear
+    from pagellm.layers.kernel_user import bind_kernel_level
 
     first, second = (gguf_blocks.repack(gguf_tensor(T.Q8_0, 32, 256, seed=s), T.Q8_0, (32, 256)) for s in (1, 2))
     layer, x = GGUFLinear([first]), torch.randn(2, 256)
-    assert torch.equal(layer(x), gguf_blocks.matmul(x, first))
+    bind_kernel_level(layer, cpu_isa)
+    assert torch.equal(layer(x), gguf_blocks.matmul(x, first, None, cpu_isa))
+    bound = layer.bindings["matmul"][0]
+    assert torch.equal(layer(x), gguf_blocks.matmul(x, first, None, cpu_isa))
+    assert layer.bindings["matmul"][0] is bound  # bound once, not per call
     layer.qs0, layer.gp0 = second.qs, second.gp
-    assert torch.equal(layer(x), gguf_blocks.matmul(x, second))
+    assert torch.equal(layer(x), gguf_blocks.matmul(x, second, None, cpu_isa))
+    assert layer.bindings["matmul"][0] is not bound  # bound again, to the new buffers
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-def test_an_fp32_output_of_bf16_activations_is_the_bf16_output_unrounded(ggml_type):
+def test_an_fp32_output_of_bf16_activations_is_the_bf16_output_unrounded(ggml_type, cpu_isa):
     """What an LM head asks for: the same fp32 sums, not rounded to bf16 (bias included)."""
     data = gguf_tensor(ggml_type, 32, 512, seed=5)
     bias = torch.randn(32).to(torch.bfloat16).float()  # the same in either output dtype
-    bound = gguf_blocks.BoundMatmul([gguf_blocks.repack(data, ggml_type, (32, 512))], bias)
+    bound = gguf_blocks.BoundMatmul([gguf_blocks.repack(data, ggml_type, (32, 512))], bias, cpu_isa)
     x = torch.randn(5, 512).to(torch.bfloat16)
     wide, narrow = bound(x, torch.float32), bound(x)
     assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16

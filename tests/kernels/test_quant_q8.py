@@ -31,11 +31,14 @@ pytestmark = requires_compiler
 GROUP = quant_gemv.GROUP_SIZE
 
 
-def random_layer(rows: int, cols: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> Int4Linear:
+def random_layer(rows: int, cols: int, bias: bool, dtype: torch.dtype, level: str, seed: int = 0) -> Int4Linear:
+    """In the native layout, bound to `level` (its dequantize(), the reference's weights, runs there)."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(rows, cols, generator=g) * 0.05
     b = (torch.randn(rows, generator=g) * 0.1).to(dtype) if bias else None
-    return Int4Linear.from_float(weight, b, native=True)
+    layer = Int4Linear.from_float(weight, b, native=True)
+    layer.use_kernel_level(level)
+    return layer
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,55 +87,55 @@ def assert_matches_reference(layer: Int4Linear, x: torch.Tensor, y: torch.Tensor
                                        (2048, 2048), (16, 2048), (48, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_the_quantized_reference(rows, cols, dtype, bias):
+def test_kernel_matches_the_quantized_reference(rows, cols, dtype, bias, cpu_isa):
     """N = 16 is one weight block, 48 an odd number of them; 2048 x >=640 takes the threaded path. M = 16, 33
     and 64 run in several passes of rows (8 + 8, 3 x 11, 6 x 10-11)."""
-    layer = random_layer(rows, cols, bias, dtype)
+    layer = random_layer(rows, cols, bias, dtype, cpu_isa)
     g = torch.Generator().manual_seed(1)
     for m in (1, 3, 16, 33, 64):
         x = (torch.randn(m, cols, generator=g) * 2).to(dtype)
-        y = quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, layer.bias)
+        y = quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, layer.bias, cpu_isa)
         assert y.dtype == dtype and y.shape == (m, rows)
         assert_matches_reference(layer, x, y)
 
 
-def test_every_row_count_specialisation():
+def test_every_row_count_specialisation(cpu_isa):
     """M = 1..12 run as one pass of that many rows (each its own template instance), 13 and 25 split."""
-    layer = random_layer(64, 96, True, torch.float32)
+    layer = random_layer(64, 96, True, torch.float32, cpu_isa)
     g = torch.Generator().manual_seed(2)
     for m in (*range(1, 14), 25):
         x = torch.randn(m, 96, generator=g)
         assert_matches_reference(layer, x, quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros,
-                                                                       layer.bias))
+                                                                       layer.bias, cpu_isa))
 
 
-def test_bound_matmul_runs_the_same_kernel():
-    layer = random_layer(64, 96, True, torch.bfloat16)
-    bound = quant_gemv.BoundMatmul("int4", layer.packed, layer.scales_and_zeros, layer.bias, q8=True)
+def test_bound_matmul_runs_the_same_kernel(cpu_isa):
+    layer = random_layer(64, 96, True, torch.bfloat16, cpu_isa)
+    bound = quant_gemv.BoundMatmul("int4", layer.packed, layer.scales_and_zeros, layer.bias, q8=True, at=cpu_isa)
     x = torch.randn(2, 5, 96).to(torch.bfloat16)
     y = bound(x)
     assert y.shape == (2, 5, 64)
-    assert torch.equal(y, quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, layer.bias))
+    assert torch.equal(y, quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, layer.bias, cpu_isa))
     assert_matches_reference(layer, x, y)
     with pytest.raises(ValueError, match="int4 weights"):
-        quant_gemv.BoundMatmul("int8", layer.packed, layer.scales_and_zeros, None, q8=True)
+        quant_gemv.BoundMatmul("int8", layer.packed, layer.scales_and_zeros, None, q8=True, at=cpu_isa)
 
 
 @pytest.mark.parametrize("outliers,bound", [(0, 0.008), (6, 0.02)])
-def test_activation_quantization_costs_little_accuracy(outliers, bound):
+def test_activation_quantization_costs_little_accuracy(outliers, bound, cpu_isa):
     """Gaussian activations, then with 6 outlier channels (x30) as LLM hidden states have: an outlier widens its
     group's d, coarsening the other 31 values. Measured error / row norm (2048 x 640 and x 2048, M = 64): q8
     0.5-0.6% plain, 1.1-1.5% with outliers, where the bf16-activation kernel is at 0.15-0.3% and the int4 weights
     themselves at ~7% of the float layer's output."""
     rows, cols, m = 2048, 640, 64
-    layer = random_layer(rows, cols, False, torch.float32)
+    layer = random_layer(rows, cols, False, torch.float32, cpu_isa)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(m, cols, generator=g)
     x[:, torch.randperm(cols, generator=g)[:outliers]] *= 30
     weights = layer.dequantize().double()
     truth = x.double() @ weights.T
     bf16 = x.to(torch.bfloat16).double() @ weights.T  # what the bf16-activation kernel computes (it rounds x)
-    q8 = quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros).double()
+    q8 = quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, None, cpu_isa).double()
     norms = truth.norm(dim=1, keepdim=True)
     q8_vs_bf16 = ((q8 - bf16).norm(dim=1, keepdim=True) / norms).max().item()
     q8_vs_truth = ((q8 - truth).norm(dim=1, keepdim=True) / norms).max().item()
@@ -141,24 +144,24 @@ def test_activation_quantization_costs_little_accuracy(outliers, bound):
     assert bf16_vs_truth < q8_vs_truth  # the int8 rounding is the larger error: the test measures it
 
 
-def test_zero_and_nan_groups():
+def test_zero_and_nan_groups(cpu_isa):
     """An all-zero group quantizes to zeros (not 0 / 0); a NaN reaches its row's d, so that whole row is NaN."""
-    layer = random_layer(32, 64, True, torch.float32)
+    layer = random_layer(32, 64, True, torch.float32, cpu_isa)
     x = torch.randn(3, 64)
     x[0] = 0
     x[1, :32] = 0
     x[2, 40] = float("nan")
-    y = quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, layer.bias)
+    y = quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, layer.bias, cpu_isa)
     assert torch.equal(y[0], layer.bias)
     assert_matches_reference(layer, x[:2], y[:2])
     assert y[2].isnan().all()
 
 
-def test_wrong_width_is_rejected():
-    layer = random_layer(32, 64, False, torch.float32)
+def test_wrong_width_is_rejected(cpu_isa):
+    layer = random_layer(32, 64, False, torch.float32, cpu_isa)
     with pytest.raises(ValueError, match=r"64 features, got \(2, 96\)"):  # the kernel reads raw memory
-        quant_gemv.int4_matmul_q8(torch.randn(2, 96), layer.packed, layer.scales_and_zeros)
-    bound = quant_gemv.BoundMatmul("int4", layer.packed, layer.scales_and_zeros, None, q8=True)
+        quant_gemv.int4_matmul_q8(torch.randn(2, 96), layer.packed, layer.scales_and_zeros, None, cpu_isa)
+    bound = quant_gemv.BoundMatmul("int4", layer.packed, layer.scales_and_zeros, None, q8=True, at=cpu_isa)
     with pytest.raises(ValueError, match=r"64 features, got \(3, 32\)"):
         bound(torch.randn(3, 32))
 
@@ -173,7 +176,8 @@ def test_levels_bit_identical(dtype):
     layer = Int4Linear.from_float(torch.randn(96, 640, generator=g) * 0.05, (torch.randn(96, generator=g) * 0.1).to(dtype))
     x = (torch.randn(13, 640, generator=g) * 2).to(dtype)  # 13 rows: passes of different sizes at each level
     x[3, :32] = 0  # an all-zero group
-    outputs = native.each_level(lambda: quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, layer.bias))
+    outputs = native.each_level(
+        lambda at: quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, layer.bias, at))
     for level, out in outputs.items():
         assert torch.equal(out, outputs["generic"]), level
 

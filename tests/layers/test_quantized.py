@@ -38,11 +38,12 @@ from tests.models.paged_harness import PagedHarness
 from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
 T = gguf.GGMLQuantizationType
+LEVEL = native.default_level()  # what the layers here run at (tests/lower_levels.py repeats them at the others)
 KERNEL, DENSE = 10**9, 1  # dense_from_rows forcing the int-kernel path / the dense-tile path
 CLASSES = {"int8": Int8Linear, "int4": Int4Linear}
 # torch's kernels and layouts always; the native ones (kernels/quant_gemv.py) at the level they exist at (avx512),
 # where a failed build fails these cases rather than dropping them
-NATIVE = [False] + ([True] if quant_gemv.promised() and native.compiler() is not None else [])
+NATIVE = [False] + ([True] if quant_gemv.promised(LEVEL) and native.compiler() is not None else [])
 
 
 def exact_int4(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,7 +131,7 @@ def test_both_paths_match_the_dequantized_reference(scheme, dtype, rows, native,
     torch.testing.assert_close(outputs[True].float(), outputs[False].float(), atol=8e-3 * scale, rtol=1e-2)
 
 
-@pytest.mark.skipif(not quant_gemv.q8_available(), reason="int8 activations need the native kernels")
+@pytest.mark.skipif(not quant_gemv.q8_available(LEVEL), reason="int8 activations need the native kernels")
 @pytest.mark.parametrize("head", [False, True])
 def test_int8_activations_take_every_row_count(head, monkeypatch):
     """With int8 activations (the default where VNNI runs) an int4 layer, the vocab head too, runs
@@ -146,7 +147,7 @@ def test_int8_activations_take_every_row_count(head, monkeypatch):
         x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
         y = layer(x)
         assert calls == [True], rows
-        assert torch.equal(y, quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros))
+        assert torch.equal(y, quant_gemv.int4_matmul_q8(x, layer.packed, layer.scales_and_zeros, None, LEVEL))
 
 
 def test_kernel_input_is_realigned(monkeypatch):
@@ -260,7 +261,7 @@ def test_gguf_auto_falls_back_to_int4_int8_without_block_kernels(tmp_path):
     tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", types=types)
     config = load_gguf_config(tiny.path)
     model = build_model(config, torch.float32, torch.device("meta"))
-    plan = plan_quantization(model, "auto", gguf_weight_types(tiny.path, config), keep_blocks=False)
+    plan = plan_quantization(model, "auto", LEVEL, gguf_weight_types(tiny.path, config), keep_blocks=False)
     assert plan["model.layers.0.self_attn.q_proj"] == "int4" and plan["model.layers.0.self_attn.k_proj"] == "int8"
     assert "model.layers.0.mlp.up_proj" not in plan
 
@@ -318,13 +319,13 @@ ERROR_BOUNDS = {False: (0.05, 0.005), True: (0.08, 0.012)}
     ("llama", "int8", False), ("gemma3", "int4", False), ("gemma3", "int4", True), ("llama3-rope-tied", "int4", False),
     ("llama3-rope-tied", "int4", True), ("qwen2", "int8", False)])
 def test_tiny_model_logits_close_to_the_dequantized_model(tmp_path, family, scheme, int8_activations):
-    if int8_activations and not quant_gemv.q8_available():
+    if int8_activations and not quant_gemv.q8_available(LEVEL):
         pytest.skip("int8 activations need the native kernels (a C++ compiler)")
     write_tiny_checkpoint(family, tmp_path / "hf")
     config = load_hf_config(tmp_path / "hf")
     model = build_model(config, torch.float32)
     model.load_weights(iter_safetensors_weights(tmp_path / "hf"))
-    plan = quantize_model(model, scheme)
+    plan = quantize_model(model, scheme, LEVEL)
     set_int8_activations(model, int8_activations)
     assert "model.embed_tokens" in plan and all(not isinstance(m, torch.nn.Embedding) for m in model.modules())
     reference = build_model(config, torch.float32)
@@ -391,7 +392,7 @@ def test_default_model_accuracy_against_the_dense_gguf_model():
             for layer in model.modules():
                 if isinstance(layer, QuantizedLinear):
                     layer.dense_from_rows = DENSE if path == "dense" else KERNEL
-            if path.startswith("int8") and (scheme == "int8" or not quant_gemv.q8_available()):
+            if path.startswith("int8") and (scheme == "int8" or not quant_gemv.q8_available(LEVEL)):
                 continue  # int8 activations are for int4 layers
             set_int8_activations(model, path.startswith("int8"))
             logits = PagedHarness(model, num_blocks=32).prefill("a", tokens)
@@ -457,7 +458,7 @@ def test_layers_that_cannot_be_joined_stay_apart():
     assert concat_linears([a, b]) is None  # one with a bias, one without
     assert concat_linears([a, Int8Linear.from_float(b.weight.data)]) is None  # different kinds
     assert concat_linears([a, _linear(32, 48, False, 2)]) is None  # different inputs
-    if quant_gemv.q8_available():
+    if quant_gemv.q8_available(LEVEL):
         q8, bf16 = (Int4Linear.from_float(a.weight.data, native=True, int8_activations=on) for on in (True, False))
         assert concat_linears([q8, bf16]) is None  # different activation paths
     int4 = Int4Linear.from_float(a.weight.data, native=True)

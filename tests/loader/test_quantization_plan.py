@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pagellm.kernels import native
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import plan_quantization, quantize_model, router_paths
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
@@ -27,12 +28,12 @@ def test_moe_routers_stay_dense(tmp_path, family):
     assert all(path.endswith((".mlp.gate", ".mlp.shared_expert_gate")) for path in routers)
     assert any(path.endswith("shared_expert_gate") for path in routers) == (family != "qwen3-moe")
     for scheme in ("int8", "int4"):
-        plan = plan_quantization(model, scheme)
+        plan = plan_quantization(model, scheme, native.default_level())
         assert not routers & set(plan), scheme
         assert "model.layers.0.mlp.shared_expert.gate_proj" in plan or family == "qwen3-moe"
         assert "model.layers.1.self_attn.o_proj" in plan  # everything else still is
     model.load_weights(iter_safetensors_weights(tmp_path, progress=False))
-    quantize_model(model, "int8")
+    quantize_model(model, "int8", native.default_level())
     assert all(type(model.get_submodule(path)) is torch.nn.Linear for path in routers)
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from pagellm.core.attention_metadata import AttentionMetadata
-from pagellm.models.bound_layers import activation_dtype, plan_model
+from pagellm.kernels import native
+from pagellm.models.bound_layers import PlanSettings, activation_dtype, plan_model
 
 
 class PagedHarness:
@@ -35,7 +36,9 @@ class PagedHarness:
                            device=self.device),
                 torch.full((num_state_slots, *shapes.recurrent_state), float("nan"), dtype=shapes.recurrent_dtype,
                            device=self.device))
-        self.plan = plan_model(model, bound_layers, activation_dtype(model), kv_cache_dtype or self.dtype)
+        level = native.default_level() if self.device.type == "cpu" else None  # as the runner's, for this process
+        self.plan = plan_model(model, PlanSettings(level, activation_dtype(model), kv_cache_dtype or self.dtype,
+                                                   bound_layers))
         generator = torch.Generator().manual_seed(seed)
         self.free_blocks: list[int] = torch.randperm(num_blocks, generator=generator).tolist()
         self.free_slots: list[int] = torch.randperm(num_state_slots, generator=generator).tolist()

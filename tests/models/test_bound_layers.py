@@ -10,7 +10,8 @@ from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from pagellm.engine import LLMEngine
 from pagellm.loader.model_loader import load_model
 from pagellm.layers.norm import RMSNorm
-from pagellm.models.bound_layers import PlannedBackbone, plan_model
+from pagellm.kernels import native
+from pagellm.models.bound_layers import PlanSettings, PlannedBackbone, plan_model
 from tests.loader.gguf_builders import T, write_tiny_gguf
 from tests.models.paged_harness import PagedHarness
 from tests.models.tiny_checkpoints import write_tiny_checkpoint
@@ -107,9 +108,10 @@ def test_plan_says_why_layers_run_as_modules(tmp_path):
     layers, fp32 = model.model.layers, torch.float32
 
     def plan(enabled=True, **kwargs):
-        return plan_model(model, enabled, fp32, fp32, **kwargs)
+        return plan_model(model, PlanSettings(level, fp32, fp32, enabled, **kwargs))
 
-    assert plan().description == f"bound to the kernels ({len(layers)} layers)" and plan().bound is not None
+    level = native.default_level()
+    assert plan().description == f"bound to the kernels at {level} ({len(layers)} layers)" and plan().bound is not None
     handle = layers[1].mlp.register_forward_hook(lambda module, args, out: out)
     assert plan().description == "modules: layer 1 has forward hooks" and plan().bound is None
     assert plan(all_reduce=lambda t: t).description.startswith("bound")

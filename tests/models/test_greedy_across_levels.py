@@ -35,17 +35,14 @@ def test_greedy_ids_identical_at_every_level_on_gguf_blocks(tmp_path, dtype):
 
 def assert_same_ids_at_every_level(model: str, dtype: str, quantization: str, prompts: list[list[int]]) -> None:
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    previous = native.level()
     ids = {}
-    try:
-        for level in native.host_levels():
-            llm = LLM(model=model, dtype=dtype, quantization=quantization, cpu_isa=level,
-                      skip_tokenizer_init=True, kv_cache_memory=0.01)
-            assert selection.kernel_levels() == kernels_at(level)  # every kernel built at this level
-            assert llm.stats()["kernels"] == selection.describe()
-            ids[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            llm.shutdown()
-    finally:
-        native.select(previous or "auto", previous is not None)
+    for level in native.host_levels():
+        llm = LLM(model=model, dtype=dtype, quantization=quantization, cpu_isa=level,
+                  skip_tokenizer_init=True, kv_cache_memory=0.01)
+        assert selection.kernel_levels(level) == kernels_at(level)  # every kernel built at this level
+        assert llm.stats()["kernels"] == selection.describe(level)
+        assert llm.engine.runner.kernel_level == level
+        ids[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
     for level, got in ids.items():
         assert got == ids[native.host_levels()[0]], level

@@ -15,4 +15,4 @@ def test_the_run_selects_the_kernels_it_was_started_for():
     expected = None if meant == "off" else native.resolve(meant)
     config = KernelConfig()  # what an engine in this process is configured with
     assert (native.resolve(config.cpu_isa) if config.native_kernels else None) == expected
-    assert native.level() == expected  # what the kernel wrappers load before any engine selects
+    assert native.default_level() == expected  # what modules run at until a plan binds an engine's level

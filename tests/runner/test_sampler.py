@@ -76,11 +76,12 @@ GREEDY_OPS = {"torch": {"argmax"}, "native": {"dim", "is_contiguous", "numel", "
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_all_greedy_batch_does_only_an_argmax(kernels):
     logits = torch.randn(4, 100)
-    level = native.level() if kernels == "native" else None
+    level = native.default_level() if kernels == "native" else None
     if level is None and kernels == "native":
         pytest.skip("native kernels are off in this run; the torch case covers it")
-    with native.using(level), _RecordOps() as ops:
-        out = Sampler(seed=0)(logits, rows_of(4, temperature=0.0, top_k=5, top_p=0.5))
+    sampler = Sampler(seed=0, kernel_level=level)
+    with _RecordOps() as ops:
+        out = sampler(logits, rows_of(4, temperature=0.0, top_k=5, top_p=0.5))
     expected = GREEDY_OPS[kernels] if kernels == "torch" or native.compiler() is not None else GREEDY_OPS["torch"]
     assert {n for n in ops.names if n != "__get__"} == expected
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))

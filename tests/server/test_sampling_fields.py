@@ -150,8 +150,8 @@ def local_model():
     from pagellm.kernels.selection import select_kernels
     from pagellm.loader.default_model import default_model_path
 
-    select_kernels(KernelConfig())  # first: "auto" dtypes follow the selected level
-    dtype, kv_dtype = mode_dtype(None), mode_kv_cache_dtype(None)
+    level = select_kernels(KernelConfig()).level  # "auto" dtypes follow the level
+    dtype, kv_dtype = mode_dtype(None, level), mode_kv_cache_dtype(None, level)
     return load_mode(default_model_path(), "auto", dtype), dtype, kv_dtype
 
 
