@@ -16,6 +16,11 @@ interpreter has no bf16), and on an H200 by `pagellm bench device-check`. Split-
 step with fewer (request, kv head) pairs than the GPU has multiprocessors, and a context of SPLIT_MIN_CONTEXT keys
 or more, splits each context's keys into up to MAX_SPLITS runs, joined by _reduce_splits_kernel.
 
+The launch is registered as the torch custom op `torch.ops.pagellm.paged_attention` (it writes `out` in place,
+a fake implementation gives torch.compile its shapes), so a compiled or captured model sees one opaque op.
+Eager calls go to the same launch directly: the dispatcher would add its Python overhead to every layer of a
+host-bound eager step.
+
 Import this module only where Triton kernels are wanted: `triton.jit` reads TRITON_INTERPRET when the
 module is imported.
 """
@@ -196,11 +201,9 @@ def paged_attention_triton(
                          f"and V {tuple(value_cache.shape)}: not a GQA cache")
     if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("query, key_cache and value_cache need unit stride along the head dimension")
-    group = num_heads // num_kv_heads
-    block_g = triton.next_power_of_2(group)
+    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
     # 16 rows at least (tl.dot); a decode step has one token per request, so a taller tile would be padding
     block_m = max(16 if meta.is_pure_decode else 64, block_g)
-    block_q = block_m // block_g
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
@@ -209,25 +212,59 @@ def paged_attention_triton(
         num_splits = decode_splits(meta.num_seqs, num_kv_heads, _multiprocessors(query.device)) if long_enough else 1
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1 (the reduce kernel's range), got {num_splits}")
+    _launch(out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.num_seqs, meta.block_size, block_m, scale, sliding_window or 0, logits_soft_cap or 0.0, num_splits)
+    return out
+
+
+@torch.library.custom_op("pagellm::paged_attention", mutates_args=("out",))
+def paged_attention_op(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                       num_seqs: int, block_size: int, block_m: int, scale: float, sliding_window: int,
+                       logits_soft_cap: float, num_splits: int) -> None:
+    """The launch as torch's dispatcher sees it: out [T, H_q, D] written in place; sliding_window 0 and
+    logits_soft_cap 0.0 mean none; block_m: the query tile's rows (16 for a pure decode step, else 64, at least
+    the GQA group); num_splits as paged_attention_triton resolves it."""
+    _launch(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_seqs, block_size,
+            block_m, scale, sliding_window, logits_soft_cap, num_splits)
+
+
+@paged_attention_op.register_fake
+def _(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_seqs, block_size, block_m,
+      scale, sliding_window, logits_soft_cap, num_splits) -> None:
+    return None  # writes `out` only: nothing to allocate
+
+
+def _launch(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int,
+            block_size: int, block_m: int, scale: float, sliding_window: int, logits_soft_cap: float,
+            num_splits: int) -> None:
+    """The attention kernel (and the reduce of its splits) over checked inputs, into `out`."""
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_q = block_m // block_g
     block_d = max(16, triton.next_power_of_2(head_dim))
     partial = max_sum = out  # unused unless split
     if num_splits > 1:
         partial = torch.empty(num_tokens, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
         max_sum = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
-    grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, num_splits)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](  # K/V in another dtype than the queries are converted as the kernel loads them
-        out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        partial, max_sum, scale, logits_soft_cap or 1.0, sliding_window or 0, meta.num_seqs,
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        partial, max_sum, scale, logits_soft_cap or 1.0, sliding_window, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        *key_cache.stride()[:3], *value_cache.stride()[:3], meta.block_tables.stride(0),
+        *key_cache.stride()[:3], *value_cache.stride()[:3], block_tables.stride(0),
         G=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_SIZE=meta.block_size, TILE=TILE_N,
-        USE_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE=TILE_N,
+        USE_CAP=logits_soft_cap > 0, USE_WINDOW=sliding_window > 0,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits)
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](out, partial, max_sum, out.stride(0), out.stride(1), num_heads,
                                                        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d)
-    return out
 
 
 @functools.cache

@@ -159,6 +159,24 @@ def test_empty_steps_and_bad_layouts():
         triton_attention.paged_attention_triton(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
 
 
+def test_the_launch_is_a_torch_custom_op():
+    """torch.ops.pagellm.paged_attention runs the same launch behind torch's dispatcher (what torch.compile and
+    graph capture see): its schema says it writes `out` alone, its fake implementation passes torch's checks, and
+    it writes what the eager call returns, bit for bit (a mixed step with a window and a soft-cap)."""
+    case = make_case([1, 6, 1], [20, 6, 9], 4, 2, 32, 16, torch.float32)
+    query, key_cache, value_cache = (t.to(DEVICE) for t in (case.query, case.key_cache, case.value_cache))
+    meta = case.meta if DEVICE == "cpu" else _meta_on(case.meta, DEVICE)
+    eager = triton_attention.paged_attention_triton(query, key_cache, value_cache, meta, case.scale, 7, 30.0)
+    op = torch.ops.pagellm.paged_attention.default
+    assert "Tensor(a0!) out" in str(op._schema) and "!" not in str(op._schema).split("out", 1)[1]
+    out = torch.full_like(query, float("nan"))
+    args = (out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_seqs,
+            meta.block_size, 64, case.scale, 7, 30.0, 1)
+    op(*args)
+    assert torch.equal(out, eager)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_tensors_on_cuda_go_to_the_triton_kernel(monkeypatch):
     """kernels/attention.paged_attention's dispatch, seen from a CPU: a query that says it is on CUDA goes to
     the Triton kernel with every argument; one on the CPU does not."""
