@@ -19,7 +19,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.core.state_pool import StatePool
 from pagellm.distributed.executor import HeadExecutor, LocalExecutor
-from pagellm.distributed.parallel_state import DistributedError, ParallelState
+from pagellm.distributed.parallel_state import DistributedError, ParallelState, rank_device
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_errors import StepError
@@ -52,7 +52,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
         self.config = config
         mc, cc = config.model, config.cache
-        self.device = torch.device(mc.device)
+        self.device = rank_device(mc.device, 0, config.parallel.tensor_parallel_size)  # rank 0's
         if self.device.type == "cuda":  # Triton launches on the current device, not the tensors': make it this one
             torch.cuda.set_device(self.device)
         chosen = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
@@ -64,6 +64,7 @@ class LLMEngine:
         parallel, workers, shard = None, None, None
         if config.parallel.tensor_parallel_size > 1:
             parallel, workers = start_head(config)
+            parallel.use_device(self.device)
             shard = ShardSpec(0, parallel.world_size, config.parallel.enable_expert_parallel)
         try:
             self._build(config, skip_tokenizer_init, shard, parallel)

@@ -1,11 +1,13 @@
 """ParallelState: one object per process holding its rank, the process group and the rendezvous store.
 
 Never a global: the engine (head, rank 0) and each worker own theirs and pass it
-to what needs it (the all-reduce hooks, the step broadcaster). The process group
-is torch.distributed's Gloo backend on every rank (NCCL is not wired; nothing here
-has run on a GPU), built directly on a TCPStore instead of `init_process_group`,
-so a process may hold several engines (tests do) and nothing lives in torch's
-global registry.
+to what needs it (the all-reduce hooks, the step broadcaster). The process groups
+are built directly on a TCPStore instead of `init_process_group`, so a process may
+hold several engines (tests do) and nothing lives in torch's global registry:
+torch.distributed's Gloo backend on every rank, for the step messages (CPU tensors)
+and a CPU model's collectives; and, for a model on CUDA, an NCCL group for the
+collectives on its tensors (vLLM's device group beside its CPU group), rank r on
+GPU r of its host (`rank_device`). The NCCL path has not run: it needs two GPUs.
 
 Start-up (all bounded by `join_timeout`):
     head    TCPStore master on (addr, port); writes the world size; waits until
@@ -44,6 +46,19 @@ class ParallelState:
         self._reduce_halves_in_fp32 = False  # set once Gloo refuses a bf16 / fp16 all-reduce
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("pagellm/group", store), rank, world_size,
                                            timedelta(seconds=timeout))
+        self.device_group = None  # NCCL, for collectives on CUDA tensors (use_device)
+
+    def use_device(self, device: torch.device) -> None:
+        """The model runs on `device` (every rank calls this, once the config is known): on CUDA its collectives
+        go through NCCL, as vLLM's do; Gloo keeps the step messages. NCCL connects on the first collective."""
+        if device.type == "cuda" and self.device_group is None:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timedelta(seconds=self.timeout)
+            self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("pagellm/nccl", self.store), self.rank,
+                                                      self.world_size, options)
+
+    def _group_of(self, tensor: torch.Tensor):
+        return self.device_group if tensor.is_cuda and self.device_group is not None else self.group
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over ranks in place (every rank calls this in the same order).
@@ -52,9 +67,13 @@ class ParallelState:
         was slower (README, Tensor and expert parallel).
         measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
         """
+        group = self._group_of(tensor)
+        if group is self.device_group:  # NCCL sums 16-bit floats itself
+            group.allreduce([tensor]).wait()
+            return tensor
         if tensor.dtype not in _HALF_DTYPES or not self._reduce_halves_in_fp32:
             try:
-                self.group.allreduce([tensor]).wait()
+                group.allreduce([tensor]).wait()
                 return tensor
             except RuntimeError as exc:
                 # Gloo without 16-bit floats (Debian's torch): refused on every rank alike before anything is
@@ -63,18 +82,19 @@ class ParallelState:
                     raise
                 self._reduce_halves_in_fp32 = True
         wide = tensor.float()  # summed in fp32 and rounded once: for two ranks the same bits
-        self.group.allreduce([wide]).wait()
+        group.allreduce([wide]).wait()
         return tensor.copy_(wide)
 
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0 gets every rank's [N, C] side by side ([N, W·C], in rank order); others get theirs back."""
         opts = dist.GatherOptions()
         opts.rootRank = 0
+        group = self._group_of(tensor)
         if self.rank != 0:
-            self.group.gather([], [tensor], opts).wait()
+            group.gather([], [tensor], opts).wait()
             return tensor
         pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self.group.gather([pieces], [tensor], opts).wait()
+        group.gather([pieces], [tensor], opts).wait()
         return torch.cat(pieces, dim=1)
 
     def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -83,6 +103,18 @@ class ParallelState:
         opts.rootRank = 0
         self.group.broadcast([tensor], opts).wait()
         return tensor
+
+
+def rank_device(device: str, rank: int, world_size: int) -> torch.device:
+    """The device rank `rank` runs on: the CPU for every rank; on CUDA, GPU `rank` of its host (one GPU per rank, in
+    rank order, as vLLM places them), so tensor parallel names the device "cuda", not one GPU."""
+    chosen = torch.device(device)
+    if chosen.type != "cuda" or world_size == 1:
+        return chosen
+    if chosen.index is not None:
+        raise ValueError(f"device: tensor parallel over {world_size} GPUs takes device 'cuda' (rank r runs on "
+                         f"cuda:r), not one GPU ({device!r})")
+    return torch.device("cuda", rank)
 
 
 def _use_loopback_if_local(addr: str) -> None:

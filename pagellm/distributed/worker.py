@@ -29,7 +29,8 @@ import torch
 
 from pagellm.config import EngineConfig
 from pagellm.distributed.executor import HEARTBEAT, SHUTDOWN, STEP, heartbeat, receive_frame
-from pagellm.distributed.parallel_state import DistributedError, ParallelState, init_head, init_worker
+from pagellm.distributed.parallel_state import (DistributedError, ParallelState, init_head, init_worker,
+                                               rank_device)
 from pagellm.distributed.protocol import decode_step
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
 
@@ -146,9 +147,11 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     config: EngineConfig = pickle.loads(state.store.get(_SETUP_KEY))
     mc = config.model
     level = select_kernels(config.kernels, mc.device).level  # the head's choice (checked on its own CPU)
-    device, dtype = torch.device(mc.device), DTYPES[compute_dtype(mc.dtype, mc.device, level)]
-    if device.type == "cuda":  # Triton launches on the current device, not the tensors'
+    device = rank_device(mc.device, rank, world_size)
+    dtype = DTYPES[compute_dtype(mc.dtype, mc.device, level)]
+    if device.type == "cuda":  # Triton launches on the current device, not the tensors' (and NCCL binds it)
         torch.cuda.set_device(device)
+    state.use_device(device)
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
     model = load_model(mc.model, dtype, device, with_tokenizer=False, quantization=mc.quantization,
                        shard=shard, kernels=config.kernels, load_format=mc.load_format).model

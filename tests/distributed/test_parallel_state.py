@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import socket
 import threading
+from datetime import timedelta
+from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -79,3 +82,49 @@ def test_bf16_all_reduce_where_gloo_refuses_it_sums_in_fp32_on_every_rank():
     for rank in (0, 1):
         assert all(r.dtype == torch.bfloat16 and torch.equal(r, expected) for r in results[rank])
         assert states[rank].group.refused == 1  # asked once; later calls go straight to fp32
+
+
+def test_each_rank_runs_on_its_own_gpu_and_a_cpu_model_on_the_cpu():
+    """Tensor parallel on CUDA places rank r on GPU r of its host (as vLLM); one GPU named for several ranks is a
+    clear error, not every rank on that GPU."""
+    assert parallel_state.rank_device("cpu", 1, 2) == torch.device("cpu")
+    assert [parallel_state.rank_device("cuda", r, 4) for r in range(4)] == [torch.device("cuda", r) for r in range(4)]
+    assert parallel_state.rank_device("cuda:1", 0, 1) == torch.device("cuda", 1)  # one rank: the GPU named
+    with pytest.raises(ValueError, match=r"^device: tensor parallel over 2 GPUs takes device 'cuda'"):
+        parallel_state.rank_device("cuda:1", 0, 2)
+
+
+class _OnCuda(torch.Tensor):
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_collectives_on_cuda_tensors_go_through_nccl(monkeypatch):
+    """On CUDA the model's collectives run in an NCCL group built over the same store (with the timeout), CPU
+    tensors (the step messages, a CPU model) in Gloo. NCCL itself cannot run here (it needs GPUs, two for a
+    real exchange): a recording stand-in takes its place."""
+    built, reduced = [], []
+
+    class NcclOptions:
+        _timeout = None
+
+    class RecordingNCCL:
+        Options = NcclOptions
+
+        def __init__(self, store, rank, size, options):
+            built.append((rank, size, options._timeout))
+
+        def allreduce(self, tensors):
+            reduced.append(tensors[0])
+            return SimpleNamespace(wait=lambda: None)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", RecordingNCCL, raising=False)
+    state = parallel_state.ParallelState(0, 1, dist.HashStore(), timeout=12)
+    state.use_device(torch.device("cpu"))
+    assert state.device_group is None and built == []
+    state.use_device(torch.device("cuda", 0))
+    assert built == [(0, 1, timedelta(seconds=12))]
+    on_gpu = torch.Tensor._make_subclass(_OnCuda, torch.ones(3, dtype=torch.bfloat16))
+    assert state.all_reduce_(on_gpu) is on_gpu and reduced == [on_gpu]  # bf16 as it is: NCCL sums it
+    assert state.all_reduce_(torch.ones(2)).tolist() == [1.0, 1.0] and len(reduced) == 1  # Gloo, world of one
