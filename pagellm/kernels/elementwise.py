@@ -1,9 +1,9 @@
 """RMSNorm and rotary embedding through fused C++ kernels (csrc/rms_norm.cpp, csrc/rotary.cpp).
 
-Each function returns None when the inputs are not ones the kernel handles (not
-on CPU, not fp32/bf16, not contiguous, native kernels unavailable); the caller
-then runs the torch reference (pagellm/layers/norm.py, pagellm/layers/rotary.py),
-which stays the oracle the kernels are tested against.
+Each function returns None where its level has no kernel or the dtypes are not ones it takes, both known when a
+plan binds the level; the caller then runs the torch reference (pagellm/layers/norm.py, pagellm/layers/rotary.py),
+which stays the oracle the kernels are tested against. Any layout is taken (a view is copied contiguous):
+tests/models/test_module_path_fallbacks.py holds that no family's step declines.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ def _kernel(name: str, at: str | None):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool,
              at: str | None) -> torch.Tensor | None:
-    """x [..., dim] -> normalised [..., dim]; weight fp32 when unit_offset, else x's dtype. None: not handled."""
+    """x [..., dim] -> normalised [..., dim]; weight fp32 when unit_offset, else x's dtype. None: not handled (the
+    level has no kernel, a dtype it does not take: known when planning). Any layout: a view (a q half of a gated
+    projection) is copied contiguous, which costs less than the reference's ops."""
+    x, weight = x.contiguous(), weight.contiguous()
     if x.is_cuda:  # the Triton kernel of the fused add + norm, with nothing to add
         ok = cuda_ops.takes(x, weight) and weight.dtype == (torch.float32 if unit_offset else x.dtype)
         return cuda_ops.layer_ops().add_rms_norm(x, None, None, weight, eps, unit_offset)[1] if ok else None
@@ -48,7 +51,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: str | None) -> torch.Tensor | None:
-    """x [T, H, D] rotated by cos/sin [T, D/2] (same dtype as x). None: not handled."""
+    """x [T, H, D] rotated by cos/sin [T, D/2] (same dtype as x). None: not handled (no kernel at the level, a
+    dtype it does not take). Any layout: a view (the rotated part of a partial rotary) is copied contiguous."""
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     if (x.dim() != 3 or x.numel() == 0 or not _ROTARY.accepts(x=x, cos=cos, sin=sin)
             or not cos.dtype == sin.dtype == x.dtype):
         return None

@@ -33,14 +33,23 @@ def test_native_matches_reference(dtype, unit_offset, shape, cpu_isa):
         torch.testing.assert_close(fast.float(), reference.float(), atol=0, rtol=2 ** -7)
 
 
-def test_falls_back_where_the_kernel_does_not_apply(cpu_isa):
+@requires_compiler
+def test_takes_any_layout_and_declines_only_what_planning_knows(cpu_isa):
+    """A view is copied contiguous and normed by the kernel (bit for bit what the contiguous input gives); only a
+    dtype the kernel does not take (fp16) or a level with no kernel (None) is declined."""
     layer = RMSNorm(16, 1e-6)
     bind_kernel_level(layer, cpu_isa)
     x = torch.randn(4, 32)[:, ::2]  # not contiguous
-    assert native_norm.rms_norm(x, layer.weight, 1e-6, False, cpu_isa) is None
+    strided = native_norm.rms_norm(x, layer.weight, 1e-6, False, cpu_isa)
+    assert torch.equal(strided, native_norm.rms_norm(x.contiguous(), layer.weight, 1e-6, False, cpu_isa))
     torch.testing.assert_close(layer(x), layer.reference(x))
+    rope = torch.randn(3, 2, 16)[..., :8]  # the rotated part of a partial rotary: a view
+    cos, sin = torch.randn(3, 4), torch.randn(3, 4)
+    assert torch.equal(native_norm.rotary(rope, cos, sin, cpu_isa), native_norm.rotary(rope.contiguous(), cos, sin,
+                                                                                          cpu_isa))
     half = torch.randn(4, 16, dtype=torch.float16)
     assert native_norm.rms_norm(half, layer.weight.half(), 1e-6, False, cpu_isa) is None
+    assert native_norm.rms_norm(x, layer.weight, 1e-6, False, None) is None
 
 
 def test_refreshes_the_fp32_weight_copy_when_the_weight_is_replaced(cpu_isa):
