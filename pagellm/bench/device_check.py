@@ -116,16 +116,20 @@ def attention(device: str) -> dict:
 
     results, generator = {}, torch.Generator().manual_seed(0)
     query_lens, seq_lens, block = [1, 37, 1, 128], [700, 37, 3001, 300], 16  # decodes, a prefill, a chunk
+    heads, kv_heads = 32, 8  # a 1B Llama's
+    if not on_cuda:  # the interpreter runs one program at a time: the same cases a tenth as long, a quarter the heads
+        query_lens, seq_lens, heads, kv_heads = [1, 7, 1, 13], [70, 7, 301, 30], 8, 2
     tables, start = [], 0
     for length in seq_lens:
         tables.append(list(range(start, start + -(-length // block))))  # contiguous: the kernel tests shuffle
         start += len(tables[-1])
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block, device=device)
     # the two long decodes alone, their keys split 16 ways (split-KV and its reduce kernel)
-    decodes = AttentionMetadata.build([1, 1], [3001, 700], [tables[2], tables[0]], block, device=device)
+    decodes = AttentionMetadata.build([1, 1], [seq_lens[2], seq_lens[0]], [tables[2], tables[0]], block,
+                                      device=device)
     for dtype in (torch.float32, torch.bfloat16)[: 2 if on_cuda else 1]:
-        k, v = (torch.randn(start, block, 8, 128, generator=generator).to(device, dtype) for _ in range(2))
-        q = torch.randn(sum(query_lens), 32, 128, generator=generator).to(device, dtype)
+        k, v = (torch.randn(start, block, kv_heads, 128, generator=generator).to(device, dtype) for _ in range(2))
+        q = torch.randn(sum(query_lens), heads, 128, generator=generator).to(device, dtype)
         for name, step, queries, splits in ((str(dtype).removeprefix("torch."), meta, q, None),
                                             (f"{str(dtype).removeprefix('torch.')} split", decodes, q[:2], 16)):
             got = paged_attention_triton(queries, k, v, step, 128**-0.5, None, None, num_splits=splits).double()
