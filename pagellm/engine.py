@@ -64,9 +64,10 @@ class LLMEngine:
         parallel, workers, shard = None, None, None
         if config.parallel.tensor_parallel_size > 1:
             parallel, workers = start_head(config)
-            parallel.use_device(self.device)
             shard = ShardSpec(0, parallel.world_size, config.parallel.enable_expert_parallel)
         try:
+            if parallel is not None:
+                parallel.use_device(self.device)
             self._build(config, skip_tokenizer_init, shard, parallel)
             if parallel is not None:
                 publish_runner_setup(parallel, self._runner_setup(), workers, config.parallel.join_timeout)

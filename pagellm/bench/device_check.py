@@ -228,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
     if set(args.peers) - {"hf", "hf-static"}:
         raise ValueError(f"--peers: unknown peer(s) {sorted(set(args.peers) - {'hf', 'hf-static'})}; "
                          "known: hf, hf-static")
-    select_kernels(KernelConfig(), args.device)  # before any model: none of the CPU kernels is built for a GPU
+    select_kernels(KernelConfig(), args.device)  # builds and checks the CPU kernels (none for a GPU)
     print(f"device: {args.device} ({torch.cuda.get_device_name(args.device) if 'cuda' in args.device else 'CPU'}), "
           f"torch {torch.__version__}")
     result = {"device": args.device, "torch": torch.__version__, "checks": {}, "rows": [], "errors": {},

@@ -131,5 +131,6 @@ class HeadExecutor:
                 except RuntimeError:
                     pass
         self._heartbeat.join(timeout=5)
+        self.state.close()
         if self.workers is not None:
             self.workers.stop()

@@ -57,13 +57,19 @@ class ParallelState:
             self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("pagellm/nccl", self.store), self.rank,
                                                       self.world_size, options)
 
+    def close(self) -> None:
+        """Release the NCCL communicators (torch warns about, and may hang on, a group destroyed unshut)."""
+        if self.device_group is not None:
+            self.device_group.shutdown()
+            self.device_group = None
+
     def _group_of(self, tensor: torch.Tensor):
         return self.device_group if tensor.is_cuda and self.device_group is not None else self.group
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over ranks in place (every rank calls this in the same order).
 
-        Gloo's own allreduce. A hand-written pairwise send/recv exchange was tried and dropped: it
+        NCCL's allreduce for a CUDA tensor, Gloo's own otherwise. A hand-written pairwise send/recv exchange was tried and dropped: it
         was slower (README, Tensor and expert parallel).
         measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
         """
@@ -105,16 +111,28 @@ class ParallelState:
         return tensor
 
 
-def rank_device(device: str, rank: int, world_size: int) -> torch.device:
-    """The device rank `rank` runs on: the CPU for every rank; on CUDA, GPU `rank` of its host (one GPU per rank, in
-    rank order, as vLLM places them), so tensor parallel names the device "cuda", not one GPU."""
+def rank_device(device: str, rank: int, world_size: int, gpus: int | None = None) -> torch.device:
+    """The device rank `rank` runs on: the CPU for every rank; on CUDA, GPU rank % `gpus` of its host (`gpus`:
+    the host's count, torch.cuda.device_count() unless given), so ranks spread over hosts alike take their
+    GPUs in rank order, as vLLM's local ranks do. Tensor parallel names the device "cuda", not one GPU."""
     chosen = torch.device(device)
     if chosen.type != "cuda" or world_size == 1:
         return chosen
     if chosen.index is not None:
-        raise ValueError(f"device: tensor parallel over {world_size} GPUs takes device 'cuda' (rank r runs on "
-                         f"cuda:r), not one GPU ({device!r})")
-    return torch.device("cuda", rank)
+        raise ValueError(f"device: tensor parallel over {world_size} GPUs takes device 'cuda' (each rank runs on "
+                         f"its own GPU), not one GPU ({device!r})")
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if gpus < 1:
+        raise ValueError("device: 'cuda', but this host sees no GPU")
+    return torch.device("cuda", rank % gpus)
+
+
+def check_local_gpus(device: str, world_size: int, gpus: int | None = None) -> None:
+    """Ranks spawned on this host need a GPU each (NCCL refuses two ranks on one GPU): a clear error first."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if torch.device(device).type == "cuda" and world_size > gpus:
+        raise ValueError(f"tensor_parallel_size {world_size} on this host needs {world_size} GPUs, one per rank; "
+                         f"it has {gpus}")
 
 
 def _use_loopback_if_local(addr: str) -> None:

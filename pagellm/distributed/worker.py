@@ -29,8 +29,8 @@ import torch
 
 from pagellm.config import EngineConfig
 from pagellm.distributed.executor import HEARTBEAT, SHUTDOWN, STEP, heartbeat, receive_frame
-from pagellm.distributed.parallel_state import (DistributedError, ParallelState, init_head, init_worker,
-                                               rank_device)
+from pagellm.distributed.parallel_state import (DistributedError, ParallelState, check_local_gpus, init_head,
+                                               init_worker, rank_device)
 from pagellm.distributed.protocol import decode_step
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
 
@@ -106,6 +106,7 @@ def start_head(config: EngineConfig) -> tuple[ParallelState, LocalWorkers | None
     port = pc.master_port or free_port(pc.master_addr)
     workers = None
     if pc.spawn_workers:
+        check_local_gpus(config.model.device, world)
         threads = max(1, torch.get_num_threads() // world)
         torch.set_num_threads(threads)  # the ranks share this host's cores
         workers = LocalWorkers(pc.master_addr, port, world, pc.distributed_timeout, threads)

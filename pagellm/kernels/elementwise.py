@@ -34,15 +34,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     """x [..., dim] -> normalised [..., dim]; weight fp32 when unit_offset, else x's dtype. None: not handled (the
     level has no kernel, a dtype it does not take: known when planning). Any layout: a view (a q half of a gated
     projection) is copied contiguous, which costs less than the reference's ops."""
-    x, weight = x.contiguous(), weight.contiguous()
-    if x.is_cuda:  # the Triton kernel of the fused add + norm, with nothing to add
-        ok = cuda_ops.takes(x, weight) and weight.dtype == (torch.float32 if unit_offset else x.dtype)
-        return cuda_ops.layer_ops().add_rms_norm(x, None, None, weight, eps, unit_offset)[1] if ok else None
-    if (x.numel() == 0 or not _RMS_NORM.accepts(x=x, weight=weight)
-            or weight.dtype != (torch.float32 if unit_offset else x.dtype)):
+    if weight.dtype != (torch.float32 if unit_offset else x.dtype):
         return None
+    if x.is_cuda:  # the Triton kernel of the fused add + norm, with nothing to add
+        x, weight = x.contiguous(), weight.contiguous()
+        ok = cuda_ops.takes(x, weight)
+        return cuda_ops.layer_ops().add_rms_norm(x, None, None, weight, eps, unit_offset)[1] if ok else None
     fn = _kernel("rms_norm", at)
-    if fn is None:
+    if fn is None or x.numel() == 0:
+        return None
+    x, weight = x.contiguous(), weight.contiguous()  # after the checks that decline: no copy for the reference
+    if not _RMS_NORM.accepts(x=x, weight=weight):
         return None
     out = torch.empty_like(x)
     dim = x.shape[-1]
@@ -53,12 +55,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: str | None) -> torch.Tensor | None:
     """x [T, H, D] rotated by cos/sin [T, D/2] (same dtype as x). None: not handled (no kernel at the level, a
     dtype it does not take). Any layout: a view (the rotated part of a partial rotary) is copied contiguous."""
-    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-    if (x.dim() != 3 or x.numel() == 0 or not _ROTARY.accepts(x=x, cos=cos, sin=sin)
-            or not cos.dtype == sin.dtype == x.dtype):
+    fn = None if x.is_cuda else _kernel("rotary", at)  # on CUDA the fused qkv_prepare rotates, or the reference
+    if fn is None or x.dim() != 3 or x.numel() == 0 or not cos.dtype == sin.dtype == x.dtype:
         return None
-    fn = _kernel("rotary", at)
-    if fn is None:
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()  # after the checks that decline
+    if not _ROTARY.accepts(x=x, cos=cos, sin=sin):
         return None
     out = torch.empty_like(x)
     tokens, heads, dim = x.shape

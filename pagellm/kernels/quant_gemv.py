@@ -158,7 +158,7 @@ class BoundMatmul:
     """int4_matmul (or its int8-weight sibling, pagellm_int8_matmul: x [..., K] @ (qweight [N, K] int8 *
     scale [N] bf16)^T) bound to one layer's tensors, so a decode call is one allocation and one ctypes call:
     resolving a module's buffers and checking every argument per call cost a measurable share of a decode
-    step. The owner checks `binds` before each use. `q8` (int4 only, where q8_available()) binds
+    step. The owner checks `binds` before each use. `q8` (int4 only, where q8_available(at)) binds
     int4_matmul_q8 instead. measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md"""
 
     def __init__(self, scheme: str, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,

@@ -16,10 +16,10 @@ interpreter has no bf16), and on an H200 by `pagellm bench device-check`. Split-
 step with fewer (request, kv head) pairs than the GPU has multiprocessors, and a context of SPLIT_MIN_CONTEXT keys
 or more, splits each context's keys into up to MAX_SPLITS runs, joined by _reduce_splits_kernel.
 
-The launch is registered as the torch custom op `torch.ops.pagellm.paged_attention` (it writes `out` in place,
-a fake implementation gives torch.compile its shapes), so a compiled or captured model sees one opaque op.
-Eager calls go to the same launch directly: the dispatcher would add its Python overhead to every layer of a
-host-bound eager step.
+The launch is also registered as the torch custom op `torch.ops.pagellm.paged_attention` (it writes `out` in
+place, a fake implementation gives torch.compile its shapes), for whatever compiles or captures a model (torch's
+own tools, or the runner's CUDA graphs to come) to see one opaque op. pagellm's eager steps call the launch
+directly: the dispatcher would add its Python overhead to every layer of a host-bound eager step.
 
 Import this module only where Triton kernels are wanted: `triton.jit` reads TRITON_INTERPRET when the
 module is imported.
@@ -194,14 +194,9 @@ def paged_attention_triton(
     """The Triton kernel over one step; the same contract as kernels/attention.paged_attention_reference.
     num_splits: of each decode's keys (None: decode_splits for this GPU in a pure decode step whose longest context
     reaches SPLIT_MIN_CONTEXT, else 1)."""
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens, num_heads, _ = query.shape
     num_kv_heads = key_cache.shape[2]
-    if num_heads % num_kv_heads or key_cache.shape != value_cache.shape:
-        raise ValueError(f"query heads {num_heads} over {num_kv_heads} kv heads, K {tuple(key_cache.shape)} "
-                         f"and V {tuple(value_cache.shape)}: not a GQA cache")
-    if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("query, key_cache and value_cache need unit stride along the head dimension")
-    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_g = triton.next_power_of_2(max(1, num_heads // num_kv_heads))  # shapes checked by _launch
     # 16 rows at least (tl.dot); a decode step has one token per request, so a taller tile would be padding
     block_m = max(16 if meta.is_pure_decode else 64, block_g)
     out = torch.empty_like(query) if out is None else out
@@ -210,8 +205,6 @@ def paged_attention_triton(
     if num_splits is None:  # eager: split only where it pays (a captured graph would pass its bucket's count)
         long_enough = meta.is_pure_decode and max(meta.seq_lens_host) >= SPLIT_MIN_CONTEXT
         num_splits = decode_splits(meta.num_seqs, num_kv_heads, _multiprocessors(query.device)) if long_enough else 1
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two >= 1 (the reduce kernel's range), got {num_splits}")
     _launch(out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.num_seqs, meta.block_size, block_m, scale, sliding_window or 0, logits_soft_cap or 0.0, num_splits)
     return out
@@ -239,13 +232,24 @@ def _launch(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, val
             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int,
             block_size: int, block_m: int, scale: float, sliding_window: int, logits_soft_cap: float,
             num_splits: int) -> None:
-    """The attention kernel (and the reduce of its splits) over checked inputs, into `out`."""
+    """The attention kernel (and the reduce of its splits) into `out`, its arguments checked first (the custom
+    op's callers skip paged_attention_triton)."""
     num_tokens, num_heads, head_dim = query.shape
-    if num_tokens == 0:
-        return
     num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads or key_cache.shape != value_cache.shape:
+        raise ValueError(f"query heads {num_heads} over {num_kv_heads} kv heads, K {tuple(key_cache.shape)} "
+                         f"and V {tuple(value_cache.shape)}: not a GQA cache")
+    if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("query, key_cache and value_cache need unit stride along the head dimension")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1 (the reduce kernel's range), got {num_splits}")
     group = num_heads // num_kv_heads
     block_g = triton.next_power_of_2(group)
+    if block_m < max(16, block_g) or block_m % block_g:
+        raise ValueError(f"block_m must be a multiple of the GQA group's {block_g} rows and at least 16, got "
+                         f"{block_m}")
+    if num_tokens == 0:
+        return
     block_q = block_m // block_g
     block_d = max(16, triton.next_power_of_2(head_dim))
     partial = max_sum = out  # unused unless split

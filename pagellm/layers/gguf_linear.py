@@ -42,6 +42,12 @@ class GGUFLinear(KernelUser, nn.Module):
         return [GGUFWeight(t, buffers[f"qs{i}"].shape[0] * gguf_blocks.BLOCK_ROWS, self.in_features,
                            buffers[f"qs{i}"], buffers[f"gp{i}"], buffers[f"sp{i}"]) for i, t in enumerate(self.formats)]
 
+    def use_kernel_level(self, level: str | None) -> None:
+        if not gguf_blocks.available(level):  # known when planning: the blocks have no other path
+            raise ValueError(f"weights kept in their GGUF blocks need the native kernels, which do not run at "
+                             f"level {level!r}: load the model with the level it runs at")
+        super().use_kernel_level(level)
+
     def bound(self) -> gguf_blocks.BoundMatmul:
         """The kernel bound to this layer's tensors: built once, again if a buffer or the bias was replaced
         (checked by identity: a forward pays a few attribute reads, not a rebuild of the segments)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pagellm.kernels import gguf_blocks
 from pagellm.kernels.gguf_blocks import GGUFWeight
@@ -51,6 +50,12 @@ class GGUFMoeExperts(MoeExperts):
             self.formats[name] = weights[0].ggml_type
             for part, tensors in zip(("qs", "gp", "sp"), zip(*(w.tensors() for w in weights))):
                 self.register_buffer(f"{name}_{part}", torch.stack(tensors))  # [X, ...]
+
+    def use_kernel_level(self, level: str | None) -> None:
+        if not gguf_blocks.available(level):  # known when planning: the blocks have no other path
+            raise ValueError(f"experts kept in their GGUF blocks need the native kernels, which do not run at "
+                             f"level {level!r}: load the model with the level it runs at")
+        super().use_kernel_level(level)
 
     def _weight(self, name: str, e: int) -> GGUFWeight:
         qs = self._buffers[f"{name}_qs"][e]

@@ -11,9 +11,10 @@ class KernelUser:
     """Mixin of a module that calls the native CPU kernels (before nn.Module in its bases).
 
     `kernel_level`: the instruction-set level it calls them at (None: torch's reference ops). From construction
-    it is the process default (native.default_level(), what the environment's KernelConfig says); a model's plan
-    binds the engine's level once (`bind_kernel_level`, called by the runner's planning and nowhere else), so the
-    modules never ask a process-wide switch per call. `bindings`: what the module binds from that level (kernels
+    it is the process default (native.default_level(), what the environment's KernelConfig says); the loader
+    gives the quantized layers it builds the engine's level (their layout is chosen for it), and the runner's
+    plan binds every module to it (`bind_kernel_level`), so the modules never ask a process-wide switch per
+    call. `bindings`: what the module binds from that level (kernels
     holding raw pointers into its own tensors), made on first use, dropped when the level changes, and left
     behind by a copy (deepcopy, pickle), which makes its own."""
 
@@ -23,10 +24,13 @@ class KernelUser:
         self.bindings: dict = {}
 
     def use_kernel_level(self, level: str | None) -> None:
-        self.kernel_level, self.bindings = level, {}
+        """Call the kernels at `level` from now on (a ValueError where the module's weights are in a layout no
+        kernel of that level computes with); bindings made at another level are dropped."""
+        if level != self.kernel_level:
+            self.kernel_level, self.bindings = level, {}
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state["bindings"] = {}
         return state
 

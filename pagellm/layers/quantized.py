@@ -94,6 +94,16 @@ class QuantizedLinear(KernelUser, nn.Module):
         self.native = native  # kernels/quant_gemv.py below the crossover, else torch's kernel
         self.dense_from_rows = dense_from_rows  # None: the measured crossover for the activation dtype
 
+    def use_kernel_level(self, level: str | None) -> None:
+        if not self.runs_at(level):  # known when planning, not mid-step
+            raise ValueError(f"an {self.scheme} layer built for kernel level {self.kernel_level!r} has no kernel at "
+                             f"{level!r} that computes with its layout: load the model with the level it runs at")
+        super().use_kernel_level(level)
+
+    def runs_at(self, level: str | None) -> bool:
+        """Whether the kernels of `level` compute with this layer as built (torch's layouts run anywhere)."""
+        return not self.native or quant_gemv.available(level)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features  # M
         native_below, dense_from = self._crossovers(x.dtype == torch.bfloat16)
@@ -207,6 +217,11 @@ class Int4Linear(QuantizedLinear):
     def _torch_kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
+    def runs_at(self, level: str | None) -> bool:
+        if not self.layout.native:
+            return True
+        return quant_gemv.q8_available(level) if self.int8_activations else quant_gemv.native_layout_available(level)
+
     def _crossovers(self, bf16: bool) -> tuple[int, int]:
         if not self.native:
             return super()._crossovers(bf16)
@@ -294,8 +309,9 @@ def quantized_module(scheme: str, weight, level: str | None, *, bias: torch.Tens
     elif scheme == "int8":
         layer = Int8Linear.from_float(weight, None if embedding else bias, native=quant_gemv.available(level))
     else:
-        layer = Int4Linear.from_float(weight, None if embedding else bias,
-                                      native=quant_gemv.native_layout_available(level))
+        native = quant_gemv.native_layout_available(level)
+        layer = Int4Linear.from_float(weight, None if embedding else bias, native=native,
+                                      int8_activations=native and quant_gemv.q8_available(level))
     layer.use_kernel_level(level)
     return QuantizedEmbedding(layer, dtype) if embedding else layer
 

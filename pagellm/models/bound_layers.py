@@ -1,8 +1,8 @@
 """The plan of a Llama-family backbone: chosen once per device, its decoder layers bound to the device's kernels.
 
 `plan_model` decides once per model and runner (the runner calls it when it binds the KV cache, with tensor
-parallel's all-reduce) which CPU kernel level every module calls (layers/kernel_user.py: the one place that
-sets it) and whether the layers run bound, and says why not where they cannot; the runner hands the bound plan
+parallel's all-reduce) which CPU kernel level every module calls (layers/kernel_user.py; the loader gave the
+quantized layers the same, their layouts chosen for it) and whether the layers run bound, and says why not where they cannot; the runner hands the bound plan
 to the backbone's forward every step. Bound, a step's layer is 9
 direct kernel calls: everything that does not change between steps (weight pointers, norm flavours and their
 kernel weights, eps, head counts, the cache objects) is resolved at planning time. Why: at decode a Gemma 3 270M

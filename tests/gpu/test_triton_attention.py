@@ -175,6 +175,10 @@ def test_the_launch_is_a_torch_custom_op():
     op(*args)
     assert torch.equal(out, eager)
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match="block_m must be a multiple of the GQA group's 2 rows and at least 16"):
+        op(*args[:9], 8, *args[10:])  # the op's callers skip the eager wrapper: it checks what it is given
+    with pytest.raises(ValueError, match="num_splits must be a power of two"):
+        op(*args[:13], 3)
 
 
 def test_tensors_on_cuda_go_to_the_triton_kernel(monkeypatch):

@@ -26,7 +26,7 @@ from pagellm.kernels import native, quant_gemv
 from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_scale_zero
 from pagellm.layers.quantized import (
     DENSE_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear, concat_linears,
-    lm_head_logits)
+    lm_head_logits, quantized_module)
 from pagellm.loader.gguf_quant import group_affine_of
 from pagellm.loader.gguf import gguf_weight_types, load_gguf_config
 from pagellm.loader.model_loader import checkpoint_state_dict, load_model
@@ -478,3 +478,19 @@ def test_checkpoint_state_dict_splits_joined_projections(tmp_path):
     quantized = load_model(str(tmp_path / "hf"), torch.float32, torch.device("cpu"), False, "int8").model
     with pytest.raises(ValueError, match="dense projections only"):
         checkpoint_state_dict(quantized)
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="without a compiler every level keeps torch's layouts")
+def test_a_layer_is_built_for_the_level_asked_and_refuses_one_without_its_kernels(monkeypatch):
+    """quantized_module asks only `level`'s kernels what they run (another level's build, e.g. the process
+    default's, would be built for nothing, or fail); planning a layer where no kernel computes with its layout is
+    a clear error then, not mid-step."""
+    asked = []
+    for library in (quant_gemv._Q8, quant_gemv._LAYOUT, quant_gemv._MATMULS):
+        monkeypatch.setattr(library, "at", lambda at, *rest, _real=library.at: asked.append(at) or _real(at, *rest))
+    layer = quantized_module("int4", torch.randn(32, 64), "generic")
+    assert set(asked) == {"generic"} and layer.kernel_level == "generic"
+    assert layer.layout.native and layer.int8_activations
+    with pytest.raises(ValueError, match="an int4 layer built for kernel level 'generic' has no kernel at None"):
+        layer.use_kernel_level(None)
+    assert layer.kernel_level == "generic"  # unchanged: it still runs
