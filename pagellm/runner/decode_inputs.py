@@ -11,10 +11,17 @@ every input tensor from host lists, the step is prepared by diff:
 
 A step is "reused" when it is pure decode and its slot order equals the
 previous decode step's; anything else (an arrival, a finish, a prefill chunk)
-rebuilds the layout. Rows are not padded to bucket sizes: on CPU eager each
-padded row costs a full row of compute and there is no captured graph whose
-shape must stay fixed. The buffers are allocated once at their largest size
-(max_num_seqs rows) and steps use views of the first B rows.
+rebuilds the layout. The buffers are allocated once at their largest size and
+steps use views of their first rows.
+
+Buckets (the shapes CUDA graphs are captured at, issue 31): with `buckets`
+given, a step of B requests runs B' rows, B' the smallest bucket >= B (no
+bucket that large, or a model with recurrent state: B rows). The padded rows
+feed token 0 at position 0 with a context of one token in `scratch_block`, a KV
+block beyond the pool that no request owns: they write and read only there,
+and only the first B rows' logits are computed. The block table's width is
+then fixed (a captured graph holds its address). Without buckets rows are not
+padded: on CPU eager each padded row costs a full row of compute.
 """
 
 from __future__ import annotations
@@ -27,19 +34,38 @@ from pagellm.runner.input_batch import SlotState
 
 
 class DecodeInputs:
-    def __init__(self, max_num_seqs: int, block_size: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, block_size: int, device: torch.device, buckets: tuple[int, ...] = (),
+                 scratch_block: int | None = None, max_blocks: int | None = None):
+        """buckets: the batch sizes steps are padded to (ascending; empty: none), with `scratch_block` the padded
+        rows' KV block and `max_blocks` the fixed table width (a request's most blocks)."""
+        if buckets and (scratch_block is None or max_blocks is None or list(buckets) != sorted(set(buckets))
+                        or buckets[0] < 1):
+            raise ValueError(f"buckets {buckets} must ascend from 1 or more, with a scratch block and a table width")
         self.block_size, self.device = block_size, device
-        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.state_slots = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(max_num_seqs, 16, dtype=torch.int64, device=device)  # widened on demand
-        self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int64, device=device)
+        self.buckets, self.scratch_block = tuple(buckets), scratch_block
+        rows = max(max_num_seqs, *self.buckets) if buckets else max_num_seqs
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.state_slots = torch.zeros(rows, dtype=torch.int64, device=device)
+        # widened on demand, or fixed at a request's most blocks when padding to buckets
+        self.block_tables = torch.zeros(rows, max_blocks or 16, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int64, device=device)
         self._layout: tuple[int, ...] = ()  # slots of the previous decode step, row by row
         self._table_lens: list[int] = []  # block ids already written to each row's table
         self._seq_lens_host: tuple[int, ...] = ()
         self.hits = 0
         self.misses = 0
+        self.padded = 0  # steps run at a bucket larger than their batch
+
+    def rows_for(self, num_seqs: int, stateful: bool) -> int:
+        """The rows a step of `num_seqs` requests runs: its bucket, or itself (no bucket fits, no buckets, or a
+        model with recurrent state, whose padded rows would need a scratch state slot too)."""
+        if not stateful:
+            for bucket in self.buckets:
+                if bucket >= num_seqs:
+                    return bucket
+        return num_seqs
 
     def invalidate(self) -> None:
         """The next decode step rebuilds (the runner saw a step that was not pure decode)."""
@@ -53,6 +79,8 @@ class DecodeInputs:
         tokens = torch.tensor([item.token_ids[0] for item in items], dtype=torch.int64)
         seq_lens_host = tuple(item.start_position + 1 for item in items)
         self._ensure_width(-(-max(seq_lens_host) // self.block_size))
+        rows_run = self.rows_for(num_seqs, state_slots_host is not None)
+        self.padded += rows_run > num_seqs
         # Same rows, each one token further: anything else (e.g. a slot handed to another request
         # that happens to sit in the same row) rebuilds.
         reused = layout == self._layout and all(
@@ -63,29 +91,43 @@ class DecodeInputs:
             self.hits += 1
         else:
             self._rebuild(items, states, layout, state_slots_host)
+            self._pad(num_seqs, rows_run)  # a reused step's padded rows are as this wrote them
             self.misses += 1
         self.input_ids[:num_seqs].copy_(tokens, non_blocking=True)
-        rows = slice(0, num_seqs)
+        rows = slice(0, rows_run)
         positions = self.positions[rows]
-        width = -(-max(seq_lens_host) // self.block_size)
+        # a padded step reads the whole fixed-width table (one shape per bucket); else the widest row's blocks
+        width = self.block_tables.shape[1] if self.buckets else -(-max(seq_lens_host) // self.block_size)
         tables = self.block_tables[rows, :width]
         block = tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
         meta = AttentionMetadata(
             slot_mapping=block * self.block_size + positions % self.block_size,
-            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            query_start_loc=self.query_start_loc[: rows_run + 1],
             seq_lens=self.seq_lens[rows],
             block_tables=tables,
             block_size=self.block_size,
-            query_start_loc_host=tuple(range(num_seqs + 1)),
-            seq_lens_host=seq_lens_host,
+            query_start_loc_host=tuple(range(rows_run + 1)),
+            seq_lens_host=seq_lens_host + (1,) * (rows_run - num_seqs),
             state_slots=None if state_slots_host is None else self.state_slots[rows],
             state_slots_host=state_slots_host,
         )
-        logits_rows = self.query_start_loc[:num_seqs]  # every decode row samples
+        logits_rows = self.query_start_loc[:num_seqs]  # every request's row samples; padded rows never do
         return self.input_ids[rows], positions, meta, logits_rows, reused
+
+    def _pad(self, num_seqs: int, rows_run: int) -> None:
+        """Rows num_seqs .. rows_run: token 0 at position 0 over one token of the scratch block."""
+        if rows_run > num_seqs:
+            pad = slice(num_seqs, rows_run)
+            self.input_ids[pad] = 0
+            self.positions[pad] = 0
+            self.seq_lens[pad] = 1
+            self.block_tables[pad] = 0
+            self.block_tables[pad, 0] = self.scratch_block
 
     def _ensure_width(self, num_blocks: int) -> None:
         width = self.block_tables.shape[1]
+        if num_blocks > width and self.buckets:  # the scheduler never lets a request past max_model_len
+            raise ValueError(f"a request of {num_blocks} blocks exceeds the fixed table width {width}")
         if num_blocks > width:  # doubling: a run widens O(log context) times
             wider = torch.zeros(self.block_tables.shape[0], max(num_blocks, 2 * width),
                                 dtype=torch.int64, device=self.device)

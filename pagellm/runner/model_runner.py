@@ -53,7 +53,11 @@ class ModelRunner:
                  samples: bool = True, grammars: Grammars | None = None,
                  logits: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: KernelConfig | None = None,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, decode_buckets: tuple[int, ...] = (),
+                 max_blocks_per_seq: int | None = None):
+        """decode_buckets: the batch sizes pure-decode steps are padded to (runner/decode_inputs.py; empty: none),
+        their padded rows in one scratch KV block past the pool's `num_blocks`; max_blocks_per_seq: a request's
+        most blocks (the padded steps' fixed table width; default the pool)."""
         self.model = model
         # [N, E] -> [N, V] fp32. `logits` when tensor parallel splits the LM head (distributed/sharding.py):
         # then every rank runs every logits pass, and the head rank gets them gathered.
@@ -63,14 +67,16 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.input_batch = InputBatch(max_num_seqs, device, grammars if samples else None)
-        self.decode_inputs: DecodeInputs | None = DecodeInputs(max_num_seqs, block_size, device)  # None: no reuse
+        self.decode_inputs: DecodeInputs | None = DecodeInputs(  # None: no reuse
+            max_num_seqs, block_size, device, decode_buckets, num_blocks if decode_buckets else None,
+            (max_blocks_per_seq or num_blocks) if decode_buckets else None)
         kernels = kernels or KernelConfig()
         # the CPU kernels' level (checked at start by kernels/selection.py): every module's, bound by the plan
         self.kernel_level = native.level_of(kernels) if device.type == "cpu" else None
         self.sampler = Sampler(kernel_level=self.kernel_level)
         for layer in model.attention_layers():
             # torch.empty reserves address space only: pages become resident as blocks are written.
-            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            shape = (num_blocks + (1 if decode_buckets else 0), block_size, layer.num_kv_heads, layer.head_dim)
             layer.bind_kv_cache(torch.empty(shape, dtype=kv_cache_dtype, device=device),
                                 torch.empty(shape, dtype=kv_cache_dtype, device=device))
         # How the layers run, chosen once for this device, level, dtype and cache: bound to the kernels, or the

@@ -1,0 +1,85 @@
+"""Pure-decode steps padded to bucket sizes (runner/decode_inputs.py), the shapes CUDA graphs are captured at:
+on a CPU the same buffers run without capture, and greedy ids must not change at any bucket edge, with prefix
+caching, chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import pagellm.engine as engine_module
+from pagellm import LLM, SamplingParams
+from pagellm.core.types import ScheduledRequest
+from pagellm.runner.decode_inputs import DecodeInputs
+from pagellm.runner.input_batch import SlotState
+from pagellm.runner.model_runner import ModelRunner
+from tests.models.tiny_checkpoints import write_hybrid_checkpoint, write_tiny_checkpoint
+
+BUCKETS = (1, 2, 4)
+
+
+def _generate(path, buckets, monkeypatch, prompts, params, **engine_args):
+    if buckets:
+        monkeypatch.setattr(engine_module, "ModelRunner", functools.partial(ModelRunner, decode_buckets=buckets))
+    with LLM(str(path), skip_tokenizer_init=True, **engine_args) as llm:
+        ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        inputs = llm.engine.runner.decode_inputs
+        stats = llm.stats()
+    monkeypatch.undo()
+    return ids, inputs, stats
+
+
+@pytest.mark.parametrize("setting", [
+    {}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 16, "n_ubatch": 8}, {"pool_blocks": 18},
+], ids=["default", "prefix-cache-off", "chunked-prefill", "preemption"])
+def test_greedy_ids_identical_with_padded_decode_steps(tmp_path, monkeypatch, setting):
+    """Five requests finishing one after another run decode steps of B = 5 (past every bucket: unpadded), 4 (a
+    bucket's edge), 3 (padded to 4), 2 and 1; two share a prefix. The padded rows write and read only the
+    scratch block: a stray write into a request's blocks would change its ids. pool_blocks: a KV pool too small
+    for every request at once (preemption)."""
+    write_tiny_checkpoint("llama", tmp_path)
+    prefix = list(range(40, 60))
+    prompts = [prefix + [5, 6], prefix + [7], [9, 10, 11, 12], [13] * 20, [21, 22]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 9, 12, 15, 18)]
+    engine_args = dict(setting)
+    blocks = engine_args.pop("pool_blocks", None)
+    if blocks is not None:  # blocks of 4 tokens: ~130 tokens in all against 72 of pool
+        engine_args.update(block_size=4, kv_cache_memory=blocks * _block_bytes(tmp_path, 4) / 2**30)
+    else:
+        engine_args["kv_cache_memory"] = 0.01
+    eager, _, _ = _generate(tmp_path, (), monkeypatch, prompts, params, **engine_args)
+    padded, inputs, stats = _generate(tmp_path, BUCKETS, monkeypatch, prompts, params, **engine_args)
+    assert padded == eager
+    assert inputs.padded > 0  # some steps ran at a bucket larger than their batch
+    assert blocks is None or stats["num_preemptions"] > 0
+
+
+def _block_bytes(path, block_size: int) -> int:
+    from pagellm.runner.model_runner import kv_cache_bytes_per_block
+
+    with LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01) as llm:
+        return kv_cache_bytes_per_block(llm.engine.model, block_size, llm.engine.kv_cache_dtype)
+
+
+def test_padded_rows_feed_the_scratch_block_and_only_requests_sample():
+    inputs = DecodeInputs(8, 4, torch.device("cpu"), buckets=(1, 2, 4), scratch_block=99, max_blocks=6)
+    items = tuple(ScheduledRequest(f"r{i}", i, (7 + i,), 5 + i, (), True) for i in range(3))
+    states = [SlotState(f"r{i}", SamplingParams(), [1], [], block_ids=[3 * i, 3 * i + 1]) for i in range(3)]
+    input_ids, positions, meta, logits_rows, _ = inputs.prepare(items, states)
+    assert input_ids.tolist() == [7, 8, 9, 0] and positions.tolist() == [5, 6, 7, 0]
+    assert meta.seq_lens_host == (6, 7, 8, 1) and meta.block_tables.shape == (4, 6)
+    assert meta.slot_mapping.tolist()[3] == 99 * 4 and logits_rows.tolist() == [0, 1, 2]
+    assert inputs.rows_for(5, stateful=False) == 5 and inputs.rows_for(3, stateful=True) == 3
+    with pytest.raises(ValueError, match="must ascend from 1"):
+        DecodeInputs(8, 4, torch.device("cpu"), buckets=(4, 2), scratch_block=0, max_blocks=2)
+
+
+def test_models_with_recurrent_state_are_not_padded(tmp_path, monkeypatch):
+    """A padded row of a hybrid model would need a scratch state slot too: its steps run unpadded, same ids."""
+    write_hybrid_checkpoint("qwen3-next", tmp_path)
+    prompts, params = [[5, 6, 7], [8, 9], [10]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eager, _, _ = _generate(tmp_path, (), monkeypatch, prompts, params, kv_cache_memory=0.01)
+    padded, inputs, _ = _generate(tmp_path, BUCKETS, monkeypatch, prompts, params, kv_cache_memory=0.01)
+    assert padded == eager and inputs.padded == 0
