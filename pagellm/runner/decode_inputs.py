@@ -51,6 +51,7 @@ class DecodeInputs:
         # widened on demand, or fixed at a request's most blocks when padding to buckets
         self.block_tables = torch.zeros(rows, max_blocks or 16, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(rows, dtype=torch.int64, device=device)  # a padded step's, kept in place
         self._layout: tuple[int, ...] = ()  # slots of the previous decode step, row by row
         self._table_lens: list[int] = []  # block ids already written to each row's table
         self._seq_lens_host: tuple[int, ...] = ()
@@ -100,8 +101,11 @@ class DecodeInputs:
         width = self.block_tables.shape[1] if self.buckets else -(-max(seq_lens_host) // self.block_size)
         tables = self.block_tables[rows, :width]
         block = tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
+        slots = block * self.block_size + positions % self.block_size
+        if self.buckets:  # every input a captured graph reads lives at a fixed address
+            slots = self.slot_mapping[rows].copy_(slots)
         meta = AttentionMetadata(
-            slot_mapping=block * self.block_size + positions % self.block_size,
+            slot_mapping=slots,
             query_start_loc=self.query_start_loc[: rows_run + 1],
             seq_lens=self.seq_lens[rows],
             block_tables=tables,
@@ -113,6 +117,19 @@ class DecodeInputs:
         )
         logits_rows = self.query_start_loc[:num_seqs]  # every request's row samples; padded rows never do
         return self.input_ids[rows], positions, meta, logits_rows, reused
+
+    def capture_inputs(self, bucket: int):
+        """(input_ids, positions, meta) of a step whose `bucket` rows are all padding: what a graph is captured
+        over (the buffers' addresses, as every later step of that bucket fills them). The next step rebuilds."""
+        self.invalidate()
+        self._pad(0, bucket)
+        rows = slice(0, bucket)
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[rows].fill_(self.scratch_block * self.block_size),
+            query_start_loc=self.query_start_loc[: bucket + 1], seq_lens=self.seq_lens[rows],
+            block_tables=self.block_tables[rows], block_size=self.block_size,
+            query_start_loc_host=tuple(range(bucket + 1)), seq_lens_host=(1,) * bucket)
+        return self.input_ids[rows], self.positions[rows], meta
 
     def _pad(self, num_seqs: int, rows_run: int) -> None:
         """Rows num_seqs .. rows_run: token 0 at position 0 over one token of the scratch block."""

@@ -18,6 +18,7 @@ from pagellm.core.attention_metadata import AttentionMetadata
 from pagellm.config import KernelConfig
 from pagellm.kernels import native
 from pagellm.models.bound_layers import LayerPlan, PlanSettings, activation_dtype, plan_model
+from pagellm.runner.decode_graphs import CudaGraphRecorder, DecodeGraphs, default_buckets
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import GrammarError, Grammars, accept_sampled
 from pagellm.runner.input_batch import InputBatch, SlotState
@@ -54,10 +55,13 @@ class ModelRunner:
                  logits: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: KernelConfig | None = None,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  compute_dtype: torch.dtype | None = None, decode_buckets: tuple[int, ...] = (),
-                 max_blocks_per_seq: int | None = None):
+                 max_blocks_per_seq: int | None = None, decode_graphs: bool = False):
         """decode_buckets: the batch sizes pure-decode steps are padded to (runner/decode_inputs.py; empty: none),
         their padded rows in one scratch KV block past the pool's `num_blocks`; max_blocks_per_seq: a request's
-        most blocks (the padded steps' fixed table width; default the pool)."""
+        most blocks (the padded steps' fixed table width; default the pool). decode_graphs: replay the bound
+        forward of those steps from CUDA graphs (runner/decode_graphs.py; buckets default_buckets unless given):
+        on CUDA captured here, on a CPU the same buffers run eagerly; a model without a bound plan, with
+        recurrent state, or tensor parallel runs every step eagerly."""
         self.model = model
         # [N, E] -> [N, V] fp32. `logits` when tensor parallel splits the LM head (distributed/sharding.py):
         # then every rank runs every logits pass, and the head rank gets them gathered.
@@ -67,9 +71,12 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.input_batch = InputBatch(max_num_seqs, device, grammars if samples else None)
+        graphs = decode_graphs and all_reduce is None and not state_layers_of(model)
+        decode_buckets = tuple(decode_buckets) or (default_buckets(max_num_seqs) if graphs else ())
         self.decode_inputs: DecodeInputs | None = DecodeInputs(  # None: no reuse
             max_num_seqs, block_size, device, decode_buckets, num_blocks if decode_buckets else None,
             (max_blocks_per_seq or num_blocks) if decode_buckets else None)
+        self.decode_graphs: DecodeGraphs | None = None
         kernels = kernels or KernelConfig()
         # the CPU kernels' level (checked at start by kernels/selection.py): every module's, bound by the plan
         self.kernel_level = native.level_of(kernels) if device.type == "cpu" else None
@@ -94,13 +101,22 @@ class ModelRunner:
             layer.bind_state(torch.empty((rows, *shapes.conv_state), dtype=shapes.conv_dtype, device=device),
                              torch.empty((rows, *shapes.recurrent_state), dtype=shapes.recurrent_dtype,
                                          device=device))
+        if graphs and self.plan.bound is not None:
+            self.decode_graphs = DecodeGraphs(self._bound_forward, self.decode_inputs)
+            if device.type == "cuda":
+                with torch.inference_mode():  # as every step runs
+                    self.decode_graphs.capture(CudaGraphRecorder())
+
+    def _bound_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, plan=self.plan.bound)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         t0 = time.perf_counter()
         states = self.input_batch.apply(output.released_request_ids, output.scheduled)
         reused = False
-        if self.decode_inputs is not None and _is_pure_decode(output):
+        pure_decode = self.decode_inputs is not None and _is_pure_decode(output)
+        if pure_decode:
             t_copy = t0
             input_ids, positions, meta, logits_rows, reused = self.decode_inputs.prepare(output.scheduled, states)
         else:
@@ -112,7 +128,10 @@ class ModelRunner:
         t1 = time.perf_counter()
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
         self._restore_snapshots(output)
-        hidden = self.model(input_ids, positions, meta, plan=self.plan.bound)  # [T, hidden]
+        if self.decode_graphs is not None and pure_decode:  # its bucket's graph, if one was captured
+            hidden = self.decode_graphs.run(input_ids, positions, meta)  # [rows, hidden]
+        else:
+            hidden = self.model(input_ids, positions, meta, plan=self.plan.bound)  # [T, hidden]
         if not self.samples:  # a tensor-parallel worker: only its share of a vocab-parallel LM head
             self._join_logits_gathers(output, hidden, logits_rows)
             return ModelOutput((), (), timings=StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, 0, reused))
@@ -151,6 +170,8 @@ class ModelRunner:
     def replan(self) -> LayerPlan:
         """Choose how the layers run (at start, or again after a layer changed), log it and keep it."""
         self.plan = plan_model(self.model, self.plan_settings)
+        if getattr(self, "decode_graphs", None) is not None:  # they hold the old plan's kernels
+            self.decode_graphs.drop()
         logger.info("layers: %s", self.plan.description)
         return self.plan
 

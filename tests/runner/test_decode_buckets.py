@@ -83,3 +83,45 @@ def test_models_with_recurrent_state_are_not_padded(tmp_path, monkeypatch):
     eager, _, _ = _generate(tmp_path, (), monkeypatch, prompts, params, kv_cache_memory=0.01)
     padded, inputs, _ = _generate(tmp_path, BUCKETS, monkeypatch, prompts, params, kv_cache_memory=0.01)
     assert padded == eager and inputs.padded == 0
+
+
+class ReplayingRecorder:
+    """CUDA graphs' stand-in on a CPU: record runs the forward once and keeps it; a replay reruns it over the
+    tensors it was recorded with into the output it first made, which is all a graph's replay reads and
+    writes. An input a step made afresh instead of filling a buffer in place would replay stale."""
+
+    def __init__(self):
+        self.recorded = 0
+
+    def record(self, fn):
+        out = fn()
+        self.recorded += 1
+        return (lambda: out.copy_(fn())), out
+
+
+def test_decode_steps_replayed_from_recorded_graphs_give_the_same_ids(tmp_path, monkeypatch):
+    """The runner's graph path (runner/decode_graphs.py) with a replaying stand-in for CUDA graphs: every bucket
+    recorded once, largest first; the steady decode steps replayed; greedy ids as the eager engine's."""
+    write_tiny_checkpoint("llama", tmp_path)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 7, 10, 13, 16)]
+    eager, _, _ = _generate(tmp_path, (), monkeypatch, prompts, params, kv_cache_memory=0.01)
+    monkeypatch.setattr(engine_module, "ModelRunner", functools.partial(ModelRunner, decode_graphs=True))
+    with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, max_num_seqs=8) as llm:
+        graphs = llm.engine.runner.decode_graphs
+        assert llm.engine.runner.decode_inputs.buckets == (1, 2, 4, 8) and graphs.graphs == {}  # CPU: none
+        recorder = ReplayingRecorder()
+        graphs.capture(recorder)
+        assert recorder.recorded == 4 and sorted(graphs.graphs) == [1, 2, 4, 8]
+        ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        replays = graphs.replays
+        llm.engine.runner.replan()  # a new plan: the graphs held the old one's kernels
+        assert graphs.graphs == {}
+    assert ids == eager and replays >= 10  # every steady decode step of the longest request
+
+
+def test_default_buckets_pad_a_step_by_at_most_seven_rows():
+    from pagellm.runner.decode_graphs import default_buckets
+
+    assert default_buckets(1) == (1,) and default_buckets(6) == (1, 2, 4, 6)
+    assert default_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)

@@ -1,0 +1,98 @@
+"""Pure-decode forwards replayed from CUDA graphs, one per bucket of runner/decode_inputs.py (issue 31).
+
+Why: an eager decode step is bound by the host, not the GPU: Python and a launch per kernel of every layer
+(profiled on an H200: docs/benchmarks/2026-11-26-gpu-h200.md). A graph replays the whole forward at once.
+
+    capture   per bucket, largest first, in one memory pool, GC off: a warm-up run (Triton compiles, cuBLAS
+              picks its kernels), then the forward recorded over the padded buffers' fixed addresses
+    replay    a step whose rows are a bucket: the buffers filled in place (DecodeInputs), one replay, the
+              bucket's hidden states read from the graph's output
+
+What is captured is the bound forward, embedding to the final norm; logits and sampling stay eager. The Triton
+attention's host-side choices are fixed at capture (a pure-decode tile, no key split: the capture's contexts
+are one token). A new plan (runner.replan) drops the graphs: they hold the old plan's kernels and tensors.
+
+On a CPU nothing is captured and the same padded buffers run eagerly; a test replays a stand-in graph that
+reruns the recorded forward over the same tensors, which is what a CUDA graph's replay reads.
+Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagellm.runner.decode_inputs import DecodeInputs
+
+logger = logging.getLogger("pagellm.runner")
+
+
+class CudaGraphRecorder:
+    """torch's CUDA graphs: record(fn) captures fn's kernels into one shared pool -> (replay, output)."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def record(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture: lazy initialisation must not be recorded
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph.replay, out
+
+
+class DecodeGraphs:
+    """forward(input_ids, positions, meta) -> hidden [rows, E], replayed from a graph where one was captured for
+    the step's row count, else run as it is."""
+
+    def __init__(self, forward: Callable, inputs: DecodeInputs):
+        self.forward, self.inputs = forward, inputs
+        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.replays = 0
+
+    def capture(self, recorder) -> None:
+        """Every bucket, largest first (the pool's largest buffers first, the rest fit in them), logged."""
+        start, before = time.perf_counter(), _device_bytes()
+        gc.collect()
+        gc.disable()  # a collection mid-capture could free a tensor the graph records
+        try:
+            for bucket in sorted(self.inputs.buckets, reverse=True):
+                input_ids, positions, meta = self.inputs.capture_inputs(bucket)
+                self.graphs[bucket] = recorder.record(  # the bucket's own buffers bound now, not the loop's last
+                    lambda ids=input_ids, pos=positions, m=meta: self.forward(ids, pos, m))
+        finally:
+            gc.enable()
+            self.inputs.invalidate()  # the capture left every row padded
+        logger.info("decode graphs: %d buckets (%s) captured in %.1f s, %.0f MiB", len(self.graphs),
+                    ", ".join(map(str, sorted(self.graphs))), time.perf_counter() - start,
+                    (_device_bytes() - before) / 2**20)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        entry = self.graphs.get(input_ids.shape[0])
+        if entry is None:
+            return self.forward(input_ids, positions, meta)
+        replay, hidden = entry
+        replay()
+        self.replays += 1
+        return hidden
+
+    def drop(self) -> None:
+        self.graphs.clear()
+
+
+def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (vLLM's capture sizes; a step pads to at most 7 rows)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    return tuple(sorted(set(sizes + [max_num_seqs])))
+
+
+def _device_bytes() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
