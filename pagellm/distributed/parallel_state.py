@@ -129,8 +129,10 @@ def rank_device(device: str, rank: int, world_size: int, gpus: int | None = None
 
 def check_local_gpus(device: str, world_size: int, gpus: int | None = None) -> None:
     """Ranks spawned on this host need a GPU each (NCCL refuses two ranks on one GPU): a clear error first."""
+    if torch.device(device).type != "cuda":  # nothing to count: CPU ranks share the host
+        return
     gpus = torch.cuda.device_count() if gpus is None else gpus
-    if torch.device(device).type == "cuda" and world_size > gpus:
+    if world_size > gpus:
         raise ValueError(f"tensor_parallel_size {world_size} on this host needs {world_size} GPUs, one per rank; "
                          f"it has {gpus}")
 

@@ -95,6 +95,19 @@ class DecodeInputs:
             self._pad(num_seqs, rows_run)  # a reused step's padded rows are as this wrote them
             self.misses += 1
         self.input_ids[:num_seqs].copy_(tokens, non_blocking=True)
+        meta = self._step_meta(rows_run, seq_lens_host + (1,) * (rows_run - num_seqs), state_slots_host)
+        logits_rows = self.query_start_loc[:num_seqs]  # every request's row samples; padded rows never do
+        return self.input_ids[:rows_run], self.positions[:rows_run], meta, logits_rows, reused
+
+    def capture_inputs(self, bucket: int):
+        """(input_ids, positions, meta) of a step whose `bucket` rows are all padding: what a graph is captured
+        over (the buffers' addresses, as every later step of that bucket fills them). The next step rebuilds."""
+        self.invalidate()
+        self._pad(0, bucket)
+        return self.input_ids[:bucket], self.positions[:bucket], self._step_meta(bucket, (1,) * bucket, None)
+
+    def _step_meta(self, rows_run: int, seq_lens_host: tuple[int, ...], state_slots_host) -> AttentionMetadata:
+        """The metadata of the first `rows_run` rows as the buffers hold them, slot_mapping computed on the device."""
         rows = slice(0, rows_run)
         positions = self.positions[rows]
         # a padded step reads the whole fixed-width table (one shape per bucket); else the widest row's blocks
@@ -104,32 +117,17 @@ class DecodeInputs:
         slots = block * self.block_size + positions % self.block_size
         if self.buckets:  # every input a captured graph reads lives at a fixed address
             slots = self.slot_mapping[rows].copy_(slots)
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=self.query_start_loc[: rows_run + 1],
             seq_lens=self.seq_lens[rows],
             block_tables=tables,
             block_size=self.block_size,
             query_start_loc_host=tuple(range(rows_run + 1)),
-            seq_lens_host=seq_lens_host + (1,) * (rows_run - num_seqs),
+            seq_lens_host=seq_lens_host,
             state_slots=None if state_slots_host is None else self.state_slots[rows],
             state_slots_host=state_slots_host,
         )
-        logits_rows = self.query_start_loc[:num_seqs]  # every request's row samples; padded rows never do
-        return self.input_ids[rows], positions, meta, logits_rows, reused
-
-    def capture_inputs(self, bucket: int):
-        """(input_ids, positions, meta) of a step whose `bucket` rows are all padding: what a graph is captured
-        over (the buffers' addresses, as every later step of that bucket fills them). The next step rebuilds."""
-        self.invalidate()
-        self._pad(0, bucket)
-        rows = slice(0, bucket)
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[rows].fill_(self.scratch_block * self.block_size),
-            query_start_loc=self.query_start_loc[: bucket + 1], seq_lens=self.seq_lens[rows],
-            block_tables=self.block_tables[rows], block_size=self.block_size,
-            query_start_loc_host=tuple(range(bucket + 1)), seq_lens_host=(1,) * bucket)
-        return self.input_ids[rows], self.positions[rows], meta
 
     def _pad(self, num_seqs: int, rows_run: int) -> None:
         """Rows num_seqs .. rows_run: token 0 at position 0 over one token of the scratch block."""
