@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                    help=f.metadata.get("help"))
+            elif typing.get_origin(kind) is tuple:  # --cuda-graph-sizes 1 2 4
+                group.add_argument(flag, type=typing.get_args(kind)[0], nargs="*", default=default,
+                                   help=f.metadata.get("help"))
             else:
                 group.add_argument(flag, type=kind, default=default, help=f.metadata.get("help"))
 

@@ -49,6 +49,14 @@ class ModelConfig(_FromDict):
         default="auto",
     )
 
+    enforce_eager: bool | None = _help(
+        "Run every step eagerly, without CUDA graphs (vLLM's flag). Unset: eager, because the decode graphs have "
+        "not yet been checked on a GPU (docs/PERFORMANCE.md); --no-enforce-eager captures them (CUDA only).",
+        default=None)
+    cuda_graph_sizes: tuple[int, ...] = _help(
+        "Batch sizes the decode graphs are captured at (with --no-enforce-eager): a decode step of B requests runs "
+        "at the smallest size >= B, a larger one eagerly; sizes above max_num_seqs are dropped. Empty (the "
+        "default): 1, 2, 4, then every 8 up to max_num_seqs, as vLLM captures.", default=())
     load_format: str = _help(
         "How weights load: auto (the default: the checkpoint's own) | dummy (random weights from the model's "
         "config, vLLM's name and meaning: to run and measure a shape without its weights; the tokenizer is "
@@ -63,6 +71,14 @@ class ModelConfig(_FromDict):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        sizes = tuple(sorted(set(self.cuda_graph_sizes)))
+        if any(not isinstance(size, int) or size < 1 for size in sizes):
+            raise ValueError(f"cuda_graph_sizes must be integers >= 1, got {list(self.cuda_graph_sizes)}")
+        object.__setattr__(self, "cuda_graph_sizes", sizes)  # a list from a config file or the CLI, ascending
+        if self.enforce_eager is False and self.device.split(":")[0] != "cuda":
+            raise ValueError(f"enforce_eager=False captures CUDA graphs; device {self.device!r} has none")
+        if sizes and self.enforce_eager is not False:
+            raise ValueError("cuda_graph_sizes are the decode graphs' sizes: they need enforce_eager=False")
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ class LLMEngine:
                                   self.kv_cache_dtype, self.device, num_state_slots=setup.num_state_slots,
                                   num_snapshot_slots=setup.num_snapshot_slots, grammars=self.grammars,
                                   logits=logits, kernels=config.kernels, compute_dtype=self.dtype,
-                                  all_reduce=parallel.all_reduce_ if parallel is not None else None)
+                                  all_reduce=parallel.all_reduce_ if parallel is not None else None,
+                                  decode_graphs=mc.enforce_eager is False, decode_buckets=mc.cuda_graph_sizes)
         self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
                        "model_file_bytes": self.model_path.stat().st_size if self.model_path.is_file() else None}
 
@@ -314,5 +315,7 @@ class LLMEngine:
         stats["dtype"] = str(self.dtype).removeprefix("torch.")
         stats["kv_cache_dtype"] = str(self.kv_cache_dtype).removeprefix("torch.")
         stats["layers"] = self.runner.plan.description  # bound to the kernels, or modules and why
+        graphs = self.runner.decode_graphs
+        stats["decode_graphs"] = "off (eager)" if graphs is None else graphs.summary
         stats.update(self.memory)  # weights, and the process with its KV pool still empty, as loaded
         return stats

@@ -18,6 +18,7 @@ class EngineStats:
     host_syncs_total: int = 0
     step_reuse_hits: int = 0  # pure-decode steps prepared by diff from the previous one
     step_reuse_misses: int = 0  # pure-decode steps whose inputs were rebuilt
+    decode_graph_replays: int = 0  # pure-decode steps whose forward replayed a CUDA graph
     prefix_cache_hit_tokens: int = 0
     prefix_cache_queried_tokens: int = 0
     # Tensor parallel: bytes of the head -> workers step messages (0 in one process)
@@ -42,6 +43,7 @@ class EngineStats:
                 self.step_reuse_hits += 1
             else:
                 self.step_reuse_misses += 1
+            self.decode_graph_replays += timings.graph_replayed
         for item in output.scheduled:
             if item.new is not None and not item.new.output_token_ids:  # first admission, not a resume
                 request = scheduler.requests.get(item.request_id)
@@ -71,6 +73,9 @@ class EngineStats:
             "step_reuse_hits": self.step_reuse_hits,
             "step_reuse_misses": self.step_reuse_misses,
             "step_reuse_rate": self.step_reuse_hits / max(self.step_reuse_hits + self.step_reuse_misses, 1),
+            "decode_graph_replays": self.decode_graph_replays,
+            "decode_graph_replay_rate":  # of pure-decode steps
+                self.decode_graph_replays / max(self.step_reuse_hits + self.step_reuse_misses, 1),
             "state_slots_total": scheduler.state_pool.num_slots if scheduler.state_pool else 0,
             "state_slots_used": scheduler.state_pool.num_used if scheduler.state_pool else 0,
             "state_snapshots_total": snapshots.num_rows if snapshots else 0,

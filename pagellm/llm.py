@@ -41,10 +41,13 @@ class LLM:
         distributed_timeout: float = 60.0,
         cpu_isa: str | None = None,
         load_format: str = "auto",
+        enforce_eager: bool | None = None,
+        cuda_graph_sizes: tuple[int, ...] = (),
     ):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device,
-                              quantization=quantization, load_format=load_format),
+                              quantization=quantization, load_format=load_format,
+                              enforce_eager=enforce_eager, cuda_graph_sizes=tuple(cuda_graph_sizes)),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                               gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching, state_cache_memory=state_cache_memory,

@@ -10,7 +10,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.cli import build_parser, engine_config_from_args
-from pagellm.config import CacheConfig, EngineConfig, KernelConfig
+from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from pagellm.kernels import native, selection
 from pagellm.kernels.errors import KernelBuildError
 from pagellm.layers.kernel_user import KernelUser
@@ -152,3 +152,20 @@ def test_without_a_compiler_the_fallback_is_logged_once_naming_every_kernel(monk
     assert chosen.level == "generic" and description == ("generic: no C++ compiler (set CXX or install g++), torch reference ops for "
                            + ", ".join(EVERY_KERNEL))
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", f"kernels: {description}")]
+
+
+def test_decode_graph_flags_reach_the_config_and_are_checked():
+    """--no-enforce-eager and --cuda-graph-sizes (vLLM's flags): on CUDA only, sizes only with graphs."""
+    args = build_parser().parse_args(["serve", "--device", "cuda", "--no-enforce-eager", "--cuda-graph-sizes",
+                                      "8", "1", "4", "4"])
+    model = engine_config_from_args(args).model
+    assert model.enforce_eager is False and model.cuda_graph_sizes == (1, 4, 8)  # ascending, once each
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).model.enforce_eager is None
+    with pytest.raises(ValueError, match="device 'cpu' has none"):
+        ModelConfig(enforce_eager=False)
+    with pytest.raises(ValueError, match="need enforce_eager=False"):
+        ModelConfig(device="cuda", cuda_graph_sizes=(1, 2))
+    with pytest.raises(ValueError, match="integers >= 1"):
+        ModelConfig(device="cuda", enforce_eager=False, cuda_graph_sizes=(0, 2))
+    assert ModelConfig.from_dict({"device": "cuda:1", "enforce_eager": False,
+                                  "cuda_graph_sizes": [2, 1]}).cuda_graph_sizes == (1, 2)

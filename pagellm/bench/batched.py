@@ -48,7 +48,7 @@ PROFILE_COLUMNS = (
     Column("host_ms_per_step", "host ms", "{:.2f}"), Column("input_copy_ms_per_step", "copy ms", "{:.2f}"),
     Column("model_ms_per_step", "model ms", "{:.2f}"), Column("sample_ms_per_step", "sample ms", "{:.2f}"),
     Column("host_syncs_per_step", "syncs/step", "{:.2f}"),
-    Column("step_reuse", "reuse hit/miss"),
+    Column("step_reuse", "reuse hit/miss"), Column("decode_graph_replays", "graph replays"),
 )
 
 
@@ -174,6 +174,7 @@ def step_profile(before: dict, after: dict) -> dict:
         "sample_ms_per_step": diff["sample_ms_total"] / per,
         "host_syncs_per_step": diff["host_syncs_total"] / per,
         "step_reuse": f"{hits}/{misses}",
+        "decode_graph_replays": diff["decode_graph_replays"],
         "prefill_tokens_computed": diff["computed_prefill_tokens"],
         "prefix_cache_hit_tokens": diff["prefix_cache_hit_tokens"],
     }

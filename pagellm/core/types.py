@@ -84,6 +84,7 @@ class StepTimings:
     sample_ms: float = 0.0  # sampler + the blocking read of its output
     host_syncs: int = 0
     reused_step: bool = False  # a pure-decode step prepared by diff from the previous one (decode_inputs.py)
+    graph_replayed: bool = False  # a pure-decode step whose forward replayed a CUDA graph (decode_graphs.py)
 
 
 @dataclass(frozen=True)

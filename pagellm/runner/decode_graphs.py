@@ -57,6 +57,7 @@ class DecodeGraphs:
         self.forward, self.inputs = forward, inputs
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self.replays = 0
+        self.summary = "none captured"  # LLM.stats()' "decode_graphs"
 
     def capture(self, recorder) -> None:
         """Every bucket, largest first (the pool's largest buffers first, the rest fit in them), logged."""
@@ -71,21 +72,23 @@ class DecodeGraphs:
         finally:
             gc.enable()
             self.inputs.invalidate()  # the capture left every row padded
-        logger.info("decode graphs: %d buckets (%s) captured in %.1f s, %.0f MiB", len(self.graphs),
-                    ", ".join(map(str, sorted(self.graphs))), time.perf_counter() - start,
-                    (_device_bytes() - before) / 2**20)
+        self.summary = (f"{len(self.graphs)} buckets ({', '.join(map(str, sorted(self.graphs)))}) captured in "
+                        f"{time.perf_counter() - start:.1f} s, {(_device_bytes() - before) / 2**20:.0f} MiB")
+        logger.info("decode graphs: %s", self.summary)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, bool]:
+        """(hidden, whether a graph replayed it)."""
         entry = self.graphs.get(input_ids.shape[0])
         if entry is None:
-            return self.forward(input_ids, positions, meta)
+            return self.forward(input_ids, positions, meta), False
         replay, hidden = entry
         replay()
         self.replays += 1
-        return hidden
+        return hidden, True
 
     def drop(self) -> None:
         self.graphs.clear()
+        self.summary = "dropped by a new layer plan"
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:

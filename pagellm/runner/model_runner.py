@@ -72,7 +72,8 @@ class ModelRunner:
         self.device = device
         self.input_batch = InputBatch(max_num_seqs, device, grammars if samples else None)
         graphs = decode_graphs and all_reduce is None and not state_layers_of(model)
-        decode_buckets = tuple(decode_buckets) or (default_buckets(max_num_seqs) if graphs else ())
+        if graphs:  # a bucket past max_num_seqs would never be run (vLLM drops those too)
+            decode_buckets = tuple(b for b in decode_buckets if b <= max_num_seqs) or default_buckets(max_num_seqs)
         self.decode_inputs: DecodeInputs | None = DecodeInputs(  # None: no reuse
             max_num_seqs, block_size, device, decode_buckets, num_blocks if decode_buckets else None,
             (max_blocks_per_seq or num_blocks) if decode_buckets else None)
@@ -105,7 +106,11 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self._bound_forward, self.decode_inputs)
             if device.type == "cuda":
                 with torch.inference_mode():  # as every step runs
-                    self.decode_graphs.capture(CudaGraphRecorder())
+                    try:
+                        self.decode_graphs.capture(CudaGraphRecorder())
+                    except RuntimeError as exc:
+                        raise RuntimeError(f"capturing the decode graphs failed ({exc}); --enforce-eager runs "
+                                           "without them") from exc
 
     def _bound_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model(input_ids, positions, meta, plan=self.plan.bound)
@@ -128,19 +133,21 @@ class ModelRunner:
         t1 = time.perf_counter()
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
         self._restore_snapshots(output)
+        replayed = False
         if self.decode_graphs is not None and pure_decode:  # its bucket's graph, if one was captured
-            hidden = self.decode_graphs.run(input_ids, positions, meta)  # [rows, hidden]
+            hidden, replayed = self.decode_graphs.run(input_ids, positions, meta)  # [rows, hidden]
         else:
             hidden = self.model(input_ids, positions, meta, plan=self.plan.bound)  # [T, hidden]
         if not self.samples:  # a tensor-parallel worker: only its share of a vocab-parallel LM head
             self._join_logits_gathers(output, hidden, logits_rows)
-            return ModelOutput((), (), timings=StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, 0, reused))
+            timings = StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, 0, reused, replayed)
+            return ModelOutput((), (), timings=timings)
         # Requests that asked for prompt_logprobs: their chunks' prompt rows (never in a pure decode step).
         prompt_logprobs = score_prompt_rows(self.compute_logits, hidden, output.scheduled, states)
         prompt_syncs = 1 if prompt_logprobs else 0
         sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
         if not sampled:
-            timings = StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, prompt_syncs, reused)
+            timings = StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, prompt_syncs, reused, replayed)
             return ModelOutput((), (), prompt_logprobs=prompt_logprobs, timings=timings)
         logits = self.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
         t2 = time.perf_counter()
@@ -157,7 +164,8 @@ class ModelRunner:
                     accept_sampled(state.request_id, state.grammar, token)
                 except GrammarError as exc:  # this row alone: the others' tokens stand
                     failed.append((state.request_id, str(exc)))
-        timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1 + prompt_syncs, reused)
+        timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1 + prompt_syncs, reused,
+                              replayed)
         if failed:
             bad = {rid for rid, _ in failed}
             kept = [(s.request_id, t, lp) for s, t, lp in zip(sampled, token_ids, logprobs or [None] * len(sampled))

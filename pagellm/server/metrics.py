@@ -37,6 +37,7 @@ _COUNTERS = (
     ("step_reuse_hits", "Pure-decode steps whose inputs were prepared by diff from the previous step.",
      "step_reuse_hits"),
     ("step_reuse_misses", "Pure-decode steps whose inputs were rebuilt.", "step_reuse_misses"),
+    ("decode_graph_replays", "Pure-decode steps whose forward replayed a CUDA graph.", "decode_graph_replays"),
 )
 _GAUGES = (
     ("num_requests_running", "Requests running (holding KV blocks and a slot).", "num_requests_running"),

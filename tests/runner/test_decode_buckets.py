@@ -4,8 +4,6 @@ caching, chunked prefill and preemption."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -20,9 +18,15 @@ from tests.models.tiny_checkpoints import write_hybrid_checkpoint, write_tiny_ch
 BUCKETS = (1, 2, 4)
 
 
+def _runner_with(**forced):
+    """ModelRunner with these arguments whatever the engine passes: on a CPU the config refuses graphs (there is
+    nothing to capture), so the runner's graph path is reached here directly."""
+    return lambda *args, **kwargs: ModelRunner(*args, **{**kwargs, **forced})
+
+
 def _generate(path, buckets, monkeypatch, prompts, params, **engine_args):
     if buckets:
-        monkeypatch.setattr(engine_module, "ModelRunner", functools.partial(ModelRunner, decode_buckets=buckets))
+        monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_buckets=buckets))
     with LLM(str(path), skip_tokenizer_init=True, **engine_args) as llm:
         ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         inputs = llm.engine.runner.decode_inputs
@@ -106,7 +110,7 @@ def test_decode_steps_replayed_from_recorded_graphs_give_the_same_ids(tmp_path, 
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 7, 10, 13, 16)]
     eager, _, _ = _generate(tmp_path, (), monkeypatch, prompts, params, kv_cache_memory=0.01)
-    monkeypatch.setattr(engine_module, "ModelRunner", functools.partial(ModelRunner, decode_graphs=True))
+    monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True))
     with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, max_num_seqs=8) as llm:
         graphs = llm.engine.runner.decode_graphs
         assert llm.engine.runner.decode_inputs.buckets == (1, 2, 4, 8) and graphs.graphs == {}  # CPU: none
@@ -114,10 +118,20 @@ def test_decode_steps_replayed_from_recorded_graphs_give_the_same_ids(tmp_path, 
         graphs.capture(recorder)
         assert recorder.recorded == 4 and sorted(graphs.graphs) == [1, 2, 4, 8]
         ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        replays = graphs.replays
+        replays, stats = graphs.replays, llm.stats()
         llm.engine.runner.replan()  # a new plan: the graphs held the old one's kernels
-        assert graphs.graphs == {}
+        assert graphs.graphs == {} and llm.stats()["decode_graphs"] == "dropped by a new layer plan"
     assert ids == eager and replays >= 10  # every steady decode step of the longest request
+    assert stats["decode_graph_replays"] == replays and stats["decode_graphs"].startswith("4 buckets (1, 2, 4, 8)")
+    assert stats["decode_graph_replay_rate"] == 1.0  # every pure-decode step of <= 8 requests fits a bucket
+
+
+def test_graph_sizes_past_max_num_seqs_are_dropped(tmp_path, monkeypatch):
+    write_tiny_checkpoint("llama", tmp_path)
+    monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True, decode_buckets=(1, 3, 16)))
+    with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, max_num_seqs=8) as llm:
+        assert llm.engine.runner.decode_inputs.buckets == (1, 3)
+        assert llm.stats()["decode_graphs"] == "none captured"  # a CPU captures nothing
 
 
 def test_default_buckets_pad_a_step_by_at_most_seven_rows():

@@ -292,7 +292,7 @@ def test_metrics_are_exported(server):
                  "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queried_tokens_total",
                  "prefix_cache_hit_tokens_total", "num_preemptions_total", "host_ms_per_step",
                  "model_ms_per_step", "sample_ms_per_step", "host_syncs_per_step", "kv_blocks_free",
-                 "kv_blocks_total"):
+                 "kv_blocks_total", "decode_graph_replays_total", "decode_graph_replay_rate"):
         assert name in metrics, name
     assert metrics["generation_tokens_total"] >= metrics["e2e_request_latency_seconds_count"]
     assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]  # idle: every block back in the pool
