@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.core.transfers import to_device
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -72,15 +74,16 @@ class AttentionMetadata:
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         width = max((len(t) for t in block_tables), default=0) or 1
         padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        device = torch.device(device)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width),
+            slot_mapping=to_device(slots, torch.int64, device),
+            query_start_loc=to_device(starts, torch.int64, device),
+            seq_lens=to_device(seq_lens, torch.int64, device),
+            block_tables=to_device(padded, torch.int64, device).reshape(len(padded), width),
             block_size=block_size,
             query_start_loc_host=tuple(starts),
             seq_lens_host=tuple(seq_lens),
-            state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
+            state_slots=None if state_slots is None else to_device(state_slots, torch.int64, device),
             state_slots_host=None if state_slots is None else tuple(state_slots),
             snapshot_writes=tuple(snapshot_writes),
         )

@@ -30,6 +30,7 @@ import torch
 
 from pagellm.core.types import ScheduledRequest
 from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.core.transfers import copy_to_device
 from pagellm.runner.input_batch import SlotState
 
 
@@ -77,7 +78,6 @@ class DecodeInputs:
         num_seqs = len(items)
         layout = tuple(item.slot for item in items)
         state_slots_host = state_slots_of(items)
-        tokens = torch.tensor([item.token_ids[0] for item in items], dtype=torch.int64)
         seq_lens_host = tuple(item.start_position + 1 for item in items)
         self._ensure_width(-(-max(seq_lens_host) // self.block_size))
         rows_run = self.rows_for(num_seqs, state_slots_host is not None)
@@ -94,7 +94,7 @@ class DecodeInputs:
             self._rebuild(items, states, layout, state_slots_host)
             self._pad(num_seqs, rows_run)  # a reused step's padded rows are as this wrote them
             self.misses += 1
-        self.input_ids[:num_seqs].copy_(tokens, non_blocking=True)
+        copy_to_device(self.input_ids[:num_seqs], [item.token_ids[0] for item in items])
         meta = self._step_meta(rows_run, seq_lens_host + (1,) * (rows_run - num_seqs), state_slots_host)
         logits_rows = self.query_start_loc[:num_seqs]  # every request's row samples; padded rows never do
         return self.input_ids[:rows_run], self.positions[:rows_run], meta, logits_rows, reused
@@ -157,7 +157,7 @@ class DecodeInputs:
             written = self._table_lens[row]
             if len(state.block_ids) > written:  # a block was appended: write only the new ids
                 new_ids = state.block_ids[written:]
-                self.block_tables[row, written : written + len(new_ids)] = torch.tensor(new_ids)
+                copy_to_device(self.block_tables[row, written : written + len(new_ids)], new_ids)
                 self._table_lens[row] = len(state.block_ids)
 
     def _rebuild(self, items, states: list[SlotState], layout: tuple[int, ...], state_slots_host) -> None:
@@ -167,11 +167,11 @@ class DecodeInputs:
         table = torch.zeros(num_seqs, width, dtype=torch.int64)
         for row, state in enumerate(states):
             table[row, : len(state.block_ids)] = torch.tensor(state.block_ids)
-        self.positions[:num_seqs].copy_(torch.tensor(positions))
-        self.seq_lens[:num_seqs].copy_(torch.tensor(positions) + 1)
+        copy_to_device(self.positions[:num_seqs], positions)
+        copy_to_device(self.seq_lens[:num_seqs], [p + 1 for p in positions])
         if state_slots_host is not None:
-            self.state_slots[:num_seqs].copy_(torch.tensor(state_slots_host))
-        self.block_tables[:num_seqs, :width].copy_(table)
+            copy_to_device(self.state_slots[:num_seqs], state_slots_host)
+        copy_to_device(self.block_tables[:num_seqs, :width], table)
         self._table_lens = [len(s.block_ids) for s in states]
         self._layout = layout
 

@@ -168,7 +168,10 @@ class GrammarMasks:
             return
         words = (logits.shape[1] + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
-            self._bitmask = torch.empty(max(len(rows), logits.shape[0]), words, dtype=torch.int32)
+            # pinned on CUDA: its copy to the device then waits for nothing (core/transfers.py); the next step
+            # refills it only after this step's tokens were read back, when the copy has run
+            self._bitmask = torch.empty(max(len(rows), logits.shape[0]), words, dtype=torch.int32,
+                                        pin_memory=logits.device.type == "cuda")
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         bitmask = self._bitmask[:len(rows)]

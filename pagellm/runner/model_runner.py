@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> packed inputs -> model -> logits of sampled rows -> tokens.
 
-The one blocking host read of a step is the `.tolist()` of the sampled ids
-(and their logprobs when asked); everything before it is queued work. A step
+The one blocking host read of a step is the sampled ids (and their logprobs
+when asked), copied back as a HostRead; everything before it is queued work,
+host values reaching the device through core/transfers.py without a sync. A step
 with prompt_logprobs rows reads those back once more (runner/prompt_logprobs.py).
 """
 
@@ -15,6 +16,7 @@ import torch
 
 from pagellm.core.types import ModelOutput, SchedulerOutput, StepTimings, TokenLogprobs
 from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.core.transfers import HostRead, to_device
 from pagellm.config import KernelConfig
 from pagellm.kernels import native
 from pagellm.models.bound_layers import LayerPlan, PlanSettings, activation_dtype, plan_model
@@ -230,19 +232,19 @@ class ModelRunner:
 
     def _build_input_tensors(self, tokens, positions, query_lens, seq_lens, tables, logits_rows, slots, writes):
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, slots, writes)
-        input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        input_ids = to_device(tokens, torch.int64, self.device)
+        pos = to_device(positions, torch.int64, self.device)
+        rows = to_device(logits_rows, torch.int64, self.device)
         return input_ids, pos, meta, rows
 
     @staticmethod
     def _read_back(result: SamplerOutput, rows: list[SlotState]):
         if result.logprobs is None:
-            return result.token_ids.tolist(), None
+            return HostRead(result.token_ids).tolist(), None
         lp = result.logprobs
         packed = torch.cat([result.token_ids[:, None].float(), lp.sampled_logprobs[:, None],
                             lp.sampled_ranks[:, None].float(), lp.top_ids.float(), lp.top_logprobs], dim=1)
-        data = packed.cpu().tolist()  # one read for ids and logprobs together
+        data = HostRead(packed).tolist()  # one read for ids and logprobs together
         k = lp.top_ids.shape[1]
         token_ids, entries = [], []
         for row, state in zip(data, rows):

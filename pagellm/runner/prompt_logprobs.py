@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from pagellm.core.transfers import HostRead, to_device
+
 from pagellm.core.types import PromptLogprobs, ScheduledRequest, TokenLogprobs
 from pagellm.runner.input_batch import SlotState
 from pagellm.runner.sampler import gather_logprobs
@@ -39,7 +41,7 @@ def prompt_rows(scheduled: Sequence[ScheduledRequest]) -> list[int]:
 
 def logits_passes(compute_logits: ComputeLogits, hidden: torch.Tensor, rows: list[int]) -> Iterator[torch.Tensor]:
     """The rows' logits, ROWS_PER_PASS rows at a time, in order."""
-    index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+    index = to_device(rows, torch.int64, hidden.device)
     for start in range(0, len(rows), ROWS_PER_PASS):
         yield compute_logits(hidden[index[start : start + ROWS_PER_PASS]])
 
@@ -54,7 +56,7 @@ def score_prompt_rows(compute_logits: ComputeLogits, hidden: torch.Tensor, sched
     for item, state in asking:
         first = item.start_position + 1  # the prompt token the chunk's first row predicts
         targets.extend(state.prompt_token_ids[first : first + item.num_prompt_logits])
-    target_ids = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+    target_ids = to_device(targets, torch.int64, hidden.device)
     num_top = max(state.sampling_params.prompt_logprobs for _, state in asking)
     packed, done = [], 0
     for logits in logits_passes(compute_logits, hidden, prompt_rows(scheduled)):
@@ -64,7 +66,7 @@ def score_prompt_rows(compute_logits: ComputeLogits, hidden: torch.Tensor, sched
         packed.append(torch.cat([lp.sampled_logprobs[:, None], lp.sampled_ranks[:, None].float(),
                                  lp.top_ids.float(), lp.top_logprobs], dim=1))  # [n, 2 + 2K]
         done += n
-    data = torch.cat(packed).cpu().tolist()  # one host read for every prompt row of the step
+    data = HostRead(torch.cat(packed)).tolist()  # one host read for every prompt row of the step
     return _split_by_request(data, targets, asking, num_top)
 
 

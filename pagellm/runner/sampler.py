@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from pagellm.core.transfers import to_device
 from pagellm.kernels import native
 from pagellm.kernels.logits import argmax_rows
 from pagellm.kernels.native import DEFAULT_LEVEL
@@ -124,7 +125,7 @@ class Sampler:
         sampled = self._sample(logits, rows)
         if not any(greedy):
             return sampled
-        is_greedy = _to_device(greedy, torch.bool, logits.device)
+        is_greedy = to_device(greedy, torch.bool, logits.device)
         return torch.where(is_greedy, greedy_ids(logits, self._level), sampled)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -182,13 +183,20 @@ def sample_exponential_race_no_sync(probs: torch.Tensor, noise: torch.Tensor, at
 def apply_logit_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """In place: each row's logit_bias added to logits [B, V], and its stop ids at -inf while fewer than
     min_tokens tokens are out (vLLM's order: before penalties and temperature)."""
+    bias_rows, bias_ids, biases, ban_rows, ban_ids = [], [], [], [], []
     for i, row in enumerate(rows):
         params = row.sampling_params
-        if params.logit_bias:
-            ids, biases = zip(*params.logit_bias)
-            logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
-        if len(row.output_token_ids) < params.min_tokens and row.stop_ids:
-            logits[i, list(row.stop_ids)] = float("-inf")
+        for token, bias in params.logit_bias or ():
+            bias_rows.append(i), bias_ids.append(token), biases.append(bias)
+        if len(row.output_token_ids) < params.min_tokens:
+            ban_rows.extend([i] * len(row.stop_ids)), ban_ids.extend(row.stop_ids)
+    device = logits.device
+    if biases:  # one indexed add for every row's bias (a bias dict names each token once)
+        logits.index_put_((to_device(bias_rows, torch.int64, device), to_device(bias_ids, torch.int64, device)),
+                          to_device(biases, logits.dtype, device), accumulate=True)
+    if ban_ids:  # after the biases: -inf whatever a bias said
+        logits.index_put_((to_device(ban_rows, torch.int64, device), to_device(ban_ids, torch.int64, device)),
+                          logits.new_full((), float("-inf")))
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -203,7 +211,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         return logits
     device, vocab = logits.device, logits.shape[-1]
     params = [rows[i].sampling_params for i in picked]
-    index = _to_device(picked, torch.int64, device)
+    index = to_device(picked, torch.int64, device)
     sub = logits.index_select(0, index)  # [N, V]
     output_counts = _token_counts([rows[i].output_token_ids for i in picked], vocab, sub.dtype, device)  # [N, V]
     output_seen = output_counts > 0
@@ -219,17 +227,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return logits.index_copy(0, index, sub)
 
 
-def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values on `device`, without a host sync: torch.tensor(..., device="cuda") is a blocking copy
-    that first waits for all queued GPU work (the forward pass); a copy from pinned memory does not."""
-    host = torch.as_tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _column(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _to_device(values, dtype, device).unsqueeze(1)  # [N, 1], broadcasts over V
+    return to_device(values, dtype, device).unsqueeze(1)  # [N, 1], broadcasts over V
 
 
 def _token_counts(
@@ -239,7 +238,7 @@ def _token_counts(
     id_rows = [torch.as_tensor(tokens, dtype=torch.int64) for tokens in token_lists]
     # Pad with id V, which lands in a spare column that is cut off afterwards.
     ids = torch.nn.utils.rnn.pad_sequence(id_rows, batch_first=True, padding_value=vocab)  # [N, L]
-    ids = _to_device(ids, torch.int64, device)
+    ids = to_device(ids, torch.int64, device)
     counts = torch.zeros(len(id_rows), vocab + 1, dtype=dtype, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=dtype))
     return counts[:, :vocab]
@@ -256,7 +255,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     any_top_p = any(p.top_p < 1.0 for p in params)
     if not any_top_p and not any(top_k):
         return logits
-    k = _to_device(top_k, torch.int64, logits.device)
+    k = to_device(top_k, torch.int64, logits.device)
     if not any_top_p:
         largest = logits.topk(max(top_k), dim=-1).values  # [B, max k], descending
         return logits.masked_fill_(logits < _kth_largest(largest, k), float("-inf"))
