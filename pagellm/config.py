@@ -139,6 +139,12 @@ class SchedulerConfig(_FromDict):
     decode_stable_interval: int = _help(
         "Opt-in decode-stable mode: with decodes running, admit prefill only every K steps (0 = off).", default=0
     )
+    async_scheduling: bool = _help(
+        "Schedule and launch each step while the previous one runs on the device, its decodes fed the tokens "
+        "still on their way (vLLM's flag). The same greedy ids; a request that stops costs one dropped token. "
+        "Steps of requests with penalties or structured output wait as before. Off by default: not yet measured "
+        "on a GPU, and on a CPU nothing overlaps. Not with tensor parallel or recurrent-state models.",
+        default=False)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "n_ubatch"):
@@ -213,6 +219,10 @@ class EngineConfig(_FromDict):
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+
+    def __post_init__(self):
+        if self.scheduler.async_scheduling and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1: the ranks run each step in lockstep")
 
 
 LOG_FORMATS = ("text", "json")

@@ -1,7 +1,12 @@
 """LLMEngine: add_request / step / abort over the scheduler and the model runner.
 
-    step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update()
+    step():  Scheduler.schedule() -> ModelRunner.launch() -> .collect() -> Scheduler.update()
              -> detokenize, stop strings, finish -> RequestOutput per updated request
+
+With async scheduling (vLLM's --async-scheduling) the next step is scheduled and launched between the two:
+its decodes feed the tokens being read back (PLACEHOLDERs, filled on the device), so the host prepares step
+N+1 while the device runs step N. Greedy ids are the same; a request that stops at step N also ran in step N+1
+(that token is dropped).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import gc
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +24,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.core.state_pool import StatePool
+from pagellm.core.types import SchedulerOutput
 from pagellm.distributed.executor import HeadExecutor, LocalExecutor
 from pagellm.distributed.parallel_state import DistributedError, ParallelState, rank_device
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
@@ -36,9 +43,19 @@ from pagellm.runner.grammar import Grammars
 from pagellm.runner.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, check_holds_one_sequence,
                                       fit_max_model_len, kv_budget_bytes, profile_forward, start_measuring)
 from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
+from pagellm.runner.sampled_tokens import LaunchedStep
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm.engine")
+
+
+@dataclass
+class InFlightStep:
+    """A scheduled step, launched on the device (`launched`) and not yet collected."""
+
+    output: SchedulerOutput
+    schedule_ms: float
+    launched: LaunchedStep | None = None
 
 
 def _attention_of(device: torch.device, level: str | None) -> str:
@@ -80,6 +97,9 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.counters = EngineStats()
+        # Async scheduling: the step launched ahead, whose tokens the next step() reads back.
+        self._async = config.scheduler.async_scheduling
+        self._in_flight: InFlightStep | None = None
         # Loading leaves many long-lived objects; without this a full GC pass rescans them every few steps and
         # stalls one (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md). vLLM does the same.
         gc.collect()
@@ -109,6 +129,9 @@ class LLMEngine:
         self.max_model_len = min(mc.max_model_len or context, context)
         num_blocks = self._kv_blocks(before, logits)
         self.state_pool = self._make_state_pool()
+        if config.scheduler.async_scheduling and self.state_pool is not None:
+            raise ValueError(f"async_scheduling: {type(self.model).__name__} keeps recurrent state, whose prefix "
+                             "snapshots settle only once a step is read back; run it without")
         # Hybrid models: a prefix hit must also restore the recurrent state after the prefix, so their
         # prefix cache needs state snapshots at block boundaries (none budgeted: the cache stays off).
         snapshots = self._make_snapshot_pool(num_blocks) if cc.enable_prefix_caching else None
@@ -243,7 +266,7 @@ class LLMEngine:
         return self.executor.failure
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def num_waiting(self) -> int:
@@ -252,19 +275,61 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. With async scheduling the step after it is launched before its tokens are read
+        back (ids as without): a step is then in flight between calls."""
+        current = self._in_flight or self._launch_next()
+        self._in_flight = None
+        if current is None:
+            return []
+        if self._runs_ahead(current):
+            self._in_flight = self._launch_next(after=current)
+            self.counters.steps_launched_ahead += self._in_flight is not None
+        try:
+            model_output = self.executor.collect(current.launched)
+        except DistributedError:
+            raise
+        except Exception as exc:
+            self._recover(current, exc)
+        return self._process(current.output, current.schedule_ms, model_output)
+
+    def _launch_next(self, after: InFlightStep | None = None) -> InFlightStep | None:
         t0 = time.perf_counter()
         output = self.scheduler.schedule()
         schedule_ms = (time.perf_counter() - t0) * 1e3
         if output.is_empty:
-            return []
+            return None
+        step = InFlightStep(output, schedule_ms)
         try:
-            model_output = self.executor.execute(output)
+            step.launched = self.executor.launch(output)
         except DistributedError:
             raise
         except Exception as exc:
-            self.runner.reset_step_reuse()
-            self.scheduler.recover_failed_step(output)
-            raise StepError(tuple(item.request_id for item in output.scheduled), exc) from exc
+            self._recover(after, exc, also=step)  # the step before it is dropped too: it waits on its tokens
+        return step
+
+    def _runs_ahead(self, current: InFlightStep) -> bool:
+        """Launch the next step now? Only where its decodes need nothing of `current`'s tokens on the host:
+        penalties count them and grammars advance on them."""
+        if not self._async or self.scheduler.held:
+            return False
+        for item in current.output.scheduled:
+            request = self.scheduler.requests.get(item.request_id)
+            if item.sample and request is not None and (request.sampling_params.needs_penalties
+                                                        or request.sampling_params.structured_outputs):
+                return False
+        return True
+
+    def _recover(self, failed: InFlightStep | None, exc: Exception, also: InFlightStep | None = None) -> None:
+        """A step failed: it and any launched after it go back to waiting (recomputed from the prefix cache)."""
+        self.runner.reset_step_reuse()
+        steps = [s for s in (failed, also, self._in_flight) if s is not None]
+        self._in_flight = None
+        for step in steps:
+            self.scheduler.recover_failed_step(step.output)
+        raise StepError(tuple(item.request_id for item in steps[0].output.scheduled), exc) from exc
+
+    def _process(self, output, schedule_ms: float, model_output) -> list[RequestOutput]:
+        """A collected step: tokens to their requests, detokenized, stop strings and limits checked."""
         updated = self.scheduler.update(output, model_output)
         self.counters.record_step(output, schedule_ms, model_output, self.scheduler)
         logprobs = dict(zip(model_output.request_ids, model_output.logprobs or ()))

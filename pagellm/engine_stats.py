@@ -19,6 +19,7 @@ class EngineStats:
     step_reuse_hits: int = 0  # pure-decode steps prepared by diff from the previous one
     step_reuse_misses: int = 0  # pure-decode steps whose inputs were rebuilt
     decode_graph_replays: int = 0  # pure-decode steps whose forward replayed a CUDA graph
+    steps_launched_ahead: int = 0  # async scheduling: steps launched before the previous one was read back
     prefix_cache_hit_tokens: int = 0
     prefix_cache_queried_tokens: int = 0
     # Tensor parallel: bytes of the head -> workers step messages (0 in one process)
@@ -74,6 +75,7 @@ class EngineStats:
             "step_reuse_misses": self.step_reuse_misses,
             "step_reuse_rate": self.step_reuse_hits / max(self.step_reuse_hits + self.step_reuse_misses, 1),
             "decode_graph_replays": self.decode_graph_replays,
+            "steps_launched_ahead": self.steps_launched_ahead,
             "decode_graph_replay_rate":  # of pure-decode steps
                 self.decode_graph_replays / max(self.step_reuse_hits + self.step_reuse_misses, 1),
             "state_slots_total": scheduler.state_pool.num_slots if scheduler.state_pool else 0,

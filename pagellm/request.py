@@ -56,7 +56,10 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # advanced when a step is scheduled (the step's tokens count as computed)
+        # Tokens a scheduled step samples, not yet read back: a step scheduled while the previous one still runs
+        # (async scheduling) feeds them from the device. They count in num_tokens, not in all_token_ids.
+        self.num_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
         self.slot: int | None = None  # row in the runner's persistent buffers while running
@@ -68,7 +71,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,12 @@ one token; a prefill chunk is a request that needs many. Each step:
      freezes the decodes batched with it;
   3. when blocks run out, the newest running request is preempted: its blocks
      are freed and it is recomputed later (mostly from the prefix cache).
+
+A scheduled step's tokens count as computed at once, and each token it samples
+is a placeholder until update() fills it: so a step can be scheduled while the
+previous one still runs (async scheduling, engine.py), its decodes feeding the
+previous step's tokens from the device. A request whose placeholders would
+reach its max_tokens or max_model_len is not scheduled again: it is done.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections import deque
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.state_pool import StatePool
-from pagellm.core.types import ModelOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.core.types import PLACEHOLDER, ModelOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.request import Request, RequestStatus
 
 
@@ -63,7 +69,10 @@ class Scheduler:
         self._settle_snapshots(output.scheduled, commit=False)
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None:
+                continue
+            request.num_placeholders = 0  # the step never sampled (nor did a step scheduled after it)
+            if request.status != RequestStatus.RUNNING:
                 continue
             self.kv_cache.forget_from(request, item.start_position // self.kv_cache.block_size)
             self._preempt(request)
@@ -101,29 +110,31 @@ class Scheduler:
         used = self._schedule_running_prefills(scheduled, prefill_budget)
         self._schedule_waiting(scheduled, prefill_budget - used)
         released, self._released = tuple(self._released), []
+        for item in scheduled:  # the step's tokens are computed as of its end; its samples are placeholders
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += len(item.token_ids)
+            request.num_placeholders += item.sample
         num_tokens = sum(len(item.token_ids) for item in scheduled)
         num_decode = sum(1 for item in scheduled if item.new is None and len(item.token_ids) == 1)
         return SchedulerOutput(tuple(scheduled), released, num_decode, num_tokens - num_decode)
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
-        """Advance computed tokens, append sampled tokens; return the requests that got a token."""
+        """Fill the step's placeholders with its sampled tokens; return the requests that got a token (a request
+        preempted while the step ran too: the token is its output)."""
         self._settle_snapshots(output.scheduled, commit=True)
-        for item in output.scheduled:
-            request = self.requests.get(item.request_id)
-            if request is not None:
-                request.num_computed_tokens += len(item.token_ids)
         updated = []
         for request_id, token_id in zip(model_output.request_ids, model_output.sampled_token_ids):
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request is None or not request.num_placeholders:
+                continue  # finished or aborted while the step ran
+            request.num_placeholders -= 1
             request.append_output_token(token_id)
             updated.append(request)
         return updated
 
     def check_length_stop(self, request: Request) -> RequestStatus | None:
         status = request.check_stop_token()
-        if status is None and request.num_tokens >= self.max_model_len:
+        if status is None and len(request.all_token_ids) >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         return status
 
@@ -134,7 +145,7 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or request.request_id in self.held:
                 continue  # preempted earlier in this loop, or held
-            if request.num_tokens - request.num_computed_tokens != 1:
+            if request.num_tokens - request.num_computed_tokens != 1 or self._done_once_read(request):
                 continue
             new_blocks = self._allocate_or_preempt(request, 1, scheduled)
             if new_blocks is None:
@@ -164,7 +175,7 @@ class Scheduler:
             if self.state_pool is not None and self.state_pool.num_free == 0:
                 break  # every state slot is taken: wait for a running request to leave
             request = self.waiting.popleft()
-            if request.request_id in self.held:
+            if request.request_id in self.held or request.num_placeholders:  # preempted with a step running
                 skipped.append(request)
                 continue
             hits, num_hit_tokens = self.kv_cache.find_cached_prefix(request)
@@ -194,6 +205,12 @@ class Scheduler:
         return used
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _done_once_read(self, request: Request) -> bool:
+        """Its placeholders will reach max_tokens or max_model_len: no step after them."""
+        return bool(request.num_placeholders) and (
+            request.num_output_tokens + request.num_placeholders >= request.sampling_params.max_tokens
+            or request.num_tokens >= self.max_model_len)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: list[ScheduledRequest]):
         """Blocks for a running request, preempting the newest running requests until it fits.
@@ -255,11 +272,12 @@ class Scheduler:
         if is_new:
             new = NewRequestData(tuple(request.prompt_token_ids), tuple(request.output_token_ids),
                                  request.sampling_params, request.stop_ids())
+        known = tuple(request.all_token_ids[start : start + num_new])
         return ScheduledRequest(
             request_id=request.request_id,
             slot=request.slot,
             state_slot=request.state_slot,
-            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            token_ids=known + (PLACEHOLDER,) * (num_new - len(known)),
             start_position=start,
             new_block_ids=tuple(b.block_id for b in new_blocks),
             sample=start + num_new == request.num_tokens,

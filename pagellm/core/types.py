@@ -17,11 +17,16 @@ class NewRequestData:
     stop_ids: tuple[int, ...] = ()  # ids that end it (EOS unless ignored, stop_token_ids): banned before min_tokens
 
 
+# A token a step feeds before the host knows it: the previous step samples it on the device (async scheduling).
+PLACEHOLDER = -1
+
+
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
     slot: int  # row of the runner's persistent per-request buffers; stable while the request runs
-    token_ids: tuple[int, ...]  # tokens fed this step (one for a decode, a chunk for a prefill)
+    token_ids: tuple[int, ...]  # tokens fed this step (one for a decode, a chunk for a prefill); PLACEHOLDER: not
+    # yet read back (the previous step's sample for this request)
     start_position: int  # position of token_ids[0] == tokens already in the KV cache
     new_block_ids: tuple[int, ...]  # appended to the slot's block table this step (the whole table when new)
     sample: bool  # this chunk reaches the last known token, so a next token is sampled

@@ -24,6 +24,7 @@ from pagellm.core.types import ModelOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import DistributedError, ParallelState
 from pagellm.distributed.protocol import encode_step
 from pagellm.runner.model_runner import ModelRunner
+from pagellm.runner.sampled_tokens import LaunchedStep
 
 logger = logging.getLogger("pagellm.distributed")
 
@@ -42,6 +43,12 @@ class LocalExecutor:
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         return self.runner.execute(output)
+
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        return self.runner.launch(output)
+
+    def collect(self, launched: LaunchedStep) -> ModelOutput:
+        return self.runner.collect(launched)
 
     def shutdown(self) -> None:
         pass
@@ -93,6 +100,14 @@ class HeadExecutor:
                 raise self._fail(exc) from exc  # mid-step: their collectives are out of step for good
             self._last_frame = time.monotonic()
         return replace(result, message_bytes=HEADER_BYTES + len(payload))
+
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        """The ranks run a step in lockstep: it is done once launched (no async scheduling here)."""
+        result = self.execute(output)
+        return LaunchedStep(result.timings, done=result)
+
+    def collect(self, launched: LaunchedStep) -> ModelOutput:
+        return launched.done
 
     def _beat(self) -> None:
         interval = self.state.timeout / 4

@@ -29,6 +29,12 @@ class SlotState:
     generator: torch.Generator | None = None
     stop_ids: tuple[int, ...] = ()  # masked while fewer than sampling_params.min_tokens are out
     grammar: RowGrammar | None = None  # the matcher of structured_outputs
+    num_pending: int = 0  # tokens sampled by launched steps, not yet read back into output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far, those still on their way from the device too."""
+        return len(self.output_token_ids) + self.num_pending
 
     def reseed(self) -> None:
         """Derive this step's random stream from (seed, number of tokens generated so far).
@@ -38,7 +44,7 @@ class SlotState:
         resumed after preemption continues the stream it would have had.
         """
         if self.generator is not None:
-            seed = (self.sampling_params.seed + _SEED_STRIDE * len(self.output_token_ids)) % (2**63)
+            seed = (self.sampling_params.seed + _SEED_STRIDE * self.num_output_tokens) % (2**63)
             self.generator.manual_seed(seed)
 
 

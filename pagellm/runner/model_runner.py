@@ -2,30 +2,34 @@
 
 The one blocking host read of a step is the sampled ids (and their logprobs
 when asked), copied back as a HostRead; everything before it is queued work,
-host values reaching the device through core/transfers.py without a sync. A step
+host values reaching the device through core/transfers.py without a sync.
+launch() queues a step and collect() waits for its tokens (runner/sampled_tokens.py):
+between the two the engine may launch the next step (async scheduling). A step
 with prompt_logprobs rows reads those back once more (runner/prompt_logprobs.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
 import torch
 
-from pagellm.core.types import ModelOutput, SchedulerOutput, StepTimings, TokenLogprobs
+from pagellm.core.types import PLACEHOLDER, ModelOutput, SchedulerOutput, StepTimings
 from pagellm.core.attention_metadata import AttentionMetadata
-from pagellm.core.transfers import HostRead, to_device
+from pagellm.core.transfers import to_device
 from pagellm.config import KernelConfig
 from pagellm.kernels import native
 from pagellm.models.bound_layers import LayerPlan, PlanSettings, activation_dtype, plan_model
 from pagellm.runner.decode_graphs import CudaGraphRecorder, DecodeGraphs, default_buckets
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
-from pagellm.runner.grammar import GrammarError, Grammars, accept_sampled
+from pagellm.runner.grammar import Grammars
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_prompt_rows
-from pagellm.runner.sampler import Sampler, SamplerOutput
+from pagellm.runner.sampled_tokens import LaunchedStep, SampledTokens, hand_out
+from pagellm.runner.sampler import Sampler
 
 logger = logging.getLogger("pagellm.runner")
 
@@ -84,6 +88,8 @@ class ModelRunner:
         # the CPU kernels' level (checked at start by kernels/selection.py): every module's, bound by the plan
         self.kernel_level = native.level_of(kernels) if device.type == "cpu" else None
         self.sampler = Sampler(kernel_level=self.kernel_level)
+        # the last launched step's sampled ids [B] (on the device) and each sampling request's row in them
+        self._last_samples: tuple[torch.Tensor, dict[str, int]] = (torch.empty(0, dtype=torch.int64), {})
         for layer in model.attention_layers():
             # torch.empty reserves address space only: pages become resident as blocks are written.
             shape = (num_blocks + (1 if decode_buckets else 0), block_size, layer.num_kv_heads, layer.head_dim)
@@ -117,8 +123,14 @@ class ModelRunner:
     def _bound_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model(input_ids, positions, meta, plan=self.plan.bound)
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
+        """Run one step and return its tokens (launch, then collect)."""
+        return self.collect(self.launch(output))
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        """Queue the step on the device, its sampled ids' copy to the host started; waits for nothing (a
+        prompt-logprob read aside). A PLACEHOLDER token is the last launched step's sample for its request."""
         t0 = time.perf_counter()
         states = self.input_batch.apply(output.released_request_ids, output.scheduled)
         reused = False
@@ -132,6 +144,7 @@ class ModelRunner:
             host_lists = self._gather_inputs(output, states)
             t_copy = time.perf_counter()
             input_ids, positions, meta, logits_rows = self._build_input_tensors(*host_lists)
+        self._fill_placeholders(output.scheduled, input_ids)
         t1 = time.perf_counter()
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
         self._restore_snapshots(output)
@@ -143,39 +156,44 @@ class ModelRunner:
         if not self.samples:  # a tensor-parallel worker: only its share of a vocab-parallel LM head
             self._join_logits_gathers(output, hidden, logits_rows)
             timings = StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, 0, reused, replayed)
-            return ModelOutput((), (), timings=timings)
+            return LaunchedStep(timings, done=ModelOutput((), (), timings=timings))
         # Requests that asked for prompt_logprobs: their chunks' prompt rows (never in a pure decode step).
         prompt_logprobs = score_prompt_rows(self.compute_logits, hidden, output.scheduled, states)
         prompt_syncs = 1 if prompt_logprobs else 0
         sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
         if not sampled:
             timings = StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, prompt_syncs, reused, replayed)
-            return ModelOutput((), (), prompt_logprobs=prompt_logprobs, timings=timings)
+            return LaunchedStep(timings, done=ModelOutput((), (), prompt_logprobs=prompt_logprobs, timings=timings))
         logits = self.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
         t2 = time.perf_counter()
         for state in sampled:
             state.reseed()
+            state.num_pending += 1
         result = self.sampler(logits, sampled, overwrite=True)
-        token_ids, logprobs = self._read_back(result, sampled)  # the step's one host sync (or its second)
-        t3 = time.perf_counter()
-        failed = []
-        for state, token in zip(sampled, token_ids):
-            state.output_token_ids.append(token)
-            if state.grammar is not None:
-                try:
-                    accept_sampled(state.request_id, state.grammar, token)
-                except GrammarError as exc:  # this row alone: the others' tokens stand
-                    failed.append((state.request_id, str(exc)))
-        timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, (t3 - t2) * 1e3, 1 + prompt_syncs, reused,
-                              replayed)
-        if failed:
-            bad = {rid for rid, _ in failed}
-            kept = [(s.request_id, t, lp) for s, t, lp in zip(sampled, token_ids, logprobs or [None] * len(sampled))
-                    if s.request_id not in bad]
-            ids, tokens, entries = (tuple(x) for x in zip(*kept)) if kept else ((), (), ())
-            return ModelOutput(ids, tokens, entries if logprobs else None, prompt_logprobs, tuple(failed), timings)
-        return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs, prompt_logprobs,
-                           timings=timings)
+        self._last_samples = result.token_ids, {s.request_id: row for row, s in enumerate(sampled)}
+        timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, _ms_since(t2), 1 + prompt_syncs, reused, replayed)
+        return LaunchedStep(timings, sampled=sampled, tokens=SampledTokens(result), prompt_logprobs=prompt_logprobs)
+
+    def collect(self, step: LaunchedStep) -> ModelOutput:
+        """Wait for a launched step's tokens (the step's one blocking wait) and hand them to their slots."""
+        if step.done is not None:
+            return step.done
+        t0 = time.perf_counter()
+        token_ids, logprobs = step.tokens.read(step.sampled)
+        timings = dataclasses.replace(step.timings, sample_ms=step.timings.sample_ms + _ms_since(t0))
+        return hand_out(step, token_ids, logprobs, timings)
+
+    def _fill_placeholders(self, items, input_ids: torch.Tensor) -> None:
+        """input_ids [T]: each PLACEHOLDER replaced, on the device, by its request's sample of the last launch."""
+        targets, sources, offset = [], [], 0
+        for item in items:
+            if item.token_ids[-1] == PLACEHOLDER:  # only ever a decode's one token (the scheduler's rule)
+                targets.append(offset + len(item.token_ids) - 1)
+                sources.append(self._last_samples[1][item.request_id])
+            offset += len(item.token_ids)
+        if targets:
+            samples = self._last_samples[0].index_select(0, to_device(sources, torch.int64, self.device))
+            input_ids.index_copy_(0, to_device(targets, torch.int64, self.device), samples)
 
     def replan(self) -> LayerPlan:
         """Choose how the layers run (at start, or again after a layer changed), log it and keep it."""
@@ -236,27 +254,6 @@ class ModelRunner:
         pos = to_device(positions, torch.int64, self.device)
         rows = to_device(logits_rows, torch.int64, self.device)
         return input_ids, pos, meta, rows
-
-    @staticmethod
-    def _read_back(result: SamplerOutput, rows: list[SlotState]):
-        if result.logprobs is None:
-            return HostRead(result.token_ids).tolist(), None
-        lp = result.logprobs
-        packed = torch.cat([result.token_ids[:, None].float(), lp.sampled_logprobs[:, None],
-                            lp.sampled_ranks[:, None].float(), lp.top_ids.float(), lp.top_logprobs], dim=1)
-        data = HostRead(packed).tolist()  # one read for ids and logprobs together
-        k = lp.top_ids.shape[1]
-        token_ids, entries = [], []
-        for row, state in zip(data, rows):
-            token = int(row[0])
-            token_ids.append(token)
-            n = state.sampling_params.logprobs
-            if n is None:
-                entries.append(None)
-                continue
-            top = tuple((int(i), v) for i, v in zip(row[3 : 3 + n], row[3 + k : 3 + k + n]))
-            entries.append(TokenLogprobs(token, row[1], int(row[2]), top))
-        return token_ids, tuple(entries)
 
 
 def _ms_since(start: float) -> float:

@@ -49,6 +49,12 @@ class SamplingRow(Protocol):
     def output_token_ids(self) -> Sequence[int]: ...
 
     @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far (with those of a launched step not yet read back, which output_token_ids
+        lacks: penalties, which read the ids, never run with such a step in flight)."""
+        ...
+
+    @property
     def generator(self) -> torch.Generator | None:
         """Set by the runner's input batch iff sampling_params.seed is not None, on the logits' device."""
         ...
@@ -188,7 +194,7 @@ def apply_logit_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[Samplin
         params = row.sampling_params
         for token, bias in params.logit_bias or ():
             bias_rows.append(i), bias_ids.append(token), biases.append(bias)
-        if len(row.output_token_ids) < params.min_tokens:
+        if row.num_output_tokens < params.min_tokens:
             ban_rows.extend([i] * len(row.stop_ids)), ban_ids.extend(row.stop_ids)
     device = logits.device
     if biases:  # one indexed add for every row's bias (a bias dict names each token once)

@@ -38,6 +38,8 @@ _COUNTERS = (
      "step_reuse_hits"),
     ("step_reuse_misses", "Pure-decode steps whose inputs were rebuilt.", "step_reuse_misses"),
     ("decode_graph_replays", "Pure-decode steps whose forward replayed a CUDA graph.", "decode_graph_replays"),
+    ("steps_launched_ahead", "Steps launched while the previous one still ran (async scheduling).",
+     "steps_launched_ahead"),
 )
 _GAUGES = (
     ("num_requests_running", "Requests running (holding KV blocks and a slot).", "num_requests_running"),

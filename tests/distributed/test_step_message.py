@@ -60,15 +60,15 @@ def test_a_worker_runner_fed_decoded_messages_reuses_steps_like_the_head(checkpo
                          engine.kv_cache.pool.num_blocks, 16, config.scheduler.max_num_seqs, engine.kv_cache_dtype,
                          engine.device, samples=False)
     head_reused, worker_reused = [], []
-    run_step = engine.executor.execute
+    launch = engine.executor.launch
 
     def mirrored(output):
-        result = run_step(output)
-        head_reused.append(result.timings.reused_step)
+        launched = launch(output)
+        head_reused.append(launched.timings.reused_step)
         worker_reused.append(worker.execute(decode_step(encode_step(output))).timings.reused_step)
-        return result
+        return launched
 
-    engine.executor.execute = mirrored
+    engine.executor.launch = mirrored
     for i, n in enumerate((6, 9, 12)):
         engine.add_request(list(range(3 + i, 30 + i)), SamplingParams(max_tokens=n, temperature=0.0))
     while engine.has_unfinished_requests():

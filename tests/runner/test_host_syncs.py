@@ -36,32 +36,46 @@ class _HostWaits(TorchFunctionMode):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     write_tiny_checkpoint("llama", path)
-    with LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01) as llm:
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    with LLM(str(checkpoint), skip_tokenizer_init=True, kv_cache_memory=0.01) as llm:
         yield llm.engine
 
 
 def _steps(engine, params: list[SamplingParams]) -> list[tuple[int, _HostWaits, int]]:
-    """(prefill tokens, what the step waited on, the host syncs it reported) of every step of `params`' requests."""
-    runner, seen = engine.runner, []
-    execute = runner.execute
+    """(prefill tokens, what the step waited on, the host syncs it reported) of every step of `params`' requests:
+    its launch and its collect together."""
+    runner, seen, launched = engine.runner, [], {}
+    launch, collect = runner.launch, runner.collect
 
-    def counted(output):
-        with _HostWaits() as waits:
-            result = execute(output)
+    def counted_launch(output):
+        waits = _HostWaits()
+        with waits:
+            step = launch(output)
+        launched[id(step)] = (output, waits)
+        return step
+
+    def counted_collect(step):
+        output, waits = launched.pop(id(step))
+        with waits:
+            result = collect(step)
         seen.append((output.num_prefill_tokens, waits, result.timings.host_syncs))
         return result
 
-    runner.execute = counted
+    runner.launch, runner.collect = counted_launch, counted_collect
     try:
         for i, p in enumerate(params):
             engine.add_request([5 + i, 6, 7, 8], p)
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        del runner.execute
+        del runner.launch, runner.collect
     return seen
 
 
@@ -88,3 +102,12 @@ def test_prompt_logprobs_are_a_second_read_and_reported(engine):
     prefill, waits, reported = steps[0]
     assert prefill > 0 and waits.blocking_copies == []
     assert len(waits.reads) == reported == 2
+
+
+def test_steps_launched_ahead_fill_their_tokens_on_the_device(checkpoint):
+    """Async scheduling: a decode fed the previous step's token takes it on the device, with no read."""
+    with LLM(str(checkpoint), skip_tokenizer_init=True, kv_cache_memory=0.01, async_scheduling=True) as llm:
+        steps = _steps(llm.engine, [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 2)
+        assert llm.stats()["steps_launched_ahead"] >= 5
+    for prefill, waits, reported in steps:
+        assert waits.blocking_copies == [] and waits.reads == ["tolist"] and reported == 1, (prefill, waits.reads)

@@ -28,6 +28,10 @@ class Row:
     stop_ids: tuple[int, ...] = ()
     grammar: object | None = None
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
     def __post_init__(self):
         # As the engine does: a generator iff the request has a seed.
         if self.sampling_params.seed is not None:

@@ -59,15 +59,15 @@ def test_a_step_that_one_request_breaks_fails_that_request_alone(served):
     with ThreadPoolExecutor(4) as pool:
         expected = [r.json()["choices"][0]["text"] for r in pool.map(lambda p: complete(client, p), PROMPTS)]
     engine = async_engine._engine  # faults injected into the engine itself, behind AsyncEngine
-    execute = engine.executor.execute
+    launch = engine.executor.launch
 
     def faulty(output):  # injected: any step holding the poisoned prompt's request fails
         if any(item.request_id in poisoned for item in output.scheduled):
             raise RuntimeError("injected fault")
-        return execute(output)
+        return launch(output)
 
     poisoned = set()
-    engine.executor.execute = faulty
+    engine.executor.launch = faulty
     try:
         tokens = client.post("/tokenize", json={"prompt": "POISON"}).json()["tokens"]
         original_add = engine.add_request
@@ -81,7 +81,7 @@ def test_a_step_that_one_request_breaks_fails_that_request_alone(served):
         with ThreadPoolExecutor(5) as pool:
             results = list(pool.map(lambda p: complete(client, p), [*PROMPTS[:2], "POISON", *PROMPTS[2:]]))
     finally:
-        engine.executor.execute = execute
+        engine.executor.launch = launch
         del engine.add_request
     bad = results.pop(2)
     assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"], bad.text
