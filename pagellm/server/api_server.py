@@ -308,7 +308,7 @@ async def _collect(request: Request, stream: RequestStream, formatter, prompt_le
     except EngineDeadError as exc:
         raise APIError(str(exc), status=503) from None
     except RequestFailedError as exc:  # this request alone; the server goes on
-        raise APIError(str(exc), status=500) from None
+        raise APIError(str(exc), status=exc.status) from None
     finally:
         watcher.cancel()
         stream.abort()
@@ -358,7 +358,7 @@ async def _sse(stream: RequestStream, formatter, prompt_lens: list[int], n: int,
     except EngineDeadError as exc:
         yield _event(error_body(str(exc), "service_unavailable_error"))
     except RequestFailedError as exc:
-        yield _event(error_body(str(exc), "internal_server_error"))
+        yield _event(error_body(str(exc), APIError(str(exc), status=exc.status).kind))
     finally:
         stream.abort()
     yield "data: [DONE]\n\n"

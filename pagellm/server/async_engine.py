@@ -24,6 +24,8 @@ import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from pagellm.config import EngineConfig
 from pagellm.distributed.parallel_state import DistributedError
 from pagellm.engine_errors import StepError
@@ -42,7 +44,12 @@ class EngineDeadError(Exception):
 
 
 class RequestFailedError(Exception):
-    """This request alone failed inside the engine (the others go on); HTTP 500 with the cause."""
+    """This request alone failed inside the engine (the others go on): HTTP 500 with the cause, or 503 when the
+    device ran out of memory running it (worth retrying later, or smaller)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 _CLOSED = object()  # queue item: the stream was aborted
@@ -129,6 +136,7 @@ class AsyncEngine:
         self._counts = collections.Counter()  # engine-thread-only counters beyond engine.stats()
         self._ready = threading.Event()
         self._died: BaseException | None = None  # why the engine thread ended on an error
+        self._out_of_memory: set[str] = set()  # requests failed because the device ran out of memory (503)
         self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
 
     # ---- event-loop side ----------------------------------------------------------------------
@@ -238,6 +246,9 @@ class AsyncEngine:
             served = ServedModel(str(engine.model_path), engine.max_model_len, engine.hf_config.vocab_size,
                                  tokenizer, max_chars)
         except BaseException as exc:  # noqa: BLE001 - reported by /health and the log, not raised
+            if isinstance(exc, torch.OutOfMemoryError):
+                exc = MemoryError(f"the model does not fit in the device's memory ({exc}); a smaller model, "
+                                  "--max-model-len, --kv-cache-memory or --gpu-memory-utilization may")
             self.load_error = exc
             logger.error("model load failed: %s", exc)
             self._ready.set()
@@ -299,6 +310,8 @@ class AsyncEngine:
         logger.error("engine step failed; isolating the request that fails it:\n%s",
                      "".join(traceback.format_exception(error.cause)))
         suspects = [rid for rid in error.request_ids if rid in self._tracked]
+        if isinstance(error.cause, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the failed step's cached blocks back to the device: the halves may fit
         try:
             while len(suspects) > 1:
                 half, rest = suspects[:len(suspects) // 2], suspects[len(suspects) // 2:]
@@ -312,9 +325,13 @@ class AsyncEngine:
                     suspects = [rid for rid in rest if rid in self._tracked]
         finally:
             engine.hold(())
+        why = f"internal error while generating: {type(error.cause).__name__}: {error.cause}"
+        if isinstance(error.cause, torch.OutOfMemoryError):  # the request alone still does not fit
+            why = (f"the device ran out of memory running this request ({error.cause}); retry later, or with a "
+                   "shorter prompt or fewer tokens")
+            self._out_of_memory.update(suspects)
         for rid in suspects:
-            self._deliver([engine.fail_request(rid, f"internal error while generating: "
-                                                    f"{type(error.cause).__name__}: {error.cause}")])
+            self._deliver([engine.fail_request(rid, why)])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -340,7 +357,9 @@ class AsyncEngine:
                     metrics.e2e_request_latency.observe(now - tracked.arrival)
             if output.error is not None:
                 self._counts["num_requests_failed"] += 1
-                tracked.stream.put_threadsafe(RequestFailedError(output.error))
+                status = 503 if output.request_id in self._out_of_memory else 500
+                self._out_of_memory.discard(output.request_id)
+                tracked.stream.put_threadsafe(RequestFailedError(output.error, status))
                 continue
             tracked.stream.put_threadsafe((tracked.index, output))
 

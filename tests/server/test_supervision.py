@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from pagellm.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
@@ -54,7 +55,13 @@ def served():
     client.__exit__(None, None, None)
 
 
-def test_a_step_that_one_request_breaks_fails_that_request_alone(served):
+@pytest.mark.parametrize("fault, status, said", [
+    (RuntimeError("injected fault"), 500, "injected fault"),
+    (torch.OutOfMemoryError("CUDA out of memory (injected)"), 503, "the device ran out of memory"),
+], ids=["error", "out-of-memory"])
+def test_a_step_that_one_request_breaks_fails_that_request_alone(served, fault, status, said):
+    """The failing request alone gets an error (a device out of memory: 503, worth a retry), the others their
+    text, and the server goes on."""
     client, async_engine = served
     with ThreadPoolExecutor(4) as pool:
         expected = [r.json()["choices"][0]["text"] for r in pool.map(lambda p: complete(client, p), PROMPTS)]
@@ -63,7 +70,7 @@ def test_a_step_that_one_request_breaks_fails_that_request_alone(served):
 
     def faulty(output):  # injected: any step holding the poisoned prompt's request fails
         if any(item.request_id in poisoned for item in output.scheduled):
-            raise RuntimeError("injected fault")
+            raise fault
         return launch(output)
 
     poisoned = set()
@@ -84,13 +91,13 @@ def test_a_step_that_one_request_breaks_fails_that_request_alone(served):
         engine.executor.launch = launch
         del engine.add_request
     bad = results.pop(2)
-    assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"], bad.text
+    assert bad.status_code == status and said in bad.json()["error"]["message"], bad.text
     assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
     assert [r.json()["choices"][0]["text"] for r in results] == expected  # untouched by the isolation
     assert client.get("/health").status_code == 200
     assert complete(client, PROMPTS[0]).json()["choices"][0]["text"] == expected[0]
     stats = async_engine.stats()
-    assert stats["engine_step_failures"] >= 1 and stats["num_requests_failed"] == 1
+    assert stats["engine_step_failures"] >= 1 and stats["num_requests_failed"] >= 1
 
 
 def test_an_error_in_delivery_ends_the_engine_and_everything_answers_503_at_once():
@@ -125,3 +132,22 @@ def test_an_error_in_delivery_ends_the_engine_and_everything_answers_503_at_once
         assert submitted == [] and list(async_engine._inbox) == inbox
     finally:
         client.__exit__(None, None, None)
+
+
+def test_a_model_too_large_for_the_device_says_so_on_health(monkeypatch):
+    """Out of device memory while loading: /health answers 503 naming memory and what to lower."""
+    import pagellm.engine
+
+    def too_large(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    monkeypatch.setattr(pagellm.engine, "LLMEngine", too_large)
+    app = build_app(CONFIG, ServerConfig())
+    with TestClient(app) as client:
+        deadline = time.monotonic() + HANG_GUARD
+        while (health := client.get("/health")).status_code == 503 and "loading" in health.text:
+            assert time.monotonic() < deadline, "the load never ended"
+            time.sleep(0.05)
+        message = health.json()["error"]["message"]
+    assert health.status_code == 503 and "does not fit in the device's memory" in message
+    assert "--max-model-len" in message and "Tried to allocate 2.00 GiB" in message
