@@ -66,18 +66,20 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
                  quantization: str = "auto",
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  parallel: ParallelConfig | None = None, cpu_isa: str | None = None,
-                 with_tokenizer: bool = False, device: str = "cpu", load_format: str = "auto") -> LLMEngine:
+                 with_tokenizer: bool = False, device: str = "cpu", load_format: str = "auto",
+                 enforce_eager: bool | None = None, async_scheduling: bool = False) -> LLMEngine:
     """An engine that holds `max_batch` sequences at once; no tokenizer (benches feed token ids) unless
     grammars need its vocabulary; its max_model_len is what the longest sequence needs, so a KV budget sized for
     the bench's sequences holds one)."""
     batched_tokens = max_num_batched_tokens or max(max_batch * max_prompt, 64)
     config = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, quantization=quantization, device=device,
-                          load_format=load_format, max_model_len=max(max_prompt + max_new, 32) + 1),  # 32: warm_up's
+                          load_format=load_format, max_model_len=max(max_prompt + max_new, 32) + 1,  # 32: warm_up's
+                          enforce_eager=enforce_eager),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=batched_tokens,
-                                  n_ubatch=min(64, batched_tokens)),
+                                  n_ubatch=min(64, batched_tokens), async_scheduling=async_scheduling),
         parallel=parallel or ParallelConfig(),
         kernels=KernelConfig() if cpu_isa is None else KernelConfig(cpu_isa=cpu_isa),
     )

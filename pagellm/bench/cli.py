@@ -97,6 +97,10 @@ def add_bench_parser(subparsers) -> None:
                        help="compute dtype (default auto: bfloat16 on CUDA)")
     check.add_argument("--kv-cache-memory", type=float, default=None, help="pagellm KV budget in GiB")
     check.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    check.add_argument("--serve-prompts", type=int, default=None,
+                       help="requests of the serving run of each step mode, embedded model (default 32 on CUDA, "
+                            "0 = none elsewhere)")
+    check.add_argument("--serve-rate", type=float, default=8.0, help="their Poisson arrival rate, req/s (default 8)")
     add_output_arguments(check, "device-check", "write checks and rows to FILE.json")
     check.set_defaults(func=_run_device_check)
 

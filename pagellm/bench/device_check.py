@@ -10,7 +10,10 @@ GPU time comes in minutes, so everything a device session must learn is one comm
        against the torch ops in bf16 (CUDA only);
     3. speed: llama-batched-bench rows (S_PP, S_TG) at real shapes built with --load-format dummy (no download),
        for pagellm and HF generate on the same weights (dynamic cache, and static cache, which transformers
-       compiles itself), engines alternating.
+       compiles itself), engines alternating;
+    4. step modes (bench/device_steps.py): decode CUDA graphs and async scheduling, their greedy ids against
+       eager's, the syncs per step, their rows at every shape, and a short serving run of each (on a CPU: async
+       scheduling alone, and no serving run unless --serve-prompts asks).
 
     pagellm bench device-check --device cuda --shapes 1b,8b --npl 1,16,64 --pp 512 --tg 64 --kv-cache-memory 8 \
         --out gpu.json
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pagellm.bench import batched, peers, report
+from pagellm.bench import batched, device_steps, peers, report
 from pagellm.bench.report import Column
 from pagellm.config import KernelConfig
 from pagellm.kernels.selection import select_kernels
@@ -45,7 +48,8 @@ SHAPES = {
                num_key_value_heads=8, vocab_size=32000),
 }
 COLUMNS = [Column("shape", "shape"), Column("B", "B"), Column("engine", "engine"),
-           Column("S_PP", "S_PP t/s", "{:.1f}"), Column("S_TG", "S_TG t/s", "{:.1f}")]
+           Column("S_PP", "S_PP t/s", "{:.1f}"), Column("S_TG", "S_TG t/s", "{:.1f}"),
+           Column("graph_replay_rate", "graph replays", "{:.2f}")]
 
 
 def write_shape(name: str, directory: Path) -> Path:
@@ -236,19 +240,30 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         result["checks"] = {"parity": parity(args.device, Path(tmp) / "parity"), "attention": attention(args.device),
                             "layer_ops": layer_ops(args.device)}
+        result["checks"]["step_modes"] = device_steps.same_ids(args.device, Path(tmp) / "parity" / "weights")
         print(f"parity (tiny Llama, pagellm vs HF fp32 on {args.device}): {result['checks']['parity']}")
         print(f"attention (Triton vs reference): {result['checks']['attention']}")
         print(f"layer ops (Triton vs torch, bf16): {result['checks']['layer_ops']}")
+        print(f"step modes (greedy ids against eager): {result['checks']['step_modes']}")
         for shape in args.shapes:
             try:
                 result["rows"] += speed(args, shape, Path(tmp) / shape)
+                result["rows"] += device_steps.speed_rows(args, shape, Path(tmp) / shape,
+                                                          args.kv_cache_memory or kv_gib(shape, args))
             except Exception as e:  # noqa: BLE001 - one shape's failure (memory, say) must not lose the others
                 result["errors"][shape] = f"{type(e).__name__}: {e}"
                 print(f"{shape}: not measured: {result['errors'][shape]}", file=sys.stderr)
             if args.out:  # after every shape: a later failure leaves what was measured
                 report.write_json(args.out, result)
+        serve_prompts = args.serve_prompts if args.serve_prompts is not None else 32 * ("cuda" in args.device)
+        if serve_prompts:
+            args.serve_prompts = serve_prompts
+            result["serving"] = device_steps.serving(args)
+            if args.out:
+                report.write_json(args.out, result)
     print(report.format_table(result["rows"], COLUMNS))
     checks = result["checks"]
-    failed = not checks["parity"]["ok"] or any(not r.get("ok", True) for check in ("attention", "layer_ops")
+    failed = not checks["parity"]["ok"] or any(not r.get("ok", True) for check in ("attention", "layer_ops",
+                                                                                    "step_modes")
                                               for r in checks[check].values() if isinstance(r, dict))
     return 1 if failed or result["errors"] else 0

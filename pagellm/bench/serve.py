@@ -196,6 +196,7 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
         "preemptions": after["num_preemptions"] - before.get("num_preemptions", 0) if known else None,
         "host_ms_per_step": host_ms / steps if known and steps else None,
         "step_reuse_rate": delta("step_reuse_hits") / decode_steps if known and decode_steps else None,
+        "decode_graph_replay_rate": delta("decode_graph_replays") / decode_steps if known and decode_steps else None,
     }
     for name, values in (("ttft_ms", [r.ttft for r in done]), ("tpot_ms", tpots),
                          ("itl_ms", [x for r in done for x in r.itls]), ("e2e_ms", [r.e2e for r in done])):

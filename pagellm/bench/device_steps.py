@@ -1,0 +1,155 @@
+"""The device check's step modes: decode CUDA graphs and async scheduling, against the eager engine.
+
+    ids        the tiny parity model (fp32), requests arriving and finishing at different steps: each mode's greedy
+               ids against eager's, its graph replays and steps launched ahead, and on CUDA the syncs torch's
+               sync debug mode flags per decode step (the target is none inside a step)
+    speed      llama-batched-bench rows of each mode at the real shapes, one engine at a time (a mode is a start
+               option: graphs are captured at load), named pagellm-<mode> beside the eager rows
+    serving    `pagellm bench serve`'s client against `pagellm serve` on the device, eager and each mode
+
+Graphs exist only on CUDA: on a CPU the rehearsal runs async scheduling alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import random
+import statistics
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from pagellm.bench import batched
+
+MODES = {"graphs": {"enforce_eager": False}, "async": {"async_scheduling": True},
+         "graphs-async": {"enforce_eager": False, "async_scheduling": True}}
+SERVE_FLAGS = {"graphs": ["--no-enforce-eager"], "async": ["--async-scheduling"],
+               "graphs-async": ["--no-enforce-eager", "--async-scheduling"]}
+
+
+def modes_for(device: str) -> list[str]:
+    return list(MODES) if torch.device(device).type == "cuda" else ["async"]
+
+
+def same_ids(device: str, weights: Path) -> dict:
+    """Each mode's greedy ids against eager's on the same weights, and what the mode did."""
+    from pagellm import LLM, SamplingParams
+
+    script = {0: [[5, 6, 7], [8, 9], [10, 11, 12, 13]], 3: [[14] * 20, [5, 6, 7, 1]]}
+    lengths = iter((9, 4, 12, 6, 7))
+    params = {tuple(p): SamplingParams(max_tokens=next(lengths), temperature=0.0, ignore_eos=True)
+              for step in script.values() for p in step}
+    results = {}
+    for mode in ["eager", *modes_for(device)]:
+        with LLM(str(weights), skip_tokenizer_init=True, device=device, dtype="float32", kv_cache_memory=0.05,
+                 max_num_seqs=8, **MODES.get(mode, {})) as llm:
+            engine, prompts, finished, step = llm.engine, {}, {}, 0
+            with _flagged_syncs(device) as flagged:
+                while step <= max(script) or engine.has_unfinished_requests():
+                    for prompt in script.get(step, ()):
+                        prompts[engine.add_request(prompt, params[tuple(prompt)])] = tuple(prompt)
+                    for out in engine.step():
+                        if out.finished:
+                            finished[prompts[out.request_id]] = out.outputs[0].token_ids
+                    step += 1
+            stats = llm.stats()
+        decode_steps = stats["step_reuse_hits"] + stats["step_reuse_misses"]
+        results[mode] = {"ids": finished, "graph_replays": stats["decode_graph_replays"],
+                         "steps_launched_ahead": stats["steps_launched_ahead"], "decode_steps": decode_steps,
+                         "flagged_syncs_per_step": flagged.count / max(stats["num_steps"], 1)
+                         if flagged.count is not None else None}
+    eager = results.pop("eager")
+    checks = {mode: {**{k: v for k, v in r.items() if k != "ids"}, "ids_equal": r["ids"] == eager["ids"],
+                     "ok": r["ids"] == eager["ids"]} for mode, r in results.items()}
+    checks["eager"] = {"flagged_syncs_per_step": eager["flagged_syncs_per_step"], "ok": True}
+    return checks
+
+
+class _flagged_syncs:
+    """On CUDA, the host syncs torch's sync debug mode warns about while the block runs (count); else None."""
+
+    def __init__(self, device: str):
+        self.cuda, self.count = torch.device(device).type == "cuda", None
+
+    def __enter__(self):
+        if self.cuda:
+            self._caught = warnings.catch_warnings(record=True)
+            self._records = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            self._caught.__exit__(*exc)
+            self.count = sum("synchroniz" in str(w.message) for w in self._records)
+
+
+def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: float) -> list[dict]:
+    """llama-batched-bench rows of each step mode at `shape`, engine after engine (medians of --repeats)."""
+    rows = []
+    for mode in modes_for(args.device):
+        engine = batched.build_engine(str(config_dir), args.dtype, max(args.npl), args.pp, args.tg,
+                                      kv_cache_memory=kv_gib, device=args.device, load_format="dummy",
+                                      **MODES[mode])
+        try:
+            rng, vocab = random.Random(args.seed), engine.hf_config.vocab_size
+            for b in args.npl:  # warm-up at every measured shape
+                batched.timed_run(engine, batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)
+            for b in args.npl:
+                figures, before = [], dict(engine.stats())
+                for _ in range(args.repeats):
+                    prompts = batched.random_prompts(rng, b, args.pp, vocab, False)
+                    figures.append(batched.batched_row(args.pp, args.tg, b, *batched.timed_run(engine, prompts,
+                                                                                               args.tg)))
+                after = engine.stats()
+                decode_steps = sum(after[k] - before[k] for k in ("step_reuse_hits", "step_reuse_misses"))
+                row = {"shape": shape, "B": b, "engine": f"pagellm-{mode}", "PP": args.pp, "TG": args.tg,
+                       **{k: statistics.median(r[k] for r in figures) for k in ("S_PP", "S_TG")},
+                       "graph_replay_rate": (after["decode_graph_replays"] - before["decode_graph_replays"])
+                       / max(decode_steps, 1)}
+                print(f"  {shape} B={b} pagellm-{mode}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}",
+                      file=sys.stderr)
+                rows.append(row)
+        finally:
+            engine.shutdown()
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def serving(args: argparse.Namespace) -> dict:
+    """A short `bench serve` run (streaming clients, Poisson arrivals) against `pagellm serve` on the device with
+    the embedded model, eager and each mode: throughput, TTFT and what the server counted."""
+    from pagellm.bench import serve
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the results
+    tokenizer = serve.client_tokenizer(None)
+    options = SimpleNamespace(workload="text", text=None, num_prompts=args.serve_prompts, shared_prefix_len=64,
+                              seed=args.seed, request_rate=args.serve_rate, output_len=args.tg, concurrency=None)
+    prompts = serve.workload_prompts(options, tokenizer)
+    results = {}
+    for mode in ["eager", *modes_for(args.device)]:
+        server = serve.pagellm_server(["--device", args.device, "--max-num-seqs", "16", *SERVE_FLAGS.get(mode, [])])
+        try:
+            server.start()
+            summary, runs, _ = serve.run(server.url, options, {}, tokenizer, prompts)
+        except Exception as e:  # noqa: BLE001 - one mode's failure must not lose the others
+            results[mode] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        finally:
+            server.stop()
+        results[mode] = {k: summary.get(k) for k in ("completed", "failed", "output_token_throughput",
+                                                     "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                                                     "prefix_cache_hit_ratio", "host_ms_per_step",
+                                                     "decode_graph_replay_rate")}
+        print(f"  serving {mode}: {results[mode]}", file=sys.stderr)
+    return results
