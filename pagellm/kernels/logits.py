@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.core.transfers import to_device
+
 from pagellm.kernels import native
 from pagellm.kernels.binding import FLOATS, DtypeCode, Float, Function, Int, Tensor
 
@@ -107,5 +109,5 @@ def _mask_rows_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int
     V = logits.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :V].bool().to(logits.device)
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    index = to_device(rows, torch.int64, logits.device)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))

@@ -42,6 +42,7 @@ from pagellm.kernels import gated_delta_native
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.kernels.gated_delta import chunked_gated_delta, gated_delta_step_, prepare_qk, recurrent_gated_delta_
 from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.core.transfers import to_device
 
 # Prefill runs the recurrent form below this many tokens and the chunked form
 # (64-token chunks, the remainder as one shorter chunk) from it on. The recurrent step
@@ -161,7 +162,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
         if len(decode) == h.shape[0]:  # pure decode: every row, slots straight from the metadata
             core[:] = self._decode(mixed, g, beta, list(slots), meta.state_slots)
         elif decode:
-            rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=h.device)
+            rows = to_device([starts[i] for i in decode], torch.long, h.device)
             core[rows] = self._decode(mixed[rows], g[rows], beta[rows], [slots[i] for i in decode])
         writes = meta.snapshot_writes_by_request()  # {b: [(p, row), ...]}: prefix-cache snapshots
         if writes:
@@ -276,7 +277,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
         view = slice(slots[0], slots[0] + count) if _consecutive(slots) else None
         index = None
         if view is None:
-            index = slot_index if slot_index is not None else torch.tensor(slots, dtype=torch.long, device=x.device)
+            index = slot_index if slot_index is not None else to_device(slots, torch.long, x.device)
         conv = self.conv_state[view] if view is not None else self.conv_state.index_select(0, index)  # [B, C, K-1]
         window = torch.cat([conv.to(x.dtype), x[:, :, None]], dim=-1)  # [B, C, K]
         weight = self.conv1d.weight[:, 0]  # [C, K]
