@@ -49,7 +49,8 @@ SHAPES = {
 }
 COLUMNS = [Column("shape", "shape"), Column("B", "B"), Column("engine", "engine"),
            Column("S_PP", "S_PP t/s", "{:.1f}"), Column("S_TG", "S_TG t/s", "{:.1f}"),
-           Column("graph_replay_rate", "graph replays", "{:.2f}")]
+           Column("graph_replay_rate", "graph replays", "{:.2f}"),
+           Column("gpu_idle_ms_per_step", "GPU idle ms/step", "{:.2f}")]
 
 
 def write_shape(name: str, directory: Path) -> Path:
@@ -209,10 +210,13 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
                     row = batched.batched_row(args.pp, args.tg, b, *run(prompts, args.tg))
                     figures.setdefault((name, b), []).append(row)
                     print(f"  {shape} B={b} {name}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}", file=sys.stderr)
+        idle = {b: device_steps.gpu_idle_ms_per_step(engine, batched.random_prompts(rng, b, args.pp, vocab, False),
+                                                     args.tg) for b in args.npl}
     finally:
         engine.shutdown()
     return [{"shape": shape, "B": b, "engine": name, "PP": args.pp, "TG": args.tg,
-             **{k: statistics.median(r[k] for r in rows) for k in ("S_PP", "S_TG")}}
+             **{k: statistics.median(r[k] for r in rows) for k in ("S_PP", "S_TG")},
+             "gpu_idle_ms_per_step": idle[b] if name == "pagellm" else None}
             for (name, b), rows in figures.items()]
 
 

@@ -4,7 +4,8 @@
                ids against eager's, its graph replays and steps launched ahead, and on CUDA the syncs torch's
                sync debug mode flags per decode step (the target is none inside a step)
     speed      llama-batched-bench rows of each mode at the real shapes, one engine at a time (a mode is a start
-               option: graphs are captured at load), named pagellm-<mode> beside the eager rows
+               option: graphs are captured at load), named pagellm-<mode> beside the eager rows; on CUDA with the
+               device's idle time per decode step (the wall time of steady steps minus its kernels' time)
     serving    `pagellm bench serve`'s client against `pagellm serve` on the device, eager and each mode
 
 Graphs exist only on CUDA: on a CPU the rehearsal runs async scheduling alone.
@@ -18,6 +19,7 @@ import logging
 import random
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -113,7 +115,9 @@ def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: f
                 row = {"shape": shape, "B": b, "engine": f"pagellm-{mode}", "PP": args.pp, "TG": args.tg,
                        **{k: statistics.median(r[k] for r in figures) for k in ("S_PP", "S_TG")},
                        "graph_replay_rate": (after["decode_graph_replays"] - before["decode_graph_replays"])
-                       / max(decode_steps, 1)}
+                       / max(decode_steps, 1),
+                       "gpu_idle_ms_per_step": gpu_idle_ms_per_step(
+                           engine, batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)}
                 print(f"  {shape} B={b} pagellm-{mode}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}",
                       file=sys.stderr)
                 rows.append(row)
@@ -124,6 +128,33 @@ def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: f
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return rows
+
+
+def gpu_idle_ms_per_step(engine, prompts: list[list[int]], tg: int, window: int = 16) -> float | None:
+    """On CUDA: the device's idle time per decode step (wall time of `window` steady decode steps minus the time
+    its kernels ran, over the steps), from torch's profiler; None elsewhere."""
+    if engine.device.type != "cuda" or engine.has_unfinished_requests():
+        return None
+    from pagellm import SamplingParams
+
+    window = min(window, tg // 2)
+    params = SamplingParams(max_tokens=tg, temperature=0.0, ignore_eos=True)  # what the engine was sized for
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    for _ in range(tg - window - 1):  # past prefill and into steady decode, `window` steps left at least
+        engine.step()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(window):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    busy_us = sum(event.self_device_time_total for event in profile.key_averages())
+    while engine.has_unfinished_requests():
+        engine.step()
+    return max(wall_us - busy_us, 0.0) / window / 1e3
 
 
 def serving(args: argparse.Namespace) -> dict:
