@@ -57,6 +57,10 @@ class ModelConfig(_FromDict):
         "Batch sizes the decode graphs are captured at (with --no-enforce-eager): a decode step of B requests runs "
         "at the smallest size >= B, a larger one eagerly; sizes above max_num_seqs are dropped. Empty (the "
         "default): 1, 2, 4, then every 8 up to max_num_seqs, as vLLM captures.", default=())
+    cache_dir: str = _help(
+        "Where what is derived from a model file at load (its converted tokenizer) is kept, keyed by the file's "
+        "content; empty: nothing is kept. Default: $PAGELLM_CACHE_DIR, else $XDG_CACHE_HOME/pagellm, else "
+        "~/.cache/pagellm.", default_factory=lambda: _default_cache_dir())
     load_format: str = _help(
         "How weights load: auto (the default: the checkpoint's own) | dummy (random weights from the model's "
         "config, vLLM's name and meaning: to run and measure a shape without its weights; the tokenizer is "
@@ -179,6 +183,14 @@ class ParallelConfig(_FromDict):
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
         if self.master_port == 0 and not self.spawn_workers and self.tensor_parallel_size > 1:
             raise ValueError("master_port must be set when workers join from elsewhere (spawn_workers=False)")
+
+
+def _default_cache_dir() -> str:
+    """ModelConfig.cache_dir's default, read from the environment here only (then it travels in the config)."""
+    if "PAGELLM_CACHE_DIR" in os.environ:
+        return os.environ["PAGELLM_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pagellm")
 
 
 def _env_switch(name: str) -> bool:

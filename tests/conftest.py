@@ -15,3 +15,19 @@ with interpreter(not torch.cuda.is_available()):
         import triton  # noqa: F401
     except ImportError:  # e.g. PyTorch's CPU-only wheel, which does not bring triton: tests/gpu says so
         pass
+
+
+def pytest_configure(config):
+    """Converted tokenizers are kept in a cache of this run's own (loader/tokenizer_cache.py): every engine of the
+    suite shares it, and nothing is read from or left in the user's ~/.cache."""
+    import os
+    import tempfile
+
+    config._pagellm_cache = tempfile.TemporaryDirectory(prefix="pagellm-test-cache-")
+    os.environ["PAGELLM_CACHE_DIR"] = config._pagellm_cache.name
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_pagellm_cache", None)
+    if cache is not None:
+        cache.cleanup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagellm.config import ModelConfig
 from pagellm.loader.default_model import default_model_path
 from pagellm.loader.tokenizer import load_tokenizer
 from pagellm.output_processor import RequestState
@@ -16,7 +17,7 @@ TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen
 
 @pytest.fixture(scope="module")
 def gemma():
-    return load_tokenizer(default_model_path())
+    return load_tokenizer(default_model_path(), ModelConfig().cache_dir)
 
 
 def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

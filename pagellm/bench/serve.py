@@ -78,16 +78,18 @@ def text_prompts(tokenizer, text: str, n: int, shared_prefix_len: int, seed: int
 
 def client_tokenizer(path: str | None):
     """The tokenizer prompts are built and counted with: a GGUF file or HF directory (None: the embedded model)."""
+    from pagellm.config import ModelConfig
     from pagellm.loader.default_model import default_model_path
     from pagellm.loader.tokenizer import load_tokenizer
 
-    return load_tokenizer(path or default_model_path())
+    return load_tokenizer(path or default_model_path(), ModelConfig().cache_dir or None)
 
 
 def workload_prompts(args, tokenizer) -> list[str | list[int]]:
     if args.workload == "random":
         # ids a real text uses; a vocabulary that cannot spell it (a test's) gives its whole range
-        pool = sorted(set(tokenizer.encode(SEED_TEXT, add_special_tokens=False))) or list(range(tokenizer.hf_tokenizer.vocab_size))
+        pool = sorted(set(tokenizer.encode(SEED_TEXT, add_special_tokens=False)))
+        pool = pool or list(range(tokenizer.backend.get_vocab_size(with_added_tokens=False)))  # not added tokens
         return build_prompts(pool, args.num_prompts, args.input_len, args.shared_prefix_len, args.seed)
     path = Path(args.text) if args.text else DEFAULT_TEXT
     text = path.read_text() if args.text or path.is_file() else SEED_TEXT

@@ -13,7 +13,7 @@ import torch
 from pagellm.platform import DTYPES
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype
 from pagellm.loader.model_loader import load_model
-from pagellm.config import KernelConfig
+from pagellm.config import KernelConfig, ModelConfig
 from pagellm.kernels import native
 from pagellm.models.bound_layers import PlanSettings, plan_model
 from pagellm.loader.tokenizer import load_tokenizer
@@ -55,7 +55,7 @@ def load_dense_reference(path: Path, kernels: KernelConfig | None = None) -> tor
 
 def tokenize_text(path: Path, text_file: str) -> tuple[list[int], int | None]:
     """The text's token ids with the model's tokenizer, and the BOS id it put first (None when it adds none)."""
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, ModelConfig().cache_dir)
     ids = tokenizer.encode(Path(text_file).read_text())
     bos = tokenizer.bos_token_id
     return ids, (bos if bos is not None and ids[:1] == [bos] else None)

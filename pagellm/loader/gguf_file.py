@@ -78,6 +78,7 @@ class GGUFHeader:
     metadata: dict[str, Any]  # scalars, strings, and numeric arrays as lists
     array_lengths: dict[str, int]  # every array's length; string arrays' contents are not read
     tensors: tuple[GGUFTensor, ...]
+    data_start: int = 0  # bytes before the tensor data: the metadata (whole vocabularies too) and the tensor table
 
     @property
     def architecture(self) -> str:
@@ -119,7 +120,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     data_start = (pos + alignment - 1) // alignment * alignment
     tensors = tuple(_tensor_view(blob, data_start, *entry) for entry in table)
     metadata = {k: v for k, v in metadata.items() if v is not None}  # string arrays: lengths only
-    return GGUFHeader(path, metadata, lengths, tensors)
+    return GGUFHeader(path, metadata, lengths, tensors, data_start)
 
 
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:

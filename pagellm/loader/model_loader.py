@@ -86,7 +86,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                with_tokenizer: bool = True, quantization: str = "none", shard: ShardSpec | None = None,
-               kernels: KernelConfig | None = None, load_format: str = "auto") -> LoadedModel:
+               kernels: KernelConfig | None = None, load_format: str = "auto",
+               cache_dir: str | None = None) -> LoadedModel:
     """quantization: none | int8 | int4 | auto (GGUF as stored; see loader/quantization.py), applied as weights
     stream in.
 
@@ -96,6 +97,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     shard: tensor / expert parallel rank (distributed/sharding.py): the model is built with this
     rank's shapes and only its slice of each weight is kept; `hf_config` stays the full model's.
     kernels: the switches that decide how layers run (int8 activations, bound layers; default: KernelConfig()).
+    cache_dir: where the converted tokenizer is kept by content (loader/tokenizer_cache.py); None: not kept.
     """
     kernels = kernels or KernelConfig()
     # the CPU kernels' level the layouts are chosen for (the runner's plan binds the modules to the same)
@@ -107,7 +109,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if with_tokenizer and dummy and not has_tokenizer(path):
         logger.info("load format dummy: %s has no tokenizer; prompts must be token ids", path)
         with_tokenizer = False
-    tokenizer = load_tokenizer(path) if with_tokenizer else None
+    tokenizer = load_tokenizer(path, cache_dir) if with_tokenizer else None
     is_gguf = path.is_file()
     hf_config = load_gguf_config(path) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None

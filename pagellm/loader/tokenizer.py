@@ -1,26 +1,23 @@
 """Tokenizers for HF checkpoint directories and GGUF files, with chat templates and streaming decode.
 
-An HF directory loads with transformers' AutoTokenizer (tokenizer.json, tokenizer_config.json,
-chat_template.jinja). A GGUF file's tokenizer is rebuilt by transformers from the file's metadata
-(vocabulary, scores or merges, special ids); we call the fast-tokenizer class directly, because
-AutoTokenizer would first rebuild the model config through gguf.GGUFReader, which is slow on a large
-vocabulary (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md).
-Nothing is fetched from the network (local_files_only).
+A tokenizer is a `tokenizers.Tokenizer` (the Rust library) plus a TokenizerInfo: HF transformers converts a
+model's tokenizer once (loader/tokenizer_conversion.py), and loader/tokenizer_cache.py keeps the result on disk
+by content, so a later start loads it without transformers. Chat templates are rendered by
+loader/chat_template.py as transformers renders them.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from pagellm.loader.gguf import read_gguf_header
-from pagellm.loader.hf_configs import own_config_of_dir
+from pagellm.loader import chat_template
+from pagellm.loader.tokenizer_cache import TokenizerInfo, converted
 
 # Tokens that end a turn or a text in the families we serve. llama.cpp treats these as
 # end-of-generation whenever the vocabulary has them as control tokens (llama-vocab.cpp),
@@ -68,22 +65,25 @@ PLAIN_CHAT_TEMPLATE = (
 )
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# transformers' clean_up_tokenization: spaces a WordPiece decode leaves before punctuation and contractions
+_CLEAN_UPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 class Tokenizer:
-    """A transformers tokenizer with the few operations the engine needs."""
+    """A `tokenizers.Tokenizer` with the few operations the engine needs."""
 
-    def __init__(
-        self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int], chat_template: str | None
-    ):
-        self.hf_tokenizer = hf_tokenizer
-        self.chat_template = chat_template or _fallback_chat_template(hf_tokenizer)
-        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids) | _end_of_turn_ids(hf_tokenizer)
-        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
-        self.vocab_size: int = len(hf_tokenizer)  # with added tokens; the model's embedding may be larger
+    def __init__(self, backend: tokenizers.Tokenizer, info: TokenizerInfo):
+        self.backend, self.info = backend, info
+        self.special_ids = frozenset(info.special_ids)
+        self.chat_template = info.chat_template or _fallback_chat_template(self)
+        self.eos_token_ids: frozenset[int] = frozenset(info.eos_token_ids) | _end_of_turn_ids(self)
+        self.bos_token_id: int | None = info.bos_token_id
+        self.vocab_size: int = info.vocab_size  # with added tokens; the model's embedding may be larger
+        self._templates: dict[str, Any] = {}  # compiled, by text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         # A rendered chat template often starts with the BOS text itself (Gemma's does); adding
         # BOS again would feed the model two, which it never saw in training.
         bos = self.bos_token_id
@@ -92,48 +92,49 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self.info.clean_up_spaces:
+            for before, after in _CLEAN_UPS:
+                text = text.replace(before, after)
+        return text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             template: str | None = None, **template_kwargs: Any) -> str:
         """The prompt text for a conversation: [{"role": "user", "content": "..."}, ...]. `template` replaces the
-        model's own; `template_kwargs` are extra template variables (e.g. Qwen3's enable_thinking)."""
+        model's own; `template_kwargs` are extra template variables (e.g. Qwen3's enable_thinking, tools)."""
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
-        return self.hf_tokenizer.apply_chat_template(
-            messages, chat_template=template or self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **template_kwargs)
+        text = template or self.chat_template
+        compiled = self._templates.get(text)
+        if compiled is None:
+            compiled = self._templates[text] = chat_template.compile_template(text)
+        return chat_template.render(compiled, messages, add_generation_prompt, self.info.special_tokens,
+                                    **template_kwargs)
 
     def token_id(self, token: str) -> int | None:
-        """The id of a vocabulary entry (added tokens too), or None. Why not get_vocab(): it builds the whole
-        vocabulary as a dict each call (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md)."""
-        backend = getattr(self.hf_tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            return backend.token_to_id(token)
-        return self._slow_vocab.get(token)
+        """The id of a vocabulary entry (added tokens too), or None."""
+        return self.backend.token_to_id(token)
 
-    @functools.cached_property
-    def _slow_vocab(self) -> dict[str, int]:
-        return self.hf_tokenizer.get_vocab()
+    def to_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (what llguidance builds its token trie from)."""
+        return self.backend.to_str()
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
         """The most characters one token can stand for (its longest vocabulary piece), doubled for normalizers
-        that shrink text: a text longer than this times n cannot encode to n tokens or fewer. Read id by id from a
-        Rust tokenizer: get_vocab() would build the whole vocabulary as a dict, whose freed pages the step-buffer
-        heap then keeps (measured: docs/PERFORMANCE.md, "Peak RSS of the server")."""
-        backend = getattr(self.hf_tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            return 2 * max(map(len, self._slow_vocab), default=1)
+        that shrink text: a text longer than this times n cannot encode to n tokens or fewer. Read id by id:
+        get_vocab() would build the whole vocabulary as a dict, whose freed pages the step-buffer heap then keeps
+        (measured: docs/PERFORMANCE.md, "Peak RSS of the server")."""
+        backend = self.backend
         pieces = (backend.id_to_token(i) or "" for i in range(backend.get_vocab_size(with_added_tokens=True)))
         return 2 * max(map(len, pieces), default=1)
 
     @property
     def _bos_text(self) -> str:
-        return self.hf_tokenizer.bos_token or "\0"  # no BOS text: a prefix no prompt starts with
+        return self.info.bos_token or "\0"  # no BOS text: a prefix no prompt starts with
 
 
 def has_tokenizer(path: str | Path) -> bool:
@@ -142,20 +143,16 @@ def has_tokenizer(path: str | Path) -> bool:
     return path.is_file() or any((path / name).is_file() for name in _HF_TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of an HF checkpoint directory or of a GGUF file."""
+def load_tokenizer(path: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of an HF checkpoint directory or of a GGUF file. cache_dir: where converted tokenizers are
+    kept by content (loader/tokenizer_cache.py); None: converted by transformers each time."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer not found: {str(path)!r} (expected a GGUF file or an HF directory)")
-    if path.is_file():
-        return _load_gguf_tokenizer(path)
-    if not any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
+    if path.is_dir() and not any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer in {str(path)!r}: expected one of {list(_HF_TOKENIZER_FILES)}")
-    # AutoTokenizer reads the model config to choose a class: given pagellm's, it does not import transformers' own
-    hf = AutoTokenizer.from_pretrained(str(path), config=own_config_of_dir(path), local_files_only=True)
-    eos = {hf.eos_token_id} | _config_eos_ids(path / "config.json")
-    eos |= _config_eos_ids(path / "generation_config.json")  # e.g. Gemma: [1, 106]
-    return Tokenizer(hf, {i for i in eos if i is not None}, hf.chat_template)
+    backend, info = converted(path, Path(cache_dir) if cache_dir else None)
+    return Tokenizer(backend, info)
 
 
 class IncrementalDetokenizer:
@@ -165,9 +162,9 @@ class IncrementalDetokenizer:
     a few ids of left context (seeded with the prompt's tail, so SentencePiece's leading spaces come out
     right: a lone "▁Paris" may decode as "Paris") and answers nothing until the ids complete a
     character. Why: the Python form below costs two `decode` calls per id on the engine thread, several
-    times the time (docs/PERFORMANCE.md). Other tokenizers take that form, as vLLM does it: decode
-    ids[prefix:read] and ids[prefix:] and emit the difference, holding back a text that ends in U+FFFD.
-    `flush` gives what is held back at the end (an incomplete character as U+FFFD), as decode would.
+    times the time (docs/PERFORMANCE.md). That form, as vLLM has it (decode ids[prefix:read] and ids[prefix:]
+    and emit the difference, holding back a text that ends in U+FFFD), is what `flush` runs: it gives what is
+    held back at the end (an incomplete character as U+FFFD), as decode would.
     """
 
     _CONTEXT = 5  # prompt ids kept as left context for the first decoded window
@@ -179,8 +176,8 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)  # ids before this are already emitted (or are the context)
         self._prefix = 0  # window start: left context for decoding
         self._text_parts: list[str] = []
-        self._backend = getattr(tokenizer.hf_tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, if any
-        self._stream = None if self._backend is None else DecodeStream(self._ids, skip_special_tokens)
+        self._backend = tokenizer.backend
+        self._stream = DecodeStream(self._ids, skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one generated id; returns the text it completes (often "", sometimes several chars)."""
@@ -215,43 +212,18 @@ class IncrementalDetokenizer:
         return new_text
 
 
-def _load_gguf_tokenizer(path: Path) -> Tokenizer:
-    metadata = read_gguf_header(path).metadata
-    if "tokenizer.ggml.model" not in metadata:
-        raise FileNotFoundError(f"GGUF file {str(path)!r} has no tokenizer (no tokenizer.ggml.model metadata)")
-    hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    # llama.cpp's end-of-generation ids, where the file states them
-    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    eos = {metadata[k] for k in keys if k in metadata}
-    return Tokenizer(hf, eos, metadata.get("tokenizer.chat_template"))
+def _special_ids(tokenizer: Tokenizer, tokens: Iterable[str]) -> dict[str, int]:
+    """The ids of those of `tokens` that this vocabulary has as special (control) tokens."""
+    return {t: i for t in tokens if (i := tokenizer.token_id(t)) is not None and i in tokenizer.special_ids}
 
 
-def _config_eos_ids(config_file: Path) -> set[int]:
-    """eos_token_id of a config.json / generation_config.json: absent, one id, or a list."""
-    if not config_file.is_file():
-        return set()
-    value = json.loads(config_file.read_text()).get("eos_token_id")
-    if value is None:
-        return set()
-    return set(value) if isinstance(value, list) else {value}
-
-
-def _special_ids(hf: PreTrainedTokenizerBase, tokens: Iterable[str]) -> dict[str, int]:
-    """The ids of those of `tokens` that this vocabulary has as special (control) tokens. Looked up one by one:
-    get_vocab() builds the whole vocabulary as a dict (~0.2 s for Gemma 3's 262k entries)."""
-    special = {i for i, tok in hf.added_tokens_decoder.items() if tok.special}
-    backend = getattr(hf, "backend_tokenizer", None)
-    lookup = backend.token_to_id if backend is not None else hf.get_vocab().get
-    return {t: i for t in tokens if (i := lookup(t)) is not None and i in special}
-
-
-def _end_of_turn_ids(hf: PreTrainedTokenizerBase) -> frozenset[int]:
+def _end_of_turn_ids(tokenizer: Tokenizer) -> frozenset[int]:
     """Ids of END_OF_TURN_TOKENS that this vocabulary has as special (control) tokens."""
-    return frozenset(_special_ids(hf, END_OF_TURN_TOKENS).values())
+    return frozenset(_special_ids(tokenizer, END_OF_TURN_TOKENS).values())
 
 
-def _fallback_chat_template(hf: PreTrainedTokenizerBase) -> str:
+def _fallback_chat_template(tokenizer: Tokenizer) -> str:
     """Gemma's format when the vocabulary has Gemma's turn markers as special tokens, else plain lines."""
-    if len(_special_ids(hf, ("<start_of_turn>", "<end_of_turn>"))) == 2:
+    if len(_special_ids(tokenizer, ("<start_of_turn>", "<end_of_turn>"))) == 2:
         return GEMMA_CHAT_TEMPLATE
     return PLAIN_CHAT_TEMPLATE

@@ -124,10 +124,10 @@ class Grammars:
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:  # the vocabulary is scanned once (a few seconds for 262k tokens)
             if self._ll_tokenizer is None:
-                import llguidance.hf
+                import llguidance
 
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._tokenizer.hf_tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos_ids))
+                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self.vocab_size,
+                                                            eos_token=sorted(self.eos_ids))
             return self._ll_tokenizer
 
 

@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
+from pagellm.config import ModelConfig
 from pagellm.loader.default_model import default_model_path
 from pagellm.loader.tokenizer import GEMMA_CHAT_TEMPLATE, IncrementalDetokenizer, load_tokenizer
 from tests.loader.gguf_builders import write_tiny_gguf
+from tests.models.tiny_checkpoints import save_hf_tokenizer
 
 MULTI_BYTE = "héllo wörld 日本語 🙂 𝔘𝔫𝔦 ꙮ 𓀀 á"
 
@@ -21,7 +23,7 @@ TINY_VOCAB = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + P
 
 @pytest.fixture(scope="module")
 def gemma():
-    return load_tokenizer(default_model_path())
+    return load_tokenizer(default_model_path(), ModelConfig().cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_chat_template_bad_input(gemma):
 def test_incremental_detokenizer_matches_full_decode(gemma, prompt):
     prompt_ids = gemma.encode(prompt)
     ids = gemma.encode(MULTI_BYTE + " end", add_special_tokens=False)
-    pieces = gemma.hf_tokenizer.convert_ids_to_tokens(ids)
+    pieces = [gemma.backend.id_to_token(i) for i in ids]
     assert any(p.startswith("<0x") for p in pieces)  # byte-fallback tokens are exercised
     detok = IncrementalDetokenizer(gemma, prompt_ids)
     outputs = [detok.add(i) for i in ids]
@@ -101,7 +103,7 @@ def test_sentencepiece_leading_spaces(tiny_gguf):
     # a Llama-style tokenizer strips the leading space when decoding from the start, but a
     # streamed "▁world" after "hello" must still come out as " world"
     tok = load_tokenizer(tiny_gguf)
-    assert tok.hf_tokenizer.convert_ids_to_tokens(tok.encode("hello world")) == ["<s>", "▁hello", "▁world"]
+    assert [tok.backend.id_to_token(i) for i in tok.encode("hello world")] == ["<s>", "▁hello", "▁world"]
     detok = IncrementalDetokenizer(tok, tok.encode("hello"))
     assert [detok.add(i) for i in tok.encode("world hello", add_special_tokens=False)] == [" world", " hello"]
     assert tok.decode(tok.encode("hello  wörld")) == "hello  wörld"  # bytes for ö
@@ -125,8 +127,7 @@ def test_gguf_chat_template_metadata_is_used(tmp_path):
 
 def test_hf_directory(tmp_path, tiny_gguf):
     source = load_tokenizer(tiny_gguf)
-    source.hf_tokenizer.chat_template = "{{ messages[-1]['content'] }}?"
-    source.hf_tokenizer.save_pretrained(tmp_path)
+    save_hf_tokenizer(source, tmp_path, "{{ messages[-1]['content'] }}?")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 9}))
     tok = load_tokenizer(tmp_path)
@@ -170,9 +171,9 @@ def test_a_template_override_and_template_variables(gemma):
 
 def test_max_chars_per_token_is_the_longest_piece_doubled(gemma, tiny_gguf):
     # read id by id (no vocabulary dict); must agree with the dict, added tokens included
-    assert gemma.max_chars_per_token == 2 * max(map(len, gemma.hf_tokenizer.get_vocab()))
+    assert gemma.max_chars_per_token == 2 * max(map(len, gemma.backend.get_vocab(with_added_tokens=True)))
     tok = load_tokenizer(tiny_gguf)
     assert tok.max_chars_per_token == 2 * len("▁hello")
-    tok.hf_tokenizer.add_tokens(["<a-very-long-added-token>"])
+    tok.backend.add_tokens(["<a-very-long-added-token>"])
     tok.__dict__.pop("max_chars_per_token", None)
     assert tok.max_chars_per_token == 2 * len("<a-very-long-added-token>")

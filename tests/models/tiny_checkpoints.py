@@ -172,18 +172,27 @@ def write_tiny_checkpoint_with_tokenizer(directory: Path, chat_template: str | N
     output, chat templates, tool calls). Weights as write_tiny_checkpoint(redraw=True) draws them."""
     from transformers import Qwen3Config
 
+    from pagellm.config import ModelConfig
     from pagellm.loader.default_model import default_model_path
     from pagellm.loader.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(default_model_path())
+    tokenizer = load_tokenizer(default_model_path(), ModelConfig().cache_dir)
     config = Qwen3Config(**{**_COMMON, "vocab_size": 262144, "eos_token_id": sorted(tokenizer.eos_token_ids),
                             "max_position_embeddings": 1024},
                          num_hidden_layers=2, head_dim=32, architectures=["Qwen3ForCausalLM"])
     write_tiny_checkpoint("qwen3-yarn", directory, config=config, redraw=True)
-    if chat_template is not None:
-        tokenizer.hf_tokenizer.chat_template = chat_template
-    tokenizer.hf_tokenizer.save_pretrained(directory)
+    save_hf_tokenizer(tokenizer, directory, chat_template)
     return directory
+
+
+def save_hf_tokenizer(tokenizer, directory: Path, chat_template: str | None = None) -> None:
+    """A pagellm Tokenizer written as an HF directory's tokenizer files, by transformers (as a model repo has them)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, **tokenizer.info.special_tokens)
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    hf.save_pretrained(directory)
 
 
 def write_char_tokenizer(directory: Path) -> None:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from pagellm.config import ModelConfig
 from pagellm.server.protocol import ChatCompletionRequest
 from pagellm.server.reasoning import ReasoningSplitter, opened_by_prompt, split
 from pagellm.server.responses import ChatFormatter
@@ -69,7 +70,7 @@ def test_only_a_vocabulary_with_both_markers_thinks():
     from pagellm.loader.tokenizer import load_tokenizer
     from pagellm.server.reasoning import thinks
 
-    gemma = load_tokenizer(default_model_path())
+    gemma = load_tokenizer(default_model_path(), ModelConfig().cache_dir)
     assert gemma.token_id("<start_of_turn>") == 105 and gemma.token_id("<think>") is None
     assert not thinks(gemma) and not thinks(None)
 

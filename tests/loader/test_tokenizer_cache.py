@@ -1,0 +1,148 @@
+"""Tokenizers without transformers at run time: converted once, kept by content (loader/tokenizer_cache.py),
+rendered and run as transformers runs them (loader/tokenizer.py, loader/chat_template.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagellm.loader.default_model import default_model_path
+from pagellm.loader.tokenizer import GEMMA_CHAT_TEMPLATE, load_tokenizer
+from tests.loader.gguf_builders import write_tiny_gguf
+from tests.loader.test_tokenizer import TINY_VOCAB
+
+HERMES = (Path(__file__).parents[1] / "server" / "templates" / "hermes_tools.jinja").read_text()
+CHATML_THINKING = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}{% if 'tool_calls' in m %}[calls]{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    "{{ bos_token if False else '' }}{{ strftime_now('%Y') | length }}{{ {'a': 'é<>'} | tojson }}")
+CORPUS = [
+    "The capital of France is", "  two  spaces\n\nand lines\t", "héllo wörld 日本語 🙂 𝔘𝔫𝔦 ꙮ á",
+    "def f(x):\n\tif x:\n\t\treturn [1, 2]  # done\n", "1234567890 3.14159 1e-9 -42", "\n\n   1",
+    "<start_of_turn>user\nhi<end_of_turn>", "<bos>already", "don't , it's . ok ?",
+    *[" " * n for n in (1, 2, 3, 15, 16, 17, 31, 33, 64)], "\t \t  \n \n", "Ünïcödé — “quotes” …",
+]
+MESSAGES = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital?"},
+     {"role": "assistant", "content": "Paris.", "reasoning_content": "easy", "tool_calls": None},
+     {"role": "user", "content": "And Spain?"}],
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def _byte_level_bpe_dir(directory: Path) -> Path:
+    """An HF directory with a byte-level BPE (Llama 3 / Qwen style) trained on a little text, ChatML special
+    tokens and a template, saved by transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(CORPUS * 3 + ["the quick brown fox jumps over the lazy dog"] * 5, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHATML_THINKING
+    hf.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    return {"embedded-gemma": Path(default_model_path()),
+            "sentencepiece-gguf": write_tiny_gguf(root / "tiny.gguf", "llama", vocab=TINY_VOCAB).path,
+            "byte-level-bpe-dir": _byte_level_bpe_dir(root / "bpe")}
+
+
+def _transformers(path: Path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if path.is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@pytest.mark.parametrize("name", ["embedded-gemma", "sentencepiece-gguf", "byte-level-bpe-dir"])
+def test_a_cached_tokenizer_encodes_decodes_and_renders_as_transformers(sources, name, tmp_path):
+    path = sources[name]
+    load_tokenizer(path, tmp_path)  # converted and stored
+    ours, theirs = load_tokenizer(path, tmp_path), _transformers(path)  # ours from the cache
+    for text in CORPUS:
+        for special in (True, False):
+            expected = theirs.encode(text, add_special_tokens=special)
+            bos = theirs.bos_token_id
+            if special and bos is not None and expected[:2] == [bos, bos] and text.startswith(theirs.bos_token):
+                expected = expected[1:]  # ours drops a second BOS when the text itself starts with it
+            assert ours.encode(text, add_special_tokens=special) == expected, (text, special)
+            ids = theirs.encode(text, add_special_tokens=special)
+            assert ours.decode(ids, skip_special_tokens=special) == theirs.decode(ids, skip_special_tokens=special)
+    for template in (ours.chat_template, GEMMA_CHAT_TEMPLATE, HERMES, CHATML_THINKING):
+        for messages in MESSAGES:
+            if template is GEMMA_CHAT_TEMPLATE and messages[0]["role"] == "system" and len(messages) == 1:
+                continue
+            for kwargs in ({}, {"tools": TOOLS}, {"enable_thinking": False}):
+                rendered = theirs.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                      add_generation_prompt=True, **kwargs)
+                assert ours.apply_chat_template(messages, template=template, **kwargs) == rendered
+
+
+def test_a_warm_cache_loads_without_transformers(sources, tmp_path):
+    """The point of the cache: a second start imports no transformers module for its tokenizer."""
+    path = sources["embedded-gemma"]
+    expected = load_tokenizer(path, tmp_path).encode("The capital of France is")
+    script = (f"import sys\nfrom pagellm.loader.tokenizer import load_tokenizer\n"
+              f"ids = load_tokenizer({str(path)!r}, {str(tmp_path)!r}).encode('The capital of France is')\n"
+              f"print(ids, sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == f"{expected} []"
+
+
+def test_a_damaged_entry_is_rebuilt_never_used(sources, tmp_path, caplog):
+    path = sources["sentencepiece-gguf"]
+    expected = load_tokenizer(path, tmp_path).encode("hello world")
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    saved = json.loads((entry / "tokenizer.json").read_text())
+    saved["model"]["vocab"]["▁hello"], saved["model"]["vocab"]["▁world"] = 11, 12  # a stale or tampered file
+    (entry / "tokenizer.json").write_text(json.dumps(saved))
+    with caplog.at_level(logging.WARNING, logger="pagellm.loader"):
+        assert load_tokenizer(path, tmp_path).encode("hello world") == expected
+    assert "corrupt or stale: rebuilt" in caplog.text
+    caplog.clear()
+    (entry / "info.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="pagellm.loader"):
+        assert load_tokenizer(path, tmp_path).encode("hello world") == expected
+    assert "rebuilt" in caplog.text and load_tokenizer(path, tmp_path).encode("hello world") == expected
+
+
+def test_changed_content_is_another_entry(sources, tmp_path):
+    """The key is the content: a directory whose template changed is converted again, not served stale."""
+    directory = tmp_path / "bpe"
+    _byte_level_bpe_dir(directory)
+    cache = tmp_path / "cache"
+    assert load_tokenizer(directory, cache).chat_template == CHATML_THINKING
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    config["chat_template"] = "{{ messages[0]['content'] }}!"
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(directory, cache).apply_chat_template([{"role": "user", "content": "a"}]) == "a!"
+    assert len(list((cache / "tokenizers").iterdir())) == 2
+
+
+def test_a_cache_that_cannot_be_written_is_skipped(sources, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger="pagellm.loader"):
+        tok = load_tokenizer(sources["sentencepiece-gguf"], blocker)
+    assert tok.encode("hello") == [1, TINY_VOCAB.index("▁hello")] and "not written" in caplog.text
