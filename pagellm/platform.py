@@ -63,6 +63,15 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt param
 _STEP_HEAP_BYTES = 1 << 30
 
 
+def release_freed_heap() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's malloc_trim; nothing elsewhere): a load's temporaries
+    freed in the heap would otherwise stay resident under what is loaded next, and the peaks add up."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def keep_step_buffers_in_heap(enabled: bool = True) -> bool:
     """Serve allocations below 1 GiB from the heap and keep up to 1 GiB of freed heap: a step's big
     buffers are then reused instead of faulted in again. Called once weights are loaded (their large
@@ -73,8 +82,8 @@ def keep_step_buffers_in_heap(enabled: bool = True) -> bool:
     if not enabled:
         return False
     try:
+        release_freed_heap()  # first the load's freed temporaries (repacking, dequantizing)
         libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)  # first hand the load's freed temporaries (repacking, dequantizing) back to the OS
         settings = ((_M_MMAP_THRESHOLD, _STEP_HEAP_BYTES), (_M_TRIM_THRESHOLD, _STEP_HEAP_BYTES), (_M_ARENA_MAX, 1))
         return all([bool(libc.mallopt(param, value)) for param, value in settings])  # each applied on its own
     except (OSError, AttributeError):

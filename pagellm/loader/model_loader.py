@@ -11,6 +11,7 @@ from torch import nn
 
 from pagellm.config import KernelConfig
 from pagellm.loader.dummy import dummy_weights
+from pagellm.platform import release_freed_heap
 from pagellm.distributed.sharding import ShardSpec, install_expert_parallel, local_config, shard_weights
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
 from pagellm.loader.quantization import load_quantized, plan_quantization, weight_schemes
@@ -110,6 +111,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         logger.info("load format dummy: %s has no tokenizer; prompts must be token ids", path)
         with_tokenizer = False
     tokenizer = load_tokenizer(path, cache_dir) if with_tokenizer else None
+    release_freed_heap()  # the tokenizer's parsing temporaries: not resident under the weights
     is_gguf = path.is_file()
     hf_config = load_gguf_config(path) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None

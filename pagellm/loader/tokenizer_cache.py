@@ -97,7 +97,8 @@ def _read(entry: Path) -> tuple[tokenizers.Tokenizer, TokenizerInfo] | None:
         info = json.loads(texts["info.json"])
         info = TokenizerInfo(**{**info, "eos_token_ids": tuple(info["eos_token_ids"]),
                                 "special_ids": tuple(info["special_ids"])})
-        return tokenizers.Tokenizer.from_str(texts["tokenizer.json"].decode()), info
+        # from the file, not a str of it: tokenizers then parses as it reads (lower peak memory, faster)
+        return tokenizers.Tokenizer.from_file(str(entry / "tokenizer.json")), info
     except Exception:  # noqa: BLE001 - any damage (a missing file, bad JSON, a tokenizer that fails to parse)
         return None
 
