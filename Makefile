@@ -41,7 +41,7 @@ chromium:
 		|| echo "make: could not install chromium; the chat page test will be skipped"; }
 
 test: install chromium
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 	$(BIN)/python tests/lower_levels.py $(PYTEST_ARGS)
 
 generate: install
