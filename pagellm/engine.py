@@ -11,6 +11,7 @@ N+1 while the device runs step N. Greedy ids are the same; a request that stops 
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import logging
@@ -56,6 +57,14 @@ class InFlightStep:
     output: SchedulerOutput
     schedule_ms: float
     launched: LaunchedStep | None = None
+
+
+def _collect_frozen_at_exit() -> None:
+    """What gc.freeze() kept alive and has died since (Triton's IR objects among it) would otherwise still be
+    alive when the interpreter finalizes, and nanobind reports every such object as a leak: hundreds of lines
+    after a normal run. Collected first, it is freed like any garbage."""
+    gc.unfreeze()
+    gc.collect()
 
 
 def _attention_of(device: torch.device, level: str | None) -> str:
@@ -104,6 +113,8 @@ class LLMEngine:
         # stalls one (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md). vLLM does the same.
         gc.collect()
         gc.freeze()
+        atexit.unregister(_collect_frozen_at_exit)  # once per process, however many engines
+        atexit.register(_collect_frozen_at_exit)
         keep_step_buffers_in_heap(config.kernels.heap_tuning)
 
     def _build(self, config: EngineConfig, skip_tokenizer_init: bool, shard: ShardSpec | None,
