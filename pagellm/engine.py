@@ -245,6 +245,10 @@ class LLMEngine:
         """Queue a request; raises ValueError for a prompt that could never run."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self._in_flight is not None and any(item.request_id == request_id
+                                               for item in self._in_flight.output.scheduled):
+            # an aborted request's last step still runs (async scheduling): its token must not reach a new one
+            raise ValueError(f"request id {request_id!r} is still in use: its last step is running")
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")
@@ -315,7 +319,7 @@ class LLMEngine:
         except DistributedError:
             raise
         except Exception as exc:
-            self._recover(after, exc, also=step)  # the step before it is dropped too: it waits on its tokens
+            self._recover(step, exc, also=after)
         return step
 
     def _runs_ahead(self, current: InFlightStep) -> bool:
@@ -330,14 +334,16 @@ class LLMEngine:
                 return False
         return True
 
-    def _recover(self, failed: InFlightStep | None, exc: Exception, also: InFlightStep | None = None) -> None:
-        """A step failed: it and any launched after it go back to waiting (recomputed from the prefix cache)."""
+    def _recover(self, failed: InFlightStep, exc: Exception, also: InFlightStep | None = None) -> None:
+        """A step failed: it, `also` (the step before it, when it fails at launch: that one's tokens are never read)
+        and any launched after it go back to waiting (recomputed from the prefix cache). The StepError names the
+        failed step's requests: the server looks for the culprit among them."""
         self.runner.reset_step_reuse()
         steps = [s for s in (failed, also, self._in_flight) if s is not None]
         self._in_flight = None
         for step in steps:
             self.scheduler.recover_failed_step(step.output)
-        raise StepError(tuple(item.request_id for item in steps[0].output.scheduled), exc) from exc
+        raise StepError(tuple(item.request_id for item in failed.output.scheduled), exc) from exc
 
     def _process(self, output, schedule_ms: float, model_output) -> list[RequestOutput]:
         """A collected step: tokens to their requests, detokenized, stop strings and limits checked."""

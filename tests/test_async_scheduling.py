@@ -149,3 +149,37 @@ def test_a_failed_step_recovers_both_steps_and_the_ids_stand(checkpoint, monkeyp
             for out in outputs:
                 results[numbers[out.request_id]] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
     assert len(errors) == 1 and str(errors[0].cause) == "injected" and results == plain
+
+
+def test_a_launch_that_fails_names_its_own_requests_and_an_id_in_flight_is_not_reused(checkpoint, monkeypatch):
+    """A request admitted in the step launched ahead that fails there is the suspect, not the running ones; and
+    an aborted request whose last step still runs keeps its id until that step is read back."""
+    from pagellm.engine_errors import StepError
+    from pagellm.runner.model_runner import ModelRunner
+
+    with LLM(str(checkpoint), skip_tokenizer_init=True, async_scheduling=True, kv_cache_memory=0.01) as llm:
+        engine = llm.engine
+        engine.add_request([5, 6, 7], _greedy(8), request_id="running")
+        engine.step()
+        engine.step()  # "running" decodes; a step of it is in flight
+        real = ModelRunner.launch
+
+        def fails_for_new(self, output):
+            if any(item.request_id == "new" for item in output.scheduled):
+                raise RuntimeError("injected")
+            return real(self, output)
+
+        monkeypatch.setattr(ModelRunner, "launch", fails_for_new)
+        engine.add_request([8, 9], _greedy(2), request_id="new")
+        with pytest.raises(StepError) as failed:
+            engine.step()
+        assert "new" in failed.value.request_ids  # the step that raised (before: only the step before it)
+        monkeypatch.undo()
+        engine.abort("new")
+        engine.step()  # "running" again, with a step in flight
+        engine.abort("running")
+        with pytest.raises(ValueError, match="'running' is still in use"):
+            engine.add_request([5], _greedy(1), request_id="running")
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.add_request([5], _greedy(1), request_id="running")  # its step read back: the id is free

@@ -211,7 +211,11 @@ def test_min_tokens_and_logit_bias_through_the_engine(llm, reference_ids):
     stop = ids[0]  # the greedy first token: a stop id that would end the output at once
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop],
                                                   min_tokens=3), use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) >= 3 and stop not in out.token_ids[:2]
+    assert len(out.token_ids) >= 3 and stop not in out.token_ids[:3]  # the third token may not stop it either
+    pushed = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop],
+                                                     min_tokens=3, logit_bias={stop: 100}), use_tqdm=False)
+    pushed = pushed[0].outputs[0].token_ids  # the stop forced by its bias, banned for the first three tokens
+    assert len(pushed) == 4 and stop not in pushed[:3] and pushed[3] == stop
     forced = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={"818": 100}),
                           use_tqdm=False)[0].outputs[0]
     assert forced.token_ids == [818, 818, 818]

@@ -8,9 +8,9 @@ here, and a later start builds the tokenizer from the JSON alone, as llama.cpp a
 derive from a file.
 
     <cache_dir>/tokenizers/<key>/tokenizer.json, info.json, manifest.json
-    key       sha256 of this format's version, the transformers and tokenizers versions, and the bytes the
-              tokenizer is made from: a GGUF's header (its metadata holds the whole vocabulary), or an HF
-              directory's tokenizer and config files
+    key       sha256 of this format's version, the transformers and tokenizers versions, the conversion's code,
+              and the bytes the tokenizer is made from: a GGUF's header (its metadata holds the whole
+              vocabulary), or every file of an HF directory but its weights
     manifest  sha256 of the two files: an entry that does not match, or does not parse, is rebuilt (logged),
               never used; entries are written to a temporary directory and renamed into place
 """
@@ -35,10 +35,9 @@ from pagellm.loader.gguf_file import read_gguf_header
 logger = logging.getLogger("pagellm.loader")
 
 FORMAT = 1
-# An HF directory's files the tokenizer is made from (any of them changing makes another key).
-HF_TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
-                        "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "config.json",
-                        "generation_config.json")
+# Weights and other large files an HF directory's tokenizer is never made from; every other file in it (and in
+# its subdirectories: additional_chat_templates/) is part of the key, whatever tokenizer class reads which.
+_NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 
 
 @dataclass(frozen=True)
@@ -76,15 +75,15 @@ def converted(path: Path, cache_dir: Path | None) -> tuple[tokenizers.Tokenizer,
 
 def _key(path: Path) -> str:
     digest = hashlib.sha256(f"{FORMAT} {version('transformers')} {tokenizers.__version__}".encode())
+    digest.update((Path(__file__).parent / "tokenizer_conversion.py").read_bytes())  # what converts, as it is now
     if path.is_file():  # GGUF: the header bytes, read through the same map as the loader's
         header = read_gguf_header(path)
         with open(path, "rb") as f:
             digest.update(f.read(header.data_start))
     else:
-        for name in HF_TOKENIZER_SOURCES:
-            file = path / name
-            if file.is_file():
-                digest.update(name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+        for file in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.endswith(_NOT_TOKENIZER)):
+            name = file.relative_to(path).as_posix()
+            digest.update(name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
     return digest.hexdigest()
 
 
@@ -118,5 +117,5 @@ def _write(entry: Path, backend: tokenizers.Tokenizer, info: TokenizerInfo) -> N
             os.rename(staging, entry)
         except OSError:  # another process wrote it first: theirs stands
             shutil.rmtree(staging, ignore_errors=True)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - a cache that cannot be written must not fail the load
         logger.warning("tokenizer cache not written to %s: %s", entry, exc)

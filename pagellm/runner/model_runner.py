@@ -168,8 +168,9 @@ class ModelRunner:
         t2 = time.perf_counter()
         for state in sampled:
             state.reseed()
-            state.num_pending += 1
-        result = self.sampler(logits, sampled, overwrite=True)
+        result = self.sampler(logits, sampled, overwrite=True)  # counting only tokens out (min_tokens)
+        for state in sampled:
+            state.num_pending += 1  # this step's token, on its way until collect
         self._last_samples = result.token_ids, {s.request_id: row for row, s in enumerate(sampled)}
         timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, _ms_since(t2), 1 + prompt_syncs, reused, replayed)
         return LaunchedStep(timings, sampled=sampled, tokens=SampledTokens(result), prompt_logprobs=prompt_logprobs)
