@@ -11,12 +11,9 @@ N+1 while the device runs step N. Greedy ids are the same; a request that stops 
 
 from __future__ import annotations
 
-import atexit
-import gc
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -25,46 +22,28 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.core.state_pool import StatePool
-from pagellm.core.types import SchedulerOutput
 from pagellm.distributed.executor import HeadExecutor, LocalExecutor
 from pagellm.distributed.parallel_state import DistributedError, ParallelState, rank_device
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
 from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
+from pagellm.engine_steps import InFlightStep, needs_host_tokens
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, select_kernels
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import weight_bytes
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
-from pagellm.platform import (DTYPES, GIB, default_kv_cache_gib, keep_step_buffers_in_heap, limit_threads_to_cores,
-                              resident_bytes)
+from pagellm.platform import (DTYPES, GIB, default_kv_cache_gib, freeze_loaded_objects, keep_step_buffers_in_heap,
+                              limit_threads_to_cores, resident_bytes)
 from pagellm.request import Request, RequestStatus, stop_ids_of
 from pagellm.runner.grammar import Grammars
 from pagellm.runner.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, check_holds_one_sequence,
                                       fit_max_model_len, kv_budget_bytes, profile_forward, start_measuring)
 from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
-from pagellm.runner.sampled_tokens import LaunchedStep
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm.engine")
-
-
-@dataclass
-class InFlightStep:
-    """A scheduled step, launched on the device (`launched`) and not yet collected."""
-
-    output: SchedulerOutput
-    schedule_ms: float
-    launched: LaunchedStep | None = None
-
-
-def _collect_frozen_at_exit() -> None:
-    """What gc.freeze() kept alive and has died since (Triton's IR objects among it) would otherwise still be
-    alive when the interpreter finalizes, and nanobind reports every such object as a leak: hundreds of lines
-    after a normal run. Collected first, it is freed like any garbage."""
-    gc.unfreeze()
-    gc.collect()
 
 
 def _attention_of(device: torch.device, level: str | None) -> str:
@@ -109,12 +88,7 @@ class LLMEngine:
         # Async scheduling: the step launched ahead, whose tokens the next step() reads back.
         self._async = config.scheduler.async_scheduling
         self._in_flight: InFlightStep | None = None
-        # Loading leaves many long-lived objects; without this a full GC pass rescans them every few steps and
-        # stalls one (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md). vLLM does the same.
-        gc.collect()
-        gc.freeze()
-        atexit.unregister(_collect_frozen_at_exit)  # once per process, however many engines
-        atexit.register(_collect_frozen_at_exit)
+        freeze_loaded_objects()
         keep_step_buffers_in_heap(config.kernels.heap_tuning)
 
     def _build(self, config: EngineConfig, skip_tokenizer_init: bool, shard: ShardSpec | None,
@@ -325,14 +299,8 @@ class LLMEngine:
     def _runs_ahead(self, current: InFlightStep) -> bool:
         """Launch the next step now? Only where its decodes need nothing of `current`'s tokens on the host:
         penalties count them and grammars advance on them."""
-        if not self._async or self.scheduler.held:
-            return False
-        for item in current.output.scheduled:
-            request = self.scheduler.requests.get(item.request_id)
-            if item.sample and request is not None and (request.sampling_params.needs_penalties
-                                                        or request.sampling_params.structured_outputs):
-                return False
-        return True
+        return (self._async and not self.scheduler.held
+                and not needs_host_tokens(current.output, self.scheduler.requests))
 
     def _recover(self, failed: InFlightStep, exc: Exception, also: InFlightStep | None = None) -> None:
         """A step failed: it, `also` (the step before it, when it fails at launch: that one's tokens are never read)

@@ -5,7 +5,9 @@ Shared by the engine and the tensor-parallel workers, which set the process up t
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import os
 from types import MappingProxyType
 
@@ -61,6 +63,24 @@ def limit_threads_to_cores() -> None:
 # fault in again on every pass. measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt parameters, from glibc's malloc.h
 _STEP_HEAP_BYTES = 1 << 30
+
+
+def freeze_loaded_objects() -> None:
+    """Move what is alive now (a loaded engine: many long-lived objects) out of the GC's reach: without it a full
+    pass rescans them every few steps and stalls one (measured: docs/benchmarks/2026-11-24-quantized-layer-
+    crossovers.md; vLLM does the same). At exit they are handed back first (_collect_frozen_at_exit)."""
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(_collect_frozen_at_exit)  # once per process, however many engines
+    atexit.register(_collect_frozen_at_exit)
+
+
+def _collect_frozen_at_exit() -> None:
+    """What gc.freeze() kept alive and has died since (Triton's IR objects among it) would otherwise still be
+    alive when the interpreter finalizes, and nanobind reports every such object as a leak: hundreds of lines
+    after a normal run. Collected first, it is freed like any garbage."""
+    gc.unfreeze()
+    gc.collect()
 
 
 def release_freed_heap() -> None:

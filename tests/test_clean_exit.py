@@ -13,7 +13,8 @@ from tests.models.tiny_checkpoints import write_tiny_checkpoint
 def test_a_run_exits_without_leak_reports(tmp_path):
     """A process that has Triton loaded (HF modeling code, torch.compile and the CUDA kernels load it) and starts an
     engine: gc.freeze() at engine start kept Triton's IR objects alive to the end, and nanobind printed hundreds
-    of "leaked" lines at exit. The engine now collects them before the interpreter finalizes (engine.py)."""
+    of "leaked" lines at exit. The engine now collects them before the interpreter finalizes
+    (platform.freeze_loaded_objects)."""
     pytest.importorskip("triton")  # PyTorch's CPU-only wheel brings none: nothing to leak
     write_tiny_checkpoint("llama", tmp_path)
     script = ("import triton\nfrom pagellm import LLM, SamplingParams\n"

@@ -1,0 +1,30 @@
+"""The step the engine keeps in flight under async scheduling, and when it may launch one ahead (engine.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pagellm.core.types import SchedulerOutput
+from pagellm.request import Request
+from pagellm.runner.sampled_tokens import LaunchedStep
+
+
+@dataclass
+class InFlightStep:
+    """A scheduled step, launched on the device (`launched`) and not yet collected."""
+
+    output: SchedulerOutput
+    schedule_ms: float
+    launched: LaunchedStep | None = None
+
+
+def needs_host_tokens(output: SchedulerOutput, requests: Mapping[str, Request]) -> bool:
+    """Whether a step after `output` needs its sampled tokens on the host before it is prepared: penalties count
+    a request's tokens and grammars advance on them, so such a step is not launched ahead."""
+    for item in output.scheduled:
+        request = requests.get(item.request_id)
+        if item.sample and request is not None and (request.sampling_params.needs_penalties
+                                                    or request.sampling_params.structured_outputs):
+            return True
+    return False
