@@ -58,8 +58,8 @@ class LLMEngine:
         self.config = config
         mc, cc = config.model, config.cache
         self.device = rank_device(mc.device, 0, config.parallel.tensor_parallel_size)  # rank 0's
-        if self.device.type == "cuda":  # Triton launches on the current device, not the tensors': make it this one
-            torch.cuda.set_device(self.device)
+        if self.device.type == "cuda" and self.device.index is not None:  # Triton launches on the current device,
+            torch.cuda.set_device(self.device)                             # not the tensors': make it this one
         chosen = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
         self.kernels, self.kernel_level = chosen.description, chosen.level
         level = chosen.level

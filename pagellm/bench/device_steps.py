@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,26 +49,34 @@ def same_ids(device: str, weights: Path) -> dict:
               for step in script.values() for p in step}
     results = {}
     for mode in ["eager", *modes_for(device)]:
-        with LLM(str(weights), skip_tokenizer_init=True, device=device, dtype="float32", kv_cache_memory=0.05,
-                 max_num_seqs=8, **MODES.get(mode, {})) as llm:
-            engine, prompts, finished, step = llm.engine, {}, {}, 0
-            with _flagged_syncs(device) as flagged:
-                while step <= max(script) or engine.has_unfinished_requests():
-                    for prompt in script.get(step, ()):
-                        prompts[engine.add_request(prompt, params[tuple(prompt)])] = tuple(prompt)
-                    for out in engine.step():
-                        if out.finished:
-                            finished[prompts[out.request_id]] = out.outputs[0].token_ids
-                    step += 1
-            stats = llm.stats()
+        try:
+            with LLM(str(weights), skip_tokenizer_init=True, device=device, dtype="float32", kv_cache_memory=0.05,
+                     max_num_seqs=8, **MODES.get(mode, {})) as llm:
+                engine, prompts, finished, step = llm.engine, {}, {}, 0
+                with _flagged_syncs(device) as flagged:
+                    while step <= max(script) or engine.has_unfinished_requests():
+                        for prompt in script.get(step, ()):
+                            prompts[engine.add_request(prompt, params[tuple(prompt)])] = tuple(prompt)
+                        for out in engine.step():
+                            if out.finished:
+                                finished[prompts[out.request_id]] = out.outputs[0].token_ids
+                        step += 1
+                stats = llm.stats()
+        except Exception as e:  # noqa: BLE001 - a mode that fails is a failed check, the others still run
+            results[mode] = {"ids": None, "error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+            continue
         decode_steps = stats["step_reuse_hits"] + stats["step_reuse_misses"]
         results[mode] = {"ids": finished, "graph_replays": stats["decode_graph_replays"],
                          "steps_launched_ahead": stats["steps_launched_ahead"], "decode_steps": decode_steps,
                          "flagged_syncs_per_step": flagged.count / max(stats["num_steps"], 1)
                          if flagged.count is not None else None}
     eager = results.pop("eager")
-    checks = {mode: {**{k: v for k, v in r.items() if k != "ids"}, "ids_equal": r["ids"] == eager["ids"],
-                     "ok": r["ids"] == eager["ids"]} for mode, r in results.items()}
+    if eager["ids"] is None:
+        raise RuntimeError(f"the eager reference run failed: {eager['error']}")
+    equal = {mode: r["ids"] is not None and r["ids"] == eager["ids"] for mode, r in results.items()}
+    checks = {mode: {**{k: v for k, v in r.items() if k != "ids"}, "ids_equal": equal[mode], "ok": equal[mode]}
+              for mode, r in results.items()}
     checks["eager"] = {"flagged_syncs_per_step": eager["flagged_syncs_per_step"], "ok": True}
     return checks
 
@@ -93,40 +102,51 @@ class _flagged_syncs:
             self.count = sum("synchroniz" in str(w.message) for w in self._records)
 
 
-def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: float) -> list[dict]:
-    """llama-batched-bench rows of each step mode at `shape`, engine after engine (medians of --repeats)."""
+def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: float,
+               errors: dict[str, str]) -> list[dict]:
+    """llama-batched-bench rows of each step mode at `shape`, engine after engine (medians of --repeats); a mode
+    that fails is said in `errors`."""
     rows = []
     for mode in modes_for(args.device):
-        engine = batched.build_engine(str(config_dir), args.dtype, max(args.npl), args.pp, args.tg,
-                                      kv_cache_memory=kv_gib, device=args.device, load_format="dummy",
-                                      **MODES[mode])
         try:
-            rng, vocab = random.Random(args.seed), engine.hf_config.vocab_size
-            for b in args.npl:  # warm-up at every measured shape
-                batched.timed_run(engine, batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)
-            for b in args.npl:
-                figures, before = [], dict(engine.stats())
-                for _ in range(args.repeats):
-                    prompts = batched.random_prompts(rng, b, args.pp, vocab, False)
-                    figures.append(batched.batched_row(args.pp, args.tg, b, *batched.timed_run(engine, prompts,
-                                                                                               args.tg)))
-                after = engine.stats()
-                decode_steps = sum(after[k] - before[k] for k in ("step_reuse_hits", "step_reuse_misses"))
-                row = {"shape": shape, "B": b, "engine": f"pagellm-{mode}", "PP": args.pp, "TG": args.tg,
-                       **{k: statistics.median(r[k] for r in figures) for k in ("S_PP", "S_TG")},
-                       "graph_replay_rate": (after["decode_graph_replays"] - before["decode_graph_replays"])
-                       / max(decode_steps, 1),
-                       "gpu_idle_ms_per_step": gpu_idle_ms_per_step(
-                           engine, batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)}
-                print(f"  {shape} B={b} pagellm-{mode}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}",
-                      file=sys.stderr)
-                rows.append(row)
-        finally:
-            engine.shutdown()
-            del engine
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            rows += _mode_rows(args, shape, config_dir, kv_gib, mode)
+        except Exception as e:  # noqa: BLE001 - one mode's failure (a capture, say) must not lose the others
+            errors[f"{shape} pagellm-{mode}"] = f"{type(e).__name__}: {e}"
+            print(f"  {shape} pagellm-{mode}: not measured: {type(e).__name__}: {e}", file=sys.stderr)
+    return rows
+
+
+def _mode_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: float, mode: str) -> list[dict]:
+    rows = []
+    engine = batched.build_engine(str(config_dir), args.dtype, max(args.npl), args.pp, args.tg,
+                                  kv_cache_memory=kv_gib, device=args.device, load_format="dummy", **MODES[mode])
+    try:
+        rng, vocab = random.Random(args.seed), engine.hf_config.vocab_size
+        for b in args.npl:  # warm-up at every measured shape
+            batched.timed_run(engine, batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)
+        for b in args.npl:
+            figures, before = [], dict(engine.stats())
+            for _ in range(args.repeats):
+                prompts = batched.random_prompts(rng, b, args.pp, vocab, False)
+                figures.append(batched.batched_row(args.pp, args.tg, b, *batched.timed_run(engine, prompts,
+                                                                                           args.tg)))
+            after = engine.stats()
+            decode_steps = sum(after[k] - before[k] for k in ("step_reuse_hits", "step_reuse_misses"))
+            row = {"shape": shape, "B": b, "engine": f"pagellm-{mode}", "PP": args.pp, "TG": args.tg,
+                   **{k: statistics.median(r[k] for r in figures) for k in ("S_PP", "S_TG")},
+                   "graph_replay_rate": (after["decode_graph_replays"] - before["decode_graph_replays"])
+                   / max(decode_steps, 1),
+                   "gpu_idle_ms_per_step": gpu_idle_ms_per_step(
+                       engine, batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)}
+            print(f"  {shape} B={b} pagellm-{mode}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}",
+                  file=sys.stderr)
+            rows.append(row)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -157,19 +177,41 @@ def gpu_idle_ms_per_step(engine, prompts: list[list[int]], tg: int, window: int 
     return max(wall_us - busy_us, 0.0) / window / 1e3
 
 
-def serving(args: argparse.Namespace) -> dict:
+def serving_model(directory: Path, shape: dict) -> Path:
+    """A --load-format dummy model of `shape` with a byte-level BPE tokenizer trained on the workload's text and
+    the vocabulary cut to it: a device machine has no room for a real file, and its ids must all decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    from pagellm.bench import serve
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([serve.SEED_TEXT] * 4, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>").save_pretrained(directory)
+    LlamaConfig(**{**shape, "vocab_size": tokenizer.get_vocab_size()}, max_position_embeddings=4096,
+                architectures=["LlamaForCausalLM"], tie_word_embeddings=False, bos_token_id=0,
+                eos_token_id=1).save_pretrained(directory)
+    return directory
+
+
+def serving(args: argparse.Namespace, model: Path) -> dict:
     """A short `bench serve` run (streaming clients, Poisson arrivals) against `pagellm serve` on the device with
-    the embedded model, eager and each mode: throughput, TTFT and what the server counted."""
+    `model` (random weights), eager and each mode: throughput, TTFT and what the server counted."""
     from pagellm.bench import serve
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the results
-    tokenizer = serve.client_tokenizer(None)
+    tokenizer = serve.client_tokenizer(str(model))
     options = SimpleNamespace(workload="text", text=None, num_prompts=args.serve_prompts, shared_prefix_len=64,
                               seed=args.seed, request_rate=args.serve_rate, output_len=args.tg, concurrency=None)
     prompts = serve.workload_prompts(options, tokenizer)
     results = {}
     for mode in ["eager", *modes_for(args.device)]:
-        server = serve.pagellm_server(["--device", args.device, "--max-num-seqs", "16", *SERVE_FLAGS.get(mode, [])])
+        server = serve.pagellm_server(["--model", str(model), "--load-format", "dummy", "--device", args.device,
+                                       "--max-num-seqs", "16", "--kv-cache-memory", "4", *SERVE_FLAGS.get(mode, [])])
         try:
             server.start()
             summary, runs, _ = serve.run(server.url, options, {}, tokenizer, prompts)

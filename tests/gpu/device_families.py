@@ -56,11 +56,26 @@ def check(family: str, device: str) -> bool:
                 first = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), N) for g, w in zip(got, want)]
                 line.append(f"{dtype}: {same}/{len(want)} identical, first divergence {first}")
                 del llm
+                if dtype == "float32" and torch.device(device).type == "cuda":
+                    line.append(graphs_line(tmp, device, got, family in TINY_CONFIGS))
             print(" | ".join(line), f"({time.perf_counter() - t:.1f}s)", flush=True)
-            return line[1].startswith(f"float32: {len(PROMPTS)}/")
+            graphs_ok = all(f": {len(PROMPTS)}/{len(PROMPTS)} as eager" in part for part in line[3:])
+            return line[1].startswith(f"float32: {len(PROMPTS)}/") and graphs_ok
         except Exception as e:  # noqa: BLE001 - one family's failure must not hide the others'
             print(family, "FAILED", type(e).__name__, str(e)[:300], flush=True)
             return False
+
+
+def graphs_line(model: str, device: str, eager: list[list[int]], recurrent_free: bool) -> str:
+    """fp32 ids with the decode graphs captured (and async scheduling where the model allows it) against eager's:
+    what the default step mode must give."""
+    llm = LLM(model=model, skip_tokenizer_init=True, block_size=16, device=device, dtype="float32",
+              kv_cache_memory=0.05, enforce_eager=False, async_scheduling=recurrent_free)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    stats = llm.stats()
+    same = sum(o.outputs[0].token_ids == e for o, e in zip(outs, eager))
+    return (f"graphs{'+async' if recurrent_free else ''}: {same}/{len(eager)} as eager, "
+            f"{stats['decode_graph_replays']} replays ({stats['decode_graphs']})")
 
 
 if __name__ == "__main__":
