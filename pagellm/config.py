@@ -50,13 +50,15 @@ class ModelConfig(_FromDict):
     )
 
     enforce_eager: bool | None = _help(
-        "Run every step eagerly, without CUDA graphs (vLLM's flag). Unset: eager, because the decode graphs have "
-        "not yet been checked on a GPU (docs/PERFORMANCE.md); --no-enforce-eager captures them (CUDA only).",
+        "Run every step eagerly, without CUDA graphs (vLLM's flag). Unset: on CUDA the pure-decode steps replay "
+        "graphs captured at start where the model allows it (one device, a dense or sliding-window attention "
+        "model; a capture that fails falls back to eager with a warning), elsewhere eager. --no-enforce-eager "
+        "insists on them (CUDA only; a failed capture is then an error).",
         default=None)
     cuda_graph_sizes: tuple[int, ...] = _help(
-        "Batch sizes the decode graphs are captured at (with --no-enforce-eager): a decode step of B requests runs "
-        "at the smallest size >= B, a larger one eagerly; sizes above max_num_seqs are dropped. Empty (the "
-        "default): 1, 2, 4, then every 8 up to max_num_seqs, as vLLM captures.", default=())
+        "Batch sizes the decode graphs are captured at (on CUDA, unless --enforce-eager): a decode step of B "
+        "requests runs at the smallest size >= B, a larger one eagerly; sizes above max_num_seqs are dropped. "
+        "Empty (the default): 1, 2, 4, then every 8 up to max_num_seqs, as vLLM captures.", default=())
     cache_dir: str = _help(
         "Where what is derived from a model file at load (its converted tokenizer) is kept, keyed by the file's "
         "content; empty: nothing is kept. Default: $PAGELLM_CACHE_DIR, else $XDG_CACHE_HOME/pagellm, else "
@@ -81,8 +83,14 @@ class ModelConfig(_FromDict):
         object.__setattr__(self, "cuda_graph_sizes", sizes)  # a list from a config file or the CLI, ascending
         if self.enforce_eager is False and self.device.split(":")[0] != "cuda":
             raise ValueError(f"enforce_eager=False captures CUDA graphs; device {self.device!r} has none")
-        if sizes and self.enforce_eager is not False:
-            raise ValueError("cuda_graph_sizes are the decode graphs' sizes: they need enforce_eager=False")
+        if sizes and (self.enforce_eager or self.device.split(":")[0] != "cuda"):
+            raise ValueError("cuda_graph_sizes are the decode graphs' sizes: they need a CUDA device and no "
+                             "enforce_eager")
+
+    @property
+    def decode_graphs(self) -> bool:
+        """Capture the decode graphs: asked for, or unset on CUDA."""
+        return self.enforce_eager is False or (self.enforce_eager is None and self.device.split(":")[0] == "cuda")
 
 
 @dataclass(frozen=True)
@@ -143,12 +151,13 @@ class SchedulerConfig(_FromDict):
     decode_stable_interval: int = _help(
         "Opt-in decode-stable mode: with decodes running, admit prefill only every K steps (0 = off).", default=0
     )
-    async_scheduling: bool = _help(
+    async_scheduling: bool | None = _help(
         "Schedule and launch each step while the previous one runs on the device, its decodes fed the tokens "
         "still on their way (vLLM's flag). The same greedy ids; a request that stops costs one dropped token. "
-        "Steps of requests with penalties or structured output wait as before. Off by default: not yet measured "
-        "on a GPU, and on a CPU nothing overlaps. Not with tensor parallel or recurrent-state models.",
-        default=False)
+        "Steps of requests with penalties or structured output wait as before. Unset: on where the decode steps "
+        "replay CUDA graphs, off elsewhere (an eager step keeps the host busy, and on a CPU nothing overlaps: "
+        "docs/PERFORMANCE.md). Not with tensor parallel or recurrent-state models.",
+        default=None)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "n_ubatch"):

@@ -87,6 +87,8 @@ class LLMEngine:
         self.counters = EngineStats()
         # Async scheduling: the step launched ahead, whose tokens the next step() reads back.
         self._async = config.scheduler.async_scheduling
+        if self._async is None:  # unset: where it pays, a graph-replayed decode (measured: docs/PERFORMANCE.md)
+            self._async = self.runner.decode_graphs is not None and self.device.type == "cuda"
         self._in_flight: InFlightStep | None = None
         freeze_loaded_objects()
         keep_step_buffers_in_heap(config.kernels.heap_tuning)
@@ -114,7 +116,7 @@ class LLMEngine:
         self.max_model_len = min(mc.max_model_len or context, context)
         num_blocks = self._kv_blocks(before, logits)
         self.state_pool = self._make_state_pool()
-        if config.scheduler.async_scheduling and self.state_pool is not None:
+        if config.scheduler.async_scheduling is True and self.state_pool is not None:
             raise ValueError(f"async_scheduling: {type(self.model).__name__} keeps recurrent state, whose prefix "
                              "snapshots settle only once a step is read back; run it without")
         # Hybrid models: a prefix hit must also restore the recurrent state after the prefix, so their
@@ -131,7 +133,8 @@ class LLMEngine:
                                   num_snapshot_slots=setup.num_snapshot_slots, grammars=self.grammars,
                                   logits=logits, kernels=config.kernels, compute_dtype=self.dtype,
                                   all_reduce=parallel.all_reduce_ if parallel is not None else None,
-                                  decode_graphs=mc.enforce_eager is False, decode_buckets=mc.cuda_graph_sizes)
+                                  decode_graphs=mc.decode_graphs, graphs_required=mc.enforce_eager is False,
+                                  decode_buckets=mc.cuda_graph_sizes)
         self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
                        "model_file_bytes": self.model_path.stat().st_size if self.model_path.is_file() else None}
 
@@ -367,5 +370,6 @@ class LLMEngine:
         stats["layers"] = self.runner.plan.description  # bound to the kernels, or modules and why
         graphs = self.runner.decode_graphs
         stats["decode_graphs"] = "off (eager)" if graphs is None else graphs.summary
+        stats["async_scheduling"] = self._async
         stats.update(self.memory)  # weights, and the process with its KV pool still empty, as loaded
         return stats

@@ -31,7 +31,7 @@ class LLM:
         max_model_len: int | None = None,
         n_ubatch: int = 64,
         decode_stable_interval: int = 0,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         device: str = "cpu",
         skip_tokenizer_init: bool = False,
         quantization: str = "auto",

@@ -117,6 +117,22 @@ def test_async_scheduling_is_refused_where_it_cannot_run(tmp_path):
     write_hybrid_checkpoint("qwen3-next", tmp_path)
     with pytest.raises(ValueError, match="async_scheduling: .* keeps recurrent state"):
         LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, async_scheduling=True)
+    with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01) as llm:  # unset: off, no error
+        assert llm.stats()["async_scheduling"] is False
+
+
+def test_unset_async_scheduling_follows_the_decode_graphs(checkpoint):
+    """Unset, steps overlap only where decodes replay CUDA graphs (an eager step keeps the host busy): on a CPU
+    they never do; asked for, they overlap on a CPU too."""
+    with LLM(str(checkpoint), skip_tokenizer_init=True, kv_cache_memory=0.01) as llm:
+        llm.generate([[5, 6, 7]], _greedy(4), use_tqdm=False)
+        stats = llm.stats()
+    assert stats["async_scheduling"] is False and stats["steps_launched_ahead"] == 0
+    assert stats["decode_graphs"] == "off (eager)"
+    with LLM(str(checkpoint), skip_tokenizer_init=True, kv_cache_memory=0.01, async_scheduling=True) as llm:
+        llm.generate([[5, 6, 7]], _greedy(4), use_tqdm=False)
+        stats = llm.stats()
+    assert stats["async_scheduling"] is True and stats["steps_launched_ahead"] > 0
 
 
 @pytest.mark.parametrize("failing", ["launch", "collect"])

@@ -161,10 +161,18 @@ def test_decode_graph_flags_reach_the_config_and_are_checked():
     model = engine_config_from_args(args).model
     assert model.enforce_eager is False and model.cuda_graph_sizes == (1, 4, 8)  # ascending, once each
     assert engine_config_from_args(build_parser().parse_args(["serve"])).model.enforce_eager is None
+    # unset: graphs on CUDA (measured on an H200), none elsewhere; --enforce-eager turns them off
+    assert ModelConfig(device="cuda").decode_graphs and ModelConfig(device="cuda:1").decode_graphs
+    assert not ModelConfig().decode_graphs and not ModelConfig(device="cuda", enforce_eager=True).decode_graphs
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--device", "cuda", "--enforce-eager"])
+                                   ).model.decode_graphs is False
+    assert ModelConfig(device="cuda", cuda_graph_sizes=(2, 1)).cuda_graph_sizes == (1, 2)
     with pytest.raises(ValueError, match="device 'cpu' has none"):
         ModelConfig(enforce_eager=False)
-    with pytest.raises(ValueError, match="need enforce_eager=False"):
-        ModelConfig(device="cuda", cuda_graph_sizes=(1, 2))
+    with pytest.raises(ValueError, match="need a CUDA device and no enforce_eager"):
+        ModelConfig(device="cuda", enforce_eager=True, cuda_graph_sizes=(1, 2))
+    with pytest.raises(ValueError, match="need a CUDA device and no enforce_eager"):
+        ModelConfig(cuda_graph_sizes=(1, 2))
     with pytest.raises(ValueError, match="integers >= 1"):
         ModelConfig(device="cuda", enforce_eager=False, cuda_graph_sizes=(0, 2))
     assert ModelConfig.from_dict({"device": "cuda:1", "enforce_eager": False,

@@ -38,6 +38,9 @@ class AttentionMetadata:
     # Hybrid models with prefix caching: (b, p, row) = copy request b's state after its first p
     # tokens (a block boundary inside this step's chunk) into state row `row` (a snapshot row).
     snapshot_writes: tuple[tuple[int, int, int], ...] = ()
+    # Built for a CUDA graph's capture: its replays run the kernels' launch choices for other contexts, so the
+    # kernels make them from shapes alone (kernels/triton_attention.py), not from the host values above.
+    for_graph: bool = False
 
     @property
     def query_lens_host(self) -> tuple[int, ...]:

@@ -192,8 +192,8 @@ def paged_attention_triton(
     num_splits: int | None = None,
 ) -> torch.Tensor:  # [T, H_q, D]
     """The Triton kernel over one step; the same contract as kernels/attention.paged_attention_reference.
-    num_splits: of each decode's keys (None: decode_splits for this GPU in a pure decode step whose longest context
-    reaches SPLIT_MIN_CONTEXT, else 1)."""
+    num_splits: of each decode's keys (None: decode_splits for this GPU in a pure decode step captured for a graph
+    or whose longest context reaches SPLIT_MIN_CONTEXT, else 1)."""
     num_tokens, num_heads, _ = query.shape
     num_kv_heads = key_cache.shape[2]
     block_g = triton.next_power_of_2(max(1, num_heads // num_kv_heads))  # shapes checked by _launch
@@ -202,9 +202,11 @@ def paged_attention_triton(
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
-    if num_splits is None:  # eager: split only where it pays (a captured graph would pass its bucket's count)
-        long_enough = meta.is_pure_decode and max(meta.seq_lens_host) >= SPLIT_MIN_CONTEXT
-        num_splits = decode_splits(meta.num_seqs, num_kv_heads, _multiprocessors(query.device)) if long_enough else 1
+    if num_splits is None:
+        # eager: split only where it pays (the reduce's launch costs the host more than short contexts gain);
+        # a graph replays one choice for every context, and a replay launches the reduce at no host cost
+        split = meta.is_pure_decode and (meta.for_graph or max(meta.seq_lens_host) >= SPLIT_MIN_CONTEXT)
+        num_splits = decode_splits(meta.num_seqs, num_kv_heads, _multiprocessors(query.device)) if split else 1
     _launch(out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.num_seqs, meta.block_size, block_m, scale, sliding_window or 0, logits_soft_cap or 0.0, num_splits)
     return out

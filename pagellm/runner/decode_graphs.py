@@ -9,12 +9,12 @@ Why: an eager decode step is bound by the host, not the GPU: Python and a launch
               bucket's hidden states read from the graph's output
 
 What is captured is the bound forward, embedding to the final norm; logits and sampling stay eager. The Triton
-attention's host-side choices are fixed at capture (a pure-decode tile, no key split: the capture's contexts
-are one token). A new plan (runner.replan) drops the graphs: they hold the old plan's kernels and tensors.
+attention's host-side choices are fixed at capture from shapes alone (a pure-decode tile, key splits by the
+bucket: the capture's metadata says `for_graph`, its contexts are one token). A new plan (runner.replan) drops the graphs: they hold the old plan's kernels and tensors.
 
 On a CPU nothing is captured and the same padded buffers run eagerly; a test replays a stand-in graph that
-reruns the recorded forward over the same tensors, which is what a CUDA graph's replay reads.
-Not yet run on a GPU.
+reruns the recorded forward over the same tensors, which is what a CUDA graph's replay reads. On an H200 the
+replayed steps gave eager's greedy ids (docs/benchmarks/2026-11-26-gpu-decode-graphs.md).
 """
 
 from __future__ import annotations
@@ -89,6 +89,21 @@ class DecodeGraphs:
     def drop(self) -> None:
         self.graphs.clear()
         self.summary = "dropped by a new layer plan"
+
+
+def capture_or_run_eagerly(graphs: DecodeGraphs, recorder, required: bool) -> DecodeGraphs | None:
+    """The graphs captured; a capture that fails raises if they were asked for, else warns and gives None (the
+    model still serves, eagerly)."""
+    try:
+        graphs.capture(recorder)
+    except RuntimeError as exc:
+        graphs.graphs.clear()  # what was captured before the failure holds pool memory
+        if required:
+            raise RuntimeError(f"capturing the decode graphs failed ({exc}); --enforce-eager runs without "
+                               "them") from exc
+        logger.warning("decode graphs: capture failed (%s); running eagerly", exc)
+        return None
+    return graphs
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:

@@ -26,6 +26,8 @@ padded: on CPU eager each padded row costs a full row of compute.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagellm.core.types import ScheduledRequest
@@ -104,7 +106,8 @@ class DecodeInputs:
         over (the buffers' addresses, as every later step of that bucket fills them). The next step rebuilds."""
         self.invalidate()
         self._pad(0, bucket)
-        return self.input_ids[:bucket], self.positions[:bucket], self._step_meta(bucket, (1,) * bucket, None)
+        meta = dataclasses.replace(self._step_meta(bucket, (1,) * bucket, None), for_graph=True)
+        return self.input_ids[:bucket], self.positions[:bucket], meta
 
     def _step_meta(self, rows_run: int, seq_lens_host: tuple[int, ...], state_slots_host) -> AttentionMetadata:
         """The metadata of the first `rows_run` rows as the buffers hold them, slot_mapping computed on the device."""

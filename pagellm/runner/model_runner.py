@@ -23,7 +23,7 @@ from pagellm.core.transfers import to_device
 from pagellm.config import KernelConfig
 from pagellm.kernels import native
 from pagellm.models.bound_layers import LayerPlan, PlanSettings, activation_dtype, plan_model
-from pagellm.runner.decode_graphs import CudaGraphRecorder, DecodeGraphs, default_buckets
+from pagellm.runner.decode_graphs import CudaGraphRecorder, DecodeGraphs, capture_or_run_eagerly, default_buckets
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import Grammars
 from pagellm.runner.input_batch import InputBatch, SlotState
@@ -61,13 +61,15 @@ class ModelRunner:
                  logits: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: KernelConfig | None = None,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  compute_dtype: torch.dtype | None = None, decode_buckets: tuple[int, ...] = (),
-                 max_blocks_per_seq: int | None = None, decode_graphs: bool = False):
+                 max_blocks_per_seq: int | None = None, decode_graphs: bool = False,
+                 graphs_required: bool = False):
         """decode_buckets: the batch sizes pure-decode steps are padded to (runner/decode_inputs.py; empty: none),
         their padded rows in one scratch KV block past the pool's `num_blocks`; max_blocks_per_seq: a request's
         most blocks (the padded steps' fixed table width; default the pool). decode_graphs: replay the bound
         forward of those steps from CUDA graphs (runner/decode_graphs.py; buckets default_buckets unless given):
         on CUDA captured here, on a CPU the same buffers run eagerly; a model without a bound plan, with
-        recurrent state, or tensor parallel runs every step eagerly."""
+        recurrent state, or tensor parallel runs every step eagerly; a capture that fails raises if
+        graphs_required, else warns and runs eagerly."""
         self.model = model
         # [N, E] -> [N, V] fp32. `logits` when tensor parallel splits the LM head (distributed/sharding.py):
         # then every rank runs every logits pass, and the head rank gets them gathered.
@@ -114,11 +116,8 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self._bound_forward, self.decode_inputs)
             if device.type == "cuda":
                 with torch.inference_mode():  # as every step runs
-                    try:
-                        self.decode_graphs.capture(CudaGraphRecorder())
-                    except RuntimeError as exc:
-                        raise RuntimeError(f"capturing the decode graphs failed ({exc}); --enforce-eager runs "
-                                           "without them") from exc
+                    self.decode_graphs = capture_or_run_eagerly(self.decode_graphs, CudaGraphRecorder(),
+                                                                graphs_required)
 
     def _bound_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model(input_ids, positions, meta, plan=self.plan.bound)

@@ -8,6 +8,7 @@ upper-bound grid, block-table reads, masks, GQA packing, online softmax.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -117,9 +118,10 @@ def test_split_kv_decode_matches_the_reference(config, splits):
     torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
 
 
-def test_eager_decodes_split_only_long_contexts(monkeypatch):
-    """On a GPU of 132 multiprocessors: a decode whose longest context is under SPLIT_MIN_CONTEXT runs one pass, a
-    longer one is split and joined by the reduce kernel; both equal the reference."""
+def test_eager_decodes_split_only_long_contexts_and_graph_captures_always(monkeypatch):
+    """On a GPU of 132 multiprocessors: an eager decode whose longest context is under SPLIT_MIN_CONTEXT runs one
+    pass, a longer one is split and joined by the reduce kernel; a decode captured for a graph is split whatever
+    its contexts (its replays see every length); all equal the reference."""
     launches = []
     reduce = triton_attention._reduce_splits_kernel
 
@@ -130,11 +132,13 @@ def test_eager_decodes_split_only_long_contexts(monkeypatch):
 
     monkeypatch.setattr(triton_attention, "_reduce_splits_kernel", Spy())
     monkeypatch.setattr(triton_attention, "_multiprocessors", lambda device: 132)
-    for longest, splits in ((triton_attention.SPLIT_MIN_CONTEXT - 1, 0), (triton_attention.SPLIT_MIN_CONTEXT, 1)):
+    cases = ((triton_attention.SPLIT_MIN_CONTEXT - 1, False, 0), (triton_attention.SPLIT_MIN_CONTEXT, False, 1),
+             (40, True, 2))
+    for longest, for_graph, splits in cases:
         case = make_case([1, 1], [longest, 5], 2, 1, 16, 64, torch.float32)
+        meta = dataclasses.replace(_meta_on(case.meta, DEVICE), for_graph=for_graph)
         got = triton_attention.paged_attention_triton(case.query.to(DEVICE), case.key_cache.to(DEVICE),
-                                                      case.value_cache.to(DEVICE), _meta_on(case.meta, DEVICE),
-                                                      case.scale).cpu()
+                                                      case.value_cache.to(DEVICE), meta, case.scale).cpu()
         exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
                                                     case.value_cache.double(), case.meta, case.scale)
         torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)

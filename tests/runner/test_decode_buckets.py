@@ -4,12 +4,15 @@ caching, chunked prefill and preemption."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import pagellm.engine as engine_module
 from pagellm import LLM, SamplingParams
 from pagellm.core.types import ScheduledRequest
+from pagellm.runner.decode_graphs import capture_or_run_eagerly
 from pagellm.runner.decode_inputs import DecodeInputs
 from pagellm.runner.input_batch import SlotState
 from pagellm.runner.model_runner import ModelRunner
@@ -114,9 +117,12 @@ def test_decode_steps_replayed_from_recorded_graphs_give_the_same_ids(tmp_path, 
     with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, max_num_seqs=8) as llm:
         graphs = llm.engine.runner.decode_graphs
         assert llm.engine.runner.decode_inputs.buckets == (1, 2, 4, 8) and graphs.graphs == {}  # CPU: none
-        recorder = ReplayingRecorder()
+        recorder, forward, captured_for_graph = ReplayingRecorder(), graphs.forward, []
+        graphs.forward = lambda ids, pos, meta: captured_for_graph.append(meta.for_graph) or forward(ids, pos, meta)
         graphs.capture(recorder)
+        graphs.forward = forward
         assert recorder.recorded == 4 and sorted(graphs.graphs) == [1, 2, 4, 8]
+        assert captured_for_graph == [True] * 4  # the kernels choose launch shapes a replay can reuse
         ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         replays, stats = graphs.replays, llm.stats()
         llm.engine.runner.replan()  # a new plan: the graphs held the old one's kernels
@@ -139,3 +145,25 @@ def test_default_buckets_pad_a_step_by_at_most_seven_rows():
 
     assert default_buckets(1) == (1,) and default_buckets(6) == (1, 2, 4, 6)
     assert default_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+
+
+class FailingRecorder(ReplayingRecorder):
+    def record(self, fn):
+        if self.recorded == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().record(fn)
+
+
+def test_a_failed_capture_runs_eagerly_unless_graphs_were_asked_for(tmp_path, monkeypatch, caplog):
+    """enforce_eager unset: a forward that cannot be captured warns and serves eagerly, the buckets captured before
+    the failure dropped; enforce_eager=False: the failure stops the start, naming --enforce-eager."""
+    write_tiny_checkpoint("llama", tmp_path)
+    monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True))
+    with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, max_num_seqs=8) as llm:
+        graphs = llm.engine.runner.decode_graphs
+        with caplog.at_level(logging.WARNING, logger="pagellm.runner"):
+            assert capture_or_run_eagerly(graphs, FailingRecorder(), required=False) is None
+        assert graphs.graphs == {} and "capture failed (operation not permitted" in caplog.text
+        with pytest.raises(RuntimeError, match="--enforce-eager runs without them"):
+            capture_or_run_eagerly(graphs, FailingRecorder(), required=True)
+        assert graphs.graphs == {}
