@@ -175,8 +175,7 @@ def run() -> None:
     """Console entry point: run a command, then leave without interpreter teardown.
 
     Some paths still import torch._dynamo, which loads triton: transformers' modeling code (`pagellm bench`'s
-    HF peer) and the config classes of some families pagellm does not declare itself (loader/hf_configs.py);
-    at teardown triton's nanobind bindings print hundreds of "leaked function" lines to stderr. The
+    HF peer) and its tokenizer conversion on a start-up cache miss (loader/tokenizer_conversion.py); at teardown triton's nanobind bindings print hundreds of "leaked function" lines to stderr. The
     command's work is complete and flushed by then, so skipping teardown loses nothing.
     """
     code = main()

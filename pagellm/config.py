@@ -53,7 +53,8 @@ class ModelConfig(_FromDict):
         "Run every step eagerly, without CUDA graphs (vLLM's flag). Unset: on CUDA the pure-decode steps replay "
         "graphs captured at start where the model allows it (one device, a dense or sliding-window attention "
         "model; a capture that fails falls back to eager with a warning), elsewhere eager. --no-enforce-eager "
-        "insists on them (CUDA only; a failed capture is then an error).",
+        "insists on them (CUDA only; a failed capture is then an error). MoE and recurrent-state models and "
+        "tensor parallel have no decode graphs yet: they run eagerly either way.",
         default=None)
     cuda_graph_sizes: tuple[int, ...] = _help(
         "Batch sizes the decode graphs are captured at (on CUDA, unless --enforce-eager): a decode step of B "

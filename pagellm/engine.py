@@ -134,7 +134,8 @@ class LLMEngine:
                                   logits=logits, kernels=config.kernels, compute_dtype=self.dtype,
                                   all_reduce=parallel.all_reduce_ if parallel is not None else None,
                                   decode_graphs=mc.decode_graphs, graphs_required=mc.enforce_eager is False,
-                                  decode_buckets=mc.cuda_graph_sizes)
+                                  decode_buckets=mc.cuda_graph_sizes,
+                                  max_blocks_per_seq=-(-self.max_model_len // cc.block_size))
         self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
                        "model_file_bytes": self.model_path.stat().st_size if self.model_path.is_file() else None}
 

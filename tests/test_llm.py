@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.bench.peers import transformers_config
 from pagellm.loader.model_loader import checkpoint_state_dict
 
 PROMPTS = [
@@ -60,7 +61,8 @@ def test_greedy_matches_live_hf_transformers_on_the_same_gguf(dense):
     from transformers import AutoModelForCausalLM
 
     ids_of_ours = [out.outputs[0].token_ids for out in dense.generate(PROMPTS[:3], GREEDY, use_tqdm=False)]
-    hf = AutoModelForCausalLM.from_config(dense.engine.hf_config, dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_config(transformers_config(dense.engine.hf_config), dtype=torch.float32,
+                                          attn_implementation="eager")
     missing, unexpected = hf.load_state_dict(checkpoint_state_dict(dense.engine.model), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     hf.tie_weights()
@@ -182,7 +184,7 @@ def test_bad_input_is_a_clear_error(llm):
 
 
 def test_no_block_leaks_after_generate_and_abort(llm):
-    rid = llm.engine.add_request("abort me please", SamplingParams(max_tokens=50))
+    rid = llm.engine.add_request("abort me please", SamplingParams(max_tokens=50, ignore_eos=True))  # no early stop
     llm.engine.step()
     assert llm.stats()["kv_blocks_used"] > 0
     assert llm.engine.abort(rid)

@@ -67,7 +67,7 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  parallel: ParallelConfig | None = None, cpu_isa: str | None = None,
                  with_tokenizer: bool = False, device: str = "cpu", load_format: str = "auto",
-                 enforce_eager: bool | None = None, async_scheduling: bool = False) -> LLMEngine:
+                 enforce_eager: bool | None = None, async_scheduling: bool | None = None) -> LLMEngine:
     """An engine that holds `max_batch` sequences at once; no tokenizer (benches feed token ids) unless
     grammars need its vocabulary; its max_model_len is what the longest sequence needs, so a KV budget sized for
     the bench's sequences holds one)."""

@@ -38,6 +38,11 @@ def _add_device(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights from --model's config.json, any shape without its weights "
                              "(vLLM's flag)")
+    # unset, both follow the device as `pagellm serve` does (graphs and async on CUDA): the default is measured
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="no decode CUDA graphs (default: graphs on CUDA)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch each step before the last one's tokens are read (default: where graphs replay)")
 
 
 def add_bench_parser(subparsers) -> None:
@@ -204,6 +209,7 @@ def _run_batched(args: argparse.Namespace) -> int:
                                   kv_cache_dtype=args.kv_cache_dtype,
                                   quantization=args.quantization, cpu_isa=args.cpu_isa,
                                   device=args.device, load_format=args.load_format,
+                                  enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_prefix_caching=args.enable_prefix_caching,
                                   parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
@@ -261,7 +267,8 @@ def _report_batched(args: argparse.Namespace, engine) -> int:
         f"{k} {stats[k]:.2f}" if isinstance(stats[k], float) else f"{k} {stats[k]}"
         for k in ("num_steps", "host_ms_per_step", "input_copy_ms_per_step", "model_ms_per_step",
                   "sample_ms_per_step", "host_syncs_per_step", "step_reuse_hits", "step_reuse_misses",
-                  "step_reuse_rate", "step_message_bytes_per_step")))
+                  "step_reuse_rate", "step_message_bytes_per_step", "async_scheduling", "steps_launched_ahead",
+                  "decode_graphs")))
     if args.out:
         report.write_rows(args.out, rows)
         print(f"wrote {args.out}")

@@ -76,7 +76,8 @@ def parity(device: str, directory: Path) -> dict:
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.uniform_(-0.1, 0.1, generator=generator)
-    hf = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_config(peers.transformers_config(model.config), dtype=torch.float32,
+                                          attn_implementation="eager")
     missing, unexpected = hf.load_state_dict(checkpoint_state_dict(model), strict=False)
     if missing or unexpected:
         raise ValueError(f"HF model does not match pagellm's weights: missing {missing}, unexpected {unexpected}")
@@ -193,9 +194,9 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
     """llama-batched-bench rows of each engine at one shape: medians of --repeats, engines alternating."""
     engine = batched.build_engine(str(write_shape(shape, directory)), args.dtype, max(args.npl), args.pp, args.tg,
                                   kv_cache_memory=args.kv_cache_memory or kv_gib(shape, args), device=args.device,
-                                  load_format="dummy")
+                                  load_format="dummy", **device_steps.MODES["eager"])
     try:
-        runners, model = {"pagellm": functools.partial(batched.timed_run, engine)}, None
+        runners, model = {"pagellm-eager": functools.partial(batched.timed_run, engine)}, None
         for peer in args.peers:
             hf = peers.HFTransformersPeer(engine, static=peer == "hf-static", model=model)
             runners[hf.name], model = hf.run, hf.model  # one HF model on pagellm's tensors serves both peers
@@ -216,7 +217,7 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
         engine.shutdown()
     return [{"shape": shape, "B": b, "engine": name, "PP": args.pp, "TG": args.tg,
              **{k: statistics.median(r[k] for r in rows) for k in ("S_PP", "S_TG")},
-             "gpu_idle_ms_per_step": idle[b] if name == "pagellm" else None}
+             "gpu_idle_ms_per_step": idle[b] if name == "pagellm-eager" else None}
             for (name, b), rows in figures.items()]
 
 

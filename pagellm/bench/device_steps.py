@@ -29,14 +29,20 @@ import torch
 
 from pagellm.bench import batched
 
-MODES = {"graphs": {"enforce_eager": False}, "async": {"async_scheduling": True},
+# Every mode says both settings: unset, they follow the device (graphs and async on CUDA)
+MODES = {"eager": {"enforce_eager": True, "async_scheduling": False},
+         "graphs": {"enforce_eager": False, "async_scheduling": False},
+         "async": {"enforce_eager": True, "async_scheduling": True},
          "graphs-async": {"enforce_eager": False, "async_scheduling": True}}
-SERVE_FLAGS = {"graphs": ["--no-enforce-eager"], "async": ["--async-scheduling"],
+SERVE_FLAGS = {"eager": ["--enforce-eager", "--no-async-scheduling"],
+               "graphs": ["--no-enforce-eager", "--no-async-scheduling"],
+               "async": ["--enforce-eager", "--async-scheduling"],
                "graphs-async": ["--no-enforce-eager", "--async-scheduling"]}
 
 
 def modes_for(device: str) -> list[str]:
-    return list(MODES) if torch.device(device).type == "cuda" else ["async"]
+    """The modes beside eager: graphs exist only on CUDA."""
+    return [m for m in MODES if m != "eager"] if torch.device(device).type == "cuda" else ["async"]
 
 
 def same_ids(device: str, weights: Path) -> dict:
@@ -51,7 +57,7 @@ def same_ids(device: str, weights: Path) -> dict:
     for mode in ["eager", *modes_for(device)]:
         try:
             with LLM(str(weights), skip_tokenizer_init=True, device=device, dtype="float32", kv_cache_memory=0.05,
-                     max_num_seqs=8, **MODES.get(mode, {})) as llm:
+                     max_num_seqs=8, **MODES[mode]) as llm:
                 engine, prompts, finished, step = llm.engine, {}, {}, 0
                 with _flagged_syncs(device) as flagged:
                     while step <= max(script) or engine.has_unfinished_requests():
@@ -211,7 +217,7 @@ def serving(args: argparse.Namespace, model: Path) -> dict:
     results = {}
     for mode in ["eager", *modes_for(args.device)]:
         server = serve.pagellm_server(["--model", str(model), "--load-format", "dummy", "--device", args.device,
-                                       "--max-num-seqs", "16", "--kv-cache-memory", "4", *SERVE_FLAGS.get(mode, [])])
+                                       "--max-num-seqs", "16", "--kv-cache-memory", "4", *SERVE_FLAGS[mode]])
         try:
             server.start()
             summary, runs, _ = serve.run(server.url, options, {}, tokenizer, prompts)

@@ -47,7 +47,8 @@ class HFTransformersPeer:
         from transformers import AutoModelForCausalLM
 
         with torch.device(engine.device):  # its init and buffers on the device (on the CPU: slow, and copied)
-            model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(transformers_config(engine.hf_config), dtype=engine.dtype,
+                                                     attn_implementation="sdpa")
         # assign=True: HF's parameters become pagellm's tensors, so the weights are not held twice.
         missing, unexpected = model.load_state_dict(checkpoint_state_dict(engine.model), strict=False, assign=True)
         if unexpected or set(missing) - {"lm_head.weight"}:
@@ -223,3 +224,13 @@ def _offset(pointer, count: int):
     """pointer + count elements, as a ctypes pointer of the same type."""
     size = ctypes.sizeof(pointer._type_)
     return ctypes.cast(ctypes.cast(pointer, ctypes.c_void_p).value + count * size, type(pointer))
+
+
+def transformers_config(config):
+    """transformers' config class of pagellm's config (loader/model_configs.py), for the HF peers."""
+    from transformers import AutoConfig
+
+    fields = config.to_dict()
+    if fields.get("layer_types") is None:  # a family without them: transformers' caches read a None as a list
+        fields.pop("layer_types", None)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)

@@ -22,7 +22,6 @@ so each MoE block ends in exactly one all-reduce.
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -47,14 +46,14 @@ class ShardSpec:
 def local_config(hf_config, spec: ShardSpec):
     """A copy of the HF config with this rank's head counts and intermediate sizes; ValueError if indivisible."""
     world = spec.world_size
-    local = copy.deepcopy(hf_config)
-    local.head_dim = head_dim_of(hf_config)  # fixed before heads are divided (some configs derive it)
+    # head_dim fixed before heads are divided (a config without one derives it from them)
+    changes = {"head_dim": head_dim_of(hf_config)}
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     _require_divisible("num_attention_heads", heads, world)
     if kv_heads % world and world % kv_heads:
         raise ValueError(f"tensor_parallel_size {world} must divide num_key_value_heads {kv_heads} or be a "
                          f"multiple of it")
-    local.num_attention_heads, local.num_key_value_heads = heads // world, max(1, kv_heads // world)
+    changes.update(num_attention_heads=heads // world, num_key_value_heads=max(1, kv_heads // world))
     divided = ["intermediate_size", "shared_expert_intermediate_size", "linear_num_key_heads",
                "linear_num_value_heads"]
     if not spec.expert_parallel:
@@ -65,8 +64,8 @@ def local_config(hf_config, spec: ShardSpec):
         value = getattr(hf_config, name, None)
         if value:
             _require_divisible(name, value, world)
-            setattr(local, name, value // world)
-    return local
+            changes[name] = value // world
+    return hf_config.replace(**changes)
 
 
 def _require_divisible(name: str, value: int, world: int) -> None:

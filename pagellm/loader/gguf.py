@@ -26,22 +26,21 @@ import gguf
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import PretrainedConfig
 
 from pagellm.kernels import gguf_blocks
 from pagellm.layers.quantized import GroupAffine
-from pagellm.loader import hf_configs
 from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, read_gguf_header
 from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_config_fields, hybrid_recipes,
                                         read_recipe, recipe_weight_type)
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
+from pagellm.loader.model_configs import TextModelConfig, config_from_dict
 from pagellm.models.registry import build_model
 
 __all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header", "load_gguf_config", "iter_gguf_weights",
            "gguf_weight_types", "unpermute_qk_rows", "SUPPORTED_ARCHITECTURES"]
 
-# gguf general.architecture -> (HF config model_type, HF architecture name). Config classes are looked up by
-# model_type (hf_configs.config_class), which imports only the file's family's config module.
+# gguf general.architecture -> (HF config model_type, HF architecture name); the config is the model_type's
+# family in loader/model_configs.py.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),  # Mistral GGUFs say llama as well
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -62,8 +61,8 @@ _ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # Public API
 
 
-def load_gguf_config(path: str | Path) -> PretrainedConfig:
-    """The transformers config HF uses for this model family, rebuilt from GGUF metadata."""
+def load_gguf_config(path: str | Path) -> TextModelConfig:
+    """The model family's config (loader/model_configs.py), rebuilt from GGUF metadata as HF names its keys."""
     header = read_gguf_header(path)
     arch = header.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -72,24 +71,20 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     model_type, hf_architecture = SUPPORTED_ARCHITECTURES[arch]
-    config_class = hf_configs.config_class(model_type)
-    fields = _common_fields(header)
-    if header.tensor(_ROPE_FREQS_TENSOR) is not None:
-        # "freq_factors" is pagellm's key (layers/rotary.py); transformers would warn that it does not know it
-        fields["ignore_keys_at_rope_validation"] = {"freq_factors"}
+    fields = {"model_type": model_type, "architectures": [hf_architecture], **_common_fields(header)}
     if arch in HYBRID_ARCHITECTURES:
         fields.update(hybrid_config_fields(header, fields, _rope_parameters(header)))
-        return config_class(architectures=[hf_architecture], **fields)
+        return config_from_dict(fields)
     fields["intermediate_size"] = header.required(f"{arch}.feed_forward_length")
     if arch == "gemma3":
         fields.update(_gemma3_fields(header, fields))
     else:
         fields["rope_parameters"] = _rope_parameters(header)
-    return config_class(architectures=[hf_architecture], **fields)
+    return config_from_dict(fields)
 
 
 def iter_gguf_weights(
-    path: str | Path, config: PretrainedConfig, progress: bool | None = None,
+    path: str | Path, config: TextModelConfig, progress: bool | None = None,
     quantized: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
@@ -113,7 +108,7 @@ def iter_gguf_weights(
         tensor.release()  # the consumer has built its weight from the file's pages: out of the resident set
 
 
-def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: PretrainedConfig,
+def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelConfig,
                scheme: str | None) -> tuple[str, torch.Tensor | GroupAffine | LazyRows | gguf_blocks.GGUFWeight]:
     """(HF name, the weight as the layer taking it wants it) of one tensor of the file."""
     permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
@@ -134,7 +129,7 @@ def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: PretrainedCo
     return hf_name, weight
 
 
-def gguf_weight_types(path: str | Path, config: PretrainedConfig) -> dict[str, gguf.GGMLQuantizationType]:
+def gguf_weight_types(path: str | Path, config: TextModelConfig) -> dict[str, gguf.GGMLQuantizationType]:
     """{HF name: ggml type the file stores it in}, from the header alone."""
     header = _weights_only(read_gguf_header(path))
     if header.architecture in HYBRID_ARCHITECTURES:
@@ -143,7 +138,7 @@ def gguf_weight_types(path: str | Path, config: PretrainedConfig) -> dict[str, g
     return {hf_names[t.name]: t.ggml_type for t in header.tensors}
 
 
-def _blocks_of(tensor: GGUFTensor, permuted_in: PretrainedConfig | None) -> gguf_blocks.GGUFWeight:
+def _blocks_of(tensor: GGUFTensor, permuted_in: TextModelConfig | None) -> gguf_blocks.GGUFWeight:
     """A 2-D tensor kept in its blocks; llama's q/k rows put back in HF's order (whole rows of blocks move)."""
     rows = np.asarray(tensor.data).reshape(tensor.shape[0], -1)
     if permuted_in is not None:
@@ -281,7 +276,7 @@ def _gemma3_fields(header: GGUFHeader, common: dict[str, Any]) -> dict[str, Any]
 # Weights
 
 
-def _gguf_to_hf_names(header: GGUFHeader, config: PretrainedConfig) -> dict[str, str]:
+def _gguf_to_hf_names(header: GGUFHeader, config: TextModelConfig) -> dict[str, str]:
     """{gguf name: HF name}, from the parameter names of pagellm's model (HF's names, before any projections
     are joined) and gguf's TensorNameMap.
 

@@ -50,12 +50,12 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from transformers import PretrainedConfig
 
 from pagellm.kernels import gguf_blocks
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import GGUFHeader, GGUFTensor, dequantize
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
+from pagellm.loader.model_configs import TextModelConfig
 
 # gguf general.architecture -> (HF config model_type, HF architecture name)
 HYBRID_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -164,7 +164,7 @@ class TensorRecipe:
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None  # on the float32 result: -1, log(-x), a reshape
 
 
-def hybrid_recipes(header: GGUFHeader, config: PretrainedConfig) -> list[TensorRecipe]:
+def hybrid_recipes(header: GGUFHeader, config: TextModelConfig) -> list[TensorRecipe]:
     """A recipe for every HF tensor the file holds, in file order; MTP layers are left out.
 
     A tensor name this module does not know is a ValueError, raised before anything is read.
@@ -267,7 +267,7 @@ _PER_VALUE_HEAD = {"ssm_beta.weight": "in_proj_b.weight", "ssm_alpha.weight": "i
 class _RecipeBuilder:
     """The recipes of one GGUF tensor at a time: [] to leave it out, None when its name is unknown."""
 
-    def __init__(self, header: GGUFHeader, config: PretrainedConfig):
+    def __init__(self, header: GGUFHeader, config: TextModelConfig):
         self.arch, self.config = header.architecture, config
         self.by_name = {t.name: t for t in header.tensors}
         self.layer_types = getattr(config, "layer_types", None) if self.arch in _LINEAR_ATTENTION_ARCHS else None

@@ -1,4 +1,5 @@
-"""Model config classes by model_type, with pagellm's own class where transformers' costs the process.
+"""transformers config classes by model_type, for the tokenizer's conversion by transformers (a cache miss:
+loader/tokenizer_conversion.py); the engine reads loader/model_configs.py's, which import no transformers.
 
 transformers' `configuration_llama` imports `utils.type_validators`, whose imports reach torch._dynamo and
 triton: ~150 MB resident for good and ~1.3 s at load (docs/benchmarks/2026-11-24-where-the-memory-goes.md), for

@@ -19,14 +19,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import PretrainedConfig
-
-from pagellm.loader.hf_configs import load_config_dir
+from pagellm.loader.model_configs import TextModelConfig, load_config_dir
 
 _INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_hf_config(path: str | Path) -> PretrainedConfig:
+def load_hf_config(path: str | Path) -> TextModelConfig:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")

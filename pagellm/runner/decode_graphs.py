@@ -10,7 +10,8 @@ Why: an eager decode step is bound by the host, not the GPU: Python and a launch
 
 What is captured is the bound forward, embedding to the final norm; logits and sampling stay eager. The Triton
 attention's host-side choices are fixed at capture from shapes alone (a pure-decode tile, key splits by the
-bucket: the capture's metadata says `for_graph`, its contexts are one token). A new plan (runner.replan) drops the graphs: they hold the old plan's kernels and tensors.
+bucket: the capture's metadata says `for_graph`, its contexts are one token). A new plan (runner.replan) drops
+the graphs: they hold the old plan's kernels and tensors.
 
 On a CPU nothing is captured and the same padded buffers run eagerly; a test replays a stand-in graph that
 reruns the recorded forward over the same tensors, which is what a CUDA graph's replay reads. On an H200 the
@@ -96,8 +97,10 @@ def capture_or_run_eagerly(graphs: DecodeGraphs, recorder, required: bool) -> De
     model still serves, eagerly)."""
     try:
         graphs.capture(recorder)
-    except RuntimeError as exc:
+    except Exception as exc:  # noqa: BLE001 - torch's, Triton's (compilation, resources) or a kernel's checks
         graphs.graphs.clear()  # what was captured before the failure holds pool memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         if required:
             raise RuntimeError(f"capturing the decode graphs failed ({exc}); --enforce-eager runs without "
                                "them") from exc

@@ -80,7 +80,9 @@ class ModelRunner:
         self.device = device
         self.input_batch = InputBatch(max_num_seqs, device, grammars if samples else None)
         graphs = decode_graphs and all_reduce is None and not state_layers_of(model)
-        if graphs:  # a bucket past max_num_seqs would never be run (vLLM drops those too)
+        if decode_graphs and not graphs:  # no graph to replay: padding would cost rows and gain nothing
+            decode_buckets = ()
+        elif graphs:  # a bucket past max_num_seqs would never be run (vLLM drops those too)
             decode_buckets = tuple(b for b in decode_buckets if b <= max_num_seqs) or default_buckets(max_num_seqs)
         self.decode_inputs: DecodeInputs | None = DecodeInputs(  # None: no reuse
             max_num_seqs, block_size, device, decode_buckets, num_blocks if decode_buckets else None,
@@ -118,6 +120,8 @@ class ModelRunner:
                 with torch.inference_mode():  # as every step runs
                     self.decode_graphs = capture_or_run_eagerly(self.decode_graphs, CudaGraphRecorder(),
                                                                 graphs_required)
+        if graphs and self.decode_graphs is None:  # asked for, none to replay (no bound plan, failed capture)
+            self.decode_inputs = DecodeInputs(max_num_seqs, block_size, device, (), None, None)
 
     def _bound_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model(input_ids, positions, meta, plan=self.plan.bound)

@@ -129,3 +129,12 @@ def test_batched_measures_a_shape_from_its_config_alone(tmp_path, capsys):
     assert [r["B"] for r in rows] == [1, 2]
     for row in rows:
         check_row(row)
+
+
+def test_step_mode_flags_reach_the_engine(tiny_model_dir, capsys):
+    """--async-scheduling / --enforce-eager (unset: as `pagellm serve` on the device; on a CPU no overlap)."""
+    text = run_cli(capsys, "batched", "--model", str(tiny_model_dir), "--npl", "2", "--pp", "8", "--tg", "4",
+                   "--async-scheduling", "--enforce-eager")
+    assert "async_scheduling True" in text and "decode_graphs off (eager)" in text
+    text = run_cli(capsys, "batched", "--model", str(tiny_model_dir), "--npl", "2", "--pp", "8", "--tg", "4")
+    assert "async_scheduling False" in text

@@ -18,7 +18,7 @@ def test_the_cpu_rehearsal_checks_parity_and_measures_both_engines(tmp_path, cap
     assert parity["ok"] and parity["argmax_agreement"] == 1.0 and parity["max_abs_logit_difference"] < 1e-4
     assert "not_run" in result["checks"]["attention"]  # the Triton kernel is for CUDA (tests/gpu on a CPU)
     assert {(r["engine"], r["B"]) for r in result["rows"]} == {
-        (engine, b) for engine in ("pagellm", "hf-transformers", "pagellm-async") for b in (1, 2)}
+        (engine, b) for engine in ("pagellm-eager", "hf-transformers", "pagellm-async") for b in (1, 2)}
     modes = result["checks"]["step_modes"]  # on a CPU: async scheduling alone (graphs need CUDA)
     assert set(modes) == {"eager", "async"} and modes["async"]["ids_equal"] and modes["async"]["ok"]
     assert modes["async"]["steps_launched_ahead"] > 0 and modes["async"]["flagged_syncs_per_step"] is None

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from pagellm.distributed.sharding import ShardSpec, local_config, shard_weights
 from pagellm.layers.quantized import group_affine_from_float
+from pagellm.loader.model_configs import LlamaConfig
 
 
 def _config(**overrides) -> LlamaConfig:
     values = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, num_hidden_layers=1)
-    return LlamaConfig(**{**values, **overrides})
+    return LlamaConfig.from_dict({**values, **overrides})
 
 
 def test_local_config_divides_heads_and_intermediate_and_keeps_head_dim():

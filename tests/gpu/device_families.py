@@ -48,7 +48,7 @@ def check(family: str, device: str) -> bool:
             line = [family]
             for dtype in ("float32", "bfloat16"):
                 llm = LLM(model=tmp, skip_tokenizer_init=True, block_size=16, device=device, dtype=dtype,
-                          kv_cache_memory=0.05)
+                          kv_cache_memory=0.05, enforce_eager=True, async_scheduling=False)
                 outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True),
                                     use_tqdm=False)
                 got = [o.outputs[0].token_ids for o in outs]

@@ -11,13 +11,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
-from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from transformers import AutoModelForCausalLM
 from transformers.integrations.gguf.dequant import GGML_BLOCK
 from transformers.integrations.gguf.dequant import dequantize as hf_torch_dequantize
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, get_gguf_hf_weights_map
 
+from pagellm.bench.peers import transformers_config
 from pagellm.loader.default_model import default_model_path
 from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config
+from pagellm.loader.model_configs import Gemma3TextConfig
 from pagellm.loader.tokenizer import load_tokenizer
 
 
@@ -58,13 +60,13 @@ def test_assembles_verifies_and_reuses(tmp_path, monkeypatch):
 
 
 def test_config(config):
-    assert type(config) is Gemma3TextConfig and config.architectures == ["Gemma3ForCausalLM"]
+    assert type(config) is Gemma3TextConfig and config.architectures == ("Gemma3ForCausalLM",)
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (262_144, 640, 2048)
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (18, 4, 1)
     assert config.head_dim == 256 and config.query_pre_attn_scalar == 256
     assert config.rms_norm_eps == 1e-6 and config.max_position_embeddings == 32_768
     assert config.sliding_window == 512
-    assert config.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert config.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 3
     assert config.rope_parameters["full_attention"]["rope_theta"] == 1e6
     assert config.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
     assert config.tie_word_embeddings is True
@@ -82,7 +84,7 @@ def test_weights_match_transformers_gguf_conventions(path, config, weights):
     """
     reader = GGUFReader(path)
     with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config)
+        hf_model = AutoModelForCausalLM.from_config(transformers_config(config))
     processor = TENSOR_PROCESSORS["gemma3"](config=config.to_dict())
     name_map = get_gguf_hf_weights_map(hf_model, processor)
 
@@ -112,7 +114,7 @@ def test_transformers_model_with_our_config_and_weights_reads_text(path, config,
 
     Measured: mean NLL 1.53 nats on this text; with llama.cpp's norm +1 left in it is 19.3.
     """
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(transformers_config(config))
     result = model.load_state_dict(weights, strict=False, assign=True)
     assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied
     model.tie_weights()

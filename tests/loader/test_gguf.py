@@ -8,12 +8,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
-from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.gguf.dequant import dequantize as hf_torch_dequantize
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagellm.layers.rotary import compute_rope
-from pagellm.loader import hf_configs
+from pagellm.loader import model_configs
 from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header, unpermute_qk_rows
 from pagellm.loader.model_loader import load_model
 from tests.loader.gguf_builders import (TinyDims, convert_llama_checkpoint, llama_cpp_permute,
@@ -106,7 +106,7 @@ def test_llama_config_fields_as_written(tmp_path):
     dims = TinyDims(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, context=512, rope_base=5e5, rms_eps=1e-5)
     tiny = write_tiny_gguf(tmp_path / "llama.gguf", "llama", dims=dims)
     config = load_gguf_config(tiny.path)
-    assert type(config) is hf_configs.LlamaConfig and config.architectures == ["LlamaForCausalLM"]
+    assert type(config) is model_configs.LlamaConfig and config.architectures == ("LlamaForCausalLM",)
     assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (64, 64, 3)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 32)
     assert config.intermediate_size == 256 and config.max_position_embeddings == 512
@@ -124,13 +124,14 @@ def test_tied_embeddings_when_there_is_no_output_tensor(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "arch,cls,hf_arch", [("qwen2", Qwen2Config, "Qwen2ForCausalLM"), ("qwen3", Qwen3Config, "Qwen3ForCausalLM")]
+    "arch,cls,hf_arch", [("qwen2", model_configs.Qwen2Config, "Qwen2ForCausalLM"),
+                         ("qwen3", model_configs.Qwen3Config, "Qwen3ForCausalLM")]
 )
 def test_qwen_configs(tmp_path, arch, cls, hf_arch):
     # head_dim differs from hidden / heads (as in Qwen3-0.6B): it must come from key_length
     dims = TinyDims(hidden=64, n_heads=2, n_kv_heads=1, head_dim=48)
     config = load_gguf_config(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, dims=dims).path)
-    assert type(config) is cls and config.architectures == [hf_arch]
+    assert type(config) is cls and config.architectures == (hf_arch,)
     assert config.head_dim == 48 and config.num_key_value_heads == 1
 
 
@@ -233,8 +234,8 @@ def _unscaled(config: LlamaConfig) -> LlamaConfig:
 def test_gemma3_config_follows_llama_cpp(tmp_path):
     dims = TinyDims(n_layers=7, head_dim=32, rope_base=1e6)
     config = load_gguf_config(write_tiny_gguf(tmp_path / "g.gguf", "gemma3", dims=dims).path)
-    assert type(config) is Gemma3TextConfig and config.architectures == ["Gemma3ForCausalLM"]
-    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert type(config) is model_configs.Gemma3TextConfig and config.architectures == ("Gemma3ForCausalLM",)
+    assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
     assert config.rope_parameters == {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},  # llama.cpp's fixed local base
@@ -250,7 +251,7 @@ def test_gemma3_explicit_pattern_and_local_base(tmp_path):
 
     tiny = write_tiny_gguf(tmp_path / "g.gguf", "gemma3", TinyDims(n_layers=3), extra_metadata=extra)
     config = load_gguf_config(tiny.path)
-    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert config.rope_parameters["sliding_attention"]["rope_theta"] == 2e4
 
 
@@ -287,7 +288,7 @@ def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         load_gguf_config(missing)
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
-        next(iter_gguf_weights(missing, LlamaConfig()))
+        next(iter_gguf_weights(missing, model_configs.LlamaConfig()))
 
 
 def test_not_a_gguf_file(tmp_path):
