@@ -61,8 +61,8 @@ class ModelConfig(_FromDict):
         "requests runs at the smallest size >= B, a larger one eagerly; sizes above max_num_seqs are dropped. "
         "Empty (the default): 1, 2, 4, then every 8 up to max_num_seqs, as vLLM captures.", default=())
     cache_dir: str = _help(
-        "Where what is derived from a model file at load (its converted tokenizer) is kept, keyed by the file's "
-        "content; empty: nothing is kept. Default: $PAGELLM_CACHE_DIR, else $XDG_CACHE_HOME/pagellm, else "
+        "Where what is derived from a model file at load (its converted tokenizer, a GGUF's blocks in the "
+        "kernels' layout) is kept for the next start, keyed by the file; empty: nothing is kept. Default: $PAGELLM_CACHE_DIR, else $XDG_CACHE_HOME/pagellm, else "
         "~/.cache/pagellm.", default_factory=lambda: _default_cache_dir())
     load_format: str = _help(
         "How weights load: auto (the default: the checkpoint's own) | dummy (random weights from the model's "

@@ -34,6 +34,7 @@ from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybr
                                         read_recipe, recipe_weight_type)
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
 from pagellm.loader.model_configs import TextModelConfig, config_from_dict
+from pagellm.loader.repack_cache import RepackCache
 from pagellm.models.registry import build_model
 
 __all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header", "load_gguf_config", "iter_gguf_weights",
@@ -85,7 +86,7 @@ def load_gguf_config(path: str | Path) -> TextModelConfig:
 
 def iter_gguf_weights(
     path: str | Path, config: TextModelConfig, progress: bool | None = None,
-    quantized: Mapping[str, str] | None = None,
+    quantized: Mapping[str, str] | None = None, blocks: RepackCache | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
 
@@ -93,6 +94,8 @@ def iter_gguf_weights(
     quantized: {HF name: "int8" | "int4"} of the weights quantized layers will take. Those come as a GroupAffine
     (int4 codes, scale and offset per 32 weights) when bound for int4 and stored as Q4_0, Q4_1 or Q4_K, the
     formats that are exactly that; otherwise as LazyRows, dequantized a row slice at a time (gguf_quant.py).
+    blocks: the file's entry of the repacked-blocks cache (loader/repack_cache.py): weights kept in their blocks
+    ("gguf") come from it when it is whole, else are stored to it; None: repacked at every load.
     """
     header = _weights_only(read_gguf_header(path))
     arch = header.architecture
@@ -103,17 +106,30 @@ def iter_gguf_weights(
         return
     hf_names = _gguf_to_hf_names(header, config)  # checks every tensor has an HF name, up front
     _check_dequantizable(header)
-    for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
-        yield _hf_weight(tensor, hf_names[tensor.name], arch, config, quantized.get(hf_names[tensor.name]))
-        tensor.release()  # the consumer has built its weight from the file's pages: out of the resident set
+    completed = False
+    try:
+        for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
+            yield _hf_weight(tensor, hf_names[tensor.name], arch, config, quantized.get(hf_names[tensor.name]),
+                             blocks)
+            tensor.release()  # the consumer has built its weight from the file's pages: out of the resident set
+        completed = True
+    finally:  # a load that stops early leaves no entry
+        if blocks is not None:
+            blocks.commit() if completed else blocks.abandon()
 
 
-def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelConfig,
-               scheme: str | None) -> tuple[str, torch.Tensor | GroupAffine | LazyRows | gguf_blocks.GGUFWeight]:
+def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelConfig, scheme: str | None,
+               blocks: RepackCache | None = None
+               ) -> tuple[str, torch.Tensor | GroupAffine | LazyRows | gguf_blocks.GGUFWeight]:
     """(HF name, the weight as the layer taking it wants it) of one tensor of the file."""
     permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
     if scheme == "gguf":
-        return hf_name, _blocks_of(tensor, config if permuted else None)
+        weight = blocks.get(tensor.name) if blocks is not None else None
+        if weight is None:
+            weight = _blocks_of(tensor, config if permuted else None)
+            if blocks is not None:
+                blocks.add(tensor.name, weight)
+        return hf_name, weight
     if scheme == "int4" and tensor.ggml_type in EXACT_INT4_TYPES:
         weight = group_affine_of(tensor.data, tensor.ggml_type, tensor.shape)
     elif scheme is not None and not permuted and len(tensor.shape) == 2:

@@ -48,6 +48,15 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None)
 
 
+def drop_pages(address: int, nbytes: int) -> None:
+    """Drop the whole pages of a file mapping's [address, address + nbytes) from the resident set: a later read
+    faults them back in from the file (the page cache keeps them). Only for pages nothing has written."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    start, end = address // mmap.PAGESIZE * mmap.PAGESIZE, address + nbytes
+    if advice is not None and end > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
+
+
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
@@ -61,15 +70,11 @@ class GGUFTensor:
         the whole map is closed, a peak of the file's size on top of the weights built from it. Safe whatever
         still views the data: the map is read-only, so a later read faults the pages back in from the file (the
         page cache keeps them)."""
-        advice = getattr(mmap, "MADV_DONTNEED", None)
-        if advice is None or self.data.nbytes == 0:
+        if self.data.nbytes == 0:
             return
         row_bytes = self.data.nbytes // self.shape[0]
         end_row = self.shape[0] if end_row is None else end_row
-        start = (self.data.ctypes.data + first_row * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        end = self.data.ctypes.data + end_row * row_bytes
-        if end > start:
-            _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
+        drop_pages(self.data.ctypes.data + first_row * row_bytes, (end_row - first_row) * row_bytes)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ from pagellm.loader.dummy import dummy_weights
 from pagellm.platform import release_freed_heap
 from pagellm.distributed.sharding import ShardSpec, install_expert_parallel, local_config, shard_weights
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
+from pagellm.loader.gguf_file import read_gguf_header
 from pagellm.loader.quantization import load_quantized, plan_quantization, weight_schemes
+from pagellm.loader.repack_cache import RepackCache
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.kernels import native, quant_gemv
 from pagellm.layers.quantized import Int4Linear
@@ -98,7 +100,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     shard: tensor / expert parallel rank (distributed/sharding.py): the model is built with this
     rank's shapes and only its slice of each weight is kept; `hf_config` stays the full model's.
     kernels: the switches that decide how layers run (int8 activations, bound layers; default: KernelConfig()).
-    cache_dir: where the converted tokenizer is kept by content (loader/tokenizer_cache.py); None: not kept.
+    cache_dir: where what a load derives from the file is kept for the next: the converted tokenizer
+    (loader/tokenizer_cache.py) and a GGUF's blocks in the kernels' layout (loader/repack_cache.py); None: not kept.
     """
     kernels = kernels or KernelConfig()
     # the CPU kernels' level the layouts are chosen for (the runner's plan binds the modules to the same)
@@ -130,10 +133,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if plan and torch.device(device).type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
                          f"not on device {str(device)!r}")
+    schemes, blocks = weight_schemes(net, plan), None  # the repacked-blocks cache holds only "gguf" weights
+    if is_gguf and cache_dir and not dummy and "gguf" in schemes.values():
+        blocks = RepackCache.for_file(Path(cache_dir), path, read_gguf_header(path))
     if dummy:
         weights = dummy_weights(net, device)  # already this rank's shapes: the model was built with them
     elif is_gguf:
-        weights = iter_gguf_weights(path, hf_config, quantized=weight_schemes(net, plan))
+        weights = iter_gguf_weights(path, hf_config, quantized=schemes, blocks=blocks)
     else:
         weights = iter_safetensors_weights(path)
     if shard and not dummy:
@@ -141,5 +147,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     load_quantized(net, weights, plan, level)
     settle_activations(net, kernels, level)
     join_projections(net)  # the layers' plan is the runner's (models/bound_layers.plan_model)
+    if blocks is not None:
+        blocks.release()  # after the joins: the blocks they copied never come back into the resident set
     net.eval()
     return LoadedModel(net, hf_config, tokenizer, path, plan)

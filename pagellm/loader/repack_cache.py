@@ -1,0 +1,144 @@
+"""A GGUF file's weights in the CPU kernels' block layout, kept on disk after the first load.
+
+Why: repacking a file's blocks into kernels/gguf_blocks.py's layout is the largest part of a start (numpy over
+every quantized byte: ~1.6 s of the embedded model's 3.4 s load on a 2-core Zen 4). The layout depends only on
+the file and on gguf_blocks.py, so a later start maps the stored blocks instead (the pages are read as the
+kernels first touch them), as llama.cpp and vLLM keep what they derive from a file.
+
+    <cache_dir>/gguf-blocks/<key>/blocks.bin, manifest.json
+    key       sha256 of this format's version, gguf_blocks.py's source (the layout), the file's header bytes,
+              its size and its modification time: the weights' bytes are not hashed, which would read the whole
+              file at every start (Python checks its .pyc files against their source the same way)
+    manifest  per tensor: ggml type, rows, cols, and the offset and shape of its three arrays; blocks.bin's
+              size. An entry whose manifest does not parse or whose blocks.bin has another size is rebuilt
+              (logged), never used; entries are written to a temporary directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from pagellm.kernels import gguf_blocks
+from pagellm.loader.gguf_file import GGUFHeader, drop_pages
+
+logger = logging.getLogger("pagellm.loader")
+
+FORMAT = 1
+_ALIGN = 64  # each array starts on a cache line, as the kernels' own allocations do
+
+
+class RepackCache:
+    """One file's entry: `get` from it when it is whole, else `add` each repacked weight and `commit` at the end
+    of the load (`abandon` when the load stops early)."""
+
+    def __init__(self, entry: Path):
+        self.entry = entry
+        self._blocks: np.ndarray | None = None  # blocks.bin mapped, when the entry is whole
+        self._manifest: dict = {}
+        self._staging: Path | None = None
+        self._out = None
+        self._written: dict = {}
+        if entry.is_dir():
+            if self._open():
+                return
+            logger.warning("weight cache entry %s is corrupt or stale: rebuilt", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+
+    @classmethod
+    def for_file(cls, cache_dir: Path, path: Path, header: GGUFHeader) -> RepackCache:
+        digest = hashlib.sha256(str(FORMAT).encode())
+        digest.update(Path(gguf_blocks.__file__).read_bytes())  # the layout, as the code lays it out now
+        stat = path.stat()
+        digest.update(f"{stat.st_size} {stat.st_mtime_ns}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(header.data_start))
+        return cls(cache_dir / "gguf-blocks" / digest.hexdigest())
+
+    @property
+    def hit(self) -> bool:
+        return self._blocks is not None
+
+    def _open(self) -> bool:
+        try:
+            manifest = json.loads((self.entry / "manifest.json").read_text())
+            blocks = self.entry / "blocks.bin"
+            if blocks.stat().st_size != manifest["size"]:
+                return False
+            # copy-on-write: the pages stay the file's until something writes them (nothing does)
+            self._blocks = np.memmap(blocks, dtype=np.uint8, mode="c") if manifest["size"] else np.empty(0, np.uint8)
+            self._manifest = manifest["tensors"]
+            return True
+        except Exception:  # noqa: BLE001 - any damage (a missing file, bad JSON, missing keys)
+            return False
+
+    def get(self, name: str) -> gguf_blocks.GGUFWeight | None:
+        """The stored weight of tensor `name`, or None (a miss, or a tensor the first load did not repack)."""
+        record = self._manifest.get(name) if self.hit else None
+        if record is None:
+            return None
+        arrays = [torch.from_numpy(self._blocks[at:at + int(np.prod(shape))].reshape(shape))
+                  for at, shape in record["arrays"]]
+        return gguf_blocks.GGUFWeight(gguf.GGMLQuantizationType(record["type"]), record["rows"], record["cols"],
+                                      *arrays)
+
+    def add(self, name: str, weight: gguf_blocks.GGUFWeight) -> None:
+        """Append a repacked weight to the entry being written (a miss); a write that fails drops the entry."""
+        if self.hit or self._written is None:
+            return
+        try:
+            if self._out is None:
+                self.entry.parent.mkdir(parents=True, exist_ok=True)
+                self._staging = Path(tempfile.mkdtemp(dir=self.entry.parent, prefix=".partial-"))
+                self._out = open(self._staging / "blocks.bin", "wb")
+            arrays = []
+            for tensor in weight.tensors():
+                data = tensor.contiguous().numpy()
+                self._out.write(b"\0" * (-self._out.tell() % _ALIGN))
+                arrays.append((self._out.tell(), list(data.shape)))
+                self._out.write(data.tobytes())
+            self._written[name] = {"type": int(weight.ggml_type), "rows": weight.rows, "cols": weight.cols,
+                                   "arrays": arrays}
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be written must not fail the load
+            logger.warning("weight cache not written to %s: %s", self.entry, exc)
+            self.abandon()
+
+    def commit(self) -> None:
+        """The entry renamed into place whole (another process's, written first, stands)."""
+        if self._out is None:
+            return
+        try:
+            size = self._out.tell()
+            self._out.close()
+            self._out = None
+            manifest = {"size": size, "tensors": self._written}
+            (self._staging / "manifest.json").write_text(json.dumps(manifest))
+            os.rename(self._staging, self.entry)
+        except OSError:
+            shutil.rmtree(self._staging, ignore_errors=True)
+        self._staging = None
+
+    def release(self) -> None:
+        """Once the model is built: the mapped pages read so far leave the resident set (weights joined into new
+        tensors at load never fault theirs back in; the others do as the kernels read them). The map is
+        copy-on-write and nothing writes it, so every page is still the file's."""
+        if self.hit and self._blocks.nbytes:
+            drop_pages(self._blocks.ctypes.data, self._blocks.nbytes)
+
+    def abandon(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+        self._written = None  # nothing more is written for this load

@@ -1,0 +1,99 @@
+"""A GGUF's blocks in the kernels' layout kept on disk (loader/repack_cache.py): a second load maps them instead of
+repacking and gets the same weights and logits; a damaged entry is rebuilt, never used; a changed file gets a new
+entry; a load that stops early leaves none."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import gguf
+import pytest
+import torch
+
+from pagellm.kernels import gguf_blocks
+from pagellm.loader.model_loader import load_model
+from tests.loader.gguf_builders import write_tiny_gguf
+
+T = gguf.GGMLQuantizationType
+# q/k rows permuted by llama.cpp (Q4_0, Q8_0), k-quants, legacy 5-bit, and the embedding: every kernel format
+TYPES = {"blk.0.attn_q.weight": T.Q4_0, "blk.0.attn_k.weight": T.Q8_0, "blk.0.ffn_down.weight": T.Q4_K,
+         "blk.1.ffn_down.weight": T.Q6_K, "blk.0.ffn_gate.weight": T.Q5_0, "token_embd.weight": T.Q8_0}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return write_tiny_gguf(tmp_path / "m.gguf", "llama", types=TYPES)
+
+
+def _load(path, cache_dir):
+    return load_model(str(path), torch.float32, torch.device("cpu"), with_tokenizer=False, quantization="auto",
+                      cache_dir=str(cache_dir) if cache_dir is not None else None).model
+
+
+def _logits(model):
+    from tests.models.paged_harness import PagedHarness
+
+    return PagedHarness(model).prefill("a", [3, 5, 7, 11, 13])
+
+
+def _counting_repacks(monkeypatch) -> list:
+    calls, repack = [], gguf_blocks.repack
+    monkeypatch.setattr(gguf_blocks, "repack", lambda *a, **k: calls.append(1) or repack(*a, **k))
+    return calls
+
+
+def test_a_second_load_maps_the_stored_blocks(tiny, tmp_path, monkeypatch):
+    reference = _logits(_load(tiny.path, None))
+    calls = _counting_repacks(monkeypatch)
+    first = _load(tiny.path, tmp_path / "cache")
+    assert len(calls) == len(TYPES)  # every kept tensor repacked once, and stored
+    (entry,) = (tmp_path / "cache" / "gguf-blocks").iterdir()
+    assert not list(entry.parent.glob(".partial-*"))
+    second = _load(tiny.path, tmp_path / "cache")
+    assert len(calls) == len(TYPES)  # none repacked again
+    torch.testing.assert_close(_logits(first), reference, rtol=0, atol=0)
+    torch.testing.assert_close(_logits(second), reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "manifest"])
+def test_a_damaged_entry_is_rebuilt_not_used(tiny, tmp_path, monkeypatch, caplog, damage):
+    reference = _logits(_load(tiny.path, tmp_path / "cache"))
+    (entry,) = (tmp_path / "cache" / "gguf-blocks").iterdir()
+    if damage == "truncated":
+        with open(entry / "blocks.bin", "r+b") as f:
+            f.truncate(os.path.getsize(entry / "blocks.bin") - 7)
+    else:
+        (entry / "manifest.json").write_text(json.dumps({"size": 1})[:-2])
+    calls = _counting_repacks(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="pagellm.loader"):
+        rebuilt = _load(tiny.path, tmp_path / "cache")
+    assert "corrupt or stale: rebuilt" in caplog.text and len(calls) == len(TYPES)
+    torch.testing.assert_close(_logits(rebuilt), reference, rtol=0, atol=0)
+    assert json.loads((entry / "manifest.json").read_text())["size"] == os.path.getsize(entry / "blocks.bin")
+
+
+def test_a_changed_file_gets_its_own_entry(tiny, tmp_path):
+    _load(tiny.path, tmp_path / "cache")
+    other = write_tiny_gguf(tiny.path, "llama", types=TYPES, seed=1)  # same header, other weights, new mtime
+    os.utime(other.path, ns=(os.stat(other.path).st_atime_ns, os.stat(other.path).st_mtime_ns + 10**9))
+    changed = _logits(_load(other.path, tmp_path / "cache"))
+    assert len(list((tmp_path / "cache" / "gguf-blocks").iterdir())) == 2
+    torch.testing.assert_close(changed, _logits(_load(other.path, None)), rtol=0, atol=0)
+
+
+def test_a_load_that_stops_early_leaves_no_entry(tiny, tmp_path, monkeypatch):
+    repack = gguf_blocks.repack
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("out of memory")
+        return repack(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_blocks, "repack", failing)
+    with pytest.raises(MemoryError):
+        _load(tiny.path, tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "gguf-blocks").iterdir())
