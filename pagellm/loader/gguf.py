@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from pagellm.kernels import gguf_blocks
 from pagellm.layers.quantized import GroupAffine
-from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, read_gguf_header
+from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, header_of, read_gguf_header
 from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_config_fields, hybrid_recipes,
                                         read_recipe, recipe_weight_type)
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
@@ -62,9 +62,9 @@ _ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # Public API
 
 
-def load_gguf_config(path: str | Path) -> TextModelConfig:
+def load_gguf_config(path: str | Path | GGUFHeader) -> TextModelConfig:
     """The model family's config (loader/model_configs.py), rebuilt from GGUF metadata as HF names its keys."""
-    header = read_gguf_header(path)
+    header = header_of(path)
     arch = header.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -85,7 +85,7 @@ def load_gguf_config(path: str | Path) -> TextModelConfig:
 
 
 def iter_gguf_weights(
-    path: str | Path, config: TextModelConfig, progress: bool | None = None,
+    path: str | Path | GGUFHeader, config: TextModelConfig, progress: bool | None = None,
     quantized: Mapping[str, str] | None = None, blocks: RepackCache | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
@@ -97,7 +97,7 @@ def iter_gguf_weights(
     blocks: the file's entry of the repacked-blocks cache (loader/repack_cache.py): weights kept in their blocks
     ("gguf") come from it when it is whole, else are stored to it; None: repacked at every load.
     """
-    header = _weights_only(read_gguf_header(path))
+    header = _weights_only(header_of(path))
     arch = header.architecture
     show = sys.stderr.isatty() if progress is None else progress
     quantized = quantized or {}
@@ -145,9 +145,9 @@ def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelCon
     return hf_name, weight
 
 
-def gguf_weight_types(path: str | Path, config: TextModelConfig) -> dict[str, gguf.GGMLQuantizationType]:
+def gguf_weight_types(path: str | Path | GGUFHeader, config: TextModelConfig) -> dict[str, gguf.GGMLQuantizationType]:
     """{HF name: ggml type the file stores it in}, from the header alone."""
-    header = _weights_only(read_gguf_header(path))
+    header = _weights_only(header_of(path))
     if header.architecture in HYBRID_ARCHITECTURES:
         return {r.hf_name: recipe_weight_type(r) for r in hybrid_recipes(header, config)}
     hf_names = _gguf_to_hf_names(header, config)

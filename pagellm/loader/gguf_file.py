@@ -99,6 +99,12 @@ class GGUFHeader:
         return self.metadata[key]
 
 
+def header_of(source: str | Path | GGUFHeader) -> GGUFHeader:
+    """A header read once and handed on (reading one parses every metadata value: the whole vocabulary), or
+    read now from a path."""
+    return source if isinstance(source, GGUFHeader) else read_gguf_header(source)
+
+
 def read_gguf_header(path: str | Path) -> GGUFHeader:
     """Metadata and tensor table of a GGUF file; tensor data is only memory-mapped, not read."""
     path = Path(path)

@@ -113,10 +113,11 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if with_tokenizer and dummy and not has_tokenizer(path):
         logger.info("load format dummy: %s has no tokenizer; prompts must be token ids", path)
         with_tokenizer = False
-    tokenizer = load_tokenizer(path, cache_dir) if with_tokenizer else None
-    release_freed_heap()  # the tokenizer's parsing temporaries: not resident under the weights
     is_gguf = path.is_file()
-    hf_config = load_gguf_config(path) if is_gguf else load_hf_config(path)
+    header = read_gguf_header(path) if is_gguf else None  # read once: it parses the whole vocabulary
+    tokenizer = load_tokenizer(path, cache_dir, header) if with_tokenizer else None
+    release_freed_heap()  # the tokenizer's parsing temporaries: not resident under the weights
+    hf_config = load_gguf_config(header) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None
     net = build_model(local_config(hf_config, shard) if shard else hf_config, dtype, device)
     if shard and shard.expert_parallel:
@@ -128,18 +129,18 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         if is_gguf and torch.device(device).type != "cpu":
             logger.info("GGUF on %s: weights dequantized to %s at load (no quantized GPU matmul yet)",
                         torch.device(device).type, str(dtype).removeprefix("torch."))
-    types = gguf_weight_types(path, hf_config) if is_gguf and quantization == "auto" else None
+    types = gguf_weight_types(header, hf_config) if is_gguf and quantization == "auto" else None
     plan = plan_quantization(net, quantization, level, types)
     if plan and torch.device(device).type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
                          f"not on device {str(device)!r}")
     schemes, blocks = weight_schemes(net, plan), None  # the repacked-blocks cache holds only "gguf" weights
     if is_gguf and cache_dir and not dummy and "gguf" in schemes.values():
-        blocks = RepackCache.for_file(Path(cache_dir), path, read_gguf_header(path))
+        blocks = RepackCache.for_file(Path(cache_dir), path, header)
     if dummy:
         weights = dummy_weights(net, device)  # already this rank's shapes: the model was built with them
     elif is_gguf:
-        weights = iter_gguf_weights(path, hf_config, quantized=schemes, blocks=blocks)
+        weights = iter_gguf_weights(header, hf_config, quantized=schemes, blocks=blocks)
     else:
         weights = iter_safetensors_weights(path)
     if shard and not dummy:

@@ -143,15 +143,16 @@ def has_tokenizer(path: str | Path) -> bool:
     return path.is_file() or any((path / name).is_file() for name in _HF_TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
+def load_tokenizer(path: str | Path, cache_dir: str | Path | None = None, header=None) -> Tokenizer:
     """The tokenizer of an HF checkpoint directory or of a GGUF file. cache_dir: where converted tokenizers are
-    kept by content (loader/tokenizer_cache.py); None: converted by transformers each time."""
+    kept by content (loader/tokenizer_cache.py); None: converted by transformers each time. header: the GGUF's,
+    when the caller has read it (loader/gguf_file.py)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer not found: {str(path)!r} (expected a GGUF file or an HF directory)")
     if path.is_dir() and not any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer in {str(path)!r}: expected one of {list(_HF_TOKENIZER_FILES)}")
-    backend, info = converted(path, Path(cache_dir) if cache_dir else None)
+    backend, info = converted(path, Path(cache_dir) if cache_dir else None, header)
     return Tokenizer(backend, info)
 
 

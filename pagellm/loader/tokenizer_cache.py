@@ -30,7 +30,7 @@ from pathlib import Path
 
 import tokenizers
 
-from pagellm.loader.gguf_file import read_gguf_header
+from pagellm.loader.gguf_file import GGUFHeader, header_of
 
 logger = logging.getLogger("pagellm.loader")
 
@@ -54,10 +54,11 @@ class TokenizerInfo:
     vocab_size: int  # with added tokens
 
 
-def converted(path: Path, cache_dir: Path | None) -> tuple[tokenizers.Tokenizer, TokenizerInfo]:
+def converted(path: Path, cache_dir: Path | None, header: GGUFHeader | None = None
+              ) -> tuple[tokenizers.Tokenizer, TokenizerInfo]:
     """The tokenizer of a GGUF file or HF directory: from the cache when it holds a sound entry for its content,
     else converted by transformers (and stored when there is a cache)."""
-    entry = cache_dir / "tokenizers" / _key(path) if cache_dir is not None else None
+    entry = cache_dir / "tokenizers" / _key(path, header) if cache_dir is not None else None
     if entry is not None and entry.is_dir():
         loaded = _read(entry)
         if loaded is not None:
@@ -73,11 +74,11 @@ def converted(path: Path, cache_dir: Path | None) -> tuple[tokenizers.Tokenizer,
     return backend, info
 
 
-def _key(path: Path) -> str:
+def _key(path: Path, header: GGUFHeader | None) -> str:
     digest = hashlib.sha256(f"{FORMAT} {version('transformers')} {tokenizers.__version__}".encode())
     digest.update((Path(__file__).parent / "tokenizer_conversion.py").read_bytes())  # what converts, as it is now
     if path.is_file():  # GGUF: the header bytes, read through the same map as the loader's
-        header = read_gguf_header(path)
+        header = header_of(header if header is not None else path)
         with open(path, "rb") as f:
             digest.update(f.read(header.data_start))
     else:
