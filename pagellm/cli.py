@@ -71,7 +71,19 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pagellm.server.run import run_server
 
+    take_model_argument(args)
     return run_server(args, args.given_flags)
+
+
+def take_model_argument(args: argparse.Namespace) -> None:
+    """`pagellm serve MODEL`, as `vllm serve MODEL`: the positional model is --model, given on the command line
+    (so it beats a config file's); both, naming different models, are an error."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model_tag
+    args.given_flags = args.given_flags | {"model"}
 
 
 def given_flags_of(argv: list[str]) -> set[str]:
@@ -89,6 +101,8 @@ def given_flags_of(argv: list[str]) -> set[str]:
 
 def _add_serve_parser(sub) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="A GGUF file or HF checkpoint directory (as --model; default: the embedded model).")
     serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     serve.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     serve.add_argument("--config", default=None, metavar="FILE",
@@ -175,8 +189,9 @@ def run() -> None:
     """Console entry point: run a command, then leave without interpreter teardown.
 
     Some paths still import torch._dynamo, which loads triton: transformers' modeling code (`pagellm bench`'s
-    HF peer) and its tokenizer conversion on a start-up cache miss (loader/tokenizer_conversion.py); at teardown triton's nanobind bindings print hundreds of "leaked function" lines to stderr. The
-    command's work is complete and flushed by then, so skipping teardown loses nothing.
+    HF peer) and its tokenizer conversion on a start-up cache miss (loader/tokenizer_conversion.py); at
+    teardown triton's nanobind bindings print hundreds of "leaked function" lines to stderr. The command's work
+    is complete and flushed by then, so skipping teardown loses nothing.
     """
     code = main()
     logging.shutdown()

@@ -8,7 +8,7 @@ import logging
 import pytest
 from fastapi.testclient import TestClient
 
-from pagellm.cli import build_parser, given_flags_of
+from pagellm.cli import build_parser, given_flags_of, main, take_model_argument
 from pagellm.config import EngineConfig, ServerConfig
 from pagellm.server.api_server import build_app
 from pagellm.server.run import JsonLogFormatter, configs_from
@@ -16,7 +16,21 @@ from pagellm.server.run import JsonLogFormatter, configs_from
 
 def configs(argv: list[str]):
     args = build_parser().parse_args(["serve", *argv])
-    return configs_from(args, given_flags_of(argv))
+    args.given_flags = given_flags_of(argv)
+    take_model_argument(args)
+    return configs_from(args, args.given_flags)
+
+
+def test_the_model_may_be_given_as_vllm_takes_it(tmp_path, capsys):
+    """`pagellm serve MODEL` as `vllm serve MODEL`: the same as --model, and it beats a config file's."""
+    model = tmp_path / "m.gguf"
+    (tmp_path / "serve.yaml").write_text("model: {model: other.gguf}")
+    assert configs([str(model)])[0].model.model == str(model)
+    assert configs([str(model), "--config", str(tmp_path / "serve.yaml")])[0].model.model == str(model)
+    assert configs(["--model", str(model), str(model)])[0].model.model == str(model)
+    assert configs([])[0].model.model is None  # the embedded model
+    assert main(["serve", "a.gguf", "--model", "b.gguf"]) == 2
+    assert "the model is given twice: 'a.gguf' and --model 'b.gguf'" in capsys.readouterr().err
 
 
 def test_a_config_file_is_read_and_flags_given_override_it(tmp_path):
