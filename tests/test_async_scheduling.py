@@ -199,3 +199,30 @@ def test_a_launch_that_fails_names_its_own_requests_and_an_id_in_flight_is_not_r
         while engine.has_unfinished_requests():
             engine.step()
         engine.add_request([5], _greedy(1), request_id="running")  # its step read back: the id is free
+
+
+def test_a_failed_step_forgets_the_blocks_of_a_request_aborted_while_it_ran(checkpoint, monkeypatch):
+    """A request aborted while the step computing its prompt is in flight, then that step fails: the blocks the
+    step registered in the prefix cache (at schedule time) were never computed, so none may stay cached for a
+    later request to read."""
+    from pagellm.engine_errors import StepError
+    from pagellm.runner.model_runner import ModelRunner
+
+    with LLM(str(checkpoint), skip_tokenizer_init=True, async_scheduling=True, kv_cache_memory=0.01) as llm:
+        engine = llm.engine
+        engine.add_request([5, 6, 7], _greedy(20), request_id="a")
+        engine.step()  # a's prefill read back, a's first decode in flight
+        prompt = list(range(10, 50))  # two full blocks of 16
+        engine.add_request(prompt, _greedy(4), request_id="r")
+        engine.step()  # the step with r's prefill is in flight
+        assert engine._in_flight is not None and "r" in [i.request_id for i in engine._in_flight.output.scheduled]
+        hashes = engine.scheduler.requests["r"].block_hashes[:2]
+        assert engine.abort("r")
+        real = ModelRunner.collect
+        monkeypatch.setattr(ModelRunner, "collect", lambda self, arg: (_ for _ in ()).throw(RuntimeError("x")))
+        with pytest.raises(StepError):
+            engine.step()
+        monkeypatch.setattr(ModelRunner, "collect", real)
+        assert not [h for h in hashes if h in engine.kv_cache.pool.cached]
+        while engine.has_unfinished_requests():
+            engine.step()

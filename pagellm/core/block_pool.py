@@ -137,14 +137,16 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_count += 1
 
-    def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Register a full, computed block under its hash. An existing entry wins (first writer)."""
+    def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> bool:
+        """Register a full, computed block under its hash (True if this registered it). An existing entry wins
+        (first writer)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # same content computed twice (e.g. a race in one step); keep the first copy
+            return False  # same content computed twice (e.g. a race in one step); keep the first copy
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached[block_hash] = block
+        return True
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given (callers pass tail-first).

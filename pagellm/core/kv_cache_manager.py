@@ -40,6 +40,7 @@ class KVCacheManager:
         # Hashes of full prompt blocks that a running request will compute in a later step:
         # a newcomer needing one of them waits a step instead of computing it again.
         self._in_flight: Counter[int] = Counter()
+        self._registered: list[tuple[int, int]] = []  # (block id, hash) newly cached since take_registered
         self._in_flight_of: dict[str, list[int]] = {}
 
     @property
@@ -151,7 +152,8 @@ class KVCacheManager:
         rid, blocks = request.request_id, self.req_blocks[request.request_id]
         num_full = min(num_tokens_after_step // self.block_size, len(request.block_hashes))
         for i in range(self._num_hashed[rid], num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i], request.block_token_ids(i))
+            if self.pool.cache_block(blocks[i], request.block_hashes[i], request.block_token_ids(i)):
+                self._registered.append((blocks[i].block_id, request.block_hashes[i]))
         self._num_hashed[rid] = max(self._num_hashed[rid], num_full)
         self._settle_in_flight(request, num_full)
 
@@ -179,11 +181,17 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         return True
 
-    def forget_from(self, request: Request, first_block: int) -> None:
-        """Unregister the request's blocks from `first_block` on from the prefix cache: a step that failed
-        registered them as computed (blocks are hashed as of the end of their step) and never computed them."""
-        for block in self.req_blocks.get(request.request_id, [])[first_block:]:
-            if block.block_hash is not None and self.pool.cached.get(block.block_hash) is block:
+    def take_registered(self) -> tuple[tuple[int, int], ...]:
+        """(block id, hash) of the blocks registered in the prefix cache since the last call: one step's."""
+        registered, self._registered = tuple(self._registered), []
+        return registered
+
+    def forget(self, registered: tuple[tuple[int, int], ...]) -> None:
+        """Unregister blocks a step registered (blocks are hashed as of the end of their step) when the step failed
+        and never computed them: whoever holds them now, or none (a request aborted or preempted meanwhile)."""
+        for block_id, block_hash in registered:
+            block = self.pool.blocks[block_id]
+            if block.block_hash == block_hash and self.pool.cached.get(block_hash) is block:
                 self.pool.uncache(block)
 
     def free(self, request: Request) -> None:

@@ -67,6 +67,7 @@ class Scheduler:
         go back to waiting, to be recomputed from the prefix cache, which forgets the blocks the step never
         computed. Scheduler and runner then agree again whatever the step left behind."""
         self._settle_snapshots(output.scheduled, commit=False)
+        self.kv_cache.forget(output.cached_blocks)  # aborted or preempted meanwhile too: nobody may read them
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None:
@@ -74,7 +75,6 @@ class Scheduler:
             request.num_placeholders = 0  # the step never sampled (nor did a step scheduled after it)
             if request.status != RequestStatus.RUNNING:
                 continue
-            self.kv_cache.forget_from(request, item.start_position // self.kv_cache.block_size)
             self._preempt(request)
             request.num_preemptions -= 1  # not a preemption for want of blocks
             self.num_preemptions -= 1
@@ -116,7 +116,8 @@ class Scheduler:
             request.num_placeholders += item.sample
         num_tokens = sum(len(item.token_ids) for item in scheduled)
         num_decode = sum(1 for item in scheduled if item.new is None and len(item.token_ids) == 1)
-        return SchedulerOutput(tuple(scheduled), released, num_decode, num_tokens - num_decode)
+        return SchedulerOutput(tuple(scheduled), released, num_decode, num_tokens - num_decode,
+                               self.kv_cache.take_registered())
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
         """Fill the step's placeholders with its sampled tokens; return the requests that got a token (a request

@@ -50,6 +50,8 @@ class SchedulerOutput:
     released_request_ids: tuple[str, ...] = ()
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
+    # (block id, hash) of the blocks this step registered in the prefix cache: forgotten if it fails. Head only.
+    cached_blocks: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
     @property
     def num_tokens(self) -> int:
