@@ -60,8 +60,8 @@ class TextModelConfig:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        for name in ("architectures", "layer_types", "eos_token_id"):
-            value = getattr(self, name)
+        for name in ("architectures", "layer_types", "eos_token_id", "mlp_only_layers"):  # lists in config.json
+            value = getattr(self, name, None)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
 
@@ -181,7 +181,6 @@ class Qwen3MoeConfig(Qwen2Config):
         if "num_local_experts" in raw:  # transformers' name for it
             raw.setdefault("num_experts", raw.pop("num_local_experts"))
         raw = super().normalise(raw)
-        raw["mlp_only_layers"] = tuple(raw.get("mlp_only_layers") or ())
         if not raw.get("use_sliding_window", False):  # transformers keeps no layer_types for this family
             raw.pop("layer_types", None)
         return raw
@@ -266,12 +265,6 @@ class _GatedDeltaNetMoeConfig(_GatedDeltaNetConfig):
     num_experts: int = 512
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-
-    @classmethod
-    def normalise(cls, raw):
-        raw = super().normalise(raw)
-        raw["mlp_only_layers"] = tuple(raw.get("mlp_only_layers") or ())
-        return raw
 
 
 @dataclass(frozen=True)
