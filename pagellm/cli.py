@@ -189,9 +189,9 @@ def run() -> None:
     """Console entry point: run a command, then leave without interpreter teardown.
 
     Some paths still import torch._dynamo, which loads triton: transformers' modeling code (`pagellm bench`'s
-    HF peer) and its tokenizer conversion on a start-up cache miss (loader/tokenizer_conversion.py); at
-    teardown triton's nanobind bindings print hundreds of "leaked function" lines to stderr. The command's work
-    is complete and flushed by then, so skipping teardown loses nothing.
+    HF peer) and its tokenizer conversion of an HF directory on a start-up cache miss
+    (loader/tokenizer_conversion.py); at teardown triton's nanobind bindings print hundreds of "leaked function"
+    lines to stderr. The command's work is complete and flushed by then, so skipping teardown loses nothing.
     """
     code = main()
     logging.shutdown()

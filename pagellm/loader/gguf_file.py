@@ -84,6 +84,7 @@ class GGUFHeader:
     array_lengths: dict[str, int]  # every array's length; string arrays' contents are not read
     tensors: tuple[GGUFTensor, ...]
     data_start: int = 0  # bytes before the tensor data: the metadata (whole vocabularies too) and the tensor table
+    string_arrays: dict[str, int] = field(default_factory=dict)  # key -> file offset of its first string
 
     @property
     def architecture(self) -> str:
@@ -91,6 +92,19 @@ class GGUFHeader:
 
     def tensor(self, name: str) -> GGUFTensor | None:
         return next((t for t in self.tensors if t.name == name), None)
+
+    def strings(self, key: str) -> list[str] | None:
+        """A string array's values (a vocabulary, merges), read now from the file; None when the key is absent.
+        Why not at header time: most loads never need them, and 262k pieces cost ~0.1 s to decode."""
+        if key not in self.string_arrays:
+            return None
+        blob = np.memmap(self.path, mode="r", dtype=np.uint8)
+        data, pos, out = blob[: self.data_start].tobytes(), self.string_arrays[key], []
+        for _ in range(self.array_lengths[key]):
+            (length,) = struct.unpack_from("<Q", data, pos)
+            out.append(data[pos + 8 : pos + 8 + length].decode("utf-8", errors="replace"))
+            pos += 8 + length
+        return out
 
     def required(self, key: str) -> Any:
         """The metadata value of `key`; a ValueError naming the file and the key when it is absent."""
@@ -117,13 +131,16 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     if version not in _GGUF_VERSIONS:
         hint = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
         raise ValueError(f"{str(path)!r} is GGUF version {version}{hint}; supported versions: {_GGUF_VERSIONS}")
-    pos, metadata, lengths = 24, {}, {}
+    pos, metadata, lengths, string_arrays = 24, {}, {}, {}
     for _ in range(n_kv):
         key, pos = _read_string(blob, pos)
         (value_type,) = struct.unpack_from("<I", blob, pos)
-        metadata[key], length, pos = _read_value(blob, pos + 4, value_type, key)
+        start = pos + 4
+        metadata[key], length, pos = _read_value(blob, start, value_type, key)
         if length is not None:
             lengths[key] = length
+        if metadata[key] is None:  # a string array: its strings start after the item type and count
+            string_arrays[key] = start + 12
     if "general.architecture" not in metadata:
         raise ValueError(f"{str(path)!r} has no general.architecture in its metadata")
     table, pos = _read_tensor_table(blob, n_tensors, pos, path)
@@ -131,7 +148,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     data_start = (pos + alignment - 1) // alignment * alignment
     tensors = tuple(_tensor_view(blob, data_start, *entry) for entry in table)
     metadata = {k: v for k, v in metadata.items() if v is not None}  # string arrays: lengths only
-    return GGUFHeader(path, metadata, lengths, tensors, data_start)
+    return GGUFHeader(path, metadata, lengths, tensors, data_start, string_arrays)
 
 
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Tokenizers for HF checkpoint directories and GGUF files, with chat templates and streaming decode.
 
-A tokenizer is a `tokenizers.Tokenizer` (the Rust library) plus a TokenizerInfo: HF transformers converts a
-model's tokenizer once (loader/tokenizer_conversion.py), and loader/tokenizer_cache.py keeps the result on disk
-by content, so a later start loads it without transformers. Chat templates are rendered by
+A tokenizer is a `tokenizers.Tokenizer` (the Rust library) plus a TokenizerInfo, converted once (a GGUF's as
+llama.cpp tokenizes, by loader/gguf_tokenizer.py; an HF directory's by transformers,
+loader/tokenizer_conversion.py) and kept on disk by content by loader/tokenizer_cache.py, so a later start
+loads it without converting. Chat templates are rendered by
 loader/chat_template.py as transformers renders them.
 """
 
@@ -145,7 +146,7 @@ def has_tokenizer(path: str | Path) -> bool:
 
 def load_tokenizer(path: str | Path, cache_dir: str | Path | None = None, header=None) -> Tokenizer:
     """The tokenizer of an HF checkpoint directory or of a GGUF file. cache_dir: where converted tokenizers are
-    kept by content (loader/tokenizer_cache.py); None: converted by transformers each time. header: the GGUF's,
+    kept by content (loader/tokenizer_cache.py); None: converted each time. header: the GGUF's,
     when the caller has read it (loader/gguf_file.py)."""
     path = Path(path)
     if not path.exists():

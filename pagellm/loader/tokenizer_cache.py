@@ -1,16 +1,17 @@
-"""A model's tokenizer converted once by HF transformers, kept on disk by content, loaded without transformers.
+"""A model's tokenizer converted once, kept on disk by content, loaded as tokenizers' JSON at later starts.
 
-Why: converting a GGUF vocabulary costs seconds at every start (transformers regenerates the merges from the
-scores: ~2.5 s of a 4 s tokenizer load for Gemma 3's 262k pieces), and importing transformers costs time and
-resident memory for nothing the server runs. What transformers builds is a `tokenizers.Tokenizer` (its JSON)
-plus a few facts (special tokens, end-of-generation ids, chat template, decode clean-up): both are written
-here, and a later start builds the tokenizer from the JSON alone, as llama.cpp and vLLM cache what they
-derive from a file.
+Why: converting a vocabulary costs seconds at every start (a GGUF's SentencePiece merges are generated from the
+scores: ~3.5 s for Gemma 3's 262k pieces; an HF directory's slow-tokenizer files need transformers, whose
+import costs time and resident memory for nothing the server runs). What a conversion builds is a
+`tokenizers.Tokenizer` (its JSON) plus a few facts (special tokens, end-of-generation ids, chat template,
+decode clean-up): both are written here, and a later start builds the tokenizer from the JSON alone, as
+llama.cpp and vLLM cache what they derive from a file. A GGUF is converted by loader/gguf_tokenizer.py (as
+llama.cpp tokenizes, no transformers), an HF directory by transformers (loader/tokenizer_conversion.py).
 
     <cache_dir>/tokenizers/<key>/tokenizer.json, info.json, manifest.json
-    key       sha256 of this format's version, the transformers and tokenizers versions, the conversion's code,
-              and the bytes the tokenizer is made from: a GGUF's header (its metadata holds the whole
-              vocabulary), or every file of an HF directory but its weights
+    key       sha256 of this format's version, the tokenizers version, the converting module's code (and for a
+              directory transformers' version), and the bytes the tokenizer is made from: a GGUF's header (its
+              metadata holds the whole vocabulary), or every file of an HF directory but its weights
     manifest  sha256 of the two files: an entry that does not match, or does not parse, is rebuilt (logged),
               never used; entries are written to a temporary directory and renamed into place
 """
@@ -42,7 +43,7 @@ _NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpa
 
 @dataclass(frozen=True)
 class TokenizerInfo:
-    """What the engine needs of a tokenizer beyond its `tokenizers.Tokenizer`, as transformers saw it."""
+    """What the engine needs of a tokenizer beyond its `tokenizers.Tokenizer`."""
 
     special_tokens: dict[str, str]  # bos_token, eos_token, unk_token, pad_token, ...: chat-template variables
     bos_token: str | None
@@ -57,7 +58,7 @@ class TokenizerInfo:
 def converted(path: Path, cache_dir: Path | None, header: GGUFHeader | None = None
               ) -> tuple[tokenizers.Tokenizer, TokenizerInfo]:
     """The tokenizer of a GGUF file or HF directory: from the cache when it holds a sound entry for its content,
-    else converted by transformers (and stored when there is a cache)."""
+    else converted (and stored when there is a cache)."""
     entry = cache_dir / "tokenizers" / _key(path, header) if cache_dir is not None else None
     if entry is not None and entry.is_dir():
         loaded = _read(entry)
@@ -65,9 +66,14 @@ def converted(path: Path, cache_dir: Path | None, header: GGUFHeader | None = No
             return loaded
         logger.warning("tokenizer cache entry %s is corrupt or stale: rebuilt", entry)
         shutil.rmtree(entry, ignore_errors=True)
-    from pagellm.loader.tokenizer_conversion import convert  # transformers, only on a miss
+    if path.is_file():
+        from pagellm.loader.gguf_tokenizer import convert as convert_gguf
 
-    backend, fields = convert(path)
+        backend, fields = convert_gguf(header_of(header if header is not None else path))
+    else:
+        from pagellm.loader.tokenizer_conversion import convert  # transformers, only on a directory's miss
+
+        backend, fields = convert(path)
     info = TokenizerInfo(**fields)
     if entry is not None:
         _write(entry, backend, info)
@@ -75,8 +81,11 @@ def converted(path: Path, cache_dir: Path | None, header: GGUFHeader | None = No
 
 
 def _key(path: Path, header: GGUFHeader | None) -> str:
-    digest = hashlib.sha256(f"{FORMAT} {version('transformers')} {tokenizers.__version__}".encode())
-    digest.update((Path(__file__).parent / "tokenizer_conversion.py").read_bytes())  # what converts, as it is now
+    digest = hashlib.sha256(f"{FORMAT} {tokenizers.__version__}".encode())
+    converter = "gguf_tokenizer.py" if path.is_file() else "tokenizer_conversion.py"
+    digest.update((Path(__file__).parent / converter).read_bytes())  # what converts, as it is now
+    if not path.is_file():
+        digest.update(version("transformers").encode())
     if path.is_file():  # GGUF: the header bytes, read through the same map as the loader's
         header = header_of(header if header is not None else path)
         with open(path, "rb") as f:

@@ -1,10 +1,8 @@
-"""transformers' tokenizer of a GGUF file or an HF directory, reduced to what pagellm keeps of it.
+"""transformers' tokenizer of an HF checkpoint directory, reduced to what pagellm keeps of it.
 
-Only loader/tokenizer_cache.py imports this, on a cache miss (or with no cache): transformers builds the
-tokenizer (a GGUF's from the file's vocabulary, scores or merges and special ids; a directory's from its
-tokenizer files), and the result is its `tokenizers.Tokenizer` plus the facts of a TokenizerInfo. A GGUF's tokenizer is
-built with the fast-tokenizer class directly, because AutoTokenizer would first rebuild the model config through
-gguf.GGUFReader, slow on a large vocabulary (docs/benchmarks/2026-11-24-quantized-layer-crossovers.md).
+Only loader/tokenizer_cache.py imports this, on a directory's cache miss (or with no cache): transformers builds
+the tokenizer from the directory's tokenizer files, and the result is its `tokenizers.Tokenizer` plus the facts
+of a TokenizerInfo. A GGUF's tokenizer is loader/gguf_tokenizer.py's (llama.cpp's ids, no transformers).
 Nothing is fetched from the network (local_files_only).
 """
 
@@ -14,29 +12,18 @@ import json
 from pathlib import Path
 
 import tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagellm.loader.gguf_file import read_gguf_header
 from pagellm.loader.hf_configs import own_config_of_dir
-
-# llama.cpp's end-of-generation ids, where a GGUF states them
-_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
 def convert(path: Path) -> tuple[tokenizers.Tokenizer, dict]:
     """(the tokenizer, the fields of its tokenizer_cache.TokenizerInfo)."""
-    if path.is_file():
-        metadata = read_gguf_header(path).metadata
-        if "tokenizer.ggml.model" not in metadata:
-            raise FileNotFoundError(f"GGUF file {str(path)!r} has no tokenizer (no tokenizer.ggml.model metadata)")
-        hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        eos, template = {metadata[k] for k in _GGUF_EOS_KEYS if k in metadata}, metadata.get("tokenizer.chat_template")
-    else:
-        # AutoTokenizer reads the model config to choose a class: given pagellm's, it imports no transformers model
-        hf = AutoTokenizer.from_pretrained(str(path), config=own_config_of_dir(path), local_files_only=True)
-        eos = {hf.eos_token_id} | _config_eos_ids(path / "config.json")
-        eos |= _config_eos_ids(path / "generation_config.json")  # e.g. Gemma: [1, 106]
-        template = hf.chat_template
+    # AutoTokenizer reads the model config to choose a class: given pagellm's, it imports no transformers model
+    hf = AutoTokenizer.from_pretrained(str(path), config=own_config_of_dir(path), local_files_only=True)
+    eos = {hf.eos_token_id} | _config_eos_ids(path / "config.json")
+    eos |= _config_eos_ids(path / "generation_config.json")  # e.g. Gemma: [1, 106]
+    template = hf.chat_template
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         raise ValueError(f"{str(path)!r}: transformers gives a slow (Python) tokenizer here; pagellm needs one the "
