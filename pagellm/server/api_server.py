@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine, run by uvicorn.
 
     POST /v1/completions, /v1/chat/completions   (stream or not; n completions per prompt)
+    POST /v1/responses                           (OpenAI's Responses API, stateless: server/responses_api.py)
     GET  /v1/models, /health (503 until the model is loaded), /metrics (Prometheus text), / (chat page)
     POST /tokenize, /detokenize
 
@@ -36,6 +37,7 @@ from pagellm.server.reasoning import opened_by_prompt, thinks
 from pagellm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, error_body, parse_request)
 from pagellm.server.responses import ChatFormatter, CompletionFormatter, usage
+from pagellm.server.responses_api import ResponsesFormatter, chat_request
 from pagellm.server.state import ServerState
 from pagellm.server.structured_fields import compile_error
 from pagellm.server.tool_calls import parser_for_template
@@ -75,6 +77,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     v1 = APIRouter(prefix="/v1")
     v1.add_api_route("/completions", _completions, methods=["POST"], **route_docs("/v1/completions"))
     v1.add_api_route("/chat/completions", _chat_completions, methods=["POST"], **route_docs("/v1/chat/completions"))
+    v1.add_api_route("/responses", _responses, methods=["POST"], **route_docs("/v1/responses"))
     v1.add_api_route("/models", _models, methods=["GET"], response_model=ModelList)
     app.include_router(v1)
     app.add_api_route("/", _chat_page, methods=["GET"], include_in_schema=False)
@@ -226,6 +229,22 @@ async def _chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
     state = _ready_state(request)
     body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), ChatCompletionRequest)
+    return await _chat(request, state, body, arrival)
+
+
+async def _responses(request: Request) -> Response:
+    """OpenAI's Responses API: the same turn as a chat request, in the Responses envelope."""
+    arrival = time.monotonic()
+    state = _ready_state(request)
+    raw = await read_body(request, state.config.max_request_bytes)
+    responses_body, body = await state.off_loop(chat_request, raw)
+    return await _chat(request, state, body, arrival,
+                       lambda chat: ResponsesFormatter(state.served_model_name, responses_body, chat))
+
+
+async def _chat(request: Request, state: ServerState, body: ChatCompletionRequest, arrival: float,
+                envelope=None) -> Response:
+    """A chat turn: template, tokens, generation; `envelope` wraps the chat formatter in another API's shape."""
     _check_model(state, body.model)
     state.note_unknown_fields(body)
     _check_capacity(state, body, 1)
@@ -240,6 +259,8 @@ async def _chat_completions(request: Request) -> Response:
     formatter = ChatFormatter(state.served_model_name, body, tokenizer,
                               opened_by_prompt(text) if thinks(tokenizer) else None,
                               state.tool_call_parser or parser_for_template(template))
+    if envelope is not None:
+        formatter = envelope(formatter)
     return await _generate(request, state, body, prompt_ids, body.requested_max_tokens, body.num_logprobs,
                            "messages", formatter, arrival)
 
@@ -341,27 +362,32 @@ class _EventStream(StreamingResponse):
 
 
 async def _sse(stream: RequestStream, formatter, prompt_lens: list[int], n: int, include_usage: bool):
-    """Server-sent events; the client going away cancels this generator, which aborts the requests."""
+    """Server-sent events; the client going away cancels this generator, which aborts the requests. A formatter
+    may answer one engine output with several events (a list) and end with its own (last_chunks)."""
     finals = {}
+    event = getattr(formatter, "event", _event)
     try:
         for chunk in formatter.first_chunks(len(stream.request_ids), include_usage):
-            yield _event(chunk)
+            yield event(chunk)
         async for index, output in stream:
             if output.finished:
                 finals[index] = output
-            chunk = formatter.chunk(index, output, include_usage)
-            if chunk is not None:
-                yield _event(chunk)
-        if include_usage:
+            chunks = formatter.chunk(index, output, include_usage)
+            for chunk in chunks if isinstance(chunks, list) else () if chunks is None else (chunks,):
+                yield event(chunk)
+        last = getattr(formatter, "last_chunks", None)
+        if include_usage or last is not None:
             outputs = [finals[i] for i in range(len(finals))]
-            yield _event(formatter.usage_chunk(usage(prompt_lens, outputs, n)))
+            total = usage(prompt_lens, outputs, n)
+            for chunk in last(total, include_usage) if last else [formatter.usage_chunk(total)]:
+                yield event(chunk)
     except EngineDeadError as exc:
         yield _event(error_body(str(exc), "service_unavailable_error"))
     except RequestFailedError as exc:
         yield _event(error_body(str(exc), APIError(str(exc), status=exc.status).kind))
     finally:
         stream.abort()
-    yield "data: [DONE]\n\n"
+    yield getattr(formatter, "done_marker", "data: [DONE]\n\n")
 
 
 def _event(payload: dict) -> str:

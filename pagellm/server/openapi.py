@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagellm.server.responses_api import ResponsesRequest
 
 
 class _Shape(BaseModel):
@@ -179,11 +180,49 @@ class Detokenized(_Shape):
     prompt: str
 
 
+class ResponseOutputItem(_Shape):
+    model_config = ConfigDict(extra="allow")  # each item type has its own fields
+    type: Literal["message", "reasoning", "function_call"]
+    id: str
+    status: str
+
+
+class ResponseUsage(_Shape):
+    model_config = ConfigDict(extra="allow")
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class ResponseObject(_Shape):
+    """OpenAI's Response: output items (message with output_text parts, reasoning, function_call), usage."""
+
+    model_config = ConfigDict(extra="allow")  # the request's settings echoed (instructions, tools, ...)
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[ResponseOutputItem]
+    usage: ResponseUsage | None = None
+
+
+class ResponseEvent(_Shape):
+    """One event of a Responses stream: response.created ... response.output_text.delta ... response.completed."""
+
+    model_config = ConfigDict(extra="allow")  # each event type has its own fields
+
+    type: str
+    sequence_number: int
+
+
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 429, 503)}
 # path -> (request model, response model, the event model of a stream or None)
 ROUTES = {
     "/v1/completions": (CompletionRequest, Completion, Completion),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
+    "/v1/responses": (ResponsesRequest, ResponseObject, ResponseEvent),
     "/tokenize": (TokenizeRequest, Tokens, None),
     "/detokenize": (DetokenizeRequest, Detokenized, None),
 }
@@ -194,8 +233,9 @@ def route_docs(path: str) -> dict:
     request, response, event = ROUTES[path]
     responses: dict = {**_ERRORS, 200: {"model": response}}
     if event is not None:
+        ending = ", the last response.completed" if event is ResponseEvent else ", then `data: [DONE]`"
         responses[200]["content"] = {"text/event-stream": {"schema": {
-            "description": f"stream: true; each `data:` line is a {event.__name__}, then `data: [DONE]`"}}}
+            "description": f"stream: true; each `data:` line is a {event.__name__}{ending}"}}}
     body = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request.__name__}"}}},
             "required": True}
     return {"responses": responses, "openapi_extra": {"requestBody": body}}

@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagellm.server.responses_api import ResponsesRequest
 from tests.server.server_harness import start_server, stop_with
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 SCALARS = st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=12)
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                         max_size=3), max_leaves=8)
@@ -27,6 +28,13 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "ass
 PLAUSIBLE = {  # per field, values near what a client sends (the rest of the time: any JSON)
     "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 300000), max_size=5),
     "messages": st.lists(MESSAGE, max_size=3),
+    "input": st.text(max_size=30) | st.lists(MESSAGE | st.fixed_dictionaries(
+        {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"])},
+        optional={"call_id": st.text(max_size=4) | JSON, "name": st.text(max_size=4) | JSON, "arguments": JSON,
+                  "output": JSON, "role": st.sampled_from(["user", "assistant"]), "content": JSON}), max_size=3),
+    "max_output_tokens": st.integers(-2, 40),
+    "text": st.sampled_from([{"format": {"type": "json_object"}}, {"format": {"type": "json_schema"}},
+                             {"format": {"type": "json_schema", "schema": {"type": "integer"}}}]),
     "tokens": st.lists(st.integers(-5, 300000), max_size=5),
     "max_tokens": st.integers(-2, 40), "max_completion_tokens": st.integers(-2, 40), "n": st.integers(-1, 3),
     "temperature": st.floats(-1, 3), "logprobs": st.booleans() | st.integers(-1, 25),
