@@ -2,17 +2,18 @@
 
     POST /v1/completions, /v1/chat/completions   (stream or not; n completions per prompt)
     POST /v1/responses                           (OpenAI's Responses API, stateless: server/responses_api.py)
+    POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API: server/messages_api.py)
     GET  /v1/models, /health (503 until the model is loaded), /metrics (Prometheus text), / (chat page)
     POST /tokenize, /detokenize
 
 State lives on app.state.server (a ServerState), never in module globals. Every error is an
-OpenAI-style body: {"error": {"message", "type", "param", "code"}}.
+OpenAI-style body: {"error": {"message", "type", "param", "code"}}; under /v1/messages, Anthropic's
+{"type": "error", "error": {"type", "message", "param"}}.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
@@ -22,22 +23,23 @@ import jinja2
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.config import EngineConfig, ServerConfig
-from pagellm.server.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
-                                         RequestStream)
+from pagellm.server import messages_api
+from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from pagellm.server.guards import ApiKeyMiddleware, read_body
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.openapi import ModelList, install_openapi, route_docs
 from pagellm.server.reasoning import opened_by_prompt, thinks
 from pagellm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, error_body, parse_request)
-from pagellm.server.responses import ChatFormatter, CompletionFormatter, usage
+from pagellm.server.responses import ChatFormatter, CompletionFormatter
 from pagellm.server.responses_api import ResponsesFormatter, chat_request
+from pagellm.server.streaming import EventStream, collect, sse
 from pagellm.server.state import ServerState
 from pagellm.server.structured_fields import compile_error
 from pagellm.server.tool_calls import parser_for_template
@@ -78,6 +80,9 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     v1.add_api_route("/completions", _completions, methods=["POST"], **route_docs("/v1/completions"))
     v1.add_api_route("/chat/completions", _chat_completions, methods=["POST"], **route_docs("/v1/chat/completions"))
     v1.add_api_route("/responses", _responses, methods=["POST"], **route_docs("/v1/responses"))
+    v1.add_api_route("/messages", _messages, methods=["POST"], **route_docs("/v1/messages"))
+    v1.add_api_route("/messages/count_tokens", _count_tokens, methods=["POST"],
+                     **route_docs("/v1/messages/count_tokens"))
     v1.add_api_route("/models", _models, methods=["GET"], response_model=ModelList)
     app.include_router(v1)
     app.add_api_route("/", _chat_page, methods=["GET"], include_in_schema=False)
@@ -94,11 +99,13 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
         # A 429 says when to come back: the queue drains as requests finish, within seconds.
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {"Retry-After": "1"} \
             if exc.status == 429 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        body = messages_api.error_body(exc.message, exc.kind, exc.param) \
+            if request.url.path.startswith("/v1/messages") else exc.body()
+        return JSONResponse(body, status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -239,7 +246,29 @@ async def _responses(request: Request) -> Response:
     raw = await read_body(request, state.config.max_request_bytes)
     responses_body, body = await state.off_loop(chat_request, raw)
     return await _chat(request, state, body, arrival,
-                       lambda chat: ResponsesFormatter(state.served_model_name, responses_body, chat))
+                       lambda chat, _: ResponsesFormatter(state.served_model_name, responses_body, chat))
+
+
+async def _messages(request: Request) -> Response:
+    """Anthropic's Messages API: the same turn as a chat request, as content blocks and Anthropic's events."""
+    arrival = time.monotonic()
+    state = _ready_state(request)
+    body = await state.off_loop(messages_api.chat_request, await read_body(request, state.config.max_request_bytes))
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop
+    return await _chat(request, state, body, arrival, lambda chat, prompt_tokens: messages_api.MessagesFormatter(
+        state.served_model_name, chat, prompt_tokens, stops))
+
+
+async def _count_tokens(request: Request) -> dict:
+    """The prompt tokens a Messages request would have (system, messages and tools rendered by the template)."""
+    state = _ready_state(request)
+    body = await state.off_loop(messages_api.chat_request, await read_body(request, state.config.max_request_bytes),
+                                messages_api.CountTokensRequest)
+    _check_model(state, body.model)
+    tokenizer = state.tokenizer()
+    text = await state.off_loop(_render_chat, tokenizer, body.messages, True, state.chat_template,
+                                body.chat_template_kwargs, body.template_tools)
+    return {"input_tokens": len(await state.encode(text, "messages"))}
 
 
 async def _chat(request: Request, state: ServerState, body: ChatCompletionRequest, arrival: float,
@@ -260,7 +289,7 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
                               opened_by_prompt(text) if thinks(tokenizer) else None,
                               state.tool_call_parser or parser_for_template(template))
     if envelope is not None:
-        formatter = envelope(formatter)
+        formatter = envelope(formatter, len(prompt_ids[0]))
     return await _generate(request, state, body, prompt_ids, body.requested_max_tokens, body.num_logprobs,
                            "messages", formatter, arrival)
 
@@ -315,80 +344,5 @@ async def _generate(request: Request, state: ServerState, body, prompt_ids: list
         raise APIError(str(exc), status=503) from None
     prompt_lens = [len(ids) for ids in prompt_ids]
     if body.stream:
-        return _EventStream(_sse(stream, formatter, prompt_lens, body.n, body.include_usage), stream)
-    return await _collect(request, stream, formatter, prompt_lens, body.n)
-
-
-async def _collect(request: Request, stream: RequestStream, formatter, prompt_lens: list[int], n: int) -> Response:
-    watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
-    finals = {}
-    try:
-        async for index, output in stream:
-            if output.finished:
-                finals[index] = output
-    except EngineDeadError as exc:
-        raise APIError(str(exc), status=503) from None
-    except RequestFailedError as exc:  # this request alone; the server goes on
-        raise APIError(str(exc), status=exc.status) from None
-    finally:
-        watcher.cancel()
-        stream.abort()
-    if len(finals) < len(stream.request_ids):  # the client went away: nobody reads this
-        return Response(status_code=499)
-    outputs = [finals[i] for i in range(len(finals))]
-    return JSONResponse(formatter.response(outputs, usage(prompt_lens, outputs, n)))
-
-
-async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            stream.abort()
-            return
-
-
-class _EventStream(StreamingResponse):
-    """SSE response that aborts its requests however it ends, even before the first event is sent."""
-
-    def __init__(self, content, stream: RequestStream):
-        super().__init__(content, media_type="text/event-stream")
-        self._stream = stream
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._stream.abort()
-
-
-async def _sse(stream: RequestStream, formatter, prompt_lens: list[int], n: int, include_usage: bool):
-    """Server-sent events; the client going away cancels this generator, which aborts the requests. A formatter
-    may answer one engine output with several events (a list) and end with its own (last_chunks)."""
-    finals = {}
-    event = getattr(formatter, "event", _event)
-    try:
-        for chunk in formatter.first_chunks(len(stream.request_ids), include_usage):
-            yield event(chunk)
-        async for index, output in stream:
-            if output.finished:
-                finals[index] = output
-            chunks = formatter.chunk(index, output, include_usage)
-            for chunk in chunks if isinstance(chunks, list) else () if chunks is None else (chunks,):
-                yield event(chunk)
-        last = getattr(formatter, "last_chunks", None)
-        if include_usage or last is not None:
-            outputs = [finals[i] for i in range(len(finals))]
-            total = usage(prompt_lens, outputs, n)
-            for chunk in last(total, include_usage) if last else [formatter.usage_chunk(total)]:
-                yield event(chunk)
-    except EngineDeadError as exc:
-        yield _event(error_body(str(exc), "service_unavailable_error"))
-    except RequestFailedError as exc:
-        yield _event(error_body(str(exc), APIError(str(exc), status=exc.status).kind))
-    finally:
-        stream.abort()
-    yield getattr(formatter, "done_marker", "data: [DONE]\n\n")
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return EventStream(sse(stream, formatter, prompt_lens, body.n, body.include_usage), stream)
+    return await collect(request, stream, formatter, prompt_lens, body.n)

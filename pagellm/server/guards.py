@@ -13,26 +13,30 @@ OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentia
 
 
 class ApiKeyMiddleware:
-    """401 unless 'Authorization: Bearer <key>' carries one of the keys. Every key is compared, in constant time,
-    so the answer's timing tells nothing about which key or how much of one matched."""
+    """401 unless 'Authorization: Bearer <key>' or 'x-api-key: <key>' (Anthropic's clients send that) carries one
+    of the keys. Every key is compared, in constant time, so the answer's timing tells nothing about which key or
+    how much of one matched."""
 
     def __init__(self, app, keys: tuple[str, ...]):
         self.app = app
-        self._expected = [f"Bearer {key}".encode() for key in keys]
+        self._expected = [key.encode() for key in keys]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        sent = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        headers = dict(scope["headers"])  # lower-cased names (ASGI)
+        bearer = headers.get(b"authorization", b"")
+        sent = [bearer[len(b"Bearer "):] if bearer.startswith(b"Bearer ") else None, headers.get(b"x-api-key")]
         matched = False
         for expected in self._expected:
-            matched |= secrets.compare_digest(sent, expected)
+            for value in sent:  # both compared always: no timing difference between the headers either
+                matched |= secrets.compare_digest(value or b"\0", expected)
         if matched:
             await self.app(scope, receive, send)
             return
-        body = json.dumps(error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                     "authentication_error")).encode()
+        body = json.dumps(error_body("invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                                     "'x-api-key: <key>'", "authentication_error")).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer")]})

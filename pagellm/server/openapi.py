@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagellm.server.messages_api import CountTokensRequest, MessagesRequest
 from pagellm.server.responses_api import ResponsesRequest
 
 
@@ -217,12 +218,38 @@ class ResponseEvent(_Shape):
     sequence_number: int
 
 
+class AnthropicMessage(_Shape):
+    """Anthropic's message: content blocks (thinking, text, tool_use), stop_reason, usage."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    usage: dict[str, int]
+
+
+class MessagesEvent(_Shape):
+    """One event of a Messages stream: message_start ... content_block_delta ... message_stop."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class InputTokens(_Shape):
+    input_tokens: int
+
+
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 429, 503)}
+_STREAM_ENDS = {"ResponseEvent": ", the last response.completed", "MessagesEvent": ", the last message_stop"}
 # path -> (request model, response model, the event model of a stream or None)
 ROUTES = {
     "/v1/completions": (CompletionRequest, Completion, Completion),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
     "/v1/responses": (ResponsesRequest, ResponseObject, ResponseEvent),
+    "/v1/messages": (MessagesRequest, AnthropicMessage, MessagesEvent),
+    "/v1/messages/count_tokens": (CountTokensRequest, InputTokens, None),
     "/tokenize": (TokenizeRequest, Tokens, None),
     "/detokenize": (DetokenizeRequest, Detokenized, None),
 }
@@ -233,7 +260,7 @@ def route_docs(path: str) -> dict:
     request, response, event = ROUTES[path]
     responses: dict = {**_ERRORS, 200: {"model": response}}
     if event is not None:
-        ending = ", the last response.completed" if event is ResponseEvent else ", then `data: [DONE]`"
+        ending = _STREAM_ENDS.get(event.__name__, ", then `data: [DONE]`")
         responses[200]["content"] = {"text/event-stream": {"schema": {
             "description": f"stream: true; each `data:` line is a {event.__name__}{ending}"}}}
     body = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request.__name__}"}}},

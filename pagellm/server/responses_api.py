@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 from pagellm.server.errors import APIError
 from pagellm.server.protocol import ChatCompletionRequest, parse_request
 from pagellm.server.responses import ChatFormatter
+from pagellm.server.streaming import typed_event
 
 # chat field -> the Responses field a client sent it as, for error bodies
 _FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
@@ -233,8 +234,7 @@ class ResponsesFormatter:
 
     # ---- a stream of events (api_server's _sse drives these) ---------------------------------------------
 
-    def event(self, payload: dict) -> str:
-        return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    event = staticmethod(typed_event)
 
     def first_chunks(self, num_choices: int, include_usage: bool) -> list[dict]:
         started = self._object([], None, None, status="in_progress")

@@ -63,21 +63,23 @@ def test_health_answers_503_while_loading_then_200(server):
 
 
 ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-          ("POST", "/v1/responses"),
+          ("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
           ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/openapi.json"),
           ("GET", "/"), ("GET", "/nope")]
 
 
 @pytest.mark.parametrize("method, path", ROUTES)
 def test_every_route_but_health_needs_a_key(server, method, path):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"},
+                    {"x-api-key": f"{KEY}x"}, {"x-api-key": f"Bearer {KEY}"}):
         response = httpx.request(method, server.url + path, headers=headers, json={})
         assert response.status_code == 401, (path, headers, response.text)
         assert response.json()["error"]["type"] == "authentication_error"
         assert response.headers["www-authenticate"] == "Bearer"
-    for key in (KEY, SECOND_KEY):  # --api-key and --api-key-file both open it
-        response = httpx.request(method, server.url + path, headers={"Authorization": f"Bearer {key}"}, json={})
-        assert response.status_code != 401, (path, response.text)
+    for key in (KEY, SECOND_KEY):  # --api-key and --api-key-file both open it, as Bearer or as x-api-key
+        for headers in ({"Authorization": f"Bearer {key}"}, {"x-api-key": key}):
+            response = httpx.request(method, server.url + path, headers=headers, json={})
+            assert response.status_code != 401, (path, response.text)
 
 
 def test_bodies_too_large_or_too_deep_and_requests_that_can_never_fit(http):
