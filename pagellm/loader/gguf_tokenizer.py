@@ -98,7 +98,9 @@ def convert(header: GGUFHeader) -> tuple[tokenizers.Tokenizer, dict]:
                 eos_token_ids=tuple(sorted(eos)),
                 special_ids=tuple(i for i, t in enumerate(types) if t in (UNKNOWN, CONTROL)),
                 chat_template=metadata.get("tokenizer.chat_template"), clean_up_spaces=False,
-                vocab_size=len(tokens))
+                vocab_size=len(tokens), fim_ids={role: metadata[f"tokenizer.ggml.fim_{role}_token_id"]
+                                                 for role in ("pre", "suf", "mid", "pad", "rep", "sep")
+                                                 if f"tokenizer.ggml.fim_{role}_token_id" in metadata})
     return backend, info
 
 

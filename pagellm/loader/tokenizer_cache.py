@@ -53,6 +53,7 @@ class TokenizerInfo:
     chat_template: str | None  # the model's own; None: it has none
     clean_up_spaces: bool  # transformers' clean_up_tokenization after decode (WordPiece-style models)
     vocab_size: int  # with added tokens
+    fim_ids: dict[str, int] = dataclasses.field(default_factory=dict)  # a GGUF's fill-in-the-middle ids by role
 
 
 def converted(path: Path, cache_dir: Path | None, header: GGUFHeader | None = None

@@ -4,7 +4,7 @@
     POST /v1/responses                           (OpenAI's Responses API, stateless: server/responses_api.py)
     POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API: server/messages_api.py)
     GET  /v1/models, /health (503 until the model is loaded), /metrics (Prometheus text), / (chat page)
-    POST /tokenize, /detokenize
+    POST /tokenize, /detokenize, /infill         (llama-server's fill-in-the-middle: server/infill.py)
 
 State lives on app.state.server (a ServerState), never in module globals. Every error is an
 OpenAI-style body: {"error": {"message", "type", "param", "code"}}; under /v1/messages, Anthropic's
@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.config import EngineConfig, ServerConfig
-from pagellm.server import messages_api
+from pagellm.server import infill, messages_api
 from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from pagellm.server.guards import ApiKeyMiddleware, read_body
 from pagellm.server.metrics import ServerMetrics
@@ -91,6 +91,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/tokenize", _tokenize, methods=["POST"], **route_docs("/tokenize"))
     app.add_api_route("/detokenize", _detokenize, methods=["POST"], **route_docs("/detokenize"))
+    app.add_api_route("/infill", _infill, methods=["POST"], **route_docs("/infill"))
     install_openapi(app)
     return app
 
@@ -269,6 +270,20 @@ async def _count_tokens(request: Request) -> dict:
     text = await state.off_loop(_render_chat, tokenizer, body.messages, True, state.chat_template,
                                 body.chat_template_kwargs, body.template_tools)
     return {"input_tokens": len(await state.encode(text, "messages"))}
+
+
+async def _infill(request: Request) -> Response:
+    """llama-server's /infill: the code around the cursor laid out with the model's FIM tokens, then sampled."""
+    arrival = time.monotonic()
+    state = _ready_state(request)
+    infill_body, body = await state.off_loop(infill.completion_request,
+                                             await read_body(request, state.config.max_request_bytes))
+    _check_model(state, body.model)
+    state.note_unknown_fields(body)
+    ids = await state.off_loop(infill.infill_tokens, state.tokenizer(), infill_body,
+                               state.engine.model.max_model_len, body.max_tokens or 0)
+    return await _generate(request, state, body, [ids], body.max_tokens, None, "input_prefix",
+                           infill.InfillFormatter(state.served_model_name, len(ids)), arrival)
 
 
 async def _chat(request: Request, state: ServerState, body: ChatCompletionRequest, arrival: float,

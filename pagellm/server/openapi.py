@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagellm.server.infill import InfillRequest
 from pagellm.server.messages_api import CountTokensRequest, MessagesRequest
 from pagellm.server.responses_api import ResponsesRequest
 
@@ -241,8 +242,17 @@ class InputTokens(_Shape):
     input_tokens: int
 
 
+class InfillCompletion(_Shape):
+    """llama-server's completion object (streamed: the same shape, `stop` true on the last)."""
+
+    model_config = ConfigDict(extra="allow")
+    content: str
+    stop: bool
+
+
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 429, 503)}
-_STREAM_ENDS = {"ResponseEvent": ", the last response.completed", "MessagesEvent": ", the last message_stop"}
+_STREAM_ENDS = {"ResponseEvent": ", the last response.completed", "MessagesEvent": ", the last message_stop",
+                "InfillCompletion": ", the last with stop true"}
 # path -> (request model, response model, the event model of a stream or None)
 ROUTES = {
     "/v1/completions": (CompletionRequest, Completion, Completion),
@@ -250,6 +260,7 @@ ROUTES = {
     "/v1/responses": (ResponsesRequest, ResponseObject, ResponseEvent),
     "/v1/messages": (MessagesRequest, AnthropicMessage, MessagesEvent),
     "/v1/messages/count_tokens": (CountTokensRequest, InputTokens, None),
+    "/infill": (InfillRequest, InfillCompletion, InfillCompletion),
     "/tokenize": (TokenizeRequest, Tokens, None),
     "/detokenize": (DetokenizeRequest, Detokenized, None),
 }

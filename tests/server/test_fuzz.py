@@ -14,13 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagellm.server.infill import InfillRequest
 from pagellm.server.messages_api import MessagesRequest
 from pagellm.server.responses_api import ResponsesRequest
 from tests.server.server_harness import start_server, stop_with
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest, "/tokenize": TokenizeRequest,
-          "/detokenize": DetokenizeRequest}
+          "/detokenize": DetokenizeRequest, "/infill": InfillRequest}
 SCALARS = st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=12)
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                         max_size=3), max_leaves=8)
@@ -35,6 +36,7 @@ PLAUSIBLE = {  # per field, values near what a client sends (the rest of the tim
         optional={"call_id": st.text(max_size=4) | JSON, "name": st.text(max_size=4) | JSON, "arguments": JSON,
                   "output": JSON, "role": st.sampled_from(["user", "assistant"]), "content": JSON}), max_size=3),
     "max_output_tokens": st.integers(-2, 40),
+    "input_prefix": st.text(max_size=10), "input_suffix": st.text(max_size=10), "n_predict": st.integers(-3, 40),
     "system": st.text(max_size=10) | st.lists(JSON, max_size=2), "stop_sequences": st.lists(st.text(max_size=3)),
     "text": st.sampled_from([{"format": {"type": "json_object"}}, {"format": {"type": "json_schema"}},
                              {"format": {"type": "json_schema", "schema": {"type": "integer"}}}]),
