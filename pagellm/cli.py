@@ -123,8 +123,10 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
                        help="Most requests waiting to run; beyond it a request gets HTTP 429.")
     serve.add_argument("--served-model-name", default=None,
                        help="The model name clients send (default: the model file/dir name, or gemma-3-270m).")
-    serve.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="A Jinja chat template file used instead of the model's own (as vLLM's flag).")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|NAME",
+                       help="A Jinja chat template file used instead of the model's own (as vLLM's flag), or a "
+                            "built-in one: gemma, chatml, plain. Without it, a model with no template of its own "
+                            "(a base model) answers chat requests with a 400.")
     serve.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
                        help="The format tool calls are parsed in (default: chosen from the chat template).")
     add_engine_args(serve)

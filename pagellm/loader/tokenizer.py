@@ -34,10 +34,9 @@ END_OF_TURN_TOKENS = (
     "<|end|>",  # Phi-3
 )
 
-# Gemma's chat format, for Gemma GGUFs that carry no tokenizer.chat_template (such as the embedded
-# one: llama.cpp's converter did not read the separate chat_template.jinja of newer HF repos).
-# This is the text part of the template Google ships with Gemma 3: the system prompt is folded
-# into the first user turn, and the assistant's role is called "model".
+# Gemma's chat format (the text part of the template Google ships with Gemma 3: the system prompt folded into the
+# first user turn, the assistant's role called "model"), for Gemma GGUFs that carry no tokenizer.chat_template
+# (llama.cpp's converter did not read the separate chat_template.jinja of newer HF repos): `--chat-template gemma`.
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if messages[0]['role'] == 'system' -%}"
@@ -58,12 +57,22 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
-
-# For a model with no chat template at all (a base model): one "role: content" line per message.
+# ChatML (Qwen and many fine-tunes): `--chat-template chatml`
+CHATML_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+# One "role: content" line per message: `--chat-template plain`, a conversation as text for a base model.
 PLAIN_CHAT_TEMPLATE = (
     "{%- for message in messages -%}{{ message['role'] + ': ' + message['content'] + '\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}assistant:{%- endif -%}"
 )
+# --chat-template NAME, as llama-server takes built-in names (a path to a file works too)
+BUILTIN_CHAT_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE, "chatml": CHATML_CHAT_TEMPLATE, "plain": PLAIN_CHAT_TEMPLATE}
+NO_CHAT_TEMPLATE = ("this model has no chat template (a base model continues text: use /v1/completions); serve it "
+                    "with --chat-template FILE or a built-in name (" + ", ".join(BUILTIN_CHAT_TEMPLATES) + ")")
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # transformers' clean_up_tokenization: spaces a WordPiece decode leaves before punctuation and contractions
@@ -77,7 +86,9 @@ class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, info: TokenizerInfo):
         self.backend, self.info = backend, info
         self.special_ids = frozenset(info.special_ids)
-        self.chat_template = info.chat_template or _fallback_chat_template(self)
+        # The model's own; None: it has none, and chat needs one given (vLLM's rule: no guessed format, whose
+        # answers from a base model are noise)
+        self.chat_template: str | None = info.chat_template
         self.eos_token_ids: frozenset[int] = frozenset(info.eos_token_ids) | _end_of_turn_ids(self)
         self.bos_token_id: int | None = info.bos_token_id
         self.vocab_size: int = info.vocab_size  # with added tokens; the model's embedding may be larger
@@ -109,6 +120,8 @@ class Tokenizer:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
         text = template or self.chat_template
+        if text is None:
+            raise ValueError(NO_CHAT_TEMPLATE)
         compiled = self._templates.get(text)
         if compiled is None:
             compiled = self._templates[text] = chat_template.compile_template(text)
@@ -222,10 +235,3 @@ def _special_ids(tokenizer: Tokenizer, tokens: Iterable[str]) -> dict[str, int]:
 def _end_of_turn_ids(tokenizer: Tokenizer) -> frozenset[int]:
     """Ids of END_OF_TURN_TOKENS that this vocabulary has as special (control) tokens."""
     return frozenset(_special_ids(tokenizer, END_OF_TURN_TOKENS).values())
-
-
-def _fallback_chat_template(tokenizer: Tokenizer) -> str:
-    """Gemma's format when the vocabulary has Gemma's turn markers as special tokens, else plain lines."""
-    if len(_special_ids(tokenizer, ("<start_of_turn>", "<end_of_turn>"))) == 2:
-        return GEMMA_CHAT_TEMPLATE
-    return PLAIN_CHAT_TEMPLATE

@@ -3,7 +3,8 @@
     POST /v1/completions, /v1/chat/completions   (stream or not; n completions per prompt)
     POST /v1/responses                           (OpenAI's Responses API, stateless: server/responses_api.py)
     POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API: server/messages_api.py)
-    GET  /v1/models, /health (503 until the model is loaded), /metrics (Prometheus text), / (chat page)
+    GET  /v1/models, /health (503 until the model is loaded), /metrics (Prometheus text), / (chat page),
+         /props (llama-server's: the chat template, the context length)
     POST /tokenize, /detokenize, /infill         (llama-server's fill-in-the-middle: server/infill.py)
 
 State lives on app.state.server (a ServerState), never in module globals. Every error is an
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagellm.config import EngineConfig, ServerConfig
 from pagellm.server import infill, messages_api
 from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from pagellm.loader.tokenizer import NO_CHAT_TEMPLATE
 from pagellm.server.guards import ApiKeyMiddleware, read_body
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.openapi import ModelList, install_openapi, route_docs
@@ -89,6 +91,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/props", _props, methods=["GET"])
     app.add_api_route("/tokenize", _tokenize, methods=["POST"], **route_docs("/tokenize"))
     app.add_api_route("/detokenize", _detokenize, methods=["POST"], **route_docs("/detokenize"))
     app.add_api_route("/infill", _infill, methods=["POST"], **route_docs("/infill"))
@@ -156,6 +159,16 @@ async def _health(request: Request) -> Response:
 async def _chat_page(request: Request) -> Response:
     """The chat page (static/index.html): streaming chat with the served model and a live server panel."""
     return FileResponse(STATIC_DIR / "index.html")
+
+
+async def _props(request: Request) -> dict:
+    """llama-server's /props, the part a client reads: the chat template in use ("" when there is none, so the
+    chat page offers text completion), the context length, the model."""
+    state = _ready_state(request)
+    model = state.engine.model
+    return {"chat_template": state.chat_template or getattr(model.tokenizer, "chat_template", None) or "",
+            "model_alias": state.served_model_name, "model_path": model.path,
+            "default_generation_settings": {"n_ctx": model.max_model_len}}
 
 
 async def _metrics(request: Request) -> Response:
@@ -294,6 +307,8 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
     _check_capacity(state, body, 1)
     tokenizer = state.tokenizer()
     template = state.chat_template or tokenizer.chat_template
+    if template is None:
+        raise APIError(NO_CHAT_TEMPLATE, "messages")
     if body.tool_choice_mode.mode == "auto" and "tools" not in template:
         raise APIError("this model's chat template does not take tools; serve it with --chat-template FILE of one "
                        "that does, or force a call with tool_choice", "tools")

@@ -9,7 +9,9 @@ from fastapi import Request
 
 from pagellm.server.errors import APIError, error_body
 
-OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+# /health: load balancers probe it without credentials; the chat page and its files hold no data (the page asks
+# for the key and sends it with every call)
+OPEN_PATHS = frozenset({"/health", "/", "/static/chat.js", "/static/chat.css"})
 
 
 class ApiKeyMiddleware:

@@ -21,6 +21,7 @@ from pagellm.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig
                             ServerConfig)
 from pagellm.server.api_server import build_app
 from pagellm.server.async_engine import AsyncEngine
+from pagellm.loader.tokenizer import BUILTIN_CHAT_TEMPLATES
 
 ENGINE_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                    "parallel": ParallelConfig, "kernels": KernelConfig}
@@ -87,7 +88,9 @@ def configs_from(args: argparse.Namespace, given: set[str]) -> tuple[EngineConfi
         dest = "api_key" if name == "api_keys" else name  # the flag is --api-key
         if dest in given or name not in server:
             server[name] = value
-    server["chat_template"] = _read("chat_template", server["chat_template"])
+    name = server["chat_template"]
+    server["chat_template"] = BUILTIN_CHAT_TEMPLATES[name] if name in BUILTIN_CHAT_TEMPLATES and not \
+        Path(name).exists() else _read("chat_template", name)
     key_file = server.pop("api_key_file", None)
     keys = tuple(server.get("api_keys") or ())
     if key_file:  # one key per line; blank lines and # comments skipped

@@ -10,7 +10,8 @@ import torch
 
 from pagellm.config import ModelConfig
 from pagellm.loader.default_model import default_model_path
-from pagellm.loader.tokenizer import GEMMA_CHAT_TEMPLATE, IncrementalDetokenizer, load_tokenizer
+from pagellm.loader.tokenizer import (BUILTIN_CHAT_TEMPLATES, GEMMA_CHAT_TEMPLATE, IncrementalDetokenizer,
+                                      load_tokenizer)
 from tests.loader.gguf_builders import write_tiny_gguf
 from tests.models.tiny_checkpoints import save_hf_tokenizer
 
@@ -50,15 +51,17 @@ def test_gemma_round_trips_text(gemma):
 
 
 def test_gemma_chat_template_renders_a_turn(gemma):
-    # the embedded GGUF has no tokenizer.chat_template: Gemma's own format is the fallback
-    assert gemma.chat_template == GEMMA_CHAT_TEMPLATE
+    # the embedded GGUF has no tokenizer.chat_template: chat needs one given, and Gemma's format is built in
+    assert gemma.chat_template is None
+    with pytest.raises(ValueError, match="no chat template .* --chat-template FILE or a built-in name"):
+        gemma.apply_chat_template([{"role": "user", "content": "Hi"}])
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": "Capital of France?"},
     ]
-    prompt = gemma.apply_chat_template(messages)
+    prompt = gemma.apply_chat_template(messages, template=GEMMA_CHAT_TEMPLATE)
     assert prompt == (
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
         "<start_of_turn>model\nHello!<end_of_turn>\n"
@@ -67,14 +70,15 @@ def test_gemma_chat_template_renders_a_turn(gemma):
     )
     ids = gemma.encode(prompt)
     assert ids[:3] == [2, 105, 2364] and ids.count(2) == 1  # one BOS, not two
-    assert not gemma.apply_chat_template(messages[1:2], add_generation_prompt=False).endswith("model\n")
+    turn = gemma.apply_chat_template(messages[1:2], add_generation_prompt=False, template=GEMMA_CHAT_TEMPLATE)
+    assert not turn.endswith("model\n")
 
 
 def test_chat_template_bad_input(gemma):
     with pytest.raises(ValueError, match="non-empty"):
-        gemma.apply_chat_template([])
+        gemma.apply_chat_template([], template=GEMMA_CHAT_TEMPLATE)
     with pytest.raises(ValueError, match=r"messages\[0\]"):
-        gemma.apply_chat_template([{"content": "no role"}])
+        gemma.apply_chat_template([{"content": "no role"}], template=GEMMA_CHAT_TEMPLATE)
 
 
 @pytest.mark.parametrize("prompt", ["", "Say:", "日本"])
@@ -110,11 +114,14 @@ def test_sentencepiece_leading_spaces(tiny_gguf):
     assert tok.decode(tok.encode("hello  wörld")) == "hello  wörld"  # bytes for ö
 
 
-def test_plain_fallback_and_gguf_eos(tiny_gguf):
+def test_built_in_plain_template_and_gguf_eos(tiny_gguf):
     tok = load_tokenizer(tiny_gguf)
     assert tok.eos_token_ids == frozenset({2}) and tok.bos_token_id == 1
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(messages) == "system: S\nuser: hi\nassistant:"
+    plain = BUILTIN_CHAT_TEMPLATES["plain"]
+    assert tok.apply_chat_template(messages, template=plain) == "system: S\nuser: hi\nassistant:"
+    chatml = tok.apply_chat_template(messages, template=BUILTIN_CHAT_TEMPLATES["chatml"])
+    assert chatml == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_gguf_chat_template_metadata_is_used(tmp_path):
@@ -167,7 +174,8 @@ def test_a_template_override_and_template_variables(gemma):
     template = "{% if enable_thinking is defined and not enable_thinking %}[quiet]{% endif %}{{ messages[0]['content'] }}"
     assert gemma.apply_chat_template(messages, template=template) == "hi"
     assert gemma.apply_chat_template(messages, template=template, enable_thinking=False) == "[quiet]hi"
-    assert gemma.apply_chat_template(messages).startswith("<bos><start_of_turn>user")  # the model's own
+    with pytest.raises(ValueError, match="no chat template"):  # the model has none of its own to fall back on
+        gemma.apply_chat_template(messages)
 
 
 def test_max_chars_per_token_is_the_longest_piece_doubled(gemma, tiny_gguf):

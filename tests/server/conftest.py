@@ -8,12 +8,12 @@ import httpx
 import openai
 import pytest
 
-from tests.server.server_harness import BASE_ARGS, start_server, stop_with
+from tests.server.server_harness import BASE_ARGS, GEMMA_CHAT, start_server, stop_with
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    server = start_server(BASE_ARGS, tmp_path_factory.mktemp("serve"))
+    server = start_server([*BASE_ARGS, *GEMMA_CHAT], tmp_path_factory.mktemp("serve"))
     yield server
     stop_with(server, signal.SIGINT)  # Ctrl-C: a clean exit, status 0, no traceback
 

@@ -14,6 +14,9 @@ import httpx
 
 STARTUP_TIMEOUT = 240  # seconds: imports + loading the embedded model, on a busy 2-core machine
 BASE_ARGS = ["--kv-cache-memory", "0.25", "--max-model-len", "256"]
+# The embedded model is a base model with no template of its own, and chat without one is a 400
+# (test_chat_page.py checks that): the chat tests talk to it in Gemma's turn format, built in
+GEMMA_CHAT = ["--chat-template", "gemma"]
 
 
 def free_port() -> int:

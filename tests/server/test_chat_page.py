@@ -4,27 +4,46 @@ server panel move, stop it. Needs Debian's chromium (`make test` installs it whe
 from __future__ import annotations
 
 import shutil
+import signal
 from html.parser import HTMLParser
 
+import httpx
 import pytest
 
 from tests.server import remote_references
+from tests.server.server_harness import BASE_ARGS, start_server, stop_with
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+KEY = "page-key"
+
+
 @pytest.fixture(scope="module")
-def page(server):
+def browser():
     if CHROMIUM is None:
         pytest.skip("Chromium is not installed (apt-get install chromium) and could not be installed by make test")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--headless=new"])
-        page = browser.new_page(viewport={"width": 1200, "height": 800})
-        page.goto(server.url + "/")
-        yield page
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(server, browser):
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    page.goto(server.url + "/")
+    return page
+
+
+@pytest.fixture(scope="module")
+def base_server(tmp_path_factory):
+    """The embedded base model as `make serve` runs it (no --chat-template), behind an API key."""
+    server = start_server([*BASE_ARGS, "--served-model-name", "base"], tmp_path_factory.mktemp("base"), api_key=KEY)
+    yield server
+    stop_with(server, signal.SIGINT)
 
 
 class _Assets(HTMLParser):
@@ -144,3 +163,40 @@ def test_type_send_stream_watch_the_panel_and_stop(page):
     page.press("#prompt", "Enter")
     page.wait_for_function("document.querySelectorAll('.message.assistant .note').length === 2", timeout=60000)
     assert page.text_content(".message.assistant >> nth=1").endswith("(max tokens reached)")
+
+
+def test_with_a_key_and_no_chat_template_the_page_asks_once_then_continues_text(base_server, browser):
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(base_server.url + "/")  # the page itself needs no key
+    page.wait_for_selector("#key-form", state="visible", timeout=30000)
+    page.fill("#api-key", KEY)
+    page.click("#key-form button")
+    page.wait_for_function("document.getElementById('model').textContent === 'base'", timeout=30000)
+    assert page.is_hidden("#key-form") and "--chat-template" in page.text_content("#mode-note")
+    page.fill("#max-tokens", "4")
+    page.fill("#prompt", "The capital of France is")
+    page.press("#prompt", "Enter")
+    page.wait_for_function("document.querySelector('.message.assistant .note') !== null", timeout=60000)
+    assert page.text_content(".message.assistant").endswith("(max tokens reached)")
+    assert page.query_selector(".message.error") is None  # answered by /v1/completions, not refused by chat
+    page.wait_for_function("Number(document.getElementById('tps').textContent) >= 0", timeout=10000)  # metrics too
+    page.reload()  # the key is remembered by this browser: not asked again
+    page.wait_for_function("document.getElementById('model').textContent === 'base'", timeout=30000)
+    assert page.is_hidden("#key-form")
+    context.close()
+
+
+def test_chat_without_a_template_is_a_400_naming_chat_template(base_server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    user = [{"role": "user", "content": "Hi"}]
+    for path, body in (("/v1/chat/completions", {"messages": user}), ("/v1/responses", {"input": "Hi"}),
+                       ("/v1/messages", {"messages": user, "max_tokens": 4}), ("/tokenize", {"messages": user})):
+        answer = httpx.post(base_server.url + path, json=body, headers=headers, timeout=60)
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == "messages", (path, answer.text)
+        assert "no chat template" in error["message"] and "--chat-template" in error["message"], path
+    assert httpx.get(base_server.url + "/props", headers=headers).json()["chat_template"] == ""
+    completion = httpx.post(base_server.url + "/v1/completions", headers=headers, timeout=60,
+                            json={"prompt": "Hi", "max_tokens": 2})
+    assert completion.status_code == 200  # text completion is what a base model is for

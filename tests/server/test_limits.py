@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.server_harness import BASE_ARGS, sse_events, start_server, stop_with
+from tests.server.server_harness import BASE_ARGS, GEMMA_CHAT, sse_events, start_server, stop_with
 
 KEY = "secret-key"
 SECOND_KEY = "second-key"  # from --api-key-file
@@ -30,7 +30,7 @@ LONG = {"model": NAME, "prompt": "Once upon a time", "max_tokens": MAX_MODEL_LEN
 def server(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# operators\n{SECOND_KEY}\n\n")
-    args = [*BASE_ARGS, "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", NAME,
+    args = [*BASE_ARGS, *GEMMA_CHAT, "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", NAME,
             "--api-key-file", str(key_file), "--max-request-bytes", "65536", "--max-model-len", str(MAX_MODEL_LEN)]
     server = start_server(args, tmp_path_factory.mktemp("limits"), api_key=KEY)
     yield server
@@ -66,7 +66,7 @@ ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat
           ("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
           ("POST", "/infill"),
           ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/openapi.json"),
-          ("GET", "/"), ("GET", "/nope")]
+          ("GET", "/props"), ("GET", "/static/other.js"), ("GET", "/nope")]
 
 
 @pytest.mark.parametrize("method, path", ROUTES)
@@ -81,6 +81,12 @@ def test_every_route_but_health_needs_a_key(server, method, path):
         for headers in ({"Authorization": f"Bearer {key}"}, {"x-api-key": key}):
             response = httpx.request(method, server.url + path, headers=headers, json={})
             assert response.status_code != 401, (path, response.text)
+
+
+def test_the_chat_page_and_its_files_open_without_a_key(server):
+    """They hold no data; the page asks for the key and sends it with its calls (test_chat_page.py)."""
+    for path in ("/", "/static/chat.js", "/static/chat.css"):
+        assert httpx.get(server.url + path).status_code == 200, path
 
 
 def test_bodies_too_large_or_too_deep_and_requests_that_can_never_fit(http):

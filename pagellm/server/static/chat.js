@@ -1,18 +1,59 @@
-// The chat page: streams /v1/chat/completions with fetch, and polls /metrics for the server panel.
-// No framework and no build step: this file is served as it is (pagellm/server/static).
+// The chat page: streams /v1/chat/completions with fetch (or /v1/completions for a model with no chat template),
+// and polls /metrics for the server panel. No framework and no build step: this file is served as it is
+// (pagellm/server/static). The page itself needs no key; a server with --api-key answers its calls 401, and the
+// page then asks for the key once, keeps it in this browser's storage and sends it with every call.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
+const KEY_STORE = "pagellm-api-key";
 const history = [];  // {role, content} of the conversation so far
 let controller = null;  // AbortController of the answer being streamed
 let modelName = null;
+let textMode = false;  // the model has no chat template: continue the text instead
+let keyAsked = null;  // the pending question for a key, shared by every call that got a 401
+
+function askForKey() {
+  if (!keyAsked) {
+    $("key-form").hidden = false;
+    $("api-key").focus();
+    keyAsked = new Promise((resolve) => {
+      $("key-form").addEventListener("submit", (event) => {
+        event.preventDefault();
+        localStorage.setItem(KEY_STORE, $("api-key").value.trim());
+        $("key-form").hidden = true;
+        keyAsked = null;
+        resolve();
+      }, {once: true});
+    });
+  }
+  return keyAsked;
+}
+
+// fetch with the stored key; a 401 asks for the key (again, when the stored one is wrong) and retries
+async function api(path, options = {}) {
+  for (;;) {
+    const key = localStorage.getItem(KEY_STORE);
+    const headers = {...(options.headers || {}), ...(key ? {Authorization: `Bearer ${key}`} : {})};
+    const response = await fetch(path, {...options, headers});
+    if (response.status !== 401) return response;
+    await askForKey();
+  }
+}
 
 async function loadModel() {
   try {
-    const response = await fetch("/v1/models");
-    const body = await response.json();
+    const body = await (await api("/v1/models")).json();
     modelName = body.data[0].id;
     $("model").textContent = modelName;
+    const props = await (await api("/props")).json();
+    textMode = !props.chat_template;
+    if (textMode) {
+      $("mode-note").hidden = false;
+      $("mode-note").textContent = "This model has no chat template (a base model continues text rather than "
+        + "answering), so this page continues your text with /v1/completions. Serve it with --chat-template "
+        + "to chat with it.";
+      $("prompt").placeholder = "Text for the model to continue (Enter sends)";
+    }
   } catch (error) {
     $("model").textContent = "model unavailable";
   }
@@ -33,15 +74,18 @@ function setBusy(busy) {
 }
 
 function requestBody() {
+  const settings = {
+    model: modelName, stream: true, temperature: Number($("temperature").value),
+    max_tokens: Math.max(1, Number($("max-tokens").value) || 1),
+  };
+  if (textMode) {  // the text so far, the model's continuations included, continued once more
+    return {...settings, prompt: history.map((message) => message.content).join("")};
+  }
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({role: "system", content: system});
   messages.push(...history);
-  return {
-    model: modelName, messages, stream: true,
-    temperature: Number($("temperature").value),
-    max_tokens: Math.max(1, Number($("max-tokens").value) || 1),
-  };
+  return {...settings, messages};
 }
 
 // Server-sent events arrive in arbitrary pieces: split on lines, keep the unfinished tail for the next piece.
@@ -73,7 +117,7 @@ async function send(text) {
   setBusy(true);
   let finish = null;
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await api(textMode ? "/v1/completions" : "/v1/chat/completions", {
       method: "POST", headers: {"Content-Type": "application/json"},
       body: JSON.stringify(requestBody()), signal: controller.signal,
     });
@@ -84,8 +128,8 @@ async function send(text) {
     for await (const event of events(response)) {
       if (event.error) throw new Error(event.error.message);
       for (const choice of event.choices || []) {
-        const delta = choice.delta || {};
-        answer += (delta.reasoning_content || "") + (delta.content || "");
+        const delta = choice.delta || {text: choice.text};  // chat's delta, or a completion's text
+        answer += (delta.reasoning_content || "") + (delta.content || "") + (delta.text || "");
         bubble.textContent = answer;
         finish = choice.finish_reason || finish;
       }
@@ -124,7 +168,7 @@ function parseMetrics(text) {
 let lastTokens = null;
 async function pollMetrics() {
   try {
-    const values = parseMetrics(await (await fetch("/metrics")).text());
+    const values = parseMetrics(await (await api("/metrics")).text());
     const now = performance.now();
     $("running").textContent = values["pagellm:num_requests_running"] ?? "–";
     $("waiting").textContent = values["pagellm:num_requests_waiting"] ?? "–";
