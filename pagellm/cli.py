@@ -127,6 +127,9 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
                        help="A Jinja chat template file used instead of the model's own (as vLLM's flag), or a "
                             "built-in one: gemma, chatml, plain. Without it, a model with no template of its own "
                             "(a base model) answers chat requests with a 400.")
+    serve.add_argument("--pooling", default="last", choices=["last", "mean", "cls"],
+                       help="How /v1/embeddings pools a prompt's final hidden states (default last: the last "
+                            "token's, as vLLM pools a causal LM).")
     serve.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
                        help="The format tool calls are parsed in (default: chosen from the chat template).")
     add_engine_args(serve)

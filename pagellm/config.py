@@ -266,9 +266,12 @@ class ServerConfig(_FromDict):
     max_request_bytes: int = 4 << 20  # a request body above this is a 413
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers; "*" allows any origin
     log_format: str = "text"
+    pooling: str = "last"  # /v1/embeddings: how hidden states pool (last token, as vLLM pools a causal LM; mean; cls)
 
     def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if self.pooling not in ("mean", "last", "cls"):
+            raise ValueError(f"pooling must be one of mean, last, cls, got {self.pooling!r}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")

@@ -327,6 +327,12 @@ class LLMEngine:
             if state is not None:  # None: aborted while the step ran
                 state.add_prompt_logprobs(chunk)
         results = [self.fail_request(rid, why) for rid, why in model_output.failed if rid in self._states]
+        for request_id, vector in model_output.pooled:  # embedding requests: done once their prompt ran
+            state = self._states.pop(request_id, None)
+            if state is not None:  # None: aborted while the step ran
+                state.embedding = list(vector)
+                self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
+                results.append(state.make_output(RequestStatus.FINISHED_STOPPED))
         for request in updated:
             state = self._states[request.request_id]
             try:

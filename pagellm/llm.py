@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from tqdm import tqdm
@@ -93,6 +94,14 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True,
+              use_tqdm: bool = True) -> list[list[float]]:
+        """One vector per prompt: its final hidden states pooled ("last" token, as vLLM pools a causal LM; "mean";
+        "cls": the first), scaled to unit length unless `normalize` is False. The prompts run as prefill-only
+        requests through the same scheduler and KV budget as generation."""
+        outputs = self.generate(prompts, SamplingParams(max_tokens=1, pooling=pooling), use_tqdm)
+        return [normalized(out.embedding) if normalize else out.embedding for out in outputs]
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
@@ -126,3 +135,9 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if not prompts:
         raise ValueError("prompts must not be empty")
     return prompts
+
+
+def normalized(vector: list[float]) -> list[float]:
+    """The vector scaled to unit length (a zero vector as it is)."""
+    norm = math.sqrt(sum(x * x for x in vector))
+    return [x / norm for x in vector] if norm > 0 else list(vector)

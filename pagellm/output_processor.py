@@ -33,6 +33,7 @@ class RequestState:
         self._prompt_entries: list[TokenLogprobs] | None = (
             [] if request.sampling_params.prompt_logprobs is not None else None)
         self._prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.embedding: list[float] | None = None  # an embedding request's, once its prompt ran
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """One chunk's prompt logprobs; prompt tokens already held (recomputed after a preemption) are skipped."""
@@ -91,6 +92,7 @@ class RequestState:
             first_scheduled_time=self.request.first_scheduled_time,
             new_text=new_text,
             prompt_logprobs=self._prompt_logprobs_output(),
+            embedding=self.embedding,
         )
 
     def _prompt_logprobs_output(self) -> list[dict[int, Logprob] | None] | None:

@@ -40,4 +40,5 @@ class RequestOutput:
     # prompt token and the top-k; None when not asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # set when this request alone failed inside the engine (it is finished, "abort")
+    embedding: list[float] | None = None  # an embedding request's pooled hidden state (SamplingParams.pooling)
     first_scheduled_time: float | None = None  # time.monotonic() when it first ran: its queue time ends there

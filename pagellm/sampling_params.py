@@ -95,6 +95,9 @@ def _schema_text(schema) -> str:
     return json.dumps(schema, sort_keys=True)  # one text per schema: compiled grammars are cached by it
 
 
+
+POOLING_MODES = (None, "mean", "last", "cls")  # SamplingParams.pooling: none (generate), or how to pool
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -119,6 +122,9 @@ class SamplingParams:
     min_tokens: int = 0  # vLLM's: no EOS, stop token id or stop string ends the output before this many tokens
     # The output is held to a grammar: each step's logits are masked to the tokens it allows (runner/grammar.py).
     structured_outputs: StructuredOutputs | None = None
+    # An embedding request (runner/pooling.py): the prompt's final hidden states pooled ("mean", "last" or "cls"
+    # token) into RequestOutput.embedding, nothing generated; a prefill-only request whose blocks free at once.
+    pooling: str | None = None
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, 1)
@@ -156,6 +162,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         _check_int("min_tokens", self.min_tokens, 0)
+        if self.pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {', '.join(map(str, POOLING_MODES[1:]))}, got {self.pooling!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))

@@ -142,9 +142,10 @@ class KVCacheManager:
 
     def _reads_cache(self, request: Request) -> bool:
         """Whether a request may start from cached blocks. One that asked for prompt_logprobs needs the
-        logits of every prompt position, so it computes them all (vLLM skips its prefix lookup too); the
-        blocks it fills are still cached for others."""
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+        logits of every prompt position, and an embedding request (pooling) their hidden states, so they compute
+        them all (vLLM skips its prefix lookup too); the blocks they fill are still cached for others."""
+        params = request.sampling_params
+        return self.enable_caching and params.prompt_logprobs is None and params.pooling is None
 
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
         if not self.enable_caching:

@@ -281,7 +281,7 @@ class Scheduler:
             token_ids=known + (PLACEHOLDER,) * (num_new - len(known)),
             start_position=start,
             new_block_ids=tuple(b.block_id for b in new_blocks),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == request.num_tokens and request.sampling_params.pooling is None,
             new=new,
             restore_snapshot=restore,
             snapshot_writes=self.kv_cache.plan_snapshots(request, start, start + num_new),

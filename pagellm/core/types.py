@@ -106,6 +106,8 @@ class ModelOutput:
     # (request id, why) of rows whose own post-processing failed (e.g. a token their grammar refuses): they
     # get no token and are failed alone; the other rows' tokens stand.
     failed: tuple[tuple[str, str], ...] = ()
+    # Embedding requests whose prompt's last chunk ran this step: (request id, pooled final hidden state)
+    pooled: tuple[tuple[str, tuple[float, ...]], ...] = ()
     # What the step cost, returned with it (not read back from the runner): the engine's counters sum them.
     timings: StepTimings = StepTimings()
     message_bytes: int = 0  # the step message a parallel head broadcast to its workers; 0 on one process

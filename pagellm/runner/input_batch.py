@@ -30,6 +30,7 @@ class SlotState:
     stop_ids: tuple[int, ...] = ()  # masked while fewer than sampling_params.min_tokens are out
     grammar: RowGrammar | None = None  # the matcher of structured_outputs
     num_pending: int = 0  # tokens sampled by launched steps, not yet read back into output_token_ids
+    pooled: torch.Tensor | None = None  # an embedding request's pooled hidden state so far [E] (runner/pooling.py)
 
     @property
     def num_output_tokens(self) -> int:

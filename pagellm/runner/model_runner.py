@@ -28,6 +28,7 @@ from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import Grammars
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_prompt_rows
+from pagellm.runner.pooling import pool_rows
 from pagellm.runner.sampled_tokens import LaunchedStep, SampledTokens, hand_out
 from pagellm.runner.sampler import Sampler
 
@@ -162,11 +163,13 @@ class ModelRunner:
             return LaunchedStep(timings, done=ModelOutput((), (), timings=timings))
         # Requests that asked for prompt_logprobs: their chunks' prompt rows (never in a pure decode step).
         prompt_logprobs = score_prompt_rows(self.compute_logits, hidden, output.scheduled, states)
-        prompt_syncs = 1 if prompt_logprobs else 0
+        pooled = () if pure_decode else pool_rows(hidden, output.scheduled, states)  # embedding requests
+        prompt_syncs = bool(prompt_logprobs) + bool(pooled)
         sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
         if not sampled:
             timings = StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, prompt_syncs, reused, replayed)
-            return LaunchedStep(timings, done=ModelOutput((), (), prompt_logprobs=prompt_logprobs, timings=timings))
+            return LaunchedStep(timings, done=ModelOutput((), (), prompt_logprobs=prompt_logprobs, pooled=pooled,
+                                                          timings=timings))
         logits = self.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
         t2 = time.perf_counter()
         for state in sampled:
@@ -176,7 +179,8 @@ class ModelRunner:
             state.num_pending += 1  # this step's token, on its way until collect
         self._last_samples = result.token_ids, {s.request_id: row for row, s in enumerate(sampled)}
         timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, _ms_since(t2), 1 + prompt_syncs, reused, replayed)
-        return LaunchedStep(timings, sampled=sampled, tokens=SampledTokens(result), prompt_logprobs=prompt_logprobs)
+        return LaunchedStep(timings, sampled=sampled, tokens=SampledTokens(result), prompt_logprobs=prompt_logprobs,
+                            pooled=pooled)
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Wait for a launched step's tokens (the step's one blocking wait) and hand them to their slots."""

@@ -60,6 +60,7 @@ class LaunchedStep:
     sampled: list[SlotState] = field(default_factory=list)
     tokens: SampledTokens | None = None
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    pooled: tuple[tuple[str, tuple[float, ...]], ...] = ()  # embedding requests finished by this step
 
 
 def hand_out(step: LaunchedStep, token_ids: list[int], logprobs, timings: StepTimings) -> ModelOutput:
@@ -79,6 +80,7 @@ def hand_out(step: LaunchedStep, token_ids: list[int], logprobs, timings: StepTi
         kept = [(s.request_id, t, lp) for s, t, lp in zip(sampled, token_ids, logprobs or [None] * len(sampled))
                 if s.request_id not in bad]
         ids, tokens, entries = (tuple(x) for x in zip(*kept)) if kept else ((), (), ())
-        return ModelOutput(ids, tokens, entries if logprobs else None, prompt_logprobs, tuple(failed), timings)
+        return ModelOutput(ids, tokens, entries if logprobs else None, prompt_logprobs, tuple(failed), step.pooled,
+                           timings)
     return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs, prompt_logprobs,
-                       timings=timings)
+                       pooled=step.pooled, timings=timings)

@@ -6,6 +6,7 @@
     GET  /v1/models, /health (503 until the model is loaded), /metrics (Prometheus text), / (chat page),
          /props (llama-server's: the chat template, the context length)
     POST /tokenize, /detokenize, /infill         (llama-server's fill-in-the-middle: server/infill.py)
+    POST /v1/embeddings                          (pooled hidden states: server/embeddings.py)
 
 State lives on app.state.server (a ServerState), never in module globals. Every error is an
 OpenAI-style body: {"error": {"message", "type", "param", "code"}}; under /v1/messages, Anthropic's
@@ -23,16 +24,16 @@ from contextlib import asynccontextmanager
 import jinja2
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.config import EngineConfig, ServerConfig
-from pagellm.server import infill, messages_api
+from pagellm.sampling_params import SamplingParams
+from pagellm.server import embeddings, infill, messages_api
 from pagellm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from pagellm.loader.tokenizer import NO_CHAT_TEMPLATE
+from pagellm.server.error_answers import add_error_handlers
 from pagellm.server.guards import ApiKeyMiddleware, read_body
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.openapi import ModelList, install_openapi, route_docs
@@ -72,7 +73,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
 
     app = FastAPI(title="pagellm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
-    _add_error_handlers(app)
+    add_error_handlers(app)
     if server.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=server.api_keys)
     if server.allowed_origins:  # added last: outermost, so a CORS preflight is answered before auth
@@ -85,6 +86,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     v1.add_api_route("/messages", _messages, methods=["POST"], **route_docs("/v1/messages"))
     v1.add_api_route("/messages/count_tokens", _count_tokens, methods=["POST"],
                      **route_docs("/v1/messages/count_tokens"))
+    v1.add_api_route("/embeddings", _embeddings, methods=["POST"], **route_docs("/v1/embeddings"))
     v1.add_api_route("/models", _models, methods=["GET"], response_model=ModelList)
     app.include_router(v1)
     app.add_api_route("/", _chat_page, methods=["GET"], include_in_schema=False)
@@ -99,32 +101,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     return app
 
 
-# ---- errors and auth ------------------------------------------------------------------------------
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        # A 429 says when to come back: the queue drains as requests finish, within seconds.
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {"Retry-After": "1"} \
-            if exc.status == 429 else None
-        body = messages_api.error_body(exc.message, exc.kind, exc.param) \
-            if request.url.path.startswith("/v1/messages") else exc.body()
-        return JSONResponse(body, status_code=exc.status, headers=headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = APIError._TYPES.get(exc.status_code, "invalid_request_error")
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {exc}", "internal_server_error"), status_code=500)
-
+# ---- shared checks -------------------------------------------------------------------------------
 
 def _ready_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.server
@@ -283,6 +260,31 @@ async def _count_tokens(request: Request) -> dict:
     text = await state.off_loop(_render_chat, tokenizer, body.messages, True, state.chat_template,
                                 body.chat_template_kwargs, body.template_tools)
     return {"input_tokens": len(await state.encode(text, "messages"))}
+
+
+async def _embeddings(request: Request) -> Response:
+    """Each input pooled into a vector by a prefill-only request in the same queue and KV budget as generation."""
+    arrival = time.monotonic()
+    state = _ready_state(request)
+    body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes),
+                                embeddings.EmbeddingRequest)
+    _check_model(state, body.model)
+    embeddings.check_dimensions(body, state.engine.model.hidden_size)
+    prompt_ids = []
+    for item in body.inputs():
+        ids = await state.encode(item, "input") if isinstance(item, str) else list(item)
+        _check_token_ids(state, ids, "input")
+        _max_tokens(state, len(ids), None, "input")  # the context must hold it
+        prompt_ids.append(ids)
+    params = [SamplingParams(max_tokens=1, pooling=state.config.pooling)] * len(prompt_ids)
+    formatter = embeddings.EmbeddingsFormatter(state.served_model_name, body)
+    try:
+        stream = await state.engine.add(prompt_ids, params, arrival, formatter.request_id)
+    except QueueFullError as exc:
+        raise APIError(str(exc), status=429) from None
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status=503) from None
+    return await collect(request, stream, formatter, [len(ids) for ids in prompt_ids], 1)
 
 
 async def _infill(request: Request) -> Response:

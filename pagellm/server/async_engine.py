@@ -64,6 +64,7 @@ class ServedModel:
     vocab_size: int
     tokenizer: object | None  # pagellm.loader.tokenizer.Tokenizer; thread-safe (the text pool encodes with it)
     max_prompt_chars: int | None  # a longer text cannot fit max_model_len in any tokenization (None: no tokenizer)
+    hidden_size: int = 0  # the width of its final hidden states: an embedding's dimensions
 
 
 @dataclass
@@ -244,7 +245,7 @@ class AsyncEngine:
             tokenizer = engine.tokenizer
             max_chars = None if tokenizer is None else engine.max_model_len * tokenizer.max_chars_per_token
             served = ServedModel(str(engine.model_path), engine.max_model_len, engine.hf_config.vocab_size,
-                                 tokenizer, max_chars)
+                                 tokenizer, max_chars, engine.hf_config.hidden_size)
         except BaseException as exc:  # noqa: BLE001 - reported by /health and the log, not raised
             if isinstance(exc, torch.OutOfMemoryError):
                 exc = MemoryError(f"the model does not fit in the device's memory ({exc}); a smaller model, "

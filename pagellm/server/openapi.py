@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagellm.server.embeddings import EmbeddingRequest
 from pagellm.server.infill import InfillRequest
 from pagellm.server.messages_api import CountTokensRequest, MessagesRequest
 from pagellm.server.responses_api import ResponsesRequest
@@ -250,6 +251,19 @@ class InfillCompletion(_Shape):
     stop: bool
 
 
+class Embedding(_Shape):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format)
+
+
+class EmbeddingList(_Shape):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: dict[str, int]
+
+
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 429, 503)}
 _STREAM_ENDS = {"ResponseEvent": ", the last response.completed", "MessagesEvent": ", the last message_stop",
                 "InfillCompletion": ", the last with stop true"}
@@ -261,6 +275,7 @@ ROUTES = {
     "/v1/messages": (MessagesRequest, AnthropicMessage, MessagesEvent),
     "/v1/messages/count_tokens": (CountTokensRequest, InputTokens, None),
     "/infill": (InfillRequest, InfillCompletion, InfillCompletion),
+    "/v1/embeddings": (EmbeddingRequest, EmbeddingList, None),
     "/tokenize": (TokenizeRequest, Tokens, None),
     "/detokenize": (DetokenizeRequest, Detokenized, None),
 }

@@ -83,6 +83,7 @@ def configs_from(args: argparse.Namespace, given: set[str]) -> tuple[EngineConfi
              "served_model_name": args.served_model_name, "tool_call_parser": args.tool_call_parser,
              "max_request_bytes": args.max_request_bytes, "log_format": args.log_format,
              "allowed_origins": tuple(args.allowed_origins or ()), "chat_template": args.chat_template,
+             "pooling": args.pooling,
              "api_key_file": args.api_key_file, "api_keys": tuple(args.api_key or ())}
     for name, value in flags.items():
         dest = "api_key" if name == "api_keys" else name  # the flag is --api-key

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagellm.server.embeddings import EmbeddingRequest
 from pagellm.server.infill import InfillRequest
 from pagellm.server.messages_api import MessagesRequest
 from pagellm.server.responses_api import ResponsesRequest
@@ -21,7 +22,7 @@ from tests.server.server_harness import start_server, stop_with
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest, "/tokenize": TokenizeRequest,
-          "/detokenize": DetokenizeRequest, "/infill": InfillRequest}
+          "/detokenize": DetokenizeRequest, "/infill": InfillRequest, "/v1/embeddings": EmbeddingRequest}
 SCALARS = st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=12)
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                         max_size=3), max_leaves=8)

@@ -64,7 +64,7 @@ def test_health_answers_503_while_loading_then_200(server):
 
 ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
           ("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
-          ("POST", "/infill"),
+          ("POST", "/infill"), ("POST", "/v1/embeddings"),
           ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/openapi.json"),
           ("GET", "/props"), ("GET", "/static/other.js"), ("GET", "/nope")]
 
