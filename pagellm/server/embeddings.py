@@ -18,13 +18,18 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from pagellm.llm import normalized
 from pagellm.server.errors import APIError
+from pagellm.server.protocol import one_of, check_outer_fields
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
 
 
+# vLLM's fields that would change the vectors and are not honoured
+_REFUSED = {"truncate_prompt_tokens": one_of(), "add_special_tokens": one_of(True)}
+
+
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # refused by name (_REFUSED) or ignored
 
     model: StrictStr | None = None
     input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
@@ -34,6 +39,7 @@ class EmbeddingRequest(BaseModel):
     user: StrictStr | None = None
 
     def check(self) -> None:
+        check_outer_fields(self.model_extra, _REFUSED, frozenset())
         inputs = self.inputs()
         if not inputs or any(len(i) == 0 for i in inputs):
             raise APIError("input must not be empty, nor hold an empty string or token list", "input")

@@ -19,15 +19,19 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, StrictStr
 
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import ChatCompletionRequest, parse_request
+from pagellm.server.protocol import ConvertedChatRequest, absent, one_of, check_outer_fields, parse_request
 from pagellm.server.responses import ChatFormatter
 from pagellm.server.streaming import typed_event
 
 _FIELD_NAMES = {"stop": "stop_sequences", "chat_template_kwargs": "thinking", "response_format": "output_config"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# Messages fields that would change the answer and are not honoured (server-side tools and context editing)
+_REFUSED = {"container": one_of(), "mcp_servers": absent, "context_management": one_of()}
+_NO_EFFECT = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
+                        "workspace_id", "diagnostics"})
 
 
 class MessagesRequest(BaseModel):
@@ -47,15 +51,20 @@ class MessagesRequest(BaseModel):
     thinking: dict[StrictStr, Any] | None = None
     output_config: dict[StrictStr, Any] | None = None
 
+    _unknown: tuple[str, ...] = PrivateAttr(default=())  # fields nobody knows: ignored (logged by the server)
+
     def check(self) -> None:
-        pass
+        kind = (self.thinking or {}).get("type")
+        if self.thinking is not None and kind not in ("enabled", "adaptive", "disabled"):
+            raise APIError(f"thinking.type must be enabled, adaptive or disabled, got {kind!r:.50}", "thinking")
+        self._unknown = check_outer_fields(self.model_extra, _REFUSED, _NO_EFFECT)
 
 
 class CountTokensRequest(MessagesRequest):
     max_tokens: Any = None
 
 
-def chat_request(raw: bytes, model: type[MessagesRequest] = MessagesRequest) -> ChatCompletionRequest:
+def chat_request(raw: bytes, model: type[MessagesRequest] = MessagesRequest) -> ConvertedChatRequest:
     """The chat form of a Messages (or count_tokens) request; APIError(400) naming the Messages field."""
     request = parse_request(raw, model)
     chat: dict[str, Any] = {"messages": _messages(request), "stream": request.stream}
@@ -84,10 +93,12 @@ def chat_request(raw: bytes, model: type[MessagesRequest] = MessagesRequest) -> 
                            f"{fmt!r:.100}", "output_config")
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     try:
-        return parse_request(json.dumps(chat).encode(), ChatCompletionRequest)
+        converted = parse_request(json.dumps(chat).encode(), ConvertedChatRequest)
     except APIError as exc:
         exc.param = _FIELD_NAMES.get(exc.param, exc.param)
         raise
+    converted._outer_unknown = request._unknown
+    return converted
 
 
 def _messages(request: MessagesRequest) -> list[dict]:

@@ -34,7 +34,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-def _absent(value: Any) -> bool:
+def absent(value: Any) -> bool:
     return value is None or value == {} or value == [] or value is False or value == 0
 
 
@@ -42,7 +42,7 @@ def _no_tool_forced(value: Any) -> bool:
     return value is None or value in ("none", "auto")
 
 
-def _is(*values: Any):
+def one_of(*values: Any):
     return lambda value: value is None or value in values
 
 
@@ -50,16 +50,16 @@ def _is(*values: Any):
 # nothing, so the field can be dropped with no change to the output. Anything else is a 400 naming it.
 _NOT_YET = {
     # vLLM
-    "allowed_token_ids": _absent, "bad_words": _absent, "use_beam_search": _absent, "length_penalty": _is(1, 1.0),
-    "include_stop_str_in_output": _absent, "skip_special_tokens": _is(True), "truncate_prompt_tokens": _is(),
-    "continue_final_message": _absent, "logits_processors": _absent, "priority": _absent, "documents": _absent,
-    "chat_template": _is(), "mm_processor_kwargs": _absent, "return_tokens_as_token_ids": _absent,
-    "kv_transfer_params": _absent, "vllm_xargs": _absent, "add_special_tokens": _is(False),
-    "spaces_between_special_tokens": _is(True), "echo": _absent,
+    "allowed_token_ids": absent, "bad_words": absent, "use_beam_search": absent, "length_penalty": one_of(1, 1.0),
+    "include_stop_str_in_output": absent, "skip_special_tokens": one_of(True), "truncate_prompt_tokens": one_of(),
+    "continue_final_message": absent, "logits_processors": absent, "priority": absent, "documents": absent,
+    "chat_template": one_of(), "mm_processor_kwargs": absent, "return_tokens_as_token_ids": absent,
+    "kv_transfer_params": absent, "vllm_xargs": absent, "add_special_tokens": one_of(False),
+    "spaces_between_special_tokens": one_of(True), "echo": absent,
     # OpenAI
-    "functions": _absent, "function_call": _no_tool_forced, "audio": _absent, "modalities": _is(["text"]),
-    "prediction": _absent, "web_search_options": _absent, "store": _absent, "reasoning_effort": _is(),
-    "verbosity": _is(), "cache_salt": _is(),
+    "functions": absent, "function_call": _no_tool_forced, "audio": absent, "modalities": one_of(["text"]),
+    "prediction": absent, "web_search_options": absent, "store": absent, "reasoning_effort": one_of(),
+    "verbosity": one_of(), "cache_salt": one_of(),
 }
 # Hints that change nothing in the output (bookkeeping and cache routing): accepted and not reported as unknown.
 _NO_EFFECT = frozenset({"metadata", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"})
@@ -287,6 +287,29 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class ConvertedChatRequest(ChatCompletionRequest):
+    """The chat request another API's request became (/v1/responses, /v1/messages): its unknown_fields() are the
+    outer request's, which the server logs as it does chat's own."""
+
+    _outer_unknown: tuple[str, ...] = PrivateAttr(default=())
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(set(super().unknown_fields()) | set(self._outer_unknown))
+
+
+def check_outer_fields(extra: dict[str, Any] | None, refused: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:
+    """Another API's fields beyond its model's: a 400 naming one that would change the output and is not honoured
+    (`refused`: name -> whether a value asks for nothing); the names nobody knows, ignored (and logged)."""
+    unknown = []
+    for name, value in (extra or {}).items():
+        if name in refused:
+            if not refused[name](value):
+                raise APIError(f"{name} is not supported (got {value!r:.100}); leave it out", name)
+        elif name not in known:
+            unknown.append(name)
+    return tuple(sorted(unknown))
 
 
 class TokenizeRequest(BaseModel):

@@ -21,10 +21,10 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, StrictStr
 
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import ChatCompletionRequest, parse_request
+from pagellm.server.protocol import ConvertedChatRequest, absent, one_of, check_outer_fields, parse_request
 from pagellm.server.responses import ChatFormatter
 from pagellm.server.streaming import typed_event
 
@@ -33,6 +33,11 @@ _FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens
                 "chat_template_kwargs": "reasoning"}
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "parallel_tool_calls", "user", "logit_bias", "stop", "ignore_eos")
+# Responses fields that would change the answer and are not honoured: name -> whether a value asks for nothing
+_REFUSED = {"background": absent, "conversation": one_of(), "prompt": one_of(), "include": absent,
+            "max_tool_calls": one_of(), "truncation": one_of("disabled")}
+_NO_EFFECT = frozenset({"service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+                        "stream_options"})
 
 
 class ResponsesRequest(BaseModel):
@@ -51,6 +56,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: StrictStr | None = None
     top_logprobs: Any = None
     metadata: dict[StrictStr, Any] | None = None
+    _unknown: tuple[str, ...] = PrivateAttr(default=())  # fields nobody knows: ignored (logged by the server)
 
     def check(self) -> None:
         if self.previous_response_id is not None:
@@ -62,9 +68,16 @@ class ResponsesRequest(BaseModel):
         if self.top_logprobs:
             raise APIError("top_logprobs is not supported yet on /v1/responses; use /v1/chat/completions",
                            "top_logprobs")
+        if (self.text or {}).get("verbosity") not in (None, "medium"):
+            raise APIError(f"text.verbosity is not supported (got {self.text['verbosity']!r:.50}); leave it out",
+                           "text")
+        if (self.reasoning or {}).get("summary") is not None:
+            raise APIError("reasoning.summary is not supported: reasoning comes back whole, as reasoning_text "
+                           "content; leave summary out", "reasoning")
+        self._unknown = check_outer_fields(self.model_extra, _REFUSED, frozenset(_PASSED) | _NO_EFFECT)
 
 
-class ResponsesChatRequest(ChatCompletionRequest):
+class ResponsesChatRequest(ConvertedChatRequest):
     """The chat request a Responses request becomes; errors name the Responses fields."""
 
     @property
@@ -96,10 +109,12 @@ def chat_request(raw: bytes) -> tuple[ResponsesRequest, ResponsesChatRequest]:
         chat["chat_template_kwargs"] = {"reasoning_effort": effort, **({"enable_thinking": False}
                                                                        if effort == "none" else {})}
     try:
-        return request, parse_request(json.dumps(chat).encode(), ResponsesChatRequest)
+        converted = parse_request(json.dumps(chat).encode(), ResponsesChatRequest)
     except APIError as exc:
         exc.param = _FIELD_NAMES.get(exc.param, exc.param)
         raise
+    converted._outer_unknown = request._unknown
+    return request, converted
 
 
 def _messages(request: ResponsesRequest) -> list[dict]:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.server import remote_references
-from tests.server.server_harness import BASE_ARGS, start_server, stop_with
+from tests.server.server_harness import BASE_ARGS, GEMMA_CHAT, start_server, stop_with
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -163,6 +163,35 @@ def test_type_send_stream_watch_the_panel_and_stop(page):
     page.press("#prompt", "Enter")
     page.wait_for_function("document.querySelectorAll('.message.assistant .note').length === 2", timeout=60000)
     assert page.text_content(".message.assistant >> nth=1").endswith("(max tokens reached)")
+
+
+@pytest.fixture(scope="module")
+def keyed_chat_server(tmp_path_factory):
+    server = start_server([*BASE_ARGS, *GEMMA_CHAT, "--served-model-name", "chat"], tmp_path_factory.mktemp("keyed"),
+                          api_key=KEY)
+    yield server
+    stop_with(server, signal.SIGINT)
+
+
+def test_with_a_key_the_page_asks_for_it_then_chats(keyed_chat_server, browser):
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(keyed_chat_server.url + "/")
+    page.wait_for_selector("#key-form", state="visible", timeout=30000)
+    page.fill("#api-key", "wrong")  # a wrong key is asked for again
+    page.click("#key-form button")
+    page.wait_for_selector("#key-form", state="visible", timeout=30000)
+    page.fill("#api-key", KEY)
+    page.click("#key-form button")
+    page.wait_for_function("document.getElementById('model').textContent === 'chat'", timeout=30000)
+    assert page.is_hidden("#mode-note")  # a chat template: chat mode
+    page.fill("#max-tokens", "4")
+    page.fill("#prompt", "Hello!")
+    page.press("#prompt", "Enter")
+    page.wait_for_function("document.querySelector('.message.assistant .note') !== null", timeout=60000)
+    assert page.text_content(".message.assistant").endswith("(max tokens reached)")
+    assert page.query_selector(".message.error") is None
+    context.close()
 
 
 def test_with_a_key_and_no_chat_template_the_page_asks_once_then_continues_text(base_server, browser):

@@ -57,6 +57,8 @@ def test_base64_is_the_float32_bytes_and_normalize_false_keeps_the_length(http):
     ({"input": [10**9]}, "input"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "x", "model": "other"}, "model"),
+    ({"input": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ({"input": "x", "add_special_tokens": False}, "add_special_tokens"),
 ])
 def test_what_it_cannot_do_is_a_400_naming_the_field(http, body, param):
     answer = http.post("/v1/embeddings", json=body)

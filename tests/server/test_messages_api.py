@@ -34,6 +34,7 @@ def _chat_text(client, messages, max_tokens=12, **extra) -> str:
 
 def test_a_message_is_the_chat_turn_as_content_blocks(claude, client):
     message = claude.messages.create(model=MODEL, max_tokens=12, system="Be brief.", extra_body=GREEDY,
+                                     metadata={"user_id": "u1"}, service_tier="auto",  # no effect on the answer
                                      messages=[{"role": "user", "content": "Name three colours."}])
     expected = _chat_text(client, [{"role": "system", "content": "Be brief."},
                                    {"role": "user", "content": "Name three colours."}])
@@ -139,6 +140,10 @@ def test_tool_use_and_tool_result_blocks_become_calls_and_tool_messages():
      "valid list"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "output_config": {"format": {"type": "x"}}},
      "output_config", "output_config.format must be"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "mcp_servers": [{"url": "x"}]},
+     "mcp_servers", "mcp_servers is not supported"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "always"}},
+     "thinking", "thinking.type must be"),
 ])
 def test_what_it_cannot_do_is_a_400_in_anthropics_shape(http, body, param, words):
     answer = http.post("/v1/messages", json={"model": MODEL, **body})

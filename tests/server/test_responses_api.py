@@ -23,7 +23,9 @@ def _chat_text(client, messages, max_tokens=12, **extra) -> str:
 
 
 def test_a_response_is_the_chat_turn_in_the_responses_envelope(client):
-    response = client.responses.create(model="gemma-3-270m", input="Name three colours.", **GREEDY)
+    response = client.responses.create(model="gemma-3-270m", input="Name three colours.", **GREEDY,
+                                       service_tier="auto", prompt_cache_key="k", truncation="disabled",
+                                       metadata={"who": "test"})  # asking nothing that changes the answer
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.output_text == _chat_text(client, [{"role": "user", "content": "Name three colours."}])
     (item,) = response.output
@@ -121,6 +123,12 @@ def test_function_call_items_become_the_assistant_calls_and_tool_answers():
     ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice",
      "not among the tools"),
     ({}, "input", "input is required"),
+    ({"input": "x", "background": True}, "background", "background is not supported"),
+    ({"input": "x", "truncation": "auto"}, "truncation", "truncation is not supported"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "include is not supported"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation", "conversation is not supported"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text", "verbosity is not supported"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning", "summary is not supported"),
 ])
 def test_what_it_cannot_do_is_a_400_naming_the_field(http, body, param, words):
     answer = http.post("/v1/responses", json=body)

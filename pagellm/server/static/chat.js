@@ -43,10 +43,10 @@ async function api(path, options = {}) {
 async function loadModel() {
   try {
     const body = await (await api("/v1/models")).json();
-    modelName = body.data[0].id;
-    $("model").textContent = modelName;
     const props = await (await api("/props")).json();
+    modelName = body.data[0].id;
     textMode = !props.chat_template;
+    $("model").textContent = modelName;  // last: once it shows, the page knows its mode
     if (textMode) {
       $("mode-note").hidden = false;
       $("mode-note").textContent = "This model has no chat template (a base model continues text rather than "
