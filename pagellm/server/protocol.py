@@ -256,7 +256,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise APIError(f"messages[{i}]: a tool message needs tool_call_id", "messages")
         tools, choice = check_tools(self.tools, self.tool_choice)
         self._tools = (tools, choice)
-        grammar = forced_grammar(tools, choice)
+        grammar = forced_grammar(tools, choice, self.parallel_tool_calls)
         if grammar is not None:
             if self.structured is not None:
                 raise APIError(f"tool_choice {choice.mode} cannot be combined with {self.structured[1]}",

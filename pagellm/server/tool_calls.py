@@ -82,8 +82,9 @@ def _tool_choice(value, tools: list) -> ToolChoice:
     return ToolChoice("named", name)
 
 
-def forced_grammar(tools: list[dict], choice: ToolChoice) -> StructuredOutputs | None:
-    """The grammar a forced choice holds the answer to (None when nothing is forced)."""
+def forced_grammar(tools: list[dict], choice: ToolChoice, parallel: bool = True) -> StructuredOutputs | None:
+    """The grammar a forced choice holds the answer to (None when nothing is forced); `parallel` false (the
+    request's parallel_tool_calls): one call at most, so the model stops after it."""
     schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if choice.mode == "named":
         return StructuredOutputs(json=schemas[choice.name])
@@ -91,7 +92,8 @@ def forced_grammar(tools: list[dict], choice: ToolChoice) -> StructuredOutputs |
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for name, schema in schemas.items()]
-        return StructuredOutputs(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        bounds = {"minItems": 1} if parallel else {"minItems": 1, "maxItems": 1}
+        return StructuredOutputs(json={"type": "array", **bounds, "items": {"anyOf": calls}})
     return None
 
 

@@ -37,6 +37,10 @@ def test_tool_choice_modes_and_their_grammars():
         jsonschema.validate([{"name": "get_weather", "arguments": {}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], schema)
+    one = json.loads(forced_grammar([WEATHER, TIME], required, parallel=False).json)  # parallel_tool_calls false
+    jsonschema.validate([{"name": "get_time", "arguments": {}}], one)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}], one)
 
 
 @pytest.mark.parametrize("tools, choice, param", [
