@@ -15,14 +15,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 from pagellm.kernels import native
 
 SUITES = ["tests/models", "tests/layers", "tests/test_llm.py", "tests/runner"]
 # Engine tests whose subject is host logic alone (tokenization, stop conditions, sampling fields, seeded
-# sampling, prefix sharing, input errors, KV page residency) compute the same at every level and run at the
-# native level; repeating them below it costs suite time for nothing the level changes.
-HOST_LOGIC = ["tests/test_llm.py::test_shared_prefix_is_computed_once_and_output_unchanged",
+# sampling, prefix sharing, input errors, KV page residency, the output's fields, blocks freed on abort) compute
+# the same at every level and run at the native level; repeating them below it costs suite time for nothing the
+# level changes.
+HOST_LOGIC = ["tests/test_llm.py::test_output_shape_is_vllms",  # fields and their agreement, whatever the ids
+              "tests/test_llm.py::test_no_block_leaks_after_generate_and_abort",  # the scheduler's block count
+              "tests/test_llm.py::test_shared_prefix_is_computed_once_and_output_unchanged",
               "tests/test_llm.py::test_seed_reproducible_whatever_else_runs",
               "tests/test_llm.py::test_ignore_eos_and_max_tokens",
               "tests/test_llm.py::test_token_id_prompts_equal_string_prompts",
@@ -55,25 +59,36 @@ NATIVE_OFF = ["tests/models/test_hf_parity.py", "tests/models/test_hybrid_parity
               "tests/test_llm.py", "tests/models/test_run_mode.py"]
 
 
+# Start-up that each pass would repeat for nothing: hypothesis's pytest plugin (~1 s to import) serves only
+# tests/server/test_fuzz.py, which no pass runs; and the passes share one tokenizer cache (tests/conftest.py
+# takes PAGELLM_TEST_CACHE_DIR), so the embedded model's tokenizer is converted once, not in every pass (~1 s).
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+
+
 def run(name: str, environment: dict[str, str], suites: list[str], deselected: list[str], extra: list[str]) -> int:
     print(f"== tests {name}", flush=True)
     deselect = [f"--deselect={test}" for test in deselected]
-    code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites, *deselect,
-                            *extra], env={**os.environ, **environment})
+    code = subprocess.call([*PYTEST, *suites, *deselect, *extra], env={**os.environ, **environment})
     if code != 0:
         print(f"== {name}: pytest exited {code}", flush=True)
     return code
 
 
-def main(extra: list[str]) -> int:
+def run_passes(extra: list[str], shared: dict[str, str]) -> int:
     for level in native.host_levels()[1:]:
         code = run(f"at cpu_isa={level} (torch: {native.torch_env(level)})",
-                   {**native.torch_env(level), "PAGELLM_CPU_ISA": level, "PAGELLM_TEST_KERNELS": level}, SUITES,
-                   HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE + DESELECT.get(level, []), extra)
+                   {**shared, **native.torch_env(level), "PAGELLM_CPU_ISA": level, "PAGELLM_TEST_KERNELS": level},
+                   SUITES, HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE + DESELECT.get(level, []), extra)
         if code != 0:
             return code
-    return run("with native kernels off (PAGELLM_NATIVE=0)", {"PAGELLM_NATIVE": "0", "PAGELLM_TEST_KERNELS": "off"},
+    return run("with native kernels off (PAGELLM_NATIVE=0)",
+               {**shared, "PAGELLM_NATIVE": "0", "PAGELLM_TEST_KERNELS": "off"},
                NATIVE_OFF, HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE, extra)
+
+
+def main(extra: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="pagellm-test-cache-") as cache:
+        return run_passes(extra, {"PAGELLM_TEST_CACHE_DIR": cache})
 
 
 if __name__ == "__main__":

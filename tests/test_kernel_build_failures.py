@@ -70,15 +70,45 @@ def assert_names_the_failure(output: str, title: str, level: str) -> None:
     assert f"failed to build at level {level}" in output and "injected failure: this compiler refuses" in output
 
 
+def start_under_refusing_compiler(tmp_path: Path, scenario: str) -> list[subprocess.Popen]:
+    """The scenario's two runs, started: its kernel tests under pytest, and LLM() at its level."""
+    refuse, refused, kernel_tests, _, level = SCENARIOS[scenario]
+    environment = refusing_environment(tmp_path, refuse, refused)
+    commands = [[sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--tb=short", *kernel_tests],
+                [sys.executable, "-c", "from pagellm import LLM\n"
+                 f"LLM(cpu_isa={level!r}, kv_cache_memory=0.05, max_model_len=64, skip_tokenizer_init=True)"]]
+    return [subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for command in commands]
+
+
+@pytest.fixture(scope="module")
+def runs_under_refusing_compilers(tmp_path_factory):
+    """{scenario: its two runs}, every process of every scenario started at once: each is mostly its own start-up
+    (Python, torch, collection), so side by side they take about half the time one after another did, and the
+    refused builds fail alike in each (kernels/native.py builds beside its target, then renames). Each test waits
+    for its own."""
+    runs = {scenario: start_under_refusing_compiler(tmp_path_factory.mktemp(scenario), scenario)
+            for scenario, (refuse, *_) in SCENARIOS.items() if refuse is not None}
+    yield runs
+    for proc in (proc for procs in runs.values() for proc in procs):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def finished(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
+    """Wait for each (900 s: a hang guard; one still writing to its pipe while another is read only waits)."""
+    outputs = [proc.communicate(timeout=900) for proc in procs]
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            for proc, (out, err) in zip(procs, outputs)]
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_a_kernel_that_does_not_build_fails_its_tests_and_llm(scenario, tmp_path):
-    refuse, refused, kernel_tests, title, level = SCENARIOS[scenario]
+def test_a_kernel_that_does_not_build_fails_its_tests_and_llm(scenario, runs_under_refusing_compilers):
+    refuse, refused, _, title, level = SCENARIOS[scenario]
     if refuse is None:
         pytest.skip(f"the {TOP} level has no compiler flag of its own to refuse")
-    environment = refusing_environment(tmp_path, refuse, refused)
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--tb=short",
-                            *kernel_tests], cwd=ROOT, env=environment, capture_output=True, text=True,
-                           timeout=900)  # hang guard
+    tests, engine = finished(runs_under_refusing_compilers[scenario])
     assert tests.returncode == 1, tests.stdout[-3000:]
     levels_refused = refused[next(iter(refused))]
     # -rA: one "PASSED|FAILED|SKIPPED|ERROR <test id>" line per test; every test at a refused level fails, every
@@ -92,9 +122,6 @@ def test_a_kernel_that_does_not_build_fails_its_tests_and_llm(scenario, tmp_path
     assert len(outcomes) - len(at_refused) == sum(outcome == "PASSED" for outcome, _ in outcomes), outcomes
     for each in levels_refused:
         assert_names_the_failure(tests.stdout, title, each)
-    engine = subprocess.run([sys.executable, "-c", "from pagellm import LLM\n"
-                             f"LLM(cpu_isa={level!r}, kv_cache_memory=0.05, max_model_len=64, skip_tokenizer_init=True)"],
-                            cwd=ROOT, env=environment, capture_output=True, text=True, timeout=900)  # hang guard
     assert engine.returncode == 1
     first_refused = next(library.title for library in selection.LIBRARIES if level in refused.get(library.name, ()))
     assert_names_the_failure(engine.stderr, first_refused, level)

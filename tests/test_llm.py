@@ -22,8 +22,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(kv_cache_memory=0.25, max_model_len=4096)  # the pool must hold one max_model_len sequence
+def llm(embedded_llm):
+    return embedded_llm  # the session's (tests/conftest.py): its pool holds one max_model_len (4096) sequence
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +53,19 @@ def dense():
     return LLM(kv_cache_memory=0.05, dtype="float32", quantization="none", max_model_len=1024)
 
 
-def test_greedy_matches_live_hf_transformers_on_the_same_gguf(dense):
+def test_greedy_matches_live_hf_transformers_on_the_same_gguf(dense, hf_gemma3_of_the_embedded_model):
     """HF's Gemma3ForCausalLM, given the GGUF's weights (checked against transformers' own GGUF
     conventions in tests/loader/test_default_model.py), generates the same greedy ids as the dense fp32 model,
     and the recorded ids (HF_IDS) are still HF's."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     ids_of_ours = [out.outputs[0].token_ids for out in dense.generate(PROMPTS[:3], GREEDY, use_tqdm=False)]
-    hf = AutoModelForCausalLM.from_config(transformers_config(dense.engine.hf_config), dtype=torch.float32,
-                                          attn_implementation="eager")
+    hf = hf_gemma3_of_the_embedded_model  # the session's (tests/conftest.py), in the config of ours:
+    assert hf.config.to_dict() == {**transformers_config(dense.engine.hf_config).to_dict(), "dtype": "float32"}
     missing, unexpected = hf.load_state_dict(checkpoint_state_dict(dense.engine.model), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     hf.tie_weights()
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
     ids_of_hf = []
     for prompt in PROMPTS[:3]:
         ids = torch.tensor([dense.tokenizer.encode(prompt)])
@@ -178,8 +178,8 @@ def test_bad_input_is_a_clear_error(llm):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="out of range"):
         llm.generate([[10**9]], GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt is"):
-        LLM(kv_cache_memory=0.25, max_model_len=8).generate("a " * 20, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is"):  # longer than max_model_len (4096): no engine of its own
+        llm.generate("a " * 5000, GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -29,8 +29,8 @@ PLAIN = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(kv_cache_memory=0.25, max_model_len=4096)
+def llm(embedded_llm):
+    return embedded_llm  # the session's (tests/conftest.py), which tests/test_llm.py uses too
 
 
 def json_params(**kwargs) -> SamplingParams:

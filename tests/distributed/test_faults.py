@@ -19,12 +19,15 @@ from pagellm.engine import LLMEngine
 from tests.server.server_harness import start_server
 
 TIMEOUT = 5.0  # distributed_timeout of these engines: Gloo's collective timeout and the heartbeat's period x 4
+# The hung-worker test waits out its whole timeout: shorter there, still far above a tiny model's step (ms) and a
+# busy machine's scheduling delays. The server's ranks step the embedded model, so it keeps TIMEOUT.
+HUNG_TIMEOUT = 3.0
 HANG_GUARD = 120  # seconds: only so that a missed detection fails instead of blocking; no speed is measured
 
 
-def _engine(path) -> LLMEngine:
+def _engine(path, timeout: float = TIMEOUT) -> LLMEngine:
     config = EngineConfig(model=ModelConfig(model=str(path)), cache=CacheConfig(kv_cache_memory=0.01),
-                          parallel=ParallelConfig(tensor_parallel_size=2, distributed_timeout=TIMEOUT))
+                          parallel=ParallelConfig(tensor_parallel_size=2, distributed_timeout=timeout))
     return LLMEngine(config, skip_tokenizer_init=True)
 
 
@@ -58,8 +61,8 @@ def test_worker_killed_mid_run_fails_the_step_naming_its_exit(checkpoint):
 # would wait forever
 def test_hung_worker_fails_the_step_by_the_collective_timeout(checkpoint):
     """A stopped worker does not exit: only the configured timeout, reaching Gloo's collective, can fail the step
-    (Gloo names the wait it gave up on: "Timed out waiting 5000ms")."""
-    engine = _engine(checkpoint("llama"))
+    (Gloo names the wait it gave up on: "Timed out waiting 3000ms")."""
+    engine = _engine(checkpoint("llama"), HUNG_TIMEOUT)
     worker = engine.executor.workers.procs[1]
     try:
         engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=200, temperature=0.0))
@@ -67,7 +70,7 @@ def test_hung_worker_fails_the_step_by_the_collective_timeout(checkpoint):
         worker.send_signal(signal.SIGSTOP)
         error = _step_until_it_fails(engine)
         assert str(error).startswith("tensor-parallel step failed: ")  # not "worker lost": nothing exited
-        assert f"Timed out waiting {TIMEOUT * 1000:.0f}ms" in str(error), str(error)
+        assert f"Timed out waiting {HUNG_TIMEOUT * 1000:.0f}ms" in str(error), str(error)
         assert worker.poll() is None  # still there, stopped: the timeout path found it, not an exit status
     finally:
         worker.send_signal(signal.SIGCONT)

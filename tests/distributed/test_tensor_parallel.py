@@ -126,22 +126,22 @@ def test_mismatched_world_size_is_a_clear_error_on_both_sides(checkpoint):
 
 def test_unreachable_head_is_a_clear_error():
     port = free_port("127.0.0.1")  # nothing listens here
+    # --join-timeout: how long the worker keeps trying, which is all this test waits out; one second is ample
     result = subprocess.run([sys.executable, "-m", "pagellm", "worker", "--master-addr", "127.0.0.1",
-                             "--master-port", str(port), "--rank", "1", "--world-size", "2", "--join-timeout", "2"],
+                             "--master-port", str(port), "--rank", "1", "--world-size", "2", "--join-timeout", "1"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert f"cannot reach the head at 127.0.0.1:{port}" in result.stderr
 
 
-def test_structured_output_over_two_ranks_matches_one_process(tmp_path):
+def test_structured_output_over_two_ranks_matches_one_process(tiny_qwen3_with_the_embedded_tokenizer):
     """The head samples with the grammar masks; workers, which hold no matcher, still follow the same steps."""
     import json
     import re
 
     from pagellm.sampling_params import StructuredOutputs
-    from tests.models.tiny_checkpoints import write_tiny_checkpoint_with_tokenizer
 
-    path = write_tiny_checkpoint_with_tokenizer(tmp_path)
+    path = tiny_qwen3_with_the_embedded_tokenizer  # the session's (tests/conftest.py): its chat template is unused
     schema = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
               "required": ["a", "b"], "additionalProperties": False}
     params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=schema)),

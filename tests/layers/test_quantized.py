@@ -378,14 +378,19 @@ TEXT_IDS = [2, 818, 4083, 529, 506, 16386, 2686, 12502, 528, 506, 135461, 7691, 
 LIMITS = {"int8": (0.85, 0.02), "int4": (0.75, 0.25)}
 
 
-def test_default_model_accuracy_against_the_dense_gguf_model():
+@pytest.fixture(scope="module")
+def dense_logits() -> torch.Tensor:
+    """The dense fp32 model of the embedded GGUF's logits at TEXT_IDS: the reference of both tests below, computed
+    once (a model load and a prefill; the model itself is not kept)."""
+    dense = load_model(None, torch.float32, torch.device("cpu"), with_tokenizer=False).model
+    return PagedHarness(dense, num_blocks=32).prefill("a", TEXT_IDS)
+
+
+def test_default_model_accuracy_against_the_dense_gguf_model(dense_logits):
     """Greedy agreement (next-token argmax at 64 positions) and logit error of each scheme against the dense
     fp32 model of the same GGUF, on the dense-tile path, the int kernels with bf16 activations, and (int4) with
     int8 activations."""
-    dense = load_model(None, torch.float32, torch.device("cpu"), with_tokenizer=False).model
-    tokens = TEXT_IDS
-    ref = PagedHarness(dense, num_blocks=32).prefill("a", tokens)
-    del dense
+    tokens, ref = TEXT_IDS, dense_logits
     for scheme, (min_agreement, max_kl) in LIMITS.items():
         model = load_model(None, torch.float32, torch.device("cpu"), False, scheme).model
         for path in ("dense", "kernel", "int8-activation kernel"):
@@ -404,13 +409,11 @@ def test_default_model_accuracy_against_the_dense_gguf_model():
             assert agreement >= min_agreement and kl.mean() <= max_kl
 
 
-def test_default_model_as_stored_is_near_the_dense_model():
+def test_default_model_as_stored_is_near_the_dense_model(dense_logits):
     """auto keeps the GGUF's blocks (the file's exact weights): what differs from the dense fp32 model of the
     file is the activations' int8 rounding alone, which moves few next-token choices (llama.cpp rounds its
     activations alike; the measured figures beside its: docs/benchmarks/)."""
-    dense = load_model(None, torch.float32, torch.device("cpu"), with_tokenizer=False).model
-    ref = PagedHarness(dense, num_blocks=32).prefill("a", TEXT_IDS)
-    del dense
+    ref = dense_logits
     model = load_model(None, torch.float32, torch.device("cpu"), False, "auto").model
     logits = PagedHarness(model, num_blocks=32).prefill("a", TEXT_IDS)
     agreement = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()

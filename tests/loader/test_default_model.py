@@ -82,7 +82,7 @@ def test_weights_match_transformers_gguf_conventions(path, config, weights):
     transformers' name map (get_gguf_hf_weights_map) and its gemma3 tensor processor (norm - 1),
     and transformers' torch dequantizer wherever it has the type (Q8_0, Q4_K, Q6_K; not Q5_0).
     """
-    reader = GGUFReader(path)
+    reader = PlainArrayGGUFReader(path)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(transformers_config(config))
     processor = TENSOR_PROCESSORS["gemma3"](config=config.to_dict())
@@ -101,6 +101,21 @@ def test_weights_match_transformers_gguf_conventions(path, config, weights):
     assert types == {T.F32, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K}
 
 
+class PlainArrayGGUFReader(GGUFReader):
+    """gguf.GGUFReader reading the same mapped bytes through a plain ndarray view of its np.memmap: the reader
+    slices its data once per value it parses (a million times for this file's 262k-token vocabulary), and each
+    memmap slice costs a Python-level __array_finalize__, ~7 of the ~10 s the parse took. The tensors' data are
+    then plain views of the same mapping."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._plain_data = mapped.view(np.ndarray)
+
+
 def _reference_dequantize(tensor) -> np.ndarray:
     shape = tuple(reversed(tensor.shape.tolist()))
     if int(tensor.tensor_type) in GGML_BLOCK:
@@ -109,15 +124,18 @@ def _reference_dequantize(tensor) -> np.ndarray:
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
 
 
-def test_transformers_model_with_our_config_and_weights_reads_text(path, config, weights):
+def test_transformers_model_with_our_config_and_weights_reads_text(path, config, weights,
+                                                                   hf_gemma3_of_the_embedded_model):
     """End to end: HF's Gemma3ForCausalLM on our config and weights models English text.
 
     Measured: mean NLL 1.53 nats on this text; with llama.cpp's norm +1 left in it is 19.3.
     """
-    model = AutoModelForCausalLM.from_config(transformers_config(config))
-    result = model.load_state_dict(weights, strict=False, assign=True)
+    model = hf_gemma3_of_the_embedded_model  # the session's (tests/conftest.py), built from our config too
+    assert model.config.to_dict() == {**transformers_config(config).to_dict(), "dtype": "float32"}
+    result = model.load_state_dict(weights, strict=False)  # copied: the model outlives this module's weights
     assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys  # tied
     model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     tokenizer = load_tokenizer(path)
     text = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
     ids = torch.tensor([tokenizer.encode(text)])

@@ -17,24 +17,46 @@ from tests.loader.gguf_builders import write_tiny_gguf
 from tests.models.tiny_checkpoints import write_char_tokenizer, write_tiny_checkpoint
 
 
-@pytest.mark.parametrize("source", ["gemma3 gguf", "qwen3 gguf", "llama gguf", "llama hf"])
-def test_loading_a_model_imports_neither_torch_dynamo_nor_hf_modeling_code(tmp_path, source):
+SOURCES = ["gemma3 gguf", "qwen3 gguf", "llama gguf", "llama hf"]
+
+
+@pytest.fixture(scope="module")
+def loads_in_fresh_interpreters(tmp_path_factory):
+    """{source: its running process}: each source loaded by an interpreter of its own (this one has the heavy
+    modules already), all started at once: each is mostly its own start-up, so side by side they take about half
+    the time one after another did. Each test waits for its own."""
+    procs = {}
+    for source in SOURCES:
+        arch, kind = source.split()
+        directory = tmp_path_factory.mktemp(source.replace(" ", "-"))
+        if kind == "gguf":
+            path = write_tiny_gguf(directory / "tiny.gguf", arch, tie_embeddings=True).path
+        else:
+            path = directory / "tiny-hf"
+            write_tiny_checkpoint(arch, path)
+            write_char_tokenizer(path)
+        code = ("import sys, torch; from pagellm.loader.model_loader import load_model; "
+                f"load_model({str(path)!r}, torch.float32, torch.device('cpu'), quantization='auto'); "
+                "print(sorted(m for m in sys.modules if m in ('torch._dynamo', 'triton', "
+                "'transformers.modeling_utils')))")
+        procs[source] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True)
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_loading_a_model_imports_neither_torch_dynamo_nor_hf_modeling_code(loads_in_fresh_interpreters, source):
     """Both stay in resident memory for good (docs/benchmarks/2026-11-24-where-the-memory-goes.md), and the engine
     runs neither. A fresh interpreter, since this one has them already. (Llama: transformers' config class
     would import torch._dynamo; loader/hf_configs.py declares its own.)"""
-    arch, kind = source.split()
-    if kind == "gguf":
-        path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, tie_embeddings=True).path
-    else:
-        path = tmp_path / "tiny-hf"
-        write_tiny_checkpoint(arch, path)
-        write_char_tokenizer(path)
-    code = ("import sys, torch; from pagellm.loader.model_loader import load_model; "
-            f"load_model({str(path)!r}, torch.float32, torch.device('cpu'), quantization='auto'); "
-            "print(sorted(m for m in sys.modules if m in ('torch._dynamo', 'triton', 'transformers.modeling_utils')))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "[]"
+    run = loads_in_fresh_interpreters[source]
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-2000:]
+    assert stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_repack_reports_every_row_consumed_once_in_order_and_builds_the_same_weight():

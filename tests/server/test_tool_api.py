@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -13,10 +12,8 @@ import openai
 import pytest
 
 from pagellm.server.openapi import ChatCompletion, ChatCompletionChunk
-from tests.models.tiny_checkpoints import write_tiny_checkpoint_with_tokenizer
 from tests.server.server_harness import BASE_ARGS, start_server, stop_with
 
-TEMPLATE = Path(__file__).parent / "templates" / "hermes_tools.jinja"
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
                                                "unit": {"type": "string", "enum": ["C", "F"]}},
               "required": ["city", "unit"], "additionalProperties": False}
@@ -29,9 +26,10 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    """A tiny Qwen3 with the embedded model's tokenizer (262k ids) and a Hermes tools template, served."""
-    directory = write_tiny_checkpoint_with_tokenizer(tmp_path_factory.mktemp("tiny-tools"), TEMPLATE.read_text())
+def client(tmp_path_factory, tiny_qwen3_with_the_embedded_tokenizer):
+    """A tiny Qwen3 with the embedded model's tokenizer (262k ids) and a Hermes tools template
+    (templates/hermes_tools.jinja), served: the checkpoint is the session's (tests/conftest.py)."""
+    directory = tiny_qwen3_with_the_embedded_tokenizer
     server = start_server(["--model", str(directory), "--served-model-name", "m", *BASE_ARGS,
                            "--max-model-len", "1024"], tmp_path_factory.mktemp("serve-tools"))
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0,
@@ -100,3 +98,51 @@ def test_bad_tool_requests_are_a_400(client):
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         client.chat.completions.create(model="m", messages=[*QUESTION, {"role": "tool", "content": "x"}])
+
+
+def test_tools_round_trip_through_the_responses_api(client):
+    """A required call as a function_call item; its output sent back as items renders as chat's tool turn does."""
+    tools = [{"type": "function", **WEATHER["function"]}]
+    first = client.responses.create(model="m", input=QUESTION[0]["content"], tools=tools, tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=40)  # one call: the grammar ends
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+    items = [QUESTION[0], {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                           "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}]
+    second = client.responses.create(model="m", input=items, tools=tools, temperature=0, max_output_tokens=8)
+    chat = client.chat.completions.create(model="m", tools=[WEATHER], temperature=0, max_tokens=8, messages=[
+        QUESTION[0], {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees and sunny"}])
+    # the same prompt, tool result included (the answers themselves may differ: a bf16 random model's near-ties
+    # fall either way with the prefix cache's hits)
+    assert second.usage.input_tokens == chat.usage.prompt_tokens and second.usage.output_tokens >= 1
+
+
+def test_tools_round_trip_through_the_messages_api(client):
+    """A tool_use block from a forced call; its tool_result sent back renders as chat's tool turn does."""
+    import anthropic
+    import httpx2
+
+    claude = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="unused", max_retries=0,
+                                 http_client=httpx2.Client(limits=httpx2.Limits(keepalive_expiry=2.0), timeout=120))
+    tools = [{"name": "get_weather", "description": "The weather in a city", "input_schema": PARAMETERS}]
+    first = claude.messages.create(model="m", max_tokens=40, tools=tools, messages=[QUESTION[0]],
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    (use,) = [block for block in first.content if block.type == "tool_use"]
+    assert first.stop_reason == "tool_use"
+    jsonschema.validate(use.input, PARAMETERS)
+    turns = [QUESTION[0], {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                             "input": use.input}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                           "content": "18 degrees and sunny"}]}]
+    second = claude.messages.create(model="m", max_tokens=8, tools=tools, messages=turns,
+                                    extra_body={"temperature": 0.0})
+    assert second.usage.input_tokens == claude.messages.count_tokens(model="m", tools=tools, messages=turns).input_tokens
+    chat = client.chat.completions.create(model="m", tools=[WEATHER], temperature=0, max_tokens=8, messages=[
+        QUESTION[0], {"role": "assistant", "tool_calls": [{"id": use.id, "type": "function", "function": {
+            "name": use.name, "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "18 degrees and sunny"}])
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.stop_reason in ("end_turn", "max_tokens") and second.usage.output_tokens >= 1
