@@ -236,8 +236,12 @@ async def _responses(request: Request) -> Response:
     state = _ready_state(request)
     raw = await read_body(request, state.config.max_request_bytes)
     responses_body, body = await state.off_loop(chat_request, raw)
-    return await _chat(request, state, body, arrival,
-                       lambda chat, _: ResponsesFormatter(state.served_model_name, responses_body, chat))
+    try:
+        return await _chat(request, state, body, arrival,
+                           lambda chat, _: ResponsesFormatter(state.served_model_name, responses_body, chat))
+    except APIError as exc:  # chat's messages are this API's input
+        exc.param = "input" if exc.param == "messages" else exc.param
+        raise
 
 
 async def _messages(request: Request) -> Response:
@@ -270,6 +274,9 @@ async def _embeddings(request: Request) -> Response:
                                 embeddings.EmbeddingRequest)
     _check_model(state, body.model)
     embeddings.check_dimensions(body, state.engine.model.hidden_size)
+    if len(body.inputs()) > state.config.max_waiting:  # a 429 would never clear: the queue never holds them all
+        raise APIError(f"input holds {len(body.inputs())} inputs, more than this server ever queues at once "
+                       f"({state.config.max_waiting}, --max-waiting); split the request", "input")
     prompt_ids = []
     for item in body.inputs():
         ids = await state.encode(item, "input") if isinstance(item, str) else list(item)

@@ -26,7 +26,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import CompletionRequest, parse_request
+from pagellm.server.protocol import CompletionRequest, absent, check_outer_fields, one_of, parse_request
 
 # llama.cpp's token texts for each FIM role (llama-vocab.cpp), in its order of preference
 FIM_TEXTS = {
@@ -40,6 +40,9 @@ N_BATCH = 2048  # llama-server's default batch, which bounds the prefix and suff
 _SNIPPET = "\n\n--- snippet ---\n\n"
 # llama-server fields that tune its own scheduling or reply, with no effect on the tokens here
 _IGNORED = ("cache_prompt", "t_max_prompt_ms", "t_max_predict_ms", "response_fields", "samplers", "id_slot")
+# fields that would change the answer and are not honoured here: name -> whether a value asks for nothing
+_REFUSED = {"grammar": one_of(), "json_schema": one_of(), "n": one_of(1), "logprobs": one_of(), "n_probs": absent,
+            "stream_options": one_of(), "best_of": one_of(1), "echo": absent, "suffix": one_of()}
 
 
 class ExtraChunk(BaseModel):
@@ -106,6 +109,7 @@ def completion_request(raw: bytes) -> tuple[InfillRequest, CompletionRequest]:
     repetition_penalty); APIError(400) naming the field."""
     request = parse_request(raw, InfillRequest)
     fields = {k: v for k, v in (request.model_extra or {}).items() if k not in _IGNORED}
+    check_outer_fields({k: v for k, v in fields.items() if k in _REFUSED}, _REFUSED, frozenset())
     if "repeat_penalty" in fields:
         fields["repetition_penalty"] = fields.pop("repeat_penalty")
     if request.n_predict is not None and request.n_predict >= 0:

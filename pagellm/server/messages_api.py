@@ -209,6 +209,12 @@ class MessagesFormatter:
 
     event = staticmethod(typed_event)
 
+    @staticmethod
+    def error_event(message: str, kind: str) -> str:
+        """Anthropic's error event: the client raises on it (an overloaded server, or the request's own failure)."""
+        anthropic_kind = "overloaded_error" if kind == "service_unavailable_error" else "api_error"
+        return typed_event({"type": "error", "error": {"type": anthropic_kind, "message": message}})
+
     def first_chunks(self, num_choices: int, include_usage: bool) -> list[dict]:
         message = {"id": self.request_id, "type": "message", "role": "assistant", "model": self._model,
                    "content": [], "stop_reason": None, "stop_sequence": None,

@@ -131,8 +131,8 @@ def _messages(request: ResponsesRequest) -> list[dict]:
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            if last is not None and last["role"] == "assistant":  # its text and its calls: one assistant turn,
+                last.setdefault("tool_calls", []).append(call)  # as the model wrote it (and chat renders it)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

@@ -61,6 +61,8 @@ async def sse(stream: RequestStream, formatter, prompt_lens: list[int], n: int, 
     may answer one engine output with several events (a list) and end with its own (last_chunks)."""
     finals = {}
     event = getattr(formatter, "event", _event)
+    # how this API says a request failed mid-stream (Anthropic's clients skip an unnamed event)
+    error_event = getattr(formatter, "error_event", lambda message, kind: _event(error_body(message, kind)))
     try:
         for chunk in formatter.first_chunks(len(stream.request_ids), include_usage):
             yield event(chunk)
@@ -77,9 +79,9 @@ async def sse(stream: RequestStream, formatter, prompt_lens: list[int], n: int, 
             for chunk in last(total, include_usage) if last else [formatter.usage_chunk(total)]:
                 yield event(chunk)
     except EngineDeadError as exc:
-        yield _event(error_body(str(exc), "service_unavailable_error"))
+        yield error_event(str(exc), "service_unavailable_error")
     except RequestFailedError as exc:
-        yield _event(error_body(str(exc), APIError(str(exc), status=exc.status).kind))
+        yield error_event(str(exc), APIError(str(exc), status=exc.status).kind)
     finally:
         stream.abort()
     yield getattr(formatter, "done_marker", "data: [DONE]\n\n")

@@ -35,7 +35,7 @@ TEXTS = (
     + ["1", "12", "123", "1234", "12345678901234567890", "3.14159", "1,000,000", "2026-11-26", "v1.2.3", "0x1F"]
     + ["日本語のテキスト", "中文分词测试，标点。", "한국어 텍스트", "Ελληνικά", "Кириллица текст", "עברית", "العربية"]
     + ["😀", "👍🏽 emoji", "🇫🇷 flag", "a😀b", "\u200b", "\u00a0nbsp", "\ufeffbom"]
-    + ["café naïve résumé", "Ä Ö Ü ß", "e\u0301 combining", "ÀÉÎõü", "ﬁ ligature"]
+    + ["café naïve résumé", "Ä Ö Ü ß", "e\u0301 combining", "ÀÉÎõü", "ﬁ ligature", "aÉ", "dataÀ", "ÉcoleNormale"]
     + ["Hello world", " Hello", "  leading", "trailing  ", "it's we're I'd they'll IT'S", "don't", "x" * 200,
        "The quick brown fox jumps over the lazy dog.", "$$$ +++ === ^^^ ||| ~~~", "a_b-c.d", "@user #tag"]
     + ["<bos>text", "a<eos>b", "<start_of_turn>user\nhi<end_of_turn>\n", "<unused0>", "<start_of_image>",

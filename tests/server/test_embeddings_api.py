@@ -49,6 +49,11 @@ def test_base64_is_the_float32_bytes_and_normalize_false_keeps_the_length(http):
     assert norm != pytest.approx(1.0, abs=1e-3) and [x / norm for x in raw] == pytest.approx(floats, abs=1e-5)
 
 
+def test_more_inputs_than_the_queue_ever_holds_is_a_400_not_a_429(http):
+    answer = http.post("/v1/embeddings", json={"input": [[2, 9]] * 1025})  # the default --max-waiting is 1024
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "input", answer.text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "dimensions": 64}, "dimensions"),
     ({"input": ""}, "input"),

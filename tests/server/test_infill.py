@@ -84,6 +84,10 @@ def test_infill_answers_as_llama_server_whole_and_streamed(fim_server, fim_gguf,
         assert missing.status_code == 400 and missing.json()["error"]["param"] == "input_suffix"
         negative = http.post("/infill", json={**body, "n_predict": -2})
         assert negative.status_code == 400 and negative.json()["error"]["param"] == "n_predict"
+        for field, value in (("grammar", "root ::= \"x\""), ("json_schema", {}), ("n", 2), ("logprobs", 2),
+                             ("stream_options", {"include_usage": True})):
+            refused = http.post("/infill", json={**body, field: value})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, (field, refused.text)
 
 
 def test_a_model_without_fim_tokens_is_a_400_naming_them(http):

@@ -106,6 +106,36 @@ def test_output_config_format_constrains_the_output_to_the_schema(claude):
     assert set(json.loads(message.content[0].text)) == {"city"}
 
 
+def test_a_request_failing_mid_stream_ends_with_anthropics_error_event():
+    """The client raises on a named error event; an unnamed OpenAI-shaped one it would skip, ending the answer
+    short as if it were whole."""
+    import asyncio
+
+    from pagellm.server.async_engine import RequestFailedError
+    from pagellm.server.messages_api import MessagesFormatter
+    from pagellm.server.streaming import sse
+
+    class FailingStream:
+        request_ids = ["r"]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise RequestFailedError("the row's grammar refused a token")
+
+        def abort(self):
+            pass
+
+    async def events():
+        return [e async for e in sse(FailingStream(), MessagesFormatter(MODEL, None, 3, None), [3], 1, True)]
+
+    sent = [e for e in asyncio.run(events()) if e]
+    assert sent[0].startswith("event: message_start") and sent[-1].startswith("event: error\n")
+    payload = json.loads(sent[-1].split("data: ", 1)[1])
+    assert payload == {"type": "error", "error": {"type": "api_error", "message": "the row's grammar refused a token"}}
+
+
 def test_tool_use_and_tool_result_blocks_become_calls_and_tool_messages():
     body = {"max_tokens": 5, "tools": [WEATHER], "messages": [
         {"role": "user", "content": "Weather in Paris?"},

@@ -109,6 +109,13 @@ def test_function_call_items_become_the_assistant_calls_and_tool_answers():
     assert messages[1]["tool_calls"][1]["function"] == {"name": "get_weather", "arguments": {"city": "Rome"}}
     assert (messages[2]["tool_call_id"], messages[2]["content"], messages[3]["content"]) == ("c1", "sunny", "rain")
     assert chat.template_tools[0]["function"]["name"] == "get_weather" and chat.max_tokens_field == "max_output_tokens"
+    # `input += response.output` replays the model's text and its call as the one turn the model wrote
+    replay = [{"role": "user", "content": "Weather?"}, {"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": "Let me check."}]}, items[1], items[3]]
+    _, chat = chat_request(json.dumps({"input": replay, "tools": [WEATHER]}).encode())
+    turns = [m.as_template_dict() for m in chat.messages]
+    assert [m["role"] for m in turns] == ["user", "assistant", "tool"]
+    assert turns[1]["content"] == "Let me check." and [c["id"] for c in turns[1]["tool_calls"]] == ["c1"]
 
 
 @pytest.mark.parametrize("body, param, words", [

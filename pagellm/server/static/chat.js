@@ -43,7 +43,12 @@ async function api(path, options = {}) {
 async function loadModel() {
   try {
     const body = await (await api("/v1/models")).json();
-    const props = await (await api("/props")).json();
+    let response = await api("/props");
+    while (response.status === 503) {  // the model still loads: its template is not known yet
+      await new Promise((resolve) => setTimeout(resolve, 1000));
+      response = await api("/props");
+    }
+    const props = await response.json();
     modelName = body.data[0].id;
     textMode = !props.chat_template;
     $("model").textContent = modelName;  // last: once it shows, the page knows its mode
