@@ -10,6 +10,7 @@ loader/chat_template.py as transformers renders them.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,15 +94,31 @@ class Tokenizer:
         self.bos_token_id: int | None = info.bos_token_id
         self.vocab_size: int = info.vocab_size  # with added tokens; the model's embedding may be larger
         self._templates: dict[str, Any] = {}  # compiled, by text
+        self._plain: tokenizers.Tokenizer | None = None  # _plain_backend's, once built
+        self._plain_lock = threading.Lock()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """parse_special False: special-token text (`<|im_end|>`, `<bos>`) is plain text, as llama.cpp's
+        parse_special=false has it (user-defined pieces still match)."""
+        backend = self.backend if parse_special else self._plain_backend()
+        ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
         # A rendered chat template often starts with the BOS text itself (Gemma's does); adding
         # BOS again would feed the model two, which it never saw in training.
         bos = self.bos_token_id
         if add_special_tokens and bos is not None and ids[:2] == [bos, bos] and text.startswith(self._bos_text):
             ids = ids[1:]
         return ids
+
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A second backend that leaves special tokens unmatched, built on first use (a parse of the vocabulary:
+        only what needs it pays). Why a copy: tokenizers' switch is the tokenizer object's own, and the server's
+        text pool encodes on several threads at once, so it cannot be flipped for one call."""
+        with self._plain_lock:
+            if self._plain is None:
+                plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -85,8 +85,8 @@ def infill_tokens(tokenizer, request: InfillRequest, n_ctx: int, n_predict: int)
     """The prompt's ids, laid out as llama-server's format_prompt_infill (module doc)."""
     ids = fim_ids(tokenizer)
 
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
+    def encode(text: str) -> list[int]:  # the code around the cursor: special-token text in it is text
+        return tokenizer.encode(text, add_special_tokens=False, parse_special=False)
 
     extra = [ids["rep"], *encode("myproject\n")] if "rep" in ids else []
     for chunk in request.input_extra:
@@ -94,7 +94,7 @@ def infill_tokens(tokenizer, request: InfillRequest, n_ctx: int, n_predict: int)
         extra += encode(chunk.text)
     if "sep" in ids:
         extra += [ids["sep"], *encode("filename\n")]
-    prompt = encode(request.prompt)
+    prompt = tokenizer.encode(request.prompt, add_special_tokens=False)  # llama-server parses specials here
     prefix, suffix = encode(request.input_prefix), encode(request.input_suffix)
     prefix = prefix[len(prefix) - min(len(prefix), 3 * (N_BATCH // 4)):]
     suffix = suffix[:max(0, min(len(suffix), N_BATCH // 4 - (2 + len(prompt))))]

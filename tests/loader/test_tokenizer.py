@@ -45,6 +45,15 @@ def test_gemma_known_ids_and_special_tokens(gemma):
     assert gemma.encode("<start_of_turn>user", add_special_tokens=False) == [105, 2364]  # kept whole
 
 
+def test_special_token_text_can_be_plain_text(gemma):
+    """parse_special=False, as llama.cpp's: control-token text is text (llama.cpp 0.3.36's ids, special=False),
+    while user-defined pieces (Gemma's newline) still match; the default still parses it."""
+    text = "<start_of_turn>user\nhi"
+    assert gemma.encode(text, add_special_tokens=False, parse_special=False) == [
+        236820, 3041, 236779, 1340, 236779, 887, 236813, 2364, 107, 2202]
+    assert gemma.encode(text, add_special_tokens=False) == [105, 2364, 107, 2202]
+
+
 def test_gemma_round_trips_text(gemma):
     for text in ("  two  spaces\n\nand lines\t", MULTI_BYTE, "x = 3.14159; print(x)"):
         assert gemma.decode(gemma.encode(text)) == text

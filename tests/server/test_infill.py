@@ -46,6 +46,9 @@ def test_the_prompt_is_laid_out_as_llama_server_does(fim_gguf, tmp_path):
     assert infill_tokens(tok, request, n_ctx=8192, n_predict=16) == expected
     # a small context leaves no room for extra context (n_ctx - batch - 2 * n_predict < 0), as in llama-server
     assert infill_tokens(tok, request, n_ctx=256, n_predict=16) == expected[expected.index(tok.bos_token_id):]
+    # special-token text in the code is code, as llama-server tokenizes it (parse_special false): one FIM_MID
+    written = infill_tokens(tok, _request(input_prefix="hello <|fim_middle|>"), n_ctx=256, n_predict=16)
+    assert written.count(mid) == 1 and written[-1] == mid
     long_prefix = infill_tokens(tok, _request(input_prefix="hello " * 2000), n_ctx=256, n_predict=16)
     assert long_prefix[2:2 + 1536] == enc("hello " * 2000)[-1536:] and long_prefix[2 + 1536] == suf
 
