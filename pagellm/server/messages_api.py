@@ -22,7 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, StrictStr
 
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import ConvertedChatRequest, absent, one_of, check_outer_fields, parse_request
+from pagellm.server.protocol import (ConvertedChatRequest, absent, check_outer_fields, one_of, parse_converted,
+                                     parse_request)
 from pagellm.server.responses import ChatFormatter
 from pagellm.server.streaming import typed_event
 
@@ -92,13 +93,7 @@ def chat_request(raw: bytes, model: type[MessagesRequest] = MessagesRequest) -> 
             raise APIError(f"output_config.format must be {{'type': 'json_schema', 'schema': {{...}}}}, got "
                            f"{fmt!r:.100}", "output_config")
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
-    try:
-        converted = parse_request(json.dumps(chat).encode(), ConvertedChatRequest)
-    except APIError as exc:
-        exc.param = _FIELD_NAMES.get(exc.param, exc.param)
-        raise
-    converted._outer_unknown = request._unknown
-    return converted
+    return parse_converted(chat, ConvertedChatRequest, _FIELD_NAMES, request._unknown)
 
 
 def _messages(request: MessagesRequest) -> list[dict]:

@@ -16,7 +16,6 @@ conversation and sends it as input items, as the stateless mode of the API expec
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -24,7 +23,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, StrictStr
 
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import ConvertedChatRequest, absent, one_of, check_outer_fields, parse_request
+from pagellm.server.protocol import (ConvertedChatRequest, absent, check_outer_fields, one_of, parse_converted,
+                                     parse_request)
 from pagellm.server.responses import ChatFormatter
 from pagellm.server.streaming import typed_event
 
@@ -108,13 +108,7 @@ def chat_request(raw: bytes) -> tuple[ResponsesRequest, ResponsesChatRequest]:
     if effort is not None:
         chat["chat_template_kwargs"] = {"reasoning_effort": effort, **({"enable_thinking": False}
                                                                        if effort == "none" else {})}
-    try:
-        converted = parse_request(json.dumps(chat).encode(), ResponsesChatRequest)
-    except APIError as exc:
-        exc.param = _FIELD_NAMES.get(exc.param, exc.param)
-        raise
-    converted._outer_unknown = request._unknown
-    return request, converted
+    return request, parse_converted(chat, ResponsesChatRequest, _FIELD_NAMES, request._unknown)
 
 
 def _messages(request: ResponsesRequest) -> list[dict]:

@@ -64,11 +64,11 @@ def test_ids_are_llama_cpps_converted_and_from_the_cache(files, cache, name):
     assert len(list((cache / "tokenizers").iterdir())) == entries + (name != "gemma3-embedded")
 
 
-def test_ids_differ_where_llama_cpp_and_transformers_differ():
+def test_space_runs_are_the_user_defined_pieces_as_in_llama_cpp(files, cache):
     """The case that made llama.cpp the reference: Gemma's space runs are user-defined pieces, matched longest
-    first; transformers' conversion builds 33 spaces from merges instead ([16][17] spaces)."""
-    ids = RECORDED["ids"]["gemma3-embedded"][" " * 33][0]
-    assert ids == [167, 138]  # 31 spaces, 2 spaces
+    first; transformers' conversion built 33 spaces from merges instead ([16][17] spaces)."""
+    assert RECORDED["ids"]["gemma3-embedded"][" " * 33][0] == [167, 138]  # llama.cpp: 31 spaces, 2 spaces
+    assert load_tokenizer(files["gemma3-embedded"], cache).encode(" " * 33, add_special_tokens=False) == [167, 138]
 
 
 def test_the_tokenizers_facts_come_from_the_file(files, cache):
