@@ -10,6 +10,7 @@ import sys
 import types
 import typing
 
+from pagellm.collector import collector_paused
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagellm.kernels.errors import KernelBuildError
 from pagellm.server.tool_calls import PARSERS
@@ -69,7 +70,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pagellm.server.run import run_server
+    with collector_paused():  # torch's, FastAPI's and the engine's modules: long-lived objects only
+        from pagellm.server.run import run_server
 
     take_model_argument(args)
     return run_server(args, args.given_flags)
@@ -179,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    with collector_paused():  # the parsers' modules import torch
+        args = build_parser().parse_args(argv)
     args.given_flags = given_flags_of(argv)
     if not logging.getLogger().handlers:  # start-up lines (e.g. which kernels run) on stderr
         logging.basicConfig(level=logging.INFO, format="pagellm: %(message)s")

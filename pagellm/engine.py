@@ -32,6 +32,7 @@ from pagellm.engine_steps import InFlightStep, needs_host_tokens
 from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, select_kernels
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import weight_bytes
+from pagellm.collector import collector_paused
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
 from pagellm.platform import (DTYPES, GIB, default_kv_cache_gib, freeze_loaded_objects, keep_step_buffers_in_heap,
@@ -73,7 +74,8 @@ class LLMEngine:
         try:
             if parallel is not None:
                 parallel.use_device(self.device)
-            self._build(config, skip_tokenizer_init, shard, parallel)
+            with collector_paused():
+                self._build(config, skip_tokenizer_init, shard, parallel)
             if parallel is not None:
                 publish_runner_setup(parallel, self._runner_setup(), workers, config.parallel.join_timeout)
         except BaseException:

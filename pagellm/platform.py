@@ -5,13 +5,14 @@ Shared by the engine and the tensor-parallel workers, which set the process up t
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import gc
 import os
 from types import MappingProxyType
 
 import torch
+
+from pagellm.collector import freeze_alive
 
 DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 GIB = 1 << 30
@@ -68,19 +69,9 @@ _STEP_HEAP_BYTES = 1 << 30
 def freeze_loaded_objects() -> None:
     """Move what is alive now (a loaded engine: many long-lived objects) out of the GC's reach: without it a full
     pass rescans them every few steps and stalls one (measured: docs/benchmarks/2026-11-24-quantized-layer-
-    crossovers.md; vLLM does the same). At exit they are handed back first (_collect_frozen_at_exit)."""
+    crossovers.md; vLLM does the same). Collected first: the load's own garbage is not kept."""
     gc.collect()
-    gc.freeze()
-    atexit.unregister(_collect_frozen_at_exit)  # once per process, however many engines
-    atexit.register(_collect_frozen_at_exit)
-
-
-def _collect_frozen_at_exit() -> None:
-    """What gc.freeze() kept alive and has died since (Triton's IR objects among it) would otherwise still be
-    alive when the interpreter finalizes, and nanobind reports every such object as a leak: hundreds of lines
-    after a normal run. Collected first, it is freed like any garbage."""
-    gc.unfreeze()
-    gc.collect()
+    freeze_alive()
 
 
 def release_freed_heap() -> None:

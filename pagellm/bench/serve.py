@@ -89,7 +89,7 @@ def workload_prompts(args, tokenizer) -> list[str | list[int]]:
     if args.workload == "random":
         # ids a real text uses; a vocabulary that cannot spell it (a test's) gives its whole range
         pool = sorted(set(tokenizer.encode(SEED_TEXT, add_special_tokens=False)))
-        pool = pool or list(range(tokenizer.backend.get_vocab_size(with_added_tokens=False)))  # not added tokens
+        pool = pool or [i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_ids]
         return build_prompts(pool, args.num_prompts, args.input_len, args.shared_prefix_len, args.seed)
     path = Path(args.text) if args.text else DEFAULT_TEXT
     text = path.read_text() if args.text or path.is_file() else SEED_TEXT

@@ -75,34 +75,61 @@ def convert(header: GGUFHeader) -> tuple[tokenizers.Tokenizer, dict]:
     if kind is None:
         raise FileNotFoundError(f"GGUF file {str(header.path)!r} has no tokenizer (no tokenizer.ggml.model metadata)")
     tokens = header.strings("tokenizer.ggml.tokens")
-    types = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    types = token_types(header)
     vocab = {token: i for i, token in enumerate(tokens)}  # a repeated text maps to its last id, as in llama.cpp
     if kind == "llama":
         scores = metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
         backend = _sentencepiece(tokens, scores, vocab, metadata.get("tokenizer.ggml.add_space_prefix", True))
-        add_bos_default = True
     elif kind == "gpt2":
         pre = metadata.get("tokenizer.ggml.pre", "default")
-        backend, add_bos_default = _byte_level(vocab, header.strings("tokenizer.ggml.merges") or [], pre, header)
+        backend = _byte_level(vocab, header.strings("tokenizer.ggml.merges") or [], pre, header)
     else:
         raise ValueError(f"{str(header.path)!r}: tokenizer.ggml.model {kind!r} is not supported; pagellm reads "
                          "'llama' (SentencePiece) and 'gpt2' (byte-level BPE) vocabularies")
     backend.add_tokens([AddedToken(tokens[i], special=t != USER_DEFINED, normalized=False)
                         for i, t in enumerate(types) if t in (UNKNOWN, CONTROL, USER_DEFINED)])
-    ids = {name: metadata.get(f"tokenizer.ggml.{key}_token_id") for name, key in _SPECIAL_KEYS.items()}
-    ids = {name: i for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
-    _add_bos_eos(backend, tokens, ids, metadata.get("tokenizer.ggml.add_bos_token", add_bos_default),
-                 metadata.get("tokenizer.ggml.add_eos_token", False))
-    eos = {metadata[k] for k in _EOS_KEYS if k in metadata}
-    info = dict(special_tokens={name: tokens[i] for name, i in ids.items()},
-                bos_token=tokens[ids["bos_token"]] if "bos_token" in ids else None, bos_token_id=ids.get("bos_token"),
-                eos_token_ids=tuple(sorted(eos)),
-                special_ids=tuple(i for i, t in enumerate(types) if t in (UNKNOWN, CONTROL)),
-                chat_template=metadata.get("tokenizer.chat_template"), clean_up_spaces=False,
-                vocab_size=len(tokens), fim_ids={role: metadata[f"tokenizer.ggml.fim_{role}_token_id"]
-                                                 for role in ("pre", "suf", "mid", "pad", "rep", "sep")
-                                                 if f"tokenizer.ggml.fim_{role}_token_id" in metadata})
+    info = info_fields(header, tokens.__getitem__, types)
+    _add_bos_eos(backend, tokens, special_token_ids(header, len(tokens)), *bos_eos(header))
     return backend, info
+
+
+def token_types(header: GGUFHeader) -> list[int]:
+    """Each piece's tokenizer.ggml.token_type (all normal where the file has none)."""
+    return header.metadata.get("tokenizer.ggml.token_type") or [NORMAL] * header.array_lengths["tokenizer.ggml.tokens"]
+
+
+def bos_eos(header: GGUFHeader) -> tuple[bool, bool]:
+    """Whether an encoded text gets BOS before it and EOS after it (add_special_tokens): the file's flags, else
+    llama.cpp's default for the vocabulary's kind and pre-tokenizer."""
+    metadata = header.metadata
+    if metadata.get("tokenizer.ggml.model") == "llama":
+        add_bos_default = True
+    else:
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        add_bos_default = _PRE.get(_PRE_ALIASES.get(pre, pre), ((), False, False))[2]
+    return (metadata.get("tokenizer.ggml.add_bos_token", add_bos_default),
+            metadata.get("tokenizer.ggml.add_eos_token", False))
+
+
+def special_token_ids(header: GGUFHeader, n: int) -> dict[str, int]:
+    """{bos_token: id, eos_token: id, ...}: the chat-template variables the file names, valid ids only."""
+    ids = {name: header.metadata.get(f"tokenizer.ggml.{key}_token_id") for name, key in _SPECIAL_KEYS.items()}
+    return {name: i for name, i in ids.items() if i is not None and 0 <= i < n}
+
+
+def info_fields(header: GGUFHeader, text_of, types: list[int]) -> dict:
+    """The fields of tokenizer_cache.TokenizerInfo from the file's metadata; text_of(id): a piece's text."""
+    metadata, n = header.metadata, len(types)
+    ids = special_token_ids(header, n)
+    eos = {metadata[k] for k in _EOS_KEYS if k in metadata}
+    return dict(special_tokens={name: text_of(i) for name, i in ids.items()},
+                bos_token=text_of(ids["bos_token"]) if "bos_token" in ids else None,
+                bos_token_id=ids.get("bos_token"), eos_token_ids=tuple(sorted(eos)),
+                special_ids=tuple(i for i, t in enumerate(types) if t in (UNKNOWN, CONTROL)),
+                chat_template=metadata.get("tokenizer.chat_template"), clean_up_spaces=False, vocab_size=n,
+                fim_ids={role: metadata[f"tokenizer.ggml.fim_{role}_token_id"]
+                         for role in ("pre", "suf", "mid", "pad", "rep", "sep")
+                         if f"tokenizer.ggml.fim_{role}_token_id" in metadata})
 
 
 def _sentencepiece(tokens: list[str], scores: list[float], vocab: dict[str, int],
@@ -124,21 +151,20 @@ def _sentencepiece(tokens: list[str], scores: list[float], vocab: dict[str, int]
     return backend
 
 
-def _byte_level(vocab: dict[str, int], merges: list[str], pre: str,
-                header: GGUFHeader) -> tuple[tokenizers.Tokenizer, bool]:
-    """Step 3 of the module doc; (the tokenizer, whether llama.cpp adds BOS when the file does not say)."""
+def _byte_level(vocab: dict[str, int], merges: list[str], pre: str, header: GGUFHeader) -> tokenizers.Tokenizer:
+    """Step 3 of the module doc."""
     name = _PRE_ALIASES.get(pre, pre)
     if name not in _PRE:
         raise ValueError(f"{str(header.path)!r}: tokenizer.ggml.pre {pre!r} is not supported; known: "
                          f"{', '.join(sorted({*_PRE, *_PRE_ALIASES}))}")
-    regexes, ignore_merges, add_bos = _PRE[name]
+    regexes, ignore_merges, _ = _PRE[name]
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
     splits = [pre_tokenizers.Split(Regex(r), "isolated") for r in regexes]
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    return backend, add_bos
+    return backend
 
 
 def _add_bos_eos(backend: tokenizers.Tokenizer, tokens: list[str], ids: dict[str, int], add_bos: bool,

@@ -18,7 +18,8 @@ from typing import Any
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-from pagellm.loader import chat_template
+from pagellm.loader import chat_template, gguf_sentencepiece
+from pagellm.loader.gguf_file import header_of
 from pagellm.loader.tokenizer_cache import TokenizerInfo, converted
 
 # Tokens that end a turn or a text in the families we serve. llama.cpp treats these as
@@ -100,14 +101,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """parse_special False: special-token text (`<|im_end|>`, `<bos>`) is plain text, as llama.cpp's
         parse_special=false has it (user-defined pieces still match)."""
-        backend = self.backend if parse_special else self._plain_backend()
-        ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encode(text, add_special_tokens, parse_special)
         # A rendered chat template often starts with the BOS text itself (Gemma's does); adding
         # BOS again would feed the model two, which it never saw in training.
         bos = self.bos_token_id
         if add_special_tokens and bos is not None and ids[:2] == [bos, bos] and text.startswith(self._bos_text):
             ids = ids[1:]
         return ids
+
+    def _encode(self, text: str, add_special_tokens: bool, parse_special: bool) -> list[int]:
+        backend = self.backend if parse_special else self._plain_backend()
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _plain_backend(self) -> tokenizers.Tokenizer:
         """A second backend that leaves special tokens unmatched, built on first use (a parse of the vocabulary:
@@ -149,9 +153,18 @@ class Tokenizer:
         """The id of a vocabulary entry (added tokens too), or None."""
         return self.backend.token_to_id(token)
 
-    def to_json(self) -> str:
-        """The tokenizer as tokenizers' JSON (what llguidance builds its token trie from)."""
+    def id_to_token(self, i: int) -> str | None:
+        """A vocabulary entry's text as the vocabulary spells it ("▁world", "<0x0A>"), or None."""
+        return self.backend.id_to_token(i)
+
+    def llguidance_source(self) -> Any:
+        """What llguidance.LLTokenizer builds its token trie from: the tokenizer as tokenizers' JSON."""
         return self.backend.to_str()
+
+    @property
+    def stream_backend(self) -> tokenizers.Tokenizer | None:
+        """What tokenizers' DecodeStream steps with (IncrementalDetokenizer); None: decode windows instead."""
+        return self.backend
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
@@ -174,17 +187,80 @@ def has_tokenizer(path: str | Path) -> bool:
     return path.is_file() or any((path / name).is_file() for name in _HF_TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str | Path, cache_dir: str | Path | None = None, header=None) -> Tokenizer:
+def load_tokenizer(path: str | Path, cache_dir: str | Path | None = None, header=None,
+                   native: bool = True) -> Tokenizer:
     """The tokenizer of an HF checkpoint directory or of a GGUF file. cache_dir: where converted tokenizers are
     kept by content (loader/tokenizer_cache.py); None: converted each time. header: the GGUF's,
-    when the caller has read it (loader/gguf_file.py)."""
+    when the caller has read it (loader/gguf_file.py). native False: a SentencePiece-style GGUF's vocabulary
+    converted for `tokenizers` too (the form a machine without a C++ compiler runs; the same ids)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer not found: {str(path)!r} (expected a GGUF file or an HF directory)")
     if path.is_dir() and not any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer in {str(path)!r}: expected one of {list(_HF_TOKENIZER_FILES)}")
+    if path.is_file() and native:
+        header = header_of(header if header is not None else path)
+        loaded = gguf_sentencepiece.load(header)
+        if loaded is not None:
+            vocab, fields, before, after = loaded
+            return SentencePieceTokenizer(vocab, TokenizerInfo(**fields), before, after)
     backend, info = converted(path, Path(cache_dir) if cache_dir else None, header)
     return Tokenizer(backend, info)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A GGUF's SentencePiece-style vocabulary in C++ (loader/gguf_sentencepiece.py): the same operations."""
+
+    def __init__(self, vocab: gguf_sentencepiece.SentencePieceVocab, info: TokenizerInfo, before: list[int],
+                 after: list[int]):
+        self.vocab = vocab
+        self._before, self._after = before, after  # BOS / EOS ids added with add_special_tokens, as the file asks
+        super().__init__(None, info)
+
+    def _encode(self, text: str, add_special_tokens: bool, parse_special: bool) -> list[int]:
+        ids = self.vocab.encode(text, parse_special)
+        return [*self._before, *ids, *self._after] if add_special_tokens else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.vocab.decode(ids, skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self.vocab.token_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.vocab.token_text(i) if 0 <= i < self.vocab.size else None
+
+    def llguidance_source(self) -> Any:
+        """A llguidance TokenizerWrapper: each piece's bytes (U+2581 as a space, byte pieces as their byte) and
+        the vocabulary's own tokenization of a text's continuation."""
+        from llguidance import TokenizerWrapper
+
+        return TokenizerWrapper(_GuidanceVocabulary(self))
+
+    @property
+    def stream_backend(self) -> None:
+        return None  # decoding a window is a C++ call: the Python form of IncrementalDetokenizer is cheap here
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        return 2 * self.vocab.longest_piece
+
+
+class _GuidanceVocabulary:
+    """What llguidance.TokenizerWrapper reads of a tokenizer."""
+
+    def __init__(self, tokenizer: SentencePieceTokenizer):
+        vocab = tokenizer.vocab
+        self.eos_token_id = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(tokenizer.special_ids)
+        self.tokens = [vocab.token_piece(i) for i in range(vocab.size)]
+        self._vocab = vocab
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._vocab.encode(text, parse_special=False, space_prefix_first=False)
 
 
 class IncrementalDetokenizer:
@@ -208,8 +284,8 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)  # ids before this are already emitted (or are the context)
         self._prefix = 0  # window start: left context for decoding
         self._text_parts: list[str] = []
-        self._backend = tokenizer.backend
-        self._stream = DecodeStream(self._ids, skip_special_tokens)
+        self._backend = tokenizer.stream_backend
+        self._stream = DecodeStream(self._ids, skip_special_tokens) if self._backend is not None else None
 
     def add(self, token_id: int) -> str:
         """Append one generated id; returns the text it completes (often "", sometimes several chars)."""

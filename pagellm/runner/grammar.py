@@ -126,7 +126,7 @@ class Grammars:
             if self._ll_tokenizer is None:
                 import llguidance
 
-                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self.vocab_size,
+                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.llguidance_source(), n_vocab=self.vocab_size,
                                                             eos_token=sorted(self.eos_ids))
             return self._ll_tokenizer
 

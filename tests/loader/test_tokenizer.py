@@ -29,6 +29,12 @@ def gemma():
 
 
 @pytest.fixture(scope="module")
+def gemma_tokenizers():
+    """The same vocabulary in its `tokenizers` form (a machine without a C++ compiler runs it)."""
+    return load_tokenizer(default_model_path(), ModelConfig().cache_dir, native=False)
+
+
+@pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("tok") / "tiny.gguf", "llama", vocab=TINY_VOCAB).path
 
@@ -94,7 +100,7 @@ def test_chat_template_bad_input(gemma):
 def test_incremental_detokenizer_matches_full_decode(gemma, prompt):
     prompt_ids = gemma.encode(prompt)
     ids = gemma.encode(MULTI_BYTE + " end", add_special_tokens=False)
-    pieces = [gemma.backend.id_to_token(i) for i in ids]
+    pieces = [gemma.id_to_token(i) for i in ids]
     assert any(p.startswith("<0x") for p in pieces)  # byte-fallback tokens are exercised
     detok = IncrementalDetokenizer(gemma, prompt_ids)
     outputs = [detok.add(i) for i in ids]
@@ -117,7 +123,7 @@ def test_sentencepiece_leading_spaces(tiny_gguf):
     # a Llama-style tokenizer strips the leading space when decoding from the start, but a
     # streamed "▁world" after "hello" must still come out as " world"
     tok = load_tokenizer(tiny_gguf)
-    assert [tok.backend.id_to_token(i) for i in tok.encode("hello world")] == ["<s>", "▁hello", "▁world"]
+    assert [tok.id_to_token(i) for i in tok.encode("hello world")] == ["<s>", "▁hello", "▁world"]
     detok = IncrementalDetokenizer(tok, tok.encode("hello"))
     assert [detok.add(i) for i in tok.encode("world hello", add_special_tokens=False)] == [" world", " hello"]
     assert tok.decode(tok.encode("hello  wörld")) == "hello  wörld"  # bytes for ö
@@ -143,7 +149,7 @@ def test_gguf_chat_template_metadata_is_used(tmp_path):
 
 
 def test_hf_directory(tmp_path, tiny_gguf):
-    source = load_tokenizer(tiny_gguf)
+    source = load_tokenizer(tiny_gguf, native=False)
     save_hf_tokenizer(source, tmp_path, "{{ messages[-1]['content'] }}?")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 9}))
@@ -161,20 +167,43 @@ def test_missing_tokenizer_is_named(tmp_path):
         load_tokenizer(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_decode_stream_gives_what_the_python_form_gives(gemma, seed):
-    """The Rust DecodeStream path and the two-decode Python form emit the same text, piece by piece, on random
-    ids (byte-fallback pieces, special tokens, broken characters included), and flush alike."""
+def _random_ids(tokenizer, seed: int) -> list[int]:
+    """Random ids (byte-fallback pieces, special tokens, broken characters included) for detokenizer checks."""
     g = torch.Generator().manual_seed(seed)
-    prompt_ids = gemma.encode("Say: " + MULTI_BYTE)
-    ids = torch.randint(0, gemma.vocab_size, (200,), generator=g).tolist()
-    ids[50:54] = gemma.encode("𝔘", add_special_tokens=False)  # a character in four byte tokens
-    ids += gemma.encode("𝔘", add_special_tokens=False)[:2]  # and one cut short at the end
-    stream, python = IncrementalDetokenizer(gemma, prompt_ids), IncrementalDetokenizer(gemma, prompt_ids)
+    ids = torch.randint(0, tokenizer.vocab_size, (200,), generator=g).tolist()
+    ids[50:54] = tokenizer.encode("𝔘", add_special_tokens=False)  # a character in four byte tokens
+    return ids + tokenizer.encode("𝔘", add_special_tokens=False)[:2]  # and one cut short at the end
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_stream_gives_what_the_python_form_gives(gemma_tokenizers, seed):
+    """The Rust DecodeStream path and the two-decode Python form emit the same text, piece by piece, on random
+    ids, and flush alike."""
+    tok = gemma_tokenizers
+    prompt_ids, ids = tok.encode("Say: " + MULTI_BYTE), _random_ids(tok, seed)
+    stream, python = IncrementalDetokenizer(tok, prompt_ids), IncrementalDetokenizer(tok, prompt_ids)
     python._stream = None
     assert stream._stream is not None
     assert [stream.add(i) for i in ids] == [python.add(i) for i in ids]
     assert stream.flush() == python.flush() != ""
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_native_vocabulary_decodes_as_the_tokenizers_form(gemma, gemma_tokenizers, seed):
+    """Gemma's C++ vocabulary (loader/gguf_sentencepiece.py) against its `tokenizers` form: the same ids for
+    texts with special-token text, and the same text, whole and streamed, for random ids."""
+    text = "<start_of_turn>user\n" + MULTI_BYTE + "  <b>x</b>\t\t" + " " * 40 + "<end_of_turn><eos>"
+    for parse_special in (True, False):
+        assert gemma.encode(text, parse_special=parse_special) == gemma_tokenizers.encode(text, parse_special=parse_special)
+    ids = _random_ids(gemma_tokenizers, seed)
+    for skip in (True, False):
+        assert gemma.decode(ids, skip) == gemma_tokenizers.decode(ids, skip)
+    prompt_ids = gemma.encode("Say: " + MULTI_BYTE)
+    native, reference = IncrementalDetokenizer(gemma, prompt_ids), IncrementalDetokenizer(gemma_tokenizers, prompt_ids)
+    assert native._stream is None  # decoding windows: one C++ call each
+    assert [native.add(i) for i in ids] == [reference.add(i) for i in ids]
+    assert native.flush() == reference.flush() != ""
+    assert [gemma.id_to_token(i) for i in ids] == [gemma_tokenizers.id_to_token(i) for i in ids]
 
 
 def test_a_template_override_and_template_variables(gemma):
@@ -187,10 +216,26 @@ def test_a_template_override_and_template_variables(gemma):
         gemma.apply_chat_template(messages)
 
 
-def test_max_chars_per_token_is_the_longest_piece_doubled(gemma, tiny_gguf):
+def test_a_vocabulary_without_byte_pieces_leaves_out_what_it_cannot_spell(tmp_path):
+    """Both forms alike: a run of characters it cannot spell is one <unk>, or nothing without one (llama.cpp
+    fails there; real SentencePiece files have all 256 byte pieces)."""
+    vocab = ["<unk>", "<s>", "</s>", "▁", "h", "e", "l", "o", "he", "ll", "hell", "hello", "▁hello", "é"]
+    path = write_tiny_gguf(tmp_path / "no-bytes.gguf", "llama", vocab=vocab).path
+    texts = {"hello Zé hello": [12, 3, 0, 13, 12], "ZZü hello": [3, 0, 12], "h Z": [3, 4, 3, 0]}
+    for native in (True, False):
+        tok = load_tokenizer(path, native=native)
+        assert {text: tok.encode(text, add_special_tokens=False) for text in texts} == texts, native
+    path = write_tiny_gguf(tmp_path / "no-unk.gguf", "llama").path  # tok0..tok63: nothing spells text
+    for native in (True, False):
+        assert load_tokenizer(path, native=native).encode("hello", add_special_tokens=False) == []
+
+
+def test_max_chars_per_token_is_the_longest_piece_doubled(gemma, gemma_tokenizers, tiny_gguf):
     # read id by id (no vocabulary dict); must agree with the dict, added tokens included
-    assert gemma.max_chars_per_token == 2 * max(map(len, gemma.backend.get_vocab(with_added_tokens=True)))
-    tok = load_tokenizer(tiny_gguf)
+    longest = max(map(len, gemma_tokenizers.backend.get_vocab(with_added_tokens=True)))
+    assert gemma.max_chars_per_token == gemma_tokenizers.max_chars_per_token == 2 * longest
+    assert load_tokenizer(tiny_gguf).max_chars_per_token == 2 * len("▁hello")
+    tok = load_tokenizer(tiny_gguf, native=False)
     assert tok.max_chars_per_token == 2 * len("▁hello")
     # as the file's own added tokens are: matched on the raw text (not normalized: no "▁" prefix)
     tok.backend.add_tokens([tokenizers.AddedToken("<a-very-long-added-token>", normalized=False)])

@@ -4,6 +4,7 @@ does for an HF directory (a GGUF's ids are llama.cpp's: test_gguf_tokenizer.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -73,11 +74,14 @@ def _transformers(path: Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-@pytest.mark.parametrize("name", ["embedded-gemma", "sentencepiece-gguf", "byte-level-bpe-dir"])
-def test_a_cached_tokenizer_decodes_renders_and_encodes_as_its_reference(sources, name, tmp_path):
+# native: Gemma's vocabulary in C++ (the default); the tiny SentencePiece GGUF in its `tokenizers` form, from the
+# cache (the other form of the same code: test_tokenizer.py holds the two forms to each other)
+@pytest.mark.parametrize(("name", "native"), [("embedded-gemma", True), ("sentencepiece-gguf", False),
+                                              ("byte-level-bpe-dir", True)])
+def test_a_cached_tokenizer_decodes_renders_and_encodes_as_its_reference(sources, name, native, tmp_path):
     path = sources[name]
-    load_tokenizer(path, tmp_path)  # converted and stored
-    ours, theirs = load_tokenizer(path, tmp_path), _transformers(path)  # ours from the cache
+    load_tokenizer(path, tmp_path, native=native)  # converted and stored (but a native vocabulary)
+    ours, theirs = load_tokenizer(path, tmp_path, native=native), _transformers(path)  # ours from the cache
     for text in CORPUS:
         for special in (True, False):
             expected = theirs.encode(text, add_special_tokens=special)
@@ -100,19 +104,20 @@ def test_a_cached_tokenizer_decodes_renders_and_encodes_as_its_reference(sources
 
 def test_a_damaged_entry_is_rebuilt_never_used(sources, tmp_path, caplog):
     path = sources["sentencepiece-gguf"]
-    expected = load_tokenizer(path, tmp_path).encode("hello world")
+    load = functools.partial(load_tokenizer, native=False)  # the `tokenizers` form: the one that is cached
+    expected = load(path, tmp_path).encode("hello world")
     (entry,) = (tmp_path / "tokenizers").iterdir()
     saved = json.loads((entry / "tokenizer.json").read_text())
     saved["model"]["vocab"]["▁hello"], saved["model"]["vocab"]["▁world"] = 11, 12  # a stale or tampered file
     (entry / "tokenizer.json").write_text(json.dumps(saved))
     with caplog.at_level(logging.WARNING, logger="pagellm.loader"):
-        assert load_tokenizer(path, tmp_path).encode("hello world") == expected
+        assert load(path, tmp_path).encode("hello world") == expected
     assert "corrupt or stale: rebuilt" in caplog.text
     caplog.clear()
     (entry / "info.json").write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="pagellm.loader"):
-        assert load_tokenizer(path, tmp_path).encode("hello world") == expected
-    assert "rebuilt" in caplog.text and load_tokenizer(path, tmp_path).encode("hello world") == expected
+        assert load(path, tmp_path).encode("hello world") == expected
+    assert "rebuilt" in caplog.text and load(path, tmp_path).encode("hello world") == expected
 
 
 def test_changed_content_is_another_entry(sources, tmp_path):
@@ -133,5 +138,5 @@ def test_a_cache_that_cannot_be_written_is_skipped(sources, tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with caplog.at_level(logging.WARNING, logger="pagellm.loader"):
-        tok = load_tokenizer(sources["sentencepiece-gguf"], blocker)
+        tok = load_tokenizer(sources["sentencepiece-gguf"], blocker, native=False)
     assert tok.encode("hello") == [1, TINY_VOCAB.index("▁hello")] and "not written" in caplog.text

@@ -176,7 +176,7 @@ def write_tiny_checkpoint_with_tokenizer(directory: Path, chat_template: str | N
     from pagellm.loader.default_model import default_model_path
     from pagellm.loader.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(default_model_path(), ModelConfig().cache_dir)
+    tokenizer = load_tokenizer(default_model_path(), ModelConfig().cache_dir, native=False)  # written by transformers
     config = Qwen3Config(**{**_COMMON, "vocab_size": 262144, "eos_token_id": sorted(tokenizer.eos_token_ids),
                             "max_position_embeddings": 1024},
                          num_hidden_layers=2, head_dim=32, architectures=["Qwen3ForCausalLM"])
@@ -186,7 +186,8 @@ def write_tiny_checkpoint_with_tokenizer(directory: Path, chat_template: str | N
 
 
 def save_hf_tokenizer(tokenizer, directory: Path, chat_template: str | None = None) -> None:
-    """A pagellm Tokenizer written as an HF directory's tokenizer files, by transformers (as a model repo has them)."""
+    """A pagellm Tokenizer in its `tokenizers` form (load_tokenizer(..., native=False)) written as an HF directory's
+    tokenizer files, by transformers (as a model repo has them)."""
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, **tokenizer.info.special_tokens)
