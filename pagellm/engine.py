@@ -29,8 +29,8 @@ from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
 from pagellm.engine_steps import InFlightStep, needs_host_tokens
-from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, select_kernels
-from pagellm.loader.model_loader import load_model
+from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, narrow_dtype, select_kernels
+from pagellm.loader.model_loader import keeps_gguf_blocks, load_model
 from pagellm.loader.quantization import weight_bytes
 from pagellm.collector import collector_paused
 from pagellm.output_processor import RequestState
@@ -64,8 +64,14 @@ class LLMEngine:
         chosen = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
         self.kernels, self.kernel_level = chosen.description, chosen.level
         level = chosen.level
-        self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type, level)]  # "auto" follows the level
-        self.kv_cache_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, self.device.type, level)]
+        # "auto" follows the level and the weights (a GGUF's blocks: fp32, with the MLP and attention narrow)
+        blocks = keeps_gguf_blocks(mc.model, mc.quantization, mc.load_format, self.device.type,
+                                   config.parallel.tensor_parallel_size)
+        self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type, level, blocks)]
+        self.kv_cache_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, self.device.type, level,
+                                                    blocks)]
+        narrow = narrow_dtype(mc.dtype, self.device.type, level, blocks)
+        self.narrow_dtype = DTYPES[narrow] if narrow else None
         limit_threads_to_cores()
         parallel, workers, shard = None, None, None
         if config.parallel.tensor_parallel_size > 1:
@@ -134,6 +140,7 @@ class LLMEngine:
                                   self.kv_cache_dtype, self.device, num_state_slots=setup.num_state_slots,
                                   num_snapshot_slots=setup.num_snapshot_slots, grammars=self.grammars,
                                   logits=logits, kernels=config.kernels, compute_dtype=self.dtype,
+                                  narrow_dtype=self.narrow_dtype,
                                   all_reduce=parallel.all_reduce_ if parallel is not None else None,
                                   decode_graphs=mc.decode_graphs, graphs_required=mc.enforce_eager is False,
                                   decode_buckets=mc.cuda_graph_sizes,
@@ -164,9 +171,16 @@ class LLMEngine:
             self.max_model_len = fit_max_model_len(num_blocks, cc.block_size, self.max_model_len, per_block, flag)
         check_holds_one_sequence(num_blocks, cc.block_size, self.max_model_len, per_block, flag)
         logger.info("backend: %s (%s, %s, KV %.2f GiB: %d blocks of %d tokens)", self.device.type,
-                    _attention_of(self.device, self.kernel_level), str(self.dtype).removeprefix("torch."),
+                    _attention_of(self.device, self.kernel_level), self.dtype_description(),
                     num_blocks * per_block / GIB, num_blocks, cc.block_size)
         return num_blocks
+
+    def dtype_description(self) -> str:
+        """The activations' dtype, and the MLP's and attention's where narrower ("float32, bfloat16 MLP and
+        attention")."""
+        name = str(self.dtype).removeprefix("torch.")
+        narrow = self.narrow_dtype
+        return name if narrow is None else f"{name}, {str(narrow).removeprefix('torch.')} MLP and attention"
 
     def _runner_setup(self) -> RunnerSetup:
         """The cache sizes every runner (and, when parallel, every rank's) is built with."""
@@ -374,7 +388,7 @@ class LLMEngine:
         stats = self.counters.as_dict(self.kv_cache, self.scheduler)
         stats["tensor_parallel_size"] = self.executor.world_size
         stats["kernels"] = self.kernels
-        stats["dtype"] = str(self.dtype).removeprefix("torch.")
+        stats["dtype"] = self.dtype_description()
         stats["kv_cache_dtype"] = str(self.kv_cache_dtype).removeprefix("torch.")
         stats["layers"] = self.runner.plan.description  # bound to the kernels, or modules and why
         graphs = self.runner.decode_graphs

@@ -17,11 +17,11 @@ import torch
 
 from pagellm.config import KernelConfig
 from pagellm.bench import peers
-from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, pagellm_logits,
-                                  tokenize_text)
+from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype,
+                                  pagellm_logits, tokenize_text)
 from pagellm.eval.perplexity import score_positions, summarize
 from pagellm.kernels.selection import select_kernels
-from pagellm.loader.model_loader import resolve_model_path
+from pagellm.loader.model_loader import keeps_gguf_blocks, resolve_model_path
 
 
 def text_tokens(path: Path, text_file: str, positions: int) -> list[int]:
@@ -54,7 +54,10 @@ def main(args: argparse.Namespace) -> int:
     kernels = KernelConfig(cpu_isa=args.cpu_isa or "auto")
     chosen = select_kernels(kernels).level  # each kernel of the level built, or an error
     level = chosen or "off"  # the full line is logged by select_kernels
-    dtype, kv_dtype = mode_dtype(args.dtype, chosen), mode_kv_cache_dtype(args.dtype, chosen, args.kv_cache_dtype)
+    blocks = keeps_gguf_blocks(str(path), args.quantization, "auto", "cpu")
+    dtype, kv_dtype = mode_dtype(args.dtype, chosen, blocks), mode_kv_cache_dtype(args.dtype, chosen,
+                                                                                  args.kv_cache_dtype, blocks)
+    narrow = mode_narrow_dtype(args.dtype, chosen, blocks)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
     llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()
     why_not = peers.llama_cpp_available() if llama_cpp else None
@@ -66,8 +69,10 @@ def main(args: argparse.Namespace) -> int:
     rows = {"pagellm dense fp32 (reference)": distance(reference, reference, tokens)}
     model = load_mode(path, args.quantization, dtype, kernels)
     kv = "" if kv_dtype == dtype else f", {dtype_name(kv_dtype)} KV"
+    kv += "" if narrow is None else f", {dtype_name(narrow)} MLP and attention"
     rows[f"pagellm {args.quantization} {dtype_name(dtype)}{kv} ({level})"] = distance(
-        reference, pagellm_logits(model, tokens, dtype, kv_cache_dtype=kv_dtype, kernels=kernels), tokens)
+        reference, pagellm_logits(model, tokens, dtype, kv_cache_dtype=kv_dtype, kernels=kernels, narrow=narrow),
+        tokens)
     del model
     if llama_cpp and why_not is None:
         rows["llama.cpp (the file as stored)"] = distance(reference, llama_cpp_logits(path, tokens, args.llama_threads),

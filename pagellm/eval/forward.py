@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from pagellm.platform import DTYPES
-from pagellm.kernels.selection import compute_dtype, kv_cache_dtype
+from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, narrow_dtype
 from pagellm.loader.model_loader import load_model
 from pagellm.config import KernelConfig, ModelConfig
 from pagellm.kernels import native
@@ -22,14 +22,22 @@ from pagellm.core.attention_metadata import AttentionMetadata
 _BLOCK = 16  # tokens per KV block of the sequence's private cache
 
 
-def mode_dtype(name: str | None, level: str | None) -> torch.dtype:
-    """The compute dtype --dtype names on CPU; None / "auto" as the engine resolves it at the kernels' `level`."""
-    return DTYPES[compute_dtype(name, "cpu", level)]
+def mode_dtype(name: str | None, level: str | None, gguf_blocks: bool = False) -> torch.dtype:
+    """The compute dtype --dtype names on CPU; None / "auto" as the engine resolves it at the kernels' `level`
+    (and for a GGUF's blocks: loader/model_loader.keeps_gguf_blocks)."""
+    return DTYPES[compute_dtype(name, "cpu", level, gguf_blocks)]
 
 
-def mode_kv_cache_dtype(name: str | None, level: str | None, kv: str = "auto") -> torch.dtype:
+def mode_kv_cache_dtype(name: str | None, level: str | None, kv: str = "auto",
+                        gguf_blocks: bool = False) -> torch.dtype:
     """The dtype the engine stores K/V in under --dtype `name` and --kv-cache-dtype `kv` at the kernels' `level`."""
-    return DTYPES[kv_cache_dtype(kv, name, "cpu", level)]
+    return DTYPES[kv_cache_dtype(kv, name, "cpu", level, gguf_blocks)]
+
+
+def mode_narrow_dtype(name: str | None, level: str | None, gguf_blocks: bool = False) -> torch.dtype | None:
+    """The dtype the engine runs the MLP's intermediate and attention in when narrower than the activations."""
+    narrow = narrow_dtype(name, "cpu", level, gguf_blocks)
+    return DTYPES[narrow] if narrow else None
 
 
 def is_dense_mode(path: Path, quantization: str, dtype: torch.dtype) -> bool:
@@ -63,10 +71,11 @@ def tokenize_text(path: Path, text_file: str) -> tuple[list[int], int | None]:
 
 def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype, chunk: int = 128,
                    first: int = 0, kv_cache_dtype: torch.dtype | None = None,
-                   kernels: KernelConfig | None = None) -> torch.Tensor:
+                   kernels: KernelConfig | None = None, narrow: torch.dtype | None = None) -> torch.Tensor:
     """[len(tokens) - first, V] fp32 logits of positions first .. end, one sequence prefilled `chunk` tokens
     per step; positions before `first` only build the cache (their logits are never computed). K/V are stored
-    in `kv_cache_dtype` (default: `dtype`); the layers run as the engine's runner would plan them (`kernels`)."""
+    in `kv_cache_dtype` (default: `dtype`); the layers run as the engine's runner would plan them (`kernels`,
+    `narrow`: PlanSettings.narrow)."""
     if getattr(model, "state_layers", list)():
         raise ValueError("this evaluation does not drive hybrid (recurrent-state) models yet")
     blocks = -(-len(tokens) // _BLOCK)
@@ -77,7 +86,8 @@ def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype
                             torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device))
     kernels = kernels or KernelConfig()
     level = native.level_of(kernels) if device.type == "cpu" else None
-    plan = plan_model(model, PlanSettings(level, dtype, kv_cache_dtype or dtype, kernels.bound_layers)).bound
+    plan = plan_model(model, PlanSettings(level, dtype, kv_cache_dtype or dtype, kernels.bound_layers,
+                                          narrow=narrow)).bound
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):

@@ -63,22 +63,37 @@ def kernel_levels(at: str | None) -> dict[str, str]:
     return {library.title: at if library.at(at) is not None else "torch" for library in LIBRARIES}
 
 
-def compute_dtype(dtype: str | None, device: str, level: str | None) -> str:
+def compute_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks: bool = False) -> str:
     """The compute dtype `dtype` names; None or "auto": on CUDA bfloat16 (float16 on a GPU without it); on a CPU
-    bfloat16 where the kernels' `level` has a native bf16 dot product (avx512: AVX-512 BF16); float32 elsewhere.
+    bfloat16 where the kernels' `level` has a native bf16 dot product (avx512: AVX-512 BF16), float32 elsewhere,
+    and float32 at every level for a GGUF run as stored (`gguf_blocks`).
     Why not bf16 on every CPU: without AVX-512 BF16, torch and our kernels emulate bf16 arithmetic, slower
-    than fp32.
-    measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md"""
+    than fp32 (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md). Why fp32 for a GGUF's
+    blocks: their matmuls take int8 activations whatever the dtype, so bf16 buys only bandwidth, and it cost
+    small models up to 1.7x llama.cpp's KL (its weights outside the blocks, norms and biases, rounded to bf16
+    the largest part); the bandwidth is kept by narrow_dtype (docs/benchmarks/2026-11-26-bf16-accuracy.md)."""
     if dtype not in (None, "auto"):
         return dtype
     kind = torch.device(device).type
     if kind == "cuda":  # as vLLM: bf16 where the GPU computes it (Ampere and later), else fp16
         # not emulated bf16 (pre-Ampere GPUs report it supported by default): those get fp16
         return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
-    return "bfloat16" if kind == "cpu" and level == "avx512" else "float32"
+    return "bfloat16" if kind == "cpu" and level == "avx512" and not gguf_blocks else "float32"
 
 
-def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str, level: str | None) -> str:
+def narrow_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks: bool = False) -> str | None:
+    """The dtype of the MLP's intermediate (gate/up output, act * up) and of attention (queries, scores, output)
+    where `dtype` auto chose float32 activations for a GGUF's blocks on a CPU whose level computes bf16 natively
+    (avx512); None elsewhere (they follow the compute dtype). Why: at a 2048-token prefill step fp32 there cost
+    ~30% (the [T, 2I] intermediate and attention's dot products), and neither site moved the KL measurably:
+    the intermediate is rounded to int8 for the down projection anyway, and K/V are bf16 already."""
+    auto_fp32 = dtype in (None, "auto") and compute_dtype(dtype, device, level, gguf_blocks) == "float32"
+    native_bf16 = torch.device(device).type == "cpu" and level == "avx512"
+    return "bfloat16" if auto_fp32 and native_bf16 and gguf_blocks else None
+
+
+def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str, level: str | None,
+                   gguf_blocks: bool = False) -> str:
     """The dtype K/V are stored in: `kv_cache_dtype` when named; for "auto" the compute dtype, except bfloat16
     when `dtype` is auto and chose float32 on a CPU with native kernels. Why: a decode step streams the whole
     context's K/V, so their bytes set attention's time on a bandwidth-bound host, and the kernels read bf16 K/V
@@ -86,7 +101,7 @@ def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str, level: s
     measured: docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md"""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
-    compute = compute_dtype(dtype, device, level)
+    compute = compute_dtype(dtype, device, level, gguf_blocks)
     on_cpu = torch.device(device).type == "cpu"
     narrow = dtype in (None, "auto") and on_cpu and compute == "float32" and level is not None
     return "bfloat16" if narrow else compute  # (the torch reference would only widen a bf16 cache every step)

@@ -30,6 +30,7 @@ from torch import nn
 
 from pagellm.kernels import attention, cuda_ops, layer_ops, native
 from pagellm.kernels.binding import kv_cache_pairs
+from pagellm.kernels.gguf_blocks import BoundMatmul
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.mlp import FUSED_ACTIVATIONS
@@ -87,7 +88,8 @@ def _linear(module: nn.Module):
 class BoundLayer:
     """One decoder layer's step: (h, pending) -> (h, pending), pending = (MLP output, its post-norm weight)."""
 
-    def __init__(self, layer: nn.Module, norms: tuple, kernels: StepKernels, all_reduce=None):
+    def __init__(self, layer: nn.Module, norms: tuple, kernels: StepKernels, all_reduce=None,
+                 narrow: tuple[torch.dtype, torch.dtype] | None = None):
         attn, mlp = layer.self_attn, layer.mlp
         self.kernels = kernels
         self.modules = (attn, mlp)
@@ -101,6 +103,14 @@ class BoundLayer:
         self.qk_args = attn.qk_norm_args()
         self.paged = attn.attn
         self.activation = FUSED_ACTIVATIONS[mlp.activation]
+        # narrow (PlanSettings.narrow, the activations' dtype): the MLP's intermediate and attention in the first,
+        # the rest in the second; only where the projections write any output dtype (a GGUF's blocks)
+        self.narrow = None
+        if narrow is not None and narrow[0] in kernels.dtypes and all(
+                isinstance(linear, BoundMatmul) for linear in (self.o, self.gate_up, self.down)):
+            self.narrow = narrow[0]
+            self.o, self.down = (functools.partial(f, out_dtype=narrow[1]) for f in (self.o, self.down))
+            self.gate_up = functools.partial(self.gate_up, out_dtype=narrow[0])
         # each fused residual call applies one eps and flavour to two norms
         self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down)
                    and kernels.head_dim_ok(attn.head_dim)  # known here, not mid-step
@@ -127,6 +137,8 @@ class BoundLayer:
                                 paged.value_cache, meta.slot_mapping)  # [T, H, D]; k, v in the cache
         if q is None:
             raise RuntimeError(f"qkv_prepare cannot take head_dim {head_dim}")
+        if self.narrow is not None and kernels.pairs(self.narrow, paged.key_cache.dtype):
+            q = q.to(self.narrow)  # attention's queries, scores and output narrow (K/V are already)
         out = kernels.attention(q, paged.key_cache, paged.value_cache, meta, paged.scale, paged.sliding_window,
                                 paged.logits_soft_cap)
         attended = self.o(out.view(tokens, heads * head_dim))  # [T, E]
@@ -171,6 +183,7 @@ class PlanSettings:
     kv_cache_dtype: torch.dtype
     bound_layers: bool = True
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    narrow: torch.dtype | None = None  # the MLP's intermediate and attention's dtype (kernels/selection.narrow_dtype)
 
 
 def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
@@ -190,7 +203,8 @@ def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
         if why:
             break
         try:
-            bound = BoundLayer(layer, norms_of(layer), kernels, all_reduce)
+            narrow = None if settings.narrow is None else (settings.narrow, dtype)
+            bound = BoundLayer(layer, norms_of(layer), kernels, all_reduce, narrow)
         except (AttributeError, KeyError) as e:  # not joined, an activation without a native kernel, ...
             why = f"layer {index} cannot be bound ({type(e).__name__}: {e})"
             break

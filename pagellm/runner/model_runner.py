@@ -61,7 +61,8 @@ class ModelRunner:
                  samples: bool = True, grammars: Grammars | None = None,
                  logits: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: KernelConfig | None = None,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 compute_dtype: torch.dtype | None = None, decode_buckets: tuple[int, ...] = (),
+                 compute_dtype: torch.dtype | None = None, narrow_dtype: torch.dtype | None = None,
+                 decode_buckets: tuple[int, ...] = (),
                  max_blocks_per_seq: int | None = None, decode_graphs: bool = False,
                  graphs_required: bool = False):
         """decode_buckets: the batch sizes pure-decode steps are padded to (runner/decode_inputs.py; empty: none),
@@ -103,7 +104,7 @@ class ModelRunner:
         # How the layers run, chosen once for this device, level, dtype and cache: bound to the kernels, or the
         # modules (models/bound_layers.py); tensor parallel's all-reduce goes into a bound plan.
         self.plan_settings = PlanSettings(self.kernel_level, compute_dtype or activation_dtype(model),
-                                          kv_cache_dtype, kernels.bound_layers, all_reduce)
+                                          kv_cache_dtype, kernels.bound_layers, all_reduce, narrow_dtype)
         self.plan: LayerPlan = self.replan()
         self.state_layers = state_layers_of(model)
         # Rows [0, num_state_slots) are running requests' slots, the rest prefix-cache snapshots

@@ -143,16 +143,17 @@ def test_presence_and_frequency_penalties_choose_as_the_formula_says(http):
 
 @pytest.fixture(scope="module")
 def local_model():
-    """The server's model in this process, as `pagellm serve` loads it: default kernel level, "auto" dtypes (so
-    bfloat16 on an AVX-512 BF16 host, float32 elsewhere) and GGUF quantization."""
+    """The server's model in this process, as `pagellm serve` loads it: default kernel level, "auto" dtypes (for
+    a GGUF's blocks: float32, with the MLP and attention in bfloat16 on an AVX-512 BF16 host) and GGUF
+    quantization."""
     from pagellm.config import KernelConfig
-    from pagellm.eval.forward import load_mode, mode_dtype, mode_kv_cache_dtype
+    from pagellm.eval.forward import load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype
     from pagellm.kernels.selection import select_kernels
     from pagellm.loader.default_model import default_model_path
 
     level = select_kernels(KernelConfig()).level  # "auto" dtypes follow the level
-    dtype, kv_dtype = mode_dtype(None, level), mode_kv_cache_dtype(None, level)
-    return load_mode(default_model_path(), "auto", dtype), dtype, kv_dtype
+    dtype, kv_dtype = mode_dtype(None, level, True), mode_kv_cache_dtype(None, level, gguf_blocks=True)
+    return load_mode(default_model_path(), "auto", dtype), dtype, kv_dtype, mode_narrow_dtype(None, level, True)
 
 
 def test_repetition_penalty_divides_the_logits_of_prompt_tokens(http, local_model):
@@ -162,9 +163,9 @@ def test_repetition_penalty_divides_the_logits_of_prompt_tokens(http, local_mode
     see no output yet) keeps the greedy token at the higher one; a stronger penalty (r squared) flips the lower."""
     from pagellm.eval.forward import pagellm_logits
 
-    model, dtype, kv_dtype = local_model
+    model, dtype, kv_dtype, narrow = local_model
     ids = http.post("/tokenize", json={"prompt": "a b a b a b a"}).json()["tokens"]
-    logits = pagellm_logits(model, ids, dtype, first=len(ids) - 1, kv_cache_dtype=kv_dtype)[0]  # the next token's
+    logits = pagellm_logits(model, ids, dtype, first=len(ids) - 1, kv_cache_dtype=kv_dtype, narrow=narrow)[0]
     greedy = complete(http, prompt=ids, max_tokens=1, temperature=0, logprobs=MAX_TOP)["choices"][0]["logprobs"]
     # the same distribution as the server's (same prefill): by value, within what a different CPU order could change
     ours = torch.log_softmax(logits, -1).topk(MAX_TOP).values
