@@ -20,7 +20,8 @@ import numpy as np
 
 from pagellm.kernels import native
 from pagellm.loader.gguf_file import GGUFHeader
-from pagellm.loader.gguf_tokenizer import bos_eos, info_fields, special_token_ids, token_types
+from pagellm.loader.gguf_tokenizer import (adds_space_prefix, bos_eos, info_fields, special_token_ids,
+                                          token_scores, token_types)
 
 logger = logging.getLogger("pagellm.loader")
 _BYTE_PIECE = re.compile(rb"<0x[0-9A-Fa-f]{2}>")
@@ -53,16 +54,13 @@ class SentencePieceVocab:
     """One file's pieces, scores and types in C++; thread-safe (each call keeps its state on its own stack)."""
 
     def __init__(self, lib: ctypes.CDLL, header: GGUFHeader):
-        metadata = header.metadata
         n = header.array_lengths["tokenizer.ggml.tokens"]
         self.types = token_types(header)
-        scores = metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(n)]
         blob = np.memmap(header.path, mode="r", dtype=np.uint8)[header.string_arrays["tokenizer.ggml.tokens"]:]
-        scores_f32, types_i32 = array.array("f", scores), array.array("i", self.types)
+        scores_f32, types_i32 = array.array("f", token_scores(header)), array.array("i", self.types)
         self._lib, self.size = lib, n
         self._handle = lib.sentencepiece_new(blob.ctypes.data, n, scores_f32.buffer_info()[0],
-                                             types_i32.buffer_info()[0],
-                                             int(metadata.get("tokenizer.ggml.add_space_prefix", True)))
+                                             types_i32.buffer_info()[0], int(adds_space_prefix(header)))
         del blob  # the table holds its own copy of the pieces
 
     def __del__(self):

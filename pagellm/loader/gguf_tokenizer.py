@@ -78,8 +78,7 @@ def convert(header: GGUFHeader) -> tuple[tokenizers.Tokenizer, dict]:
     types = token_types(header)
     vocab = {token: i for i, token in enumerate(tokens)}  # a repeated text maps to its last id, as in llama.cpp
     if kind == "llama":
-        scores = metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
-        backend = _sentencepiece(tokens, scores, vocab, metadata.get("tokenizer.ggml.add_space_prefix", True))
+        backend = _sentencepiece(tokens, token_scores(header), vocab, adds_space_prefix(header))
     elif kind == "gpt2":
         pre = metadata.get("tokenizer.ggml.pre", "default")
         backend = _byte_level(vocab, header.strings("tokenizer.ggml.merges") or [], pre, header)
@@ -96,6 +95,17 @@ def convert(header: GGUFHeader) -> tuple[tokenizers.Tokenizer, dict]:
 def token_types(header: GGUFHeader) -> list[int]:
     """Each piece's tokenizer.ggml.token_type (all normal where the file has none)."""
     return header.metadata.get("tokenizer.ggml.token_type") or [NORMAL] * header.array_lengths["tokenizer.ggml.tokens"]
+
+
+def token_scores(header: GGUFHeader) -> list[float]:
+    """A SentencePiece vocabulary's scores (where the file has none, earlier pieces rank higher)."""
+    n = header.array_lengths["tokenizer.ggml.tokens"]
+    return header.metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(n)]
+
+
+def adds_space_prefix(header: GGUFHeader) -> bool:
+    """Whether a SentencePiece vocabulary puts a space before a text's first fragment (llama.cpp's default: yes)."""
+    return header.metadata.get("tokenizer.ggml.add_space_prefix", True)
 
 
 def bos_eos(header: GGUFHeader) -> tuple[bool, bool]:

@@ -4,8 +4,8 @@ A tokenizer is a `tokenizers.Tokenizer` (the Rust library) plus a TokenizerInfo,
 llama.cpp tokenizes, by loader/gguf_tokenizer.py; an HF directory's by transformers,
 loader/tokenizer_conversion.py) and kept on disk by content by loader/tokenizer_cache.py, so a later start
 loads it without converting. A SentencePiece-style GGUF's is instead a SentencePieceTokenizer over its
-vocabulary in C++ (loader/gguf_sentencepiece.py), built from the file at every start in ~0.1 s. Chat templates are rendered by
-loader/chat_template.py as transformers renders them.
+vocabulary in C++ (loader/gguf_sentencepiece.py), built from the file at every start in ~0.1 s. Chat
+templates are rendered by loader/chat_template.py as transformers renders them.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class BoundLayer:
                                 paged.value_cache, meta.slot_mapping)  # [T, H, D]; k, v in the cache
         if q is None:
             raise RuntimeError(f"qkv_prepare cannot take head_dim {head_dim}")
-        if self.narrow is not None and kernels.pairs(self.narrow, paged.key_cache.dtype):
+        if self.narrow is not None:
             q = q.to(self.narrow)  # attention's queries, scores and output narrow (K/V are already)
         out = kernels.attention(q, paged.key_cache, paged.value_cache, meta, paged.scale, paged.sliding_window,
                                 paged.logits_soft_cap)
@@ -203,7 +203,8 @@ def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
         if why:
             break
         try:
-            narrow = None if settings.narrow is None else (settings.narrow, dtype)
+            narrows = settings.narrow is not None and kernels.pairs(settings.narrow, settings.kv_cache_dtype)
+            narrow = (settings.narrow, dtype) if narrows else None  # checked once here, not in every step
             bound = BoundLayer(layer, norms_of(layer), kernels, all_reduce, narrow)
         except (AttributeError, KeyError) as e:  # not joined, an activation without a native kernel, ...
             why = f"layer {index} cannot be bound ({type(e).__name__}: {e})"

@@ -17,8 +17,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from pagellm.llm import normalized
+from pagellm.server.converted_requests import check_outer_fields
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import one_of, check_outer_fields
+from pagellm.server.protocol import one_of
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]

@@ -25,8 +25,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
+from pagellm.server.converted_requests import check_outer_fields
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import CompletionRequest, absent, check_outer_fields, one_of, parse_request
+from pagellm.server.protocol import CompletionRequest, absent, one_of, parse_request
 
 # llama.cpp's token texts for each FIM role (llama-vocab.cpp), in its order of preference
 FIM_TEXTS = {

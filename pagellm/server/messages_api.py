@@ -22,8 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, StrictStr
 
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import (ConvertedChatRequest, absent, check_outer_fields, one_of, parse_converted,
-                                     parse_request)
+from pagellm.server.converted_requests import ConvertedChatRequest, check_outer_fields, parse_converted
+from pagellm.server.protocol import absent, one_of, parse_request
 from pagellm.server.responses import ChatFormatter
 from pagellm.server.streaming import typed_event
 
