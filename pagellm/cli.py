@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    with collector_paused():  # the parsers' modules import torch
+    with collector_paused():  # the parsers and their modules: long-lived objects
         args = build_parser().parse_args(argv)
     args.given_flags = given_flags_of(argv)
     if not logging.getLogger().handlers:  # start-up lines (e.g. which kernels run) on stderr

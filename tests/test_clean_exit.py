@@ -22,3 +22,13 @@ def test_a_run_exits_without_leak_reports(tmp_path):
               "llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert "leaked" not in result.stderr and "nanobind" not in result.stderr, result.stderr[-2000:]
+
+
+def test_the_cli_parses_without_importing_torch():
+    """`pagellm --help` and every command's parsing stay light: torch (~2 s to import) comes with the command that
+    needs it. Building every subcommand's parser once imported it (`bench collectives`' arguments lived in the
+    module that runs the collectives)."""
+    script = ("import sys\nfrom pagellm.cli import build_parser\nbuild_parser().parse_args(['serve'])\n"
+              "print(sorted(m for m in ('torch', 'numpy', 'fastapi') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout

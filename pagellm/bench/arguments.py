@@ -40,3 +40,12 @@ def add_output_arguments(parser: argparse.ArgumentParser, command: str, out_help
     if plot_help is not None:
         parser.add_argument("--plot", type=output_file, nargs="?", const=f"{command}-{stamp}.png", default=None,
                             metavar="FILE.png", help=f"{plot_help} (a bare name goes to {OUT_DIR}/)")
+
+
+def add_collectives_arguments(parser) -> None:
+    """`bench collectives`' arguments (here, not in the module that imports torch: every CLI start builds them)."""
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (local processes, Gloo on loopback)")
+    parser.add_argument("--rows", type=int_list, default=[1, 8, 64, 512], help="N, rows combined (default 1,8,64,512)")
+    parser.add_argument("--hidden", type=int, default=1024, help="E, hidden size (default 1024)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of 10 combines; the best is reported")

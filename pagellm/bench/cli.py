@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pagellm.bench.arguments import add_output_arguments, int_list
+from pagellm.bench.arguments import add_collectives_arguments, add_output_arguments, int_list
 
 
 def add_model_mode_args(parser: argparse.ArgumentParser) -> None:
@@ -121,8 +121,7 @@ def add_bench_parser(subparsers) -> None:
 
     collectives = kinds.add_parser("collectives", help="combining partial [N, E] outputs over ranks: "
                                    "all-reduce vs all-to-all (the MoE expert-parallel choice)")
-    from pagellm.bench.collectives import add_arguments
-    add_arguments(collectives)
+    add_collectives_arguments(collectives)
     collectives.set_defaults(func=_run_collectives)
     _add_serve_parsers(kinds)
 

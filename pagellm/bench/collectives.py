@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from pagellm.bench.arguments import add_collectives_arguments
 from pagellm.distributed.parallel_state import ParallelState, init_head, init_worker
 from pagellm.distributed.worker import free_port
 
@@ -81,21 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="pagellm.bench.collectives")
-    add_arguments(parser)
+    add_collectives_arguments(parser)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     run(args.world_size, args.rows, args.hidden, args.dtype, args.rounds, args.rank, args.port)
-
-
-def add_arguments(parser) -> None:
-    from pagellm.bench.arguments import int_list
-
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (local processes, Gloo on loopback)")
-    parser.add_argument("--rows", type=int_list, default=[1, 8, 64, 512], help="N, rows combined (default 1,8,64,512)")
-    parser.add_argument("--hidden", type=int, default=1024, help="E, hidden size (default 1024)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of 10 combines; the best is reported")
 
 
 if __name__ == "__main__":

@@ -87,11 +87,21 @@ def merged_segments(segments: list[GGUFWeight]) -> list[GGUFWeight]:
     for s in segments[1:]:
         last = out[-1]
         if s.ggml_type == last.ggml_type and s.cols == last.cols:
-            out[-1] = GGUFWeight(s.ggml_type, last.rows + s.rows, s.cols, *(torch.cat([a, b]) for a, b in zip(
+            out[-1] = GGUFWeight(s.ggml_type, last.rows + s.rows, s.cols, *(_side_by_side(a, b) for a, b in zip(
                 last.tensors(), s.tensors())))
         else:
             out.append(s)
     return out
+
+
+def _side_by_side(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """cat([a, b]); a view where b already starts where a ends in one storage (the block cache stores the parts
+    of a join so: loader/repack_cache.py), which keeps mapped weights mapped rather than copied to the heap."""
+    if (a.numel() and b.numel() and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
+            and a.shape[1:] == b.shape[1:] and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + a.numel()):
+        return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride(), a.storage_offset())
+    return torch.cat([a, b])
 
 
 def concat_gguf_linears(parts: list[GGUFLinear]) -> GGUFLinear | None:

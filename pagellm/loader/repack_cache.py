@@ -12,6 +12,9 @@ kernels first touch them), as llama.cpp and vLLM keep what they derive from a fi
     manifest  per tensor: ggml type, rows, cols, and the offset and shape of its three arrays; blocks.bin's
               size. An entry whose manifest does not parse or whose blocks.bin has another size is rebuilt
               (logged), never used; entries are written to a temporary directory and renamed into place.
+    layout    the tensors a layer joins (a layer's q/k/v, its gate/up) lie side by side, array by array, in the
+              order the join takes them: layers/gguf_linear.merged_segments then views the joined range of the
+              map instead of copying the parts into the heap, so they stay file pages like every other block
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,8 +37,11 @@ from pagellm.loader.gguf_file import GGUFHeader, drop_pages
 
 logger = logging.getLogger("pagellm.loader")
 
-FORMAT = 1
+FORMAT = 2
 _ALIGN = 64  # each array starts on a cache line, as the kernels' own allocations do
+# the tensors of one layer that a model joins into one matmul (models/llama.py, layers/mlp.py), in join order
+_JOIN_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_JOIN_MEMBER = re.compile(r"^(blk\.\d+\.)(" + "|".join(r for g in _JOIN_GROUPS for r in g) + r")\.weight$")
 
 
 class RepackCache:
@@ -44,7 +51,9 @@ class RepackCache:
     def __init__(self, entry: Path):
         self.entry = entry
         self._blocks: np.ndarray | None = None  # blocks.bin mapped, when the entry is whole
+        self._mapped: torch.Tensor | None = None  # the same map as one tensor: weights are views of its storage
         self._manifest: dict = {}
+        self._pending: dict[tuple[str, int], dict[str, tuple[str, gguf_blocks.GGUFWeight]]] = {}
         self._staging: Path | None = None
         self._out = None
         self._written: dict = {}
@@ -76,6 +85,7 @@ class RepackCache:
                 return False
             # copy-on-write: the pages stay the file's until something writes them (nothing does)
             self._blocks = np.memmap(blocks, dtype=np.uint8, mode="c") if manifest["size"] else np.empty(0, np.uint8)
+            self._mapped = torch.from_numpy(self._blocks)
             self._manifest = manifest["tensors"]
             return True
         except Exception:  # noqa: BLE001 - any damage (a missing file, bad JSON, missing keys)
@@ -86,34 +96,56 @@ class RepackCache:
         record = self._manifest.get(name) if self.hit else None
         if record is None:
             return None
-        arrays = [torch.from_numpy(self._blocks[at:at + int(np.prod(shape))].reshape(shape))
-                  for at, shape in record["arrays"]]
+        # slices of one tensor, so parts stored side by side are neighbours in one storage (merged_segments)
+        arrays = [self._mapped[at:at + int(np.prod(shape))].view(shape) for at, shape in record["arrays"]]
         return gguf_blocks.GGUFWeight(gguf.GGMLQuantizationType(record["type"]), record["rows"], record["cols"],
                                       *arrays)
 
     def add(self, name: str, weight: gguf_blocks.GGUFWeight) -> None:
-        """Append a repacked weight to the entry being written (a miss); a write that fails drops the entry."""
+        """Append a repacked weight to the entry being written (a miss); a write that fails drops the entry. A
+        member of a join group waits for the rest of its group (the file orders tensors by name, not by join)."""
         if self.hit or self._written is None:
+            return
+        member = _JOIN_MEMBER.match(name)
+        if member is None:
+            self._write([(name, weight)])
+            return
+        group = next(i for i, g in enumerate(_JOIN_GROUPS) if member[2] in g)
+        pending = self._pending.setdefault((member[1], group), {})
+        pending[member[2]] = (name, weight)
+        if len(pending) == len(_JOIN_GROUPS[group]):
+            self._write_group(self._pending.pop((member[1], group)), group)
+
+    def _write_group(self, members: dict[str, tuple[str, gguf_blocks.GGUFWeight]], group: int) -> None:
+        self._write([members[role] for role in _JOIN_GROUPS[group] if role in members])
+
+    def _write(self, weights: list[tuple[str, gguf_blocks.GGUFWeight]]) -> None:
+        """The weights' first arrays side by side, then their second, then their third (one weight: its three)."""
+        if self._written is None:  # a write failed before: this load stores nothing more
             return
         try:
             if self._out is None:
                 self.entry.parent.mkdir(parents=True, exist_ok=True)
                 self._staging = Path(tempfile.mkdtemp(dir=self.entry.parent, prefix=".partial-"))
                 self._out = open(self._staging / "blocks.bin", "wb")
-            arrays = []
-            for tensor in weight.tensors():
-                data = tensor.contiguous().numpy()
+            records = {name: {"type": int(w.ggml_type), "rows": w.rows, "cols": w.cols, "arrays": []}
+                       for name, w in weights}
+            for array in range(3):
                 self._out.write(b"\0" * (-self._out.tell() % _ALIGN))
-                arrays.append((self._out.tell(), list(data.shape)))
-                self._out.write(data.tobytes())
-            self._written[name] = {"type": int(weight.ggml_type), "rows": weight.rows, "cols": weight.cols,
-                                   "arrays": arrays}
+                for name, weight in weights:
+                    data = weight.tensors()[array].contiguous().numpy()
+                    records[name]["arrays"].append((self._out.tell(), list(data.shape)))
+                    self._out.write(data.tobytes())
+            self._written.update(records)
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be written must not fail the load
             logger.warning("weight cache not written to %s: %s", self.entry, exc)
             self.abandon()
 
     def commit(self) -> None:
         """The entry renamed into place whole (another process's, written first, stands)."""
+        for (_, group), members in list(self._pending.items()):  # groups the file has only part of
+            self._write_group(members, group)
+        self._pending.clear()
         if self._out is None:
             return
         try:
@@ -135,6 +167,7 @@ class RepackCache:
             drop_pages(self._blocks.ctypes.data, self._blocks.nbytes)
 
     def abandon(self) -> None:
+        self._pending.clear()
         if self._out is not None:
             self._out.close()
             self._out = None

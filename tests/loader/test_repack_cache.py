@@ -97,3 +97,26 @@ def test_a_load_that_stops_early_leaves_no_entry(tiny, tmp_path, monkeypatch):
     with pytest.raises(MemoryError):
         _load(tiny.path, tmp_path / "cache")
     assert not list((tmp_path / "cache" / "gguf-blocks").iterdir())
+
+
+
+def test_joined_layers_map_their_stored_blocks(tmp_path):
+    """q/k/v and gate/up of one format are one layer each; on a second load their joined blocks are views of the
+    stored entry (one range of blocks.bin each), not heap copies, and compute what the uncached load computes."""
+    joined = {f"blk.{i}.{role}.weight": fmt for i in range(2) for role, fmt in
+              [("attn_q", T.Q8_0), ("attn_k", T.Q8_0), ("attn_v", T.Q8_0), ("ffn_gate", T.Q4_0), ("ffn_up", T.Q4_0)]}
+    tiny = write_tiny_gguf(tmp_path / "j.gguf", "llama", types=joined)
+    reference = _logits(_load(tiny.path, None))
+    first = _load(tiny.path, tmp_path / "cache")
+    (entry,) = (tmp_path / "cache" / "gguf-blocks").iterdir()
+    second = _load(tiny.path, tmp_path / "cache")
+    mapped = os.path.getsize(entry / "blocks.bin")
+    for model, is_view in ((first, False), (second, True)):
+        layers = [m for name, m in model.named_modules() if name.endswith(("qkv_proj", "gate_up_proj"))]
+        assert len(layers) == 4
+        for layer in layers:
+            assert len(layer.formats) == 1  # one segment: the parts were joined
+            for name in ("qs0", "gp0"):
+                assert (layer.get_buffer(name).untyped_storage().nbytes() == mapped) is is_view, (layer, name)
+    torch.testing.assert_close(_logits(second), reference, rtol=0, atol=0)
+    torch.testing.assert_close(_logits(first), reference, rtol=0, atol=0)
