@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pagellm.config import KernelConfig
-from pagellm.bench import peers
+from pagellm.bench.llama_cpp_peer import llama_cpp_available
 from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype,
                                   pagellm_logits, tokenize_text)
 from pagellm.eval.perplexity import score_positions, summarize
@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     narrow = mode_narrow_dtype(args.dtype, chosen, blocks)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
     llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()
-    why_not = peers.llama_cpp_available() if llama_cpp else None
+    why_not = llama_cpp_available() if llama_cpp else None
     if why_not is not None:  # said now, not after minutes of measuring pagellm
         print(f"llama.cpp: not run: {why_not}")
     dense = load_dense_reference(path, kernels)

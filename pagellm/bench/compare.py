@@ -15,6 +15,7 @@ CPU and is skipped), and pagellm's KV budget defaults to a quarter of the free d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import random
 import statistics
@@ -25,14 +26,18 @@ from pathlib import Path
 import torch
 
 from pagellm.bench import batched, peers, report, roofline
+from pagellm.bench.llama_cpp_peer import LlamaCppPeer, llama_cpp_available
+from pagellm.bench.peer_process import PeerProcess
 from pagellm.bench.report import Column
 from pagellm.platform import GIB
 
 PAGELLM = "pagellm"
 
 
-def make_runners(args: argparse.Namespace, engine) -> tuple[dict, dict[str, str], dict[str, str]]:
-    """name -> run(prompts, tg); name -> description of what ran; peer -> why it did not run."""
+def make_runners(args: argparse.Namespace, engine, stack: contextlib.ExitStack | None = None
+                 ) -> tuple[dict, dict[str, str], dict[str, str]]:
+    """name -> run(prompts, tg); name -> description of what ran; peer -> why it did not run. A peer process
+    started here is closed with `stack` (else when this process ends)."""
     runners = {PAGELLM: functools.partial(batched.timed_run, engine)}
     # what was asked (auto on an HF checkpoint is none), unless no layer ended up quantized
     quantized = engine.config.model.quantization if engine.quantization else "none"
@@ -53,17 +58,20 @@ def make_runners(args: argparse.Namespace, engine) -> tuple[dict, dict[str, str]
     if "llama.cpp" in wanted and engine.device.type != "cpu":
         skipped["llama.cpp"] = f"the llama.cpp peer runs on the CPU; pagellm runs on {engine.device}"
     elif "llama.cpp" in wanted:
-        reason = peers.llama_cpp_available()
+        reason = llama_cpp_available()
         if reason is None and engine.model_path.suffix != ".gguf":
             reason = f"{engine.model_path} is not a GGUF file"
         if reason is not None:
             skipped["llama.cpp"] = reason
         else:
-            lc = peers.LlamaCppPeer(engine.model_path, threads=args.llama_threads)
+            lc = PeerProcess(LlamaCppPeer, engine.model_path, args.llama_threads)  # its own heap: peer_process.py
+            if stack is not None:
+                stack.callback(lc.close)
             for unified in (True, False):
                 name = f"llama.cpp[{'unified' if unified else 'per-seq'} KV]"
-                runners[name] = lambda prompts, tg, u=unified: lc.run(prompts, tg, kv_unified=u)
-            described["llama.cpp"] = lc.description + "; unified and per-sequence KV both run, the better reported"
+                runners[name] = lambda prompts, tg, u=unified: lc.run(prompts, tg, u)
+            described["llama.cpp"] = (lc.description + ", in a process of its own; unified and per-sequence KV "
+                                      "both run, the better reported")
     return runners, described, skipped
 
 
@@ -149,13 +157,14 @@ def main(args: argparse.Namespace) -> int:
     print(f"model: {engine.model_path}")
     roof = roofline.measure_roofline(engine.dtype, quick=args.quick_roofline, device=args.device)
     print(roof.describe())
-    runners, described, skipped = make_runners(args, engine)
-    print("engines run: " + "; ".join(f"{n} ({d})" for n, d in described.items()))
-    for name, reason in skipped.items():
-        print(f"peer not run: {name}: {reason}")
-    print(f"workloads: B in {args.npl}, PP {args.pp}, TG {args.tg}, greedy; {args.repeats} repeats, "
-          f"engines alternating, medians shown\n")
-    figures = measure_all(runners, engine, args.npl, args.pp, args.tg, args.repeats, args.seed)
+    with contextlib.ExitStack() as stack:
+        runners, described, skipped = make_runners(args, engine, stack)
+        print("engines run: " + "; ".join(f"{n} ({d})" for n, d in described.items()))
+        for name, reason in skipped.items():
+            print(f"peer not run: {name}: {reason}")
+        print(f"workloads: B in {args.npl}, PP {args.pp}, TG {args.tg}, greedy; {args.repeats} repeats, "
+              f"engines alternating, medians shown\n")
+        figures = measure_all(runners, engine, args.npl, args.pp, args.tg, args.repeats, args.seed)
     rows = summarize(figures, engine, roof, args.npl, args.pp, args.tg)
     print(report.format_table(rows, table_columns(rows)))
     print("\nratio = pagellm / peer (above 1: pagellm faster). roofline: weights only; bound = "

@@ -62,7 +62,7 @@ def test_a_missing_llama_cpp_is_said_at_once_and_its_row_left_out(monkeypatch, t
     monkeypatch.setattr(accuracy, "load_dense_reference", lambda path, kernels: None)
     monkeypatch.setattr(accuracy, "load_mode", lambda path, quantization, dtype, kernels: None)
     monkeypatch.setattr(accuracy, "pagellm_logits", lambda model, tokens, dtype, **kwargs: logits)
-    monkeypatch.setattr(accuracy.peers, "llama_cpp_available", lambda: "llama-cpp-python not importable (test)")
+    monkeypatch.setattr(accuracy, "llama_cpp_available", lambda: "llama-cpp-python not importable (test)")
     args = argparse.Namespace(model=None, text="t.txt", positions=4, cpu_isa=None, dtype="float32",
                               quantization="auto", kv_cache_dtype="auto", peers="hf,llama.cpp", llama_threads=2)
     assert accuracy.main(args) == 0

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from pagellm.bench.peers import llama_cpp_available
+from pagellm.bench.llama_cpp_peer import llama_cpp_available
 from tests.bench.cli_runner import run_cli
 
 
