@@ -29,7 +29,7 @@ from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
 from pagellm.engine_steps import InFlightStep, needs_host_tokens
-from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, narrow_dtype, select_kernels
+from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, narrow_dtype, narrow_sites, select_kernels
 from pagellm.loader.model_loader import keeps_gguf_blocks, load_model
 from pagellm.loader.quantization import weight_bytes
 from pagellm.collector import collector_paused
@@ -64,7 +64,7 @@ class LLMEngine:
         chosen = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
         self.kernels, self.kernel_level = chosen.description, chosen.level
         level = chosen.level
-        # "auto" follows the level and the weights (a GGUF's blocks: fp32, with the MLP and attention narrow)
+        # "auto" follows the level and the weights (a GGUF's blocks: fp32 with fp16 K/V, the MLP narrow at avx512)
         blocks = keeps_gguf_blocks(mc.model, mc.quantization, mc.load_format, self.device.type,
                                    config.parallel.tensor_parallel_size)
         self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type, level, blocks)]
@@ -176,11 +176,8 @@ class LLMEngine:
         return num_blocks
 
     def dtype_description(self) -> str:
-        """The activations' dtype, and the MLP's and attention's where narrower ("float32, bfloat16 MLP and
-        attention")."""
-        name = str(self.dtype).removeprefix("torch.")
-        narrow = self.narrow_dtype
-        return name if narrow is None else f"{name}, {str(narrow).removeprefix('torch.')} MLP and attention"
+        """The activations' dtype, and the MLP's (and attention's) where narrower ("float32, bfloat16 MLP")."""
+        return str(self.dtype).removeprefix("torch.") + narrow_sites(self.narrow_dtype, self.kv_cache_dtype)
 
     def _runner_setup(self) -> RunnerSetup:
         """The cache sizes every runner (and, when parallel, every rank's) is built with."""

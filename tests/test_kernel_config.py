@@ -50,9 +50,15 @@ def test_every_engine_command_takes_the_kernel_flags():
     assert build_parser().parse_args(["bench", "batched", "--cpu-isa", "avx2"]).cpu_isa == "avx2"
 
 
-def test_kv_cache_dtype_auto_is_bf16_under_an_auto_fp32_on_cpu():
-    """auto: bf16 K/V where auto chose fp32 compute on a CPU; the compute dtype wherever a dtype was named."""
+def test_kv_cache_dtype_auto_is_16_bits_under_an_auto_fp32_on_cpu():
+    """auto: 16-bit K/V where auto chose fp32 compute on a CPU (fp16 for a GGUF's blocks, as llama.cpp stores
+    them; bf16 for the rest); the compute dtype wherever a dtype was named."""
     assert selection.kv_cache_dtype("auto", None, "cpu", "avx2") == "bfloat16"
+    for level in ("avx2", "generic"):
+        assert selection.kv_cache_dtype("auto", None, "cpu", level, gguf_blocks=True) == "float16"
+    assert selection.kv_cache_dtype("auto", None, "cpu", "avx512", gguf_blocks=True) == "float16"
+    assert selection.kv_cache_dtype("auto", "float32", "cpu", "avx2", gguf_blocks=True) == "float32"
+    assert selection.kv_cache_dtype("auto", None, "cpu", None, gguf_blocks=True) == "float32"
     assert selection.kv_cache_dtype("auto", "auto", "cpu", "avx2") == "bfloat16"
     assert selection.kv_cache_dtype("auto", "float32", "cpu", "avx2") == "float32"  # the HF-parity mode stays fp32
     assert selection.kv_cache_dtype("auto", "float16", "cpu", "avx2") == "float16"
@@ -86,7 +92,7 @@ def test_llm_runs_the_level_asked_and_reports_every_kernel():
     assert selection.kernel_levels("generic") == kernels_at("generic")  # the whole set, not a prefix
     assert llm.stats()["kernels"] == selection.describe("generic")
     assert llm.stats()["layers"] == "bound to the kernels at generic (18 layers)"  # the embedded model, planned once
-    assert (llm.stats()["dtype"], llm.stats()["kv_cache_dtype"]) == ("float32", "bfloat16")  # the level's auto
+    assert (llm.stats()["dtype"], llm.stats()["kv_cache_dtype"]) == ("float32", "float16")  # a GGUF's auto there
     levels = {m.kernel_level for m in engine.model.modules() if isinstance(m, KernelUser)}
     assert levels == {"generic"}  # every module that calls a CPU kernel, bound by the plan
     assert engine.runner.sampler._level == "generic"

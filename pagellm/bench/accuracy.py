@@ -20,7 +20,7 @@ from pagellm.bench.llama_cpp_peer import llama_cpp_available
 from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype,
                                   pagellm_logits, tokenize_text)
 from pagellm.eval.perplexity import score_positions, summarize
-from pagellm.kernels.selection import select_kernels
+from pagellm.kernels.selection import narrow_sites, select_kernels
 from pagellm.loader.model_loader import keeps_gguf_blocks, resolve_model_path
 
 
@@ -69,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
     rows = {"pagellm dense fp32 (reference)": distance(reference, reference, tokens)}
     model = load_mode(path, args.quantization, dtype, kernels)
     kv = "" if kv_dtype == dtype else f", {dtype_name(kv_dtype)} KV"
-    kv += "" if narrow is None else f", {dtype_name(narrow)} MLP and attention"
+    kv += narrow_sites(narrow, kv_dtype)
     rows[f"pagellm {args.quantization} {dtype_name(dtype)}{kv} ({level})"] = distance(
         reference, pagellm_logits(model, tokens, dtype, kv_cache_dtype=kv_dtype, kernels=kernels, narrow=narrow),
         tokens)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pagellm.config import KernelConfig
 from pagellm.eval.forward import (is_dense_mode, load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype,
                                   mode_narrow_dtype, pagellm_logits, tokenize_text)
-from pagellm.kernels.selection import select_kernels
+from pagellm.kernels.selection import narrow_sites, select_kernels
 from pagellm.loader.model_loader import keeps_gguf_blocks, resolve_model_path
 
 
@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         reference = model if is_dense_mode(path, args.quantization, dtype) else load_dense_reference(path, kernels)
     print(f"model: {path}\nmode: {args.quantization} {str(dtype).removeprefix('torch.')}, "
           f"{str(kv_dtype).removeprefix('torch.')} KV"
-          f"{'' if narrow is None else ', ' + str(narrow).removeprefix('torch.') + ' MLP and attention'}; "
+          f"{narrow_sites(narrow, kv_dtype)}; "
           f"kernels: {level}\n"
           f"text: {args.text}, {len(tokens)} tokens; {len(chunks)} windows of {args.ctx} "
           f"(positions {args.ctx // 2}..{args.ctx - 2} of each scored)")

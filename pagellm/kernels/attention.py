@@ -21,7 +21,7 @@ import ctypes
 import torch
 
 from pagellm.kernels import cuda_ops, native
-from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor, kv_cache_pairs
+from pagellm.kernels.binding import FLOATS, KV_CACHE_FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor, kv_cache_pairs
 from pagellm.core.attention_metadata import AttentionMetadata
 
 
@@ -112,8 +112,8 @@ def paged_attention_reference(
 
 _I64S = (torch.int64,)
 _PAGED_ATTENTION = Function("pagellm_paged_attention", (
-    Tensor("out", FLOATS), Tensor("query", FLOATS, rows=True), Tensor("key_cache", FLOATS, rows=True),
-    Tensor("value_cache", FLOATS, rows=True), Tensor("block_tables", _I64S, rows=True),
+    Tensor("out", FLOATS), Tensor("query", FLOATS, rows=True), Tensor("key_cache", KV_CACHE_FLOATS, rows=True),
+    Tensor("value_cache", KV_CACHE_FLOATS, rows=True), Tensor("block_tables", _I64S, rows=True),
     Tensor("query_start_loc", _I64S), Tensor("seq_lens", _I64S),
     *map(Int, ("num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size", "table_stride", "q_stride_tok",
                "q_stride_head", "k_stride_block", "k_stride_tok", "k_stride_head", "v_stride_block",

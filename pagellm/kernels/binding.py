@@ -1,7 +1,7 @@
 """The C++ kernels' entry points declared once, and the callers generated from each declaration.
 
 A `Function` lists its arguments by kind: a `Tensor` passes its data pointer (None: NULL where `optional`), a
-`DtypeCode` passes the kernels' dtype code of a named tensor (0 fp32, 1 bf16), `Int` / `Flag` / `Float` pass
+`DtypeCode` passes the kernels' dtype code of a named tensor (0 fp32, 1 bf16, 2 fp16: a K/V cache only), `Int` / `Flag` / `Float` pass
 numbers as int64 / int / float, `Address` a raw address (a pointer with an offset already added). From that one
 declaration come:
 
@@ -28,13 +28,17 @@ from typing import ClassVar
 import torch
 
 DTYPE_CODES = MappingProxyType({torch.float32: 0, torch.bfloat16: 1})  # the kernels' dtype argument (is_bf16)
+_CODES = MappingProxyType({**DTYPE_CODES, torch.float16: 2})  # what DtypeCode passes: a K/V cache may be fp16
 FLOATS = (torch.float32, torch.bfloat16)
+KV_CACHE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # fp16: under fp32 activations only
 
 
 def kv_cache_pairs(compute: torch.dtype, cache: torch.dtype) -> bool:
     """Whether the kernels take a KV cache of dtype `cache` under `compute` activations: the same dtype, or bf16
-    under fp32 (paged_attention.cpp's and layer_ops.cpp's mixed pair)."""
-    return compute in FLOATS and cache in (compute, torch.bfloat16)
+    or fp16 under fp32 (paged_attention.cpp's and layer_ops.cpp's mixed pairs)."""
+    if compute not in FLOATS:
+        return False
+    return cache in (compute, torch.bfloat16) or (compute == torch.float32 and cache == torch.float16)
 
 
 class KernelArgumentError(ValueError):
@@ -116,7 +120,7 @@ class Function:
         params = ", ".join(self.params)
         call = f"    return _fn({', '.join(values)})\n"
         checks = "".join(f"    _check({name!r}, {name})\n" for name in self.tensors)
-        namespace = {"_fn": fn, "_codes": DTYPE_CODES, "_check": self._check}
+        namespace = {"_fn": fn, "_codes": _CODES, "_check": self._check}
         exec(f"def unchecked({params}):\n{call}\ndef checked({params}):\n{checks}{call}", namespace)  # noqa: S102
         return namespace["unchecked"], namespace["checked"]
 

@@ -14,15 +14,15 @@ import ctypes
 import torch
 
 from pagellm.kernels import cuda_ops, native
-from pagellm.kernels.binding import FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor, kv_cache_pairs
+from pagellm.kernels.binding import FLOATS, KV_CACHE_FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor, kv_cache_pairs
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_mul's native activations
 MAX_HEAD_DIM = 1024  # qkv_prepare's largest head (csrc/layer_ops.cpp kMaxHeadDim)
 _QKV_PREPARE = Function("pagellm_qkv_prepare", (
     Tensor("qkv", FLOATS), Int("tokens"), Int("heads"), Int("kv_heads"), Int("head_dim"),
     Tensor("q_weight", FLOATS, optional=True), Tensor("k_weight", FLOATS, optional=True), Float("eps"),
-    Flag("unit_offset"), Tensor("cos", FLOATS), Tensor("sin", FLOATS), Tensor("key_cache", FLOATS),
-    Tensor("value_cache", FLOATS), Tensor("slots", (torch.int64,)), Int("num_slots"), Tensor("q_out", FLOATS),
+    Flag("unit_offset"), Tensor("cos", FLOATS), Tensor("sin", FLOATS), Tensor("key_cache", KV_CACHE_FLOATS),
+    Tensor("value_cache", KV_CACHE_FLOATS), Tensor("slots", (torch.int64,)), Int("num_slots"), Tensor("q_out", FLOATS),
     DtypeCode("qkv"), DtypeCode("key_cache")), returns=ctypes.c_int)
 _ADD_RMS_NORM = Function("pagellm_add_rms_norm", (
     Tensor("residual", FLOATS), Tensor("x", FLOATS), Tensor("post_weight", FLOATS, optional=True),

@@ -82,8 +82,8 @@ def compute_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks
 
 
 def narrow_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks: bool = False) -> str | None:
-    """The dtype of the MLP's intermediate (gate/up output, act * up) and of attention (queries, scores, output)
-    where `dtype` auto chose float32 activations for a GGUF's blocks on a CPU whose level computes bf16 natively
+    """The dtype of the MLP's intermediate (gate/up output, act * up) and, over a K/V cache of the same dtype, of
+    attention (queries, scores, output) where `dtype` auto chose float32 activations for a GGUF's blocks on a CPU whose level computes bf16 natively
     (avx512); None elsewhere (they follow the compute dtype). Why: at a 2048-token prefill step fp32 there cost
     ~30% (the [T, 2I] intermediate and attention's dot products), and neither site moved the KL measurably:
     the intermediate is rounded to int8 for the down projection anyway, and K/V are bf16 already."""
@@ -94,17 +94,33 @@ def narrow_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks:
 
 def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str, level: str | None,
                    gguf_blocks: bool = False) -> str:
-    """The dtype K/V are stored in: `kv_cache_dtype` when named; for "auto" the compute dtype, except bfloat16
-    when `dtype` is auto and chose float32 on a CPU with native kernels. Why: a decode step streams the whole
-    context's K/V, so their bytes set attention's time on a bandwidth-bound host, and the kernels read bf16 K/V
-    under fp32 queries exactly (converted on load). An explicit float32 keeps fp32 K/V: the mode tests compare with HF in.
-    measured: docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md"""
+    """The dtype K/V are stored in: `kv_cache_dtype` when named; for "auto" the compute dtype, except a 16-bit
+    type when `dtype` is auto and chose float32 on a CPU with native kernels: float16 for a GGUF's blocks
+    (llama.cpp's default cache type: its 10-bit mantissa put the tiny GGUFs' KL at fp32 K/V's, where bf16 K/V
+    and the bf16 attention they allow at avx512 cost 3-6%), bfloat16 for an HF checkpoint's K/V (fp16's range is
+    not known to hold them). `--kv-cache-dtype bfloat16` gives avx512 its bf16 attention back (~10% faster
+    prefill at a 2048-token prompt). Why 16 bits: a decode step streams
+    the whole context's K/V, so their bytes set attention's time on a bandwidth-bound host, and the kernels
+    read either type under fp32 queries exactly (converted on load). An explicit float32 keeps fp32 K/V: the
+    mode tests compare with HF in. Measured: docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md,
+    docs/benchmarks/2026-11-26-bf16-accuracy.md"""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
     compute = compute_dtype(dtype, device, level, gguf_blocks)
     on_cpu = torch.device(device).type == "cpu"
     narrow = dtype in (None, "auto") and on_cpu and compute == "float32" and level is not None
-    return "bfloat16" if narrow else compute  # (the torch reference would only widen a bf16 cache every step)
+    if not narrow:
+        return compute  # (the torch reference would only widen a 16-bit cache every step)
+    return "float16" if gguf_blocks else "bfloat16"
+
+
+def narrow_sites(narrow: torch.dtype | str | None, kv_cache_dtype: torch.dtype | str) -> str:
+    """", bfloat16 MLP" or ", bfloat16 MLP and attention" (attention narrows only over a K/V cache of the narrow
+    dtype: models/bound_layers.py pairs them), "" without a narrow dtype: for start-up lines and reports."""
+    if narrow is None:
+        return ""
+    name = str(narrow).removeprefix("torch.")
+    return f", {name} MLP and attention" if str(kv_cache_dtype).removeprefix("torch.") == name else f", {name} MLP"
 
 
 def describe(level: str | None) -> str:

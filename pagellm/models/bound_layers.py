@@ -89,7 +89,7 @@ class BoundLayer:
     """One decoder layer's step: (h, pending) -> (h, pending), pending = (MLP output, its post-norm weight)."""
 
     def __init__(self, layer: nn.Module, norms: tuple, kernels: StepKernels, all_reduce=None,
-                 narrow: tuple[torch.dtype, torch.dtype] | None = None):
+                 narrow: tuple[torch.dtype, torch.dtype] | None = None, narrow_attention: bool = True):
         attn, mlp = layer.self_attn, layer.mlp
         self.kernels = kernels
         self.modules = (attn, mlp)
@@ -103,12 +103,14 @@ class BoundLayer:
         self.qk_args = attn.qk_norm_args()
         self.paged = attn.attn
         self.activation = FUSED_ACTIVATIONS[mlp.activation]
-        # narrow (PlanSettings.narrow, the activations' dtype): the MLP's intermediate and attention in the first,
-        # the rest in the second; only where the projections write any output dtype (a GGUF's blocks)
-        self.narrow = None
+        # narrow (PlanSettings.narrow, the activations' dtype): the MLP's intermediate, and attention where
+        # narrow_attention (the K/V cache pairs with the narrow dtype), in the first, the rest in the second; only
+        # where the projections write any output dtype (a GGUF's blocks)
+        self.narrow = self.narrow_attention = None
         if narrow is not None and narrow[0] in kernels.dtypes and all(
                 isinstance(linear, BoundMatmul) for linear in (self.o, self.gate_up, self.down)):
             self.narrow = narrow[0]
+            self.narrow_attention = narrow[0] if narrow_attention else None
             self.o, self.down = (functools.partial(f, out_dtype=narrow[1]) for f in (self.o, self.down))
             self.gate_up = functools.partial(self.gate_up, out_dtype=narrow[0])
         # each fused residual call applies one eps and flavour to two norms
@@ -137,8 +139,8 @@ class BoundLayer:
                                 paged.value_cache, meta.slot_mapping)  # [T, H, D]; k, v in the cache
         if q is None:
             raise RuntimeError(f"qkv_prepare cannot take head_dim {head_dim}")
-        if self.narrow is not None:
-            q = q.to(self.narrow)  # attention's queries, scores and output narrow (K/V are already)
+        if self.narrow_attention is not None:
+            q = q.to(self.narrow_attention)  # attention's queries, scores and output narrow (K/V are already)
         out = kernels.attention(q, paged.key_cache, paged.value_cache, meta, paged.scale, paged.sliding_window,
                                 paged.logits_soft_cap)
         attended = self.o(out.view(tokens, heads * head_dim))  # [T, E]
@@ -203,9 +205,10 @@ def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
         if why:
             break
         try:
-            narrows = settings.narrow is not None and kernels.pairs(settings.narrow, settings.kv_cache_dtype)
-            narrow = (settings.narrow, dtype) if narrows else None  # checked once here, not in every step
-            bound = BoundLayer(layer, norms_of(layer), kernels, all_reduce, narrow)
+            narrow = (settings.narrow, dtype) if settings.narrow is not None else None
+            # checked once here, not in every step: attention narrows only over a cache of a pairing dtype
+            narrow_attention = narrow is not None and kernels.pairs(settings.narrow, settings.kv_cache_dtype)
+            bound = BoundLayer(layer, norms_of(layer), kernels, all_reduce, narrow, narrow_attention)
         except (AttributeError, KeyError) as e:  # not joined, an activation without a native kernel, ...
             why = f"layer {index} cannot be bound ({type(e).__name__}: {e})"
             break

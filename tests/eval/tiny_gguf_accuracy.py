@@ -2,7 +2,10 @@
 the dense fp32 model of the same file, with llama.cpp on the same token ids beside: issue 34's per-mode study
 on families other than the embedded Gemma (docs/benchmarks/2026-11-26-bf16-accuracy.md).
 
-    python -m tests.eval.tiny_gguf_accuracy [--cpu-isa avx512|avx2|generic] [--positions 256]
+    python -m tests.eval.tiny_gguf_accuracy [--cpu-isa avx512|avx2|generic] [--positions 256] [--seeds N]
+
+--seeds N: the no-flags default mode only, beside llama.cpp, on N files of each kind (weights drawn from seeds
+1..N): one file's ratio to llama.cpp moves ~10% with its random draw, the mean over files much less.
 
 llama.cpp is read through llama-cpp-python (LLAMA_CPP_LIB_PATH at a build of ../shared/peers/build-llama-cpp.sh);
 without it its column says why. Random weights give large, peaked logits, so the KL values are far above a
@@ -21,7 +24,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from pagellm.config import KernelConfig
-from pagellm.eval.forward import load_dense_reference, load_mode, pagellm_logits
+from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype,
+                                  pagellm_logits)
 from pagellm.eval.perplexity import score_positions, summarize
 from tests.loader.gguf_builders import TinyDims, write_tiny_gguf
 
@@ -34,10 +38,16 @@ VOCAB = [f"tok{i}" for i in range(512)]
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def tiny_gguf(path: Path, arch: str, qtype: T) -> Path:
+def tiny_gguf(path: Path, arch: str, qtype: T, seed: int = 1) -> Path:
     """Every projection in `qtype`, the embedding, head and norms in F32."""
     names = [f"blk.{i}.{p}.weight" for i in range(DIMS.n_layers) for p in _PROJECTIONS]
-    return write_tiny_gguf(path, arch, DIMS, types={n: qtype for n in names}, vocab=VOCAB, seed=1).path
+    return write_tiny_gguf(path, arch, DIMS, types={n: qtype for n in names}, vocab=VOCAB, seed=seed).path
+
+
+def default_mode(level: str | None) -> tuple:
+    """(compute, K/V, narrow) dtypes the engine runs a GGUF in with no flags at `level`."""
+    return (mode_dtype(None, level, gguf_blocks=True), mode_kv_cache_dtype(None, level, gguf_blocks=True),
+            mode_narrow_dtype(None, level, gguf_blocks=True))
 
 
 def reference_logits(path: Path, tokens: list[int], kernels: KernelConfig) -> torch.Tensor:
@@ -71,11 +81,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-isa", default="auto")
     parser.add_argument("--positions", type=int, default=256)
+    parser.add_argument("--seeds", type=int, default=0, help="the default mode on this many files of each kind")
     args = parser.parse_args()
     kernels = KernelConfig(cpu_isa=args.cpu_isa)
     tokens = np.random.default_rng(0).integers(0, len(VOCAB), args.positions + 1).tolist()
-    print(f"| family | weights | {' | '.join(MODES)} | llama.cpp |\n|---|---|{'---|' * (len(MODES) + 1)}")
     with tempfile.TemporaryDirectory() as root:
+        if args.seeds:
+            default_over_seeds(Path(root), tokens, kernels, args.seeds)
+            return
+        print(f"| family | weights | {' | '.join(MODES)} | llama.cpp |\n|---|---|{'---|' * (len(MODES) + 1)}")
         for arch in ("llama", "qwen2"):
             for qtype in (T.Q4_0, T.Q4_1, T.Q4_K):
                 path = tiny_gguf(Path(root) / f"{arch}-{qtype.name}.gguf", arch, qtype)
@@ -84,6 +98,32 @@ def main() -> None:
                 peer = llama_cpp_kl(path, tokens, reference)
                 cells = [f"{v:.4f}" for v in kls.values()] + [peer if isinstance(peer, str) else f"{peer:.4f}"]
                 print(f"| {arch} | {qtype.name} | {' | '.join(cells)} |", flush=True)
+
+
+def default_over_seeds(root: Path, tokens: list[int], kernels: KernelConfig, seeds: int) -> None:
+    """Per kind of file: the default's KL / llama.cpp's on each seed's file, the mean of those ratios and the
+    ratio of the mean KLs; fp32 compute with fp32 K/V's mean ratio beside (what no bf16 site would give)."""
+    from pagellm.kernels.selection import select_kernels
+
+    modes = {"default": default_mode(select_kernels(kernels, "cpu").level), "fp32": (F32, F32, None)}
+    print("| family | weights | default / llama.cpp KL per file | mean of ratios | ratio of mean KLs | "
+          "fp32 compute and K/V: mean of ratios |\n|---|---|---|---|---|---|")
+    for arch in ("llama", "qwen2"):
+        for qtype in (T.Q4_0, T.Q4_1, T.Q4_K):
+            kls: dict[str, list[float]] = {"default": [], "fp32": [], "llama.cpp": []}
+            for seed in range(1, seeds + 1):
+                path = tiny_gguf(root / f"{arch}-{qtype.name}-{seed}.gguf", arch, qtype, seed)
+                reference = reference_logits(path, tokens, kernels)
+                peer = llama_cpp_kl(path, tokens, reference)
+                if isinstance(peer, str):
+                    raise SystemExit(f"llama.cpp {peer}")
+                for name, kl in kl_of_modes(path, tokens, kernels, reference, modes).items():
+                    kls[name].append(kl)
+                kls["llama.cpp"].append(peer)
+            ratios = {name: np.array(kls[name]) / np.array(kls["llama.cpp"]) for name in modes}
+            print(f"| {arch} | {qtype.name} | {' '.join(f'{r:.2f}' for r in ratios['default'])} | "
+                  f"{ratios['default'].mean():.3f} | {np.mean(kls['default']) / np.mean(kls['llama.cpp']):.3f} | "
+                  f"{ratios['fp32'].mean():.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ def _rope(tokens: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "fp32-bf16kv"])
+                                               (torch.float32, torch.bfloat16), (torch.float32, torch.float16)],
+                         ids=["fp32", "bf16", "fp32-bf16kv", "fp32-fp16kv"])
 @pytest.mark.parametrize("qk_norm,unit_offset", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("tokens,dim", [(1, 64), (5, 80), (300, 64), (3, 256)])  # 80: the norm's scalar tail
 def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, cache_dtype, qk_norm, unit_offset, tokens, dim,

@@ -64,9 +64,11 @@ CONFIGS = [  # (H_q, H_kv, D, block_size, sliding_window, soft_cap): G = 1, 2, 3
     (3, 3, 128, 16, 33, None),
 ]
 
-# (query dtype, cache dtype): the pairs the kernel takes; fp32 queries over bf16 K/V are the avx2 default
-DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
-PAIR_IDS = ["fp32", "bf16", "fp32-bf16kv"]
+# (query dtype, cache dtype): the pairs the kernel takes; fp32 queries over fp16 K/V: a GGUF's default where
+# attention is not narrow
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+               (torch.float32, torch.float16)]
+PAIR_IDS = ["fp32", "bf16", "fp32-bf16kv", "fp32-fp16kv"]
 
 
 @requires_compiler

@@ -38,8 +38,9 @@ def _greedy_ids(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
 
 
 # (compute dtype, KV cache dtype): the pairs the kernels take; fp32 over bf16 K/V is the default without AVX-512 BF16
-DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
-PAIR_IDS = ["fp32", "bf16", "fp32-bf16kv"]
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+               (torch.float32, torch.float16)]
+PAIR_IDS = ["fp32", "bf16", "fp32-bf16kv", "fp32-fp16kv"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -80,7 +81,7 @@ def test_engine_greedy_ids_equal_with_and_without_bound_layers(tmp_path):
     assert ids[0] == ids[1]
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "float16"), ("bfloat16", "float32")])
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("bfloat16", "float16"), ("bfloat16", "float32")])
 def test_a_kv_cache_the_kernels_do_not_pair_runs_the_modules(tmp_path, dtype, kv_cache_dtype):
     """Any kv_cache_dtype the config takes runs: one the kernels cannot pair with the activations plans the
     modules, says why, and gives the greedy ids of the same cache without bound layers."""

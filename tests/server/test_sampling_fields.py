@@ -144,7 +144,7 @@ def test_presence_and_frequency_penalties_choose_as_the_formula_says(http):
 @pytest.fixture(scope="module")
 def local_model():
     """The server's model in this process, as `pagellm serve` loads it: default kernel level, "auto" dtypes (for
-    a GGUF's blocks: float32, with the MLP and attention in bfloat16 on an AVX-512 BF16 host) and GGUF
+    a GGUF's blocks: float32 with fp16 K/V, the MLP's intermediate in bfloat16 on an AVX-512 BF16 host) and GGUF
     quantization."""
     from pagellm.config import KernelConfig
     from pagellm.eval.forward import load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype

@@ -89,6 +89,9 @@ inline __m256 load8(const bf16* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+inline __m256 load8(const f16* p) {  // F16C (x86-64-v3 has it): exact
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 inline void store8(bf16* p, __m256 x) {  // round to nearest even (outputs are finite), as store16
   __m256i u = _mm256_castps_si256(x);

@@ -19,6 +19,9 @@ inline __m512 load16(const bf16* p) {  // bf16 -> fp32 is a 16-bit shift into th
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+inline __m512 load16(const f16* p) {  // F16C (x86-64-v4 has it): exact
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 inline void store16(bf16* p, __m512 x) {  // round to nearest even (outputs are finite)
   __m512i u = _mm512_castps_si512(x);

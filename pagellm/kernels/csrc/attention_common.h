@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 
+#include "f16.h"  // f16: a K/V cache type only (fp32 queries read it, converted on load)
+
 namespace {
 
 using bf16 = uint16_t;  // raw bfloat16 bits
@@ -21,6 +23,7 @@ inline float to_float(bf16 x) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline float to_float(f16 x) { return f16_to_f32(x); }
 inline void from_float(float* dst, float x) { *dst = x; }
 inline void from_float(bf16* dst, float x) {  // round to nearest even, like torch's .to(bfloat16)
   uint32_t u;

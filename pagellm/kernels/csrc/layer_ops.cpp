@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "exp512.h"
+#include "f16.h"
 #include "norm.h"
 #include "rope.h"
 
@@ -32,13 +33,16 @@ void norm_rotate(const T* x, const void* weight, float eps, const T* cos, const 
     rotate_row<T>(normed, cos, sin, out, dim / 2);
 }
 
-// A cache row of n values from x (in the compute type T), rounded as torch's .to() where C is narrower.
+// A cache row of n values from x (in the compute type T), rounded as torch's .to() where C is narrower (the
+// mixed pairs: float -> bf16, float -> fp16).
+inline void round_into(uint16_t* out, float x) { *out = f32_to_bf16(x); }
+inline void round_into(f16* out, float x) { *out = f32_to_f16(x); }
 template <typename T, typename C>
 inline void to_cache(const T* x, C* out, int64_t n) {
     if constexpr (std::is_same_v<T, C>) {
         std::memcpy(out, x, n * sizeof(T));
     } else {
-        for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(x[i]);  // (float -> bf16: the one mixed pair)
+        for (int64_t i = 0; i < n; ++i) round_into(out + i, x[i]);
     }
 }
 
@@ -239,15 +243,15 @@ void act_mul(const T* gate_up, int64_t rows, int64_t n, T* out) {
 
 // qkv [tokens, (H + 2 Hk) D] (q heads, k heads, v heads); q/k_weight: the per-head norms (NULL: none; fp32
 // when unit_offset, else the dtype); cos, sin [tokens, D/2]; caches [blocks, block_size, Hk, D] in the dtype,
-// or bf16 (cache_is_bf16) under fp32; slots [tokens], each below num_slots (the caches' blocks * block_size).
+// or bf16 (cache_dtype 1) or fp16 (cache_dtype 2) under fp32; slots [tokens], each below num_slots (the caches' blocks * block_size).
 // Writes q_out [tokens, H, D] and the tokens' K/V rows. Returns 0; 1 (nothing done) for another dtype pair or
 // a D too large or odd; 2 (nothing written) if a slot is out of range, as index_copy_ would refuse it.
 extern "C" int pagellm_qkv_prepare(const void* qkv, int64_t tokens, int64_t H, int64_t Hk, int64_t D,
                                    const void* q_weight, const void* k_weight, float eps, int unit_offset,
                                    const void* cos, const void* sin, void* key_cache, void* value_cache,
                                    const int64_t* slots, int64_t num_slots, void* q_out, int is_bf16,
-                                   int cache_is_bf16) {
-    if (D > kMaxHeadDim || D % 2 || (is_bf16 && !cache_is_bf16)) return 1;
+                                   int cache_dtype) {
+    if (D > kMaxHeadDim || D % 2 || (is_bf16 && cache_dtype != 1) || cache_dtype < 0 || cache_dtype > 2) return 1;
     for (int64_t t = 0; t < tokens; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots) return 2;
 #define PAGELLM_PREPARE(T, C, U)                                                                           \
@@ -256,8 +260,10 @@ extern "C" int pagellm_qkv_prepare(const void* qkv, int64_t tokens, int64_t H, i
                      static_cast<C*>(value_cache), slots, static_cast<T*>(q_out))
     if (is_bf16 && unit_offset) PAGELLM_PREPARE(uint16_t, uint16_t, 1);
     else if (is_bf16) PAGELLM_PREPARE(uint16_t, uint16_t, 0);
-    else if (cache_is_bf16 && unit_offset) PAGELLM_PREPARE(float, uint16_t, 1);
-    else if (cache_is_bf16) PAGELLM_PREPARE(float, uint16_t, 0);
+    else if (cache_dtype == 1 && unit_offset) PAGELLM_PREPARE(float, uint16_t, 1);
+    else if (cache_dtype == 1) PAGELLM_PREPARE(float, uint16_t, 0);
+    else if (cache_dtype == 2 && unit_offset) PAGELLM_PREPARE(float, f16, 1);
+    else if (cache_dtype == 2) PAGELLM_PREPARE(float, f16, 0);
     else if (unit_offset) PAGELLM_PREPARE(float, float, 1);
     else PAGELLM_PREPARE(float, float, 0);
 #undef PAGELLM_PREPARE

@@ -361,8 +361,8 @@ void run(const Problem<T, C>& pb, int nthreads) {
 
 }  // namespace
 
-// dtype (query, out) and cache_dtype (key_cache, value_cache): 0 = float32, 1 = bfloat16; the pairs taken are
-// (0, 0), (1, 1) and (0, 1). window <= 0: no sliding window; soft_cap <= 0: none. head_dim must be a multiple
+// dtype (query, out) and cache_dtype (key_cache, value_cache): 0 = float32, 1 = bfloat16, 2 = float16; the pairs
+// taken are (0, 0), (1, 1), (0, 1) and (0, 2). window <= 0: no sliding window; soft_cap <= 0: none. head_dim must be a multiple
 // of 16. Returns 0, -1 for an unsupported dtype pair, -2 out of memory.
 extern "C" int pagellm_paged_attention(
     void* out, const void* query, const void* key_cache, const void* value_cache,
@@ -387,6 +387,7 @@ extern "C" int pagellm_paged_attention(
     if (dtype == 0 && cache_dtype == 0) return solve(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
     if (dtype == 1 && cache_dtype == 1) return solve(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr));
     if (dtype == 0 && cache_dtype == 1) return solve(static_cast<float*>(nullptr), static_cast<bf16*>(nullptr));
+    if (dtype == 0 && cache_dtype == 2) return solve(static_cast<float*>(nullptr), static_cast<f16*>(nullptr));
   } catch (const std::bad_alloc&) {  // planning vectors; nothing may unwind into ctypes
     return -2;
   }
