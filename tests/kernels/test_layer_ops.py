@@ -71,6 +71,21 @@ def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, cache_dtype, qk_n
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])  # only the tokens' slots written
 
 
+def test_an_fp16_cache_holds_v_rounded_exactly_as_torch_rounds_it(cpu_isa):
+    """fp32 -> fp16 into the cache (vcvtps2ph eight at a time at avx2 / avx512, csrc/f16.h's scalar rounding at
+    generic and in the tails): ties to even, subnormals, overflow to inf, a NaN kept a NaN with torch's bits."""
+    edge = [0.0, -0.0, 1.0, 1 + 2**-11, 1 + 3 * 2**-11, 65504.0, 65519.99, 65520.0, -7e4, float("inf"), float("-inf"),
+            float("nan"), 6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-10, -3.14159, 2.71828]
+    dim = 36  # four vectors of eight and a tail of four per row
+    v = torch.cat([torch.tensor(edge), torch.randn(dim - len(edge)) * 1e-5])
+    qkv = torch.cat([torch.randn(2 * dim), v]).reshape(1, 3 * dim)  # one q head, one k head, one v head
+    cos, sin = _rope(1, dim, torch.float32)
+    caches = [torch.zeros(2, 16, 1, dim, dtype=torch.float16) for _ in range(2)]
+    slots = torch.tensor([5])
+    assert layer_ops.qkv_prepare(qkv, 1, 1, None, None, 1e-6, False, cos, sin, *caches, slots, cpu_isa) is not None
+    assert torch.equal(caches[1][0, 5, 0].view(torch.int16), v.to(torch.float16).view(torch.int16))
+
+
 def test_qkv_prepare_declines_what_it_cannot_do(cpu_isa):
     qkv, cos, sin = torch.randn(2, 4 * 32), *_rope(2, 32, torch.float32)
     cache = torch.zeros(4, 16, 1, 32)

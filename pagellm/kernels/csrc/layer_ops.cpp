@@ -11,6 +11,9 @@
 //
 // dtype is fp32 (is_bf16 = 0) or bf16 (is_bf16 = 1); norms as in norm.h, rotary as in rope.h.
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -42,7 +45,15 @@ inline void to_cache(const T* x, C* out, int64_t n) {
     if constexpr (std::is_same_v<T, C>) {
         std::memcpy(out, x, n * sizeof(T));
     } else {
-        for (int64_t i = 0; i < n; ++i) round_into(out + i, x[i]);
+        int64_t i = 0;
+#if defined(__F16C__)
+        if constexpr (std::is_same_v<C, f16>) {  // vcvtps2ph rounds to nearest even as f32_to_f16 (FTZ, DAZ ignored)
+            for (; i + 8 <= n; i += 8)
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                                 _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+#endif
+        for (; i < n; ++i) round_into(out + i, x[i]);
     }
 }
 
