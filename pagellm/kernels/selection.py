@@ -83,10 +83,11 @@ def compute_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks
 
 def narrow_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks: bool = False) -> str | None:
     """The dtype of the MLP's intermediate (gate/up output, act * up) and, over a K/V cache of the same dtype, of
-    attention (queries, scores, output) where `dtype` auto chose float32 activations for a GGUF's blocks on a CPU whose level computes bf16 natively
-    (avx512); None elsewhere (they follow the compute dtype). Why: at a 2048-token prefill step fp32 there cost
-    ~30% (the [T, 2I] intermediate and attention's dot products), and neither site moved the KL measurably:
-    the intermediate is rounded to int8 for the down projection anyway, and K/V are bf16 already."""
+    attention (queries, scores, output) where `dtype` auto chose float32 activations for a GGUF's blocks on a
+    CPU whose level computes bf16 natively (avx512); None elsewhere (they follow the compute dtype). Why: at a
+    2048-token prefill step fp32 there cost ~30% (the [T, 2I] intermediate and attention's dot products); the
+    intermediate is rounded to int8 for the down projection anyway, so it moved no KL measurably. Attention
+    narrows only under `--kv-cache-dtype bfloat16` now: a GGUF's default K/V are fp16 (kv_cache_dtype)."""
     auto_fp32 = dtype in (None, "auto") and compute_dtype(dtype, device, level, gguf_blocks) == "float32"
     native_bf16 = torch.device(device).type == "cpu" and level == "avx512"
     return "bfloat16" if auto_fp32 and native_bf16 and gguf_blocks else None

@@ -254,7 +254,8 @@ void act_mul(const T* gate_up, int64_t rows, int64_t n, T* out) {
 
 // qkv [tokens, (H + 2 Hk) D] (q heads, k heads, v heads); q/k_weight: the per-head norms (NULL: none; fp32
 // when unit_offset, else the dtype); cos, sin [tokens, D/2]; caches [blocks, block_size, Hk, D] in the dtype,
-// or bf16 (cache_dtype 1) or fp16 (cache_dtype 2) under fp32; slots [tokens], each below num_slots (the caches' blocks * block_size).
+// or bf16 (cache_dtype 1) or fp16 (cache_dtype 2) under fp32; slots [tokens], each below num_slots (the
+// caches' blocks * block_size).
 // Writes q_out [tokens, H, D] and the tokens' K/V rows. Returns 0; 1 (nothing done) for another dtype pair or
 // a D too large or odd; 2 (nothing written) if a slot is out of range, as index_copy_ would refuse it.
 extern "C" int pagellm_qkv_prepare(const void* qkv, int64_t tokens, int64_t H, int64_t Hk, int64_t D,
