@@ -35,7 +35,8 @@ def mode_kv_cache_dtype(name: str | None, level: str | None, kv: str = "auto",
 
 
 def mode_narrow_dtype(name: str | None, level: str | None, gguf_blocks: bool = False) -> torch.dtype | None:
-    """The dtype the engine runs the MLP's intermediate and attention in when narrower than the activations."""
+    """The dtype the engine runs the MLP's intermediate in (and attention, over a K/V cache of that dtype) when
+    narrower than the activations."""
     narrow = narrow_dtype(name, "cpu", level, gguf_blocks)
     return DTYPES[narrow] if narrow else None
 

@@ -185,7 +185,7 @@ class PlanSettings:
     kv_cache_dtype: torch.dtype
     bound_layers: bool = True
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-    narrow: torch.dtype | None = None  # the MLP's intermediate and attention's dtype (kernels/selection.narrow_dtype)
+    narrow: torch.dtype | None = None  # the MLP's intermediate dtype, attention's too over a cache of it (narrow_dtype)
 
 
 def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,

@@ -10,10 +10,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <queue>
 #include <string>
 #include <string_view>
-#include <functional>
 #include <vector>
 
 namespace {
