@@ -1,9 +1,9 @@
 """The C++ kernels' entry points declared once, and the callers generated from each declaration.
 
 A `Function` lists its arguments by kind: a `Tensor` passes its data pointer (None: NULL where `optional`), a
-`DtypeCode` passes the kernels' dtype code of a named tensor (0 fp32, 1 bf16, 2 fp16: a K/V cache only), `Int` / `Flag` / `Float` pass
-numbers as int64 / int / float, `Address` a raw address (a pointer with an offset already added). From that one
-declaration come:
+`DtypeCode` passes the kernels' dtype code of a named tensor (0 fp32, 1 bf16, 2 fp16: a K/V cache only),
+`Int` / `Flag` / `Float` pass numbers as int64 / int / float, `Address` a raw address (a pointer with an offset
+already added). From that one declaration come:
 
     ctypes types        argtypes / restype, set once on the loaded library (native.Library)
     unchecked caller    f(*args): pointers and codes straight into the call; for the plans and hot paths,

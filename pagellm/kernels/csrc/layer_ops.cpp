@@ -47,7 +47,7 @@ inline void to_cache(const T* x, C* out, int64_t n) {
     } else {
         int64_t i = 0;
 #if defined(__F16C__)
-        if constexpr (std::is_same_v<C, f16>) {  // vcvtps2ph rounds to nearest even as f32_to_f16 (FTZ, DAZ ignored)
+        if constexpr (std::is_same_v<C, f16>) {  // vcvtps2ph: nearest even as f32_to_f16 (FTZ, DAZ ignored)
             for (; i + 8 <= n; i += 8)
                 _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
                                  _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
