@@ -37,10 +37,10 @@ class FreeBlockQueue:
 
     def __init__(self, blocks: Iterable[KVBlock]):
         self._head, self._tail = KVBlock(-1), KVBlock(-1)
-        self._head.next, self._tail.prev = self._tail, self._head
-        self.num_free = 0
-        for block in blocks:
-            self.append(block)
+        chain = [self._head, *blocks, self._tail]
+        for prev, block in zip(chain, chain[1:]):  # linked in one pass: a pool has many blocks, built at start-up
+            prev.next, block.prev = block, prev
+        self.num_free = len(chain) - 2
 
     def _link(self, block: KVBlock, prev: KVBlock, nxt: KVBlock) -> None:
         block.prev, block.next = prev, nxt

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybr
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
 from pagellm.loader.model_configs import TextModelConfig, config_from_dict
 from pagellm.loader.repack_cache import RepackCache
-from pagellm.models.registry import build_model
+from pagellm.models.registry import build_model, model_class
 
 __all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header", "load_gguf_config", "iter_gguf_weights",
            "gguf_weight_types", "unpermute_qk_rows", "SUPPORTED_ARCHITECTURES"]
@@ -87,6 +87,7 @@ def load_gguf_config(path: str | Path | GGUFHeader) -> TextModelConfig:
 def iter_gguf_weights(
     path: str | Path | GGUFHeader, config: TextModelConfig, progress: bool | None = None,
     quantized: Mapping[str, str] | None = None, blocks: RepackCache | None = None,
+    parameters: Iterable[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
 
@@ -96,6 +97,7 @@ def iter_gguf_weights(
     formats that are exactly that; otherwise as LazyRows, dequantized a row slice at a time (gguf_quant.py).
     blocks: the file's entry of the repacked-blocks cache (loader/repack_cache.py): weights kept in their blocks
     ("gguf") come from it when it is whole, else are stored to it; None: repacked at every load.
+    parameters: the HF names of the model's parameters (its state_dict's keys), when the caller has built it.
     """
     header = _weights_only(header_of(path))
     arch = header.architecture
@@ -104,7 +106,7 @@ def iter_gguf_weights(
     if arch in HYBRID_ARCHITECTURES:
         yield from _iter_recipes(header, hybrid_recipes(header, config), show, quantized)
         return
-    hf_names = _gguf_to_hf_names(header, config)  # checks every tensor has an HF name, up front
+    hf_names = _gguf_to_hf_names(header, config, parameters)  # checks every tensor has an HF name, up front
     _check_dequantizable(header)
     completed = False
     try:
@@ -145,12 +147,13 @@ def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelCon
     return hf_name, weight
 
 
-def gguf_weight_types(path: str | Path | GGUFHeader, config: TextModelConfig) -> dict[str, gguf.GGMLQuantizationType]:
-    """{HF name: ggml type the file stores it in}, from the header alone."""
+def gguf_weight_types(path: str | Path | GGUFHeader, config: TextModelConfig,
+                      parameters: Iterable[str] | None = None) -> dict[str, gguf.GGMLQuantizationType]:
+    """{HF name: ggml type the file stores it in}, from the header alone (parameters: as iter_gguf_weights')."""
     header = _weights_only(header_of(path))
     if header.architecture in HYBRID_ARCHITECTURES:
         return {r.hf_name: recipe_weight_type(r) for r in hybrid_recipes(header, config)}
-    hf_names = _gguf_to_hf_names(header, config)
+    hf_names = _gguf_to_hf_names(header, config, parameters)
     return {hf_names[t.name]: t.ggml_type for t in header.tensors}
 
 
@@ -292,26 +295,30 @@ def _gemma3_fields(header: GGUFHeader, common: dict[str, Any]) -> dict[str, Any]
 # Weights
 
 
-def _gguf_to_hf_names(header: GGUFHeader, config: TextModelConfig) -> dict[str, str]:
+def _gguf_to_hf_names(header: GGUFHeader, config: TextModelConfig,
+                      parameters: Iterable[str] | None = None) -> dict[str, str]:
     """{gguf name: HF name}, from the parameter names of pagellm's model (HF's names, before any projections
     are joined) and gguf's TensorNameMap.
 
     TensorNameMap maps many HF spellings to each GGUF name, so it cannot be inverted alone; we ask it for the
     GGUF name of each parameter of the model, built on the meta device (no memory). Not HF's own model class:
     importing HF's modeling code costs the process more resident memory than the weights of a small model.
+    parameters: the model's parameter names when the caller has built it (a build costs tens of ms at start-up).
     """
-    model = build_model(config, torch.float32)  # on the meta device until weights are loaded
+    if parameters is None:
+        parameters = build_model(config, torch.float32).state_dict()  # on the meta device: no memory
     arch = gguf.MODEL_ARCH[header.architecture.upper()]
     name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     mapping = {}
-    for hf_name in model.state_dict():
+    for hf_name in parameters:
         base, _, suffix = hf_name.rpartition(".")
         gguf_base = name_map.get_name(base)
         if gguf_base is not None:
             mapping[f"{gguf_base}.{suffix}"] = hf_name
     unmapped = [t.name for t in header.tensors if t.name not in mapping]
     if unmapped:
-        raise ValueError(f"{str(header.path)!r}: tensors with no {type(model).__name__} parameter: {unmapped}")
+        raise ValueError(f"{str(header.path)!r}: tensors with no {model_class(config).__name__} parameter: "
+                         f"{unmapped}")
     return mapping
 
 

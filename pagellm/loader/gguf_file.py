@@ -25,6 +25,9 @@ import gguf
 import numpy as np
 import torch
 
+from pagellm.kernels import native
+from pagellm.kernels.errors import KernelBuildError
+
 _GGUF_VERSIONS = (2, 3)  # v1 counted with 32-bit integers and is long gone
 _DEFAULT_ALIGNMENT = 32
 # metadata value types: fixed-size scalars by struct format; 8 = string, 9 = array
@@ -85,6 +88,7 @@ class GGUFHeader:
     tensors: tuple[GGUFTensor, ...]
     data_start: int = 0  # bytes before the tensor data: the metadata (whole vocabularies too) and the tensor table
     string_arrays: dict[str, int] = field(default_factory=dict)  # key -> file offset of its first string
+    number_arrays: dict[str, tuple[int, str]] = field(default_factory=dict)  # key -> (file offset, numpy dtype)
 
     @property
     def architecture(self) -> str:
@@ -105,6 +109,15 @@ class GGUFHeader:
             out.append(data[pos + 8 : pos + 8 + length].decode("utf-8", errors="replace"))
             pos += 8 + length
         return out
+
+    def numbers(self, key: str) -> np.ndarray | None:
+        """A numeric array as a read-only numpy view of the file; None when the key is absent. The metadata has
+        it as a list too; this is for the long ones (a vocabulary's scores and types), which numpy and C++ then
+        read without a conversion."""
+        if key not in self.number_arrays:
+            return None
+        offset, dtype = self.number_arrays[key]
+        return np.memmap(self.path, mode="r", dtype=dtype, offset=offset, shape=(self.array_lengths[key],))
 
     def required(self, key: str) -> Any:
         """The metadata value of `key`; a ValueError naming the file and the key when it is absent."""
@@ -131,7 +144,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     if version not in _GGUF_VERSIONS:
         hint = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
         raise ValueError(f"{str(path)!r} is GGUF version {version}{hint}; supported versions: {_GGUF_VERSIONS}")
-    pos, metadata, lengths, string_arrays = 24, {}, {}, {}
+    pos, metadata, lengths, string_arrays, number_arrays = 24, {}, {}, {}, {}
     for _ in range(n_kv):
         key, pos = _read_string(blob, pos)
         (value_type,) = struct.unpack_from("<I", blob, pos)
@@ -141,6 +154,8 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             lengths[key] = length
         if metadata[key] is None:  # a string array: its strings start after the item type and count
             string_arrays[key] = start + 12
+        elif length is not None:
+            number_arrays[key] = start + 12, "<" + _SCALAR_FORMATS[struct.unpack_from("<I", blob, start)[0]]
     if "general.architecture" not in metadata:
         raise ValueError(f"{str(path)!r} has no general.architecture in its metadata")
     table, pos = _read_tensor_table(blob, n_tensors, pos, path)
@@ -148,7 +163,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     data_start = (pos + alignment - 1) // alignment * alignment
     tensors = tuple(_tensor_view(blob, data_start, *entry) for entry in table)
     metadata = {k: v for k, v in metadata.items() if v is not None}  # string arrays: lengths only
-    return GGUFHeader(path, metadata, lengths, tensors, data_start, string_arrays)
+    return GGUFHeader(path, metadata, lengths, tensors, data_start, string_arrays, number_arrays)
 
 
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:
@@ -184,10 +199,30 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int, key: str) -> tuple[
         return list(struct.unpack_from(fmt, blob, pos)), count, pos + struct.calcsize(fmt)
     if item_type != _STRING:
         raise ValueError(f"GGUF metadata key {key!r} is an array of type {item_type}, which is not supported")
-    for _ in range(count):  # vocabularies and merges: walk over them, the tokenizer reads them itself
-        (length,) = struct.unpack_from("<Q", blob, pos)
-        pos += 8 + length
-    return None, count, pos
+    return None, count, _strings_end(blob, pos, count, key)  # vocabularies and merges: the tokenizer reads them
+
+
+def _strings_end(blob: np.ndarray, pos: int, count: int, key: str) -> int:
+    """Where the `count` strings from `pos` end. In C++ where there is a compiler: in Python, the walk over a
+    large vocabulary is a share of every start worth having back."""
+    try:
+        lib = native.load("sentencepiece_vocab", "generic")
+    except KernelBuildError:
+        lib = None  # the reader needs no compiled code: the tokenizer reports a broken build where it needs one
+    if lib is not None:
+        walk = lib.gguf_strings_end
+        walk.argtypes, walk.restype = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64), ctypes.c_int64
+        end = walk(blob.ctypes.data, blob.size, pos, count)
+    else:
+        end = pos
+        for _ in range(count):
+            if end + 8 > blob.size:
+                end = -1
+                break
+            end += 8 + struct.unpack_from("<Q", blob, end)[0]
+    if end < 0 or end > blob.size:
+        raise ValueError(f"GGUF metadata key {key!r}: its strings run past the end of the file")
+    return end
 
 
 def _read_tensor_table(blob: np.ndarray, count: int, pos: int, path: Path) -> tuple[list[tuple], int]:

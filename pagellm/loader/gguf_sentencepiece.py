@@ -57,10 +57,10 @@ class SentencePieceVocab:
         n = header.array_lengths["tokenizer.ggml.tokens"]
         self.types = token_types(header)
         blob = np.memmap(header.path, mode="r", dtype=np.uint8)[header.string_arrays["tokenizer.ggml.tokens"]:]
-        scores_f32, types_i32 = array.array("f", token_scores(header)), array.array("i", self.types)
+        scores = token_scores(header)  # views of the file where it can: no conversion of a long list
         self._lib, self.size = lib, n
-        self._handle = lib.sentencepiece_new(blob.ctypes.data, n, scores_f32.buffer_info()[0],
-                                             types_i32.buffer_info()[0], int(adds_space_prefix(header)))
+        self._handle = lib.sentencepiece_new(blob.ctypes.data, n, scores.ctypes.data, self.types.ctypes.data,
+                                             int(adds_space_prefix(header)))
         del blob  # the table holds its own copy of the pieces
 
     def __del__(self):

@@ -28,6 +28,9 @@ llama.cpp's ids on hard cases (tests/loader/llama_cpp_tokens.py regenerates them
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
@@ -75,10 +78,10 @@ def convert(header: GGUFHeader) -> tuple[tokenizers.Tokenizer, dict]:
     if kind is None:
         raise FileNotFoundError(f"GGUF file {str(header.path)!r} has no tokenizer (no tokenizer.ggml.model metadata)")
     tokens = header.strings("tokenizer.ggml.tokens")
-    types = token_types(header)
+    types = token_types(header).tolist()
     vocab = {token: i for i, token in enumerate(tokens)}  # a repeated text maps to its last id, as in llama.cpp
     if kind == "llama":
-        backend = _sentencepiece(tokens, token_scores(header), vocab, adds_space_prefix(header))
+        backend = _sentencepiece(tokens, token_scores(header).tolist(), vocab, adds_space_prefix(header))
     elif kind == "gpt2":
         pre = metadata.get("tokenizer.ggml.pre", "default")
         backend = _byte_level(vocab, header.strings("tokenizer.ggml.merges") or [], pre, header)
@@ -92,15 +95,19 @@ def convert(header: GGUFHeader) -> tuple[tokenizers.Tokenizer, dict]:
     return backend, info
 
 
-def token_types(header: GGUFHeader) -> list[int]:
-    """Each piece's tokenizer.ggml.token_type (all normal where the file has none)."""
-    return header.metadata.get("tokenizer.ggml.token_type") or [NORMAL] * header.array_lengths["tokenizer.ggml.tokens"]
-
-
-def token_scores(header: GGUFHeader) -> list[float]:
-    """A SentencePiece vocabulary's scores (where the file has none, earlier pieces rank higher)."""
+def token_types(header: GGUFHeader) -> np.ndarray:
+    """Each piece's tokenizer.ggml.token_type (all normal where the file has none), int32, read-only."""
+    types = header.numbers("tokenizer.ggml.token_type")
     n = header.array_lengths["tokenizer.ggml.tokens"]
-    return header.metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(n)]
+    return np.full(n, NORMAL, np.int32) if types is None else np.require(types, np.int32, "CA")
+
+
+def token_scores(header: GGUFHeader) -> np.ndarray:
+    """A SentencePiece vocabulary's scores (where the file has none, earlier pieces rank higher), float32,
+    read-only."""
+    scores = header.numbers("tokenizer.ggml.scores")
+    n = header.array_lengths["tokenizer.ggml.tokens"]
+    return -np.arange(n, dtype=np.float32) if scores is None else np.require(scores, np.float32, "CA")
 
 
 def adds_space_prefix(header: GGUFHeader) -> bool:
@@ -127,7 +134,7 @@ def special_token_ids(header: GGUFHeader, n: int) -> dict[str, int]:
     return {name: i for name, i in ids.items() if i is not None and 0 <= i < n}
 
 
-def info_fields(header: GGUFHeader, text_of, types: list[int]) -> dict:
+def info_fields(header: GGUFHeader, text_of, types: Sequence[int] | np.ndarray) -> dict:
     """The fields of tokenizer_cache.TokenizerInfo from the file's metadata; text_of(id): a piece's text."""
     metadata, n = header.metadata, len(types)
     ids = special_token_ids(header, n)
@@ -135,7 +142,8 @@ def info_fields(header: GGUFHeader, text_of, types: list[int]) -> dict:
     return dict(special_tokens={name: text_of(i) for name, i in ids.items()},
                 bos_token=text_of(ids["bos_token"]) if "bos_token" in ids else None,
                 bos_token_id=ids.get("bos_token"), eos_token_ids=tuple(sorted(eos)),
-                special_ids=tuple(i for i, t in enumerate(types) if t in (UNKNOWN, CONTROL)),
+                special_ids=tuple(np.flatnonzero(np.isin(types, (UNKNOWN, CONTROL))).tolist()),  # numpy: a big
+                # vocabulary's scan in Python slows every start
                 chat_template=metadata.get("tokenizer.chat_template"), clean_up_spaces=False, vocab_size=n,
                 fim_ids={role: metadata[f"tokenizer.ggml.fim_{role}_token_id"]
                          for role in ("pre", "suf", "mid", "pad", "rep", "sep")

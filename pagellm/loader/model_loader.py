@@ -129,6 +129,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     hf_config = load_gguf_config(header) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None
     net = build_model(local_config(hf_config, shard) if shard else hf_config, dtype, device)
+    parameters = tuple(net.state_dict())  # HF's names, which a GGUF's tensors are matched to (a shard's are the same)
     if shard and shard.expert_parallel:
         install_expert_parallel(net, hf_config, shard)
     if quantization == "auto" and (torch.device(device).type != "cpu" or shard is not None or dummy):
@@ -138,7 +139,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         if is_gguf and torch.device(device).type != "cpu":
             logger.info("GGUF on %s: weights dequantized to %s at load (no quantized GPU matmul yet)",
                         torch.device(device).type, str(dtype).removeprefix("torch."))
-    types = gguf_weight_types(header, hf_config) if is_gguf and quantization == "auto" else None
+    types = gguf_weight_types(header, hf_config, parameters) if is_gguf and quantization == "auto" else None
     plan = plan_quantization(net, quantization, level, types)
     if plan and torch.device(device).type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
@@ -149,7 +150,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if dummy:
         weights = dummy_weights(net, device)  # already this rank's shapes: the model was built with them
     elif is_gguf:
-        weights = iter_gguf_weights(header, hf_config, quantized=schemes, blocks=blocks)
+        weights = iter_gguf_weights(header, hf_config, quantized=schemes, blocks=blocks, parameters=parameters)
     else:
         weights = iter_safetensors_weights(path)
     if shard and not dummy:

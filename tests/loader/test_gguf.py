@@ -13,7 +13,7 @@ from transformers.integrations.gguf.dequant import dequantize as hf_torch_dequan
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagellm.layers.rotary import compute_rope
-from pagellm.loader import model_configs
+from pagellm.loader import gguf_file, model_configs
 from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header, unpermute_qk_rows
 from pagellm.loader.model_loader import load_model
 from tests.loader.gguf_builders import (TinyDims, convert_llama_checkpoint, llama_cpp_permute,
@@ -265,6 +265,7 @@ def test_header_matches_gguf_reader(tmp_path):
             assert ours.array_lengths[key] == len(field.data), key
             if key in ours.metadata:  # numeric arrays
                 np.testing.assert_allclose(ours.metadata[key], field.contents(), rtol=1e-7, err_msg=key)
+                np.testing.assert_array_equal(ours.numbers(key), ours.metadata[key], err_msg=key)
         elif isinstance(field.contents(), float):
             assert ours.metadata[key] == pytest.approx(field.contents(), rel=1e-7), key
         else:
@@ -275,6 +276,38 @@ def test_header_matches_gguf_reader(tmp_path):
         assert mine.shape == tuple(reversed(theirs.shape.tolist()))
         assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape
         assert np.array_equal(mine.data, theirs.data), mine.name
+
+
+@pytest.fixture(params=["compiled", "python"])
+def string_walk(request, monkeypatch):
+    """The header reader's walk over string arrays: C++ (where there is a compiler), or its Python fallback."""
+    if request.param == "python":
+        monkeypatch.setattr(gguf_file.native, "load", lambda *args, **kwargs: None)
+    return request.param
+
+
+def test_string_arrays_walk_to_the_reader_s_contents(tmp_path, string_walk):
+    tiny = write_tiny_gguf(tmp_path / "llama.gguf", "llama")
+    ours, reader = read_gguf_header(tiny.path), GGUFReader(tiny.path)
+    assert ours.string_arrays  # the tokens at least
+    for key in ours.string_arrays:
+        assert ours.strings(key) == reader.fields[key].contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in reader.tensors]  # the table after them
+
+
+@pytest.mark.parametrize("damage", ["truncated", "huge length"])
+def test_string_array_past_the_end_is_an_error_naming_the_key(tmp_path, string_walk, damage):
+    tiny = write_tiny_gguf(tmp_path / "llama.gguf", "llama")
+    first = read_gguf_header(tiny.path).string_arrays["tokenizer.ggml.tokens"]
+    data = bytearray(tiny.path.read_bytes())
+    if damage == "truncated":
+        data = data[: first + 20]
+    else:
+        data[first : first + 8] = (1 << 62).to_bytes(8, "little")
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="tokenizer.ggml.tokens.*past the end"):
+        read_gguf_header(path)
 
 
 def test_unsupported_architecture_is_named(tmp_path):

@@ -239,6 +239,19 @@ void * sentencepiece_new(const char * strings, int64_t n, const float * scores, 
 
 void sentencepiece_free(void * vocab) { delete static_cast<Vocab *>(vocab); }
 
+// The offset just past a GGUF string array of n records from data[pos] (size: the bytes readable at data), or -1
+// when a record runs past them. Why here: the header reader's walk over a vocabulary is a Python loop per piece.
+int64_t gguf_strings_end(const unsigned char * data, int64_t size, int64_t pos, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        uint64_t length;
+        if (pos < 0 || size - pos < 8) return -1;
+        std::memcpy(&length, data + pos, 8);
+        if (length > (uint64_t) (size - pos - 8)) return -1;
+        pos += 8 + (int64_t) length;
+    }
+    return pos;
+}
+
 // The ids of `text` (no BOS / EOS: the caller adds them) into out[0:cap]; returns how many there are (call
 // again with a larger buffer when that exceeds cap). space_prefix_first: the first fragment may take the space prefix (the start of a text;
 // a continuation does not).
