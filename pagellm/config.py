@@ -112,8 +112,9 @@ class CacheConfig(_FromDict):
     enable_prefix_caching: bool = _help("Share KV blocks of identical prefixes across requests.", default=True)
     kv_cache_dtype: str = _help(
         "dtype K/V are stored in: auto (the default), float32, bfloat16 or float16. auto is the compute dtype, "
-        "except bfloat16 under an auto-chosen float32 on CPU: attention then reads half the bytes per step "
-        "(as llama.cpp's f16 cache) while the rest stays float32. An explicit dtype keeps its own cache.",
+        "except a 16-bit type under an auto-chosen float32 on CPU: float16 for a GGUF run as stored (llama.cpp's "
+        "default cache type), bfloat16 for an HF checkpoint; attention then reads half the bytes per step while "
+        "the rest stays float32. An explicit dtype keeps its own cache.",
         default="auto")
     state_cache_memory: float | None = _help(
         "Hybrid models: GiB for recurrent-state slots, one per running request, apart from the KV budget "

@@ -31,7 +31,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="pagellm KV budget in GiB (default on a CPU: a quarter of available RAM, at most 4; on "
                              "a GPU: gpu_memory_utilization's, a quarter of the free memory in compare)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="pagellm K/V storage (default auto: bfloat16 under an auto float32, else the dtype)")
+                        help="pagellm K/V storage (default auto: float16 for a GGUF as stored, bfloat16 under another "
+                             "auto float32, else the dtype)")
 
 
 def _add_device(parser: argparse.ArgumentParser) -> None:

@@ -102,8 +102,8 @@ def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str, level: s
     not known to hold them). `--kv-cache-dtype bfloat16` gives avx512 its bf16 attention back (~10% faster
     prefill at a 2048-token prompt). Why 16 bits: a decode step streams the whole context's K/V, so their bytes
     set attention's time on a bandwidth-bound host, and the kernels read either type under fp32 queries exactly
-    (converted on load). An explicit float32 keeps fp32 K/V: the mode tests compare with HF in. Measured: docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md,
-    docs/benchmarks/2026-11-26-bf16-accuracy.md"""
+    (converted on load). An explicit float32 keeps fp32 K/V: the mode tests compare with HF in. Measured:
+    docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md, docs/benchmarks/2026-11-26-bf16-accuracy.md"""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
     compute = compute_dtype(dtype, device, level, gguf_blocks)
