@@ -1,6 +1,12 @@
-"""The OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+"""Error answers: OpenAI's {"error": {"message", "type", "param", "code"}} with an HTTP status, and Anthropic's
+{"type": "error", "error": {"type", "message"}} for its clients under /v1/messages."""
 
 from __future__ import annotations
+
+MESSAGES_PREFIX = "/v1/messages"  # Anthropic's Messages API: its clients parse its own error shape
+# Anthropic's names where they differ from OpenAI's (its SDKs pick the exception by status; the name is what a
+# user reads)
+_ANTHROPIC_KINDS = {413: "request_too_large", 500: "api_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -21,3 +27,12 @@ class APIError(Exception):
 
 def error_body(message: str, kind: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def error_body_for(path: str, status: int, message: str, kind: str, param: str | None = None) -> dict:
+    """The body a client of `path` parses: Anthropic's shape under /v1/messages (`param` kept beside the message,
+    the field every pagellm 400 names), OpenAI's elsewhere."""
+    if path == MESSAGES_PREFIX or path.startswith(MESSAGES_PREFIX + "/"):
+        return {"type": "error", "error": {"type": _ANTHROPIC_KINDS.get(status, kind), "message": message,
+                                           "param": param}}
+    return error_body(message, kind, param)

@@ -7,7 +7,7 @@ import secrets
 
 from fastapi import Request
 
-from pagellm.server.errors import APIError, error_body
+from pagellm.server.errors import APIError, error_body_for
 
 # /health: load balancers probe it without credentials; the chat page and its files hold no data (the page asks
 # for the key and sends it with every call)
@@ -37,8 +37,8 @@ class ApiKeyMiddleware:
         if matched:
             await self.app(scope, receive, send)
             return
-        body = json.dumps(error_body("invalid or missing API key: send 'Authorization: Bearer <key>' or "
-                                     "'x-api-key: <key>'", "authentication_error")).encode()
+        body = json.dumps(error_body_for(scope["path"], 401, "invalid or missing API key: send 'Authorization: "
+                                         "Bearer <key>' or 'x-api-key: <key>'", "authentication_error")).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer")]})

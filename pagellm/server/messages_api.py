@@ -278,8 +278,3 @@ def _usage(chat_usage: dict) -> dict:
     return {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"],
             "cache_read_input_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
             "cache_creation_input_tokens": 0}
-
-
-def error_body(message: str, kind: str, param: str | None) -> dict:
-    """Anthropic's error shape; `param` kept beside the message (the field, as every pagellm 400 names it)."""
-    return {"type": "error", "error": {"type": kind, "message": message, "param": param}}

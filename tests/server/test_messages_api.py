@@ -9,7 +9,11 @@ import json
 import anthropic
 import httpx2
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
+from pagellm.server.error_answers import add_error_handlers
+from pagellm.server.guards import ApiKeyMiddleware
 from pagellm.server.messages_api import chat_request
 
 MODEL = "gemma-3-270m"
@@ -181,3 +185,43 @@ def test_what_it_cannot_do_is_a_400_in_anthropics_shape(http, body, param, words
     assert answer.json()["type"] == "error"
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"], error
+
+
+def _errors_app(keys: tuple[str, ...] = ()) -> TestClient:
+    """The server's error handlers and key check around a /v1/messages route that fails and an OpenAI one."""
+    app = FastAPI()
+    add_error_handlers(app)
+
+    @app.post("/v1/messages")
+    async def failing_messages():
+        raise RuntimeError("boom")
+
+    @app.post("/v1/completions")
+    async def completions():
+        return {}
+
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("method, path, keys, status, kind", [
+    ("post", "/v1/messages", ("k",), 401, "authentication_error"),  # the key check, before any route
+    ("get", "/v1/messages", (), 405, "invalid_request_error"),
+    ("post", "/v1/messages/nope", (), 404, "not_found_error"),
+    ("post", "/v1/messages", (), 500, "api_error"),
+])
+def test_every_error_under_messages_is_in_anthropics_shape(method, path, keys, status, kind):
+    answer = _errors_app(keys).request(method.upper(), path, json={})
+    assert answer.status_code == status, answer.text
+    body = answer.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+
+
+@pytest.mark.parametrize("method, path, keys, status", [
+    ("post", "/v1/completions", ("k",), 401), ("get", "/v1/completions", (), 405), ("post", "/v1/nope", (), 404),
+    ("post", "/v1/messagesx", (), 404)])
+def test_errors_elsewhere_stay_in_openais_shape(method, path, keys, status):
+    answer = _errors_app(keys).request(method.upper(), path, json={})
+    assert answer.status_code == status, answer.text
+    assert set(answer.json()) == {"error"} and answer.json()["error"]["message"], answer.json()
