@@ -57,7 +57,7 @@ def _attention_of(device: torch.device, level: str | None) -> str:
 class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
         self.config = config
-        mc, cc = config.model, config.cache
+        mc = config.model
         self.device = rank_device(mc.device, 0, config.parallel.tensor_parallel_size)  # rank 0's
         if self.device.type == "cuda" and self.device.index is not None:  # Triton launches on the current device,
             torch.cuda.set_device(self.device)                             # not the tensors': make it this one

@@ -194,8 +194,6 @@ def test_no_block_leaks_after_generate_and_abort(llm):
 
 def test_preemption_recomputes_and_keeps_greedy_ids(llm, reference_ids):
     """A KV pool too small for every request at once: requests are preempted and resumed, output unchanged."""
-    import torch
-
     from pagellm.runner.model_runner import kv_cache_bytes_per_block
 
     per_block = kv_cache_bytes_per_block(llm.engine.model, 16, llm.engine.kv_cache_dtype)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.models.tiny_checkpoints import write_char_tokenizer, write_tiny_checkpoint

@@ -19,7 +19,6 @@ from gguf import GGMLQuantizationType as T
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.gguf_moe import GGUFMoeExperts
 from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header
-from pagellm.loader.gguf_quant import group_affine_of
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.models.registry import build_model

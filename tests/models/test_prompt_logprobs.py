@@ -4,7 +4,6 @@ whatever the chunking, and with the prefix cache holding the prompt."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.types import PromptLogprobs, TokenLogprobs
