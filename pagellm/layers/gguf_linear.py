@@ -21,6 +21,7 @@ from pagellm.layers.kernel_user import KernelUser
 
 class GGUFLinear(KernelUser, nn.Module):
     scheme = "gguf"
+    int8_activations = True  # its blocks multiply int8 activations whatever the dtype (csrc/quant_gguf.cpp)
 
     def __init__(self, segments: list[GGUFWeight], bias: torch.Tensor | None = None):
         super().__init__()
