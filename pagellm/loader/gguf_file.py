@@ -205,13 +205,8 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int, key: str) -> tuple[
 def _strings_end(blob: np.ndarray, pos: int, count: int, key: str) -> int:
     """Where the `count` strings from `pos` end. In C++ where there is a compiler: in Python, the walk over a
     large vocabulary is a share of every start worth having back."""
-    try:
-        lib = native.load("sentencepiece_vocab", "generic")
-    except KernelBuildError:
-        lib = None  # the reader needs no compiled code: the tokenizer reports a broken build where it needs one
-    if lib is not None:
-        walk = lib.gguf_strings_end
-        walk.argtypes, walk.restype = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64), ctypes.c_int64
+    walk = _compiled_walk()
+    if walk is not None:
         end = walk(blob.ctypes.data, blob.size, pos, count)
     else:
         end = pos
@@ -223,6 +218,20 @@ def _strings_end(blob: np.ndarray, pos: int, count: int, key: str) -> int:
     if end < 0 or end > blob.size:
         raise ValueError(f"GGUF metadata key {key!r}: its strings run past the end of the file")
     return end
+
+
+def _compiled_walk():
+    """gguf_strings_end of the vocabulary's library (csrc/sentencepiece_vocab.cpp), typed; None without it."""
+    try:
+        lib = native.load("sentencepiece_vocab", "generic")
+    except KernelBuildError:
+        return None  # the reader needs no compiled code: the tokenizer reports a broken build where it needs one
+    if lib is None:
+        return None
+    walk = lib.gguf_strings_end
+    if walk.restype is not ctypes.c_int64:  # typed once per loaded library
+        walk.argtypes, walk.restype = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64), ctypes.c_int64
+    return walk
 
 
 def _read_tensor_table(blob: np.ndarray, count: int, pos: int, path: Path) -> tuple[list[tuple], int]:

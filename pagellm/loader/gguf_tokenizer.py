@@ -96,15 +96,16 @@ def convert(header: GGUFHeader) -> tuple[tokenizers.Tokenizer, dict]:
 
 
 def token_types(header: GGUFHeader) -> np.ndarray:
-    """Each piece's tokenizer.ggml.token_type (all normal where the file has none), int32, read-only."""
+    """Each piece's tokenizer.ggml.token_type (all normal where the file has none) as int32: a view of the file
+    where its array is int32 and aligned."""
     types = header.numbers("tokenizer.ggml.token_type")
     n = header.array_lengths["tokenizer.ggml.tokens"]
     return np.full(n, NORMAL, np.int32) if types is None else np.require(types, np.int32, "CA")
 
 
 def token_scores(header: GGUFHeader) -> np.ndarray:
-    """A SentencePiece vocabulary's scores (where the file has none, earlier pieces rank higher), float32,
-    read-only."""
+    """A SentencePiece vocabulary's scores (where the file has none, earlier pieces rank higher) as float32: a
+    view of the file where its array is aligned."""
     scores = header.numbers("tokenizer.ggml.scores")
     n = header.array_lengths["tokenizer.ggml.tokens"]
     return -np.arange(n, dtype=np.float32) if scores is None else np.require(scores, np.float32, "CA")
@@ -142,8 +143,8 @@ def info_fields(header: GGUFHeader, text_of, types: Sequence[int] | np.ndarray) 
     return dict(special_tokens={name: text_of(i) for name, i in ids.items()},
                 bos_token=text_of(ids["bos_token"]) if "bos_token" in ids else None,
                 bos_token_id=ids.get("bos_token"), eos_token_ids=tuple(sorted(eos)),
-                special_ids=tuple(np.flatnonzero(np.isin(types, (UNKNOWN, CONTROL))).tolist()),  # numpy: a big
-                # vocabulary's scan in Python slows every start
+                # with numpy: a scan of a large vocabulary in Python slows every start
+                special_ids=tuple(np.flatnonzero(np.isin(types, (UNKNOWN, CONTROL))).tolist()),
                 chat_template=metadata.get("tokenizer.chat_template"), clean_up_spaces=False, vocab_size=n,
                 fim_ids={role: metadata[f"tokenizer.ggml.fim_{role}_token_id"]
                          for role in ("pre", "suf", "mid", "pad", "rep", "sep")

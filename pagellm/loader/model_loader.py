@@ -129,7 +129,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     hf_config = load_gguf_config(header) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None
     net = build_model(local_config(hf_config, shard) if shard else hf_config, dtype, device)
-    parameters = tuple(net.state_dict())  # HF's names, which a GGUF's tensors are matched to (a shard's are the same)
+    # HF's names, which a GGUF's tensors are matched to (a shard's are the same): read once, here
+    parameters = tuple(net.state_dict()) if is_gguf else None
     if shard and shard.expert_parallel:
         install_expert_parallel(net, hf_config, shard)
     if quantization == "auto" and (torch.device(device).type != "cpu" or shard is not None or dummy):
