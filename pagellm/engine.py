@@ -64,13 +64,13 @@ class LLMEngine:
         chosen = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
         self.kernels, self.kernel_level = chosen.description, chosen.level
         level = chosen.level
-        # "auto" follows the level and the weights (a GGUF's blocks: fp32 with fp16 K/V, the MLP narrow at avx512)
+        # "auto" follows the level and the weights (a GGUF's blocks: fp32 with fp16 K/V)
         blocks = keeps_gguf_blocks(mc.model, mc.quantization, mc.load_format, self.device.type,
                                    config.parallel.tensor_parallel_size)
         self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type, level, blocks)]
         self.kv_cache_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, self.device.type, level,
                                                     blocks)]
-        narrow = narrow_dtype(mc.dtype, self.device.type, level, blocks)
+        narrow = narrow_dtype(mc.dtype, self.device.type, level, blocks, config.cache.kv_cache_dtype)
         self.narrow_dtype = DTYPES[narrow] if narrow else None
         limit_threads_to_cores()
         parallel, workers, shard = None, None, None
@@ -176,8 +176,8 @@ class LLMEngine:
         return num_blocks
 
     def dtype_description(self) -> str:
-        """The activations' dtype, and the MLP's (and attention's) where narrower ("float32, bfloat16 MLP")."""
-        return str(self.dtype).removeprefix("torch.") + narrow_sites(self.narrow_dtype, self.kv_cache_dtype)
+        """The activations' dtype, and attention's where narrower ("float32, bfloat16 attention")."""
+        return str(self.dtype).removeprefix("torch.") + narrow_sites(self.narrow_dtype)
 
     def _runner_setup(self) -> RunnerSetup:
         """The cache sizes every runner (and, when parallel, every rank's) is built with."""

@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     blocks = keeps_gguf_blocks(str(path), args.quantization, "auto", "cpu")
     dtype, kv_dtype = mode_dtype(args.dtype, chosen, blocks), mode_kv_cache_dtype(args.dtype, chosen,
                                                                                   args.kv_cache_dtype, blocks)
-    narrow = mode_narrow_dtype(args.dtype, chosen, blocks)
+    narrow = mode_narrow_dtype(args.dtype, chosen, blocks, args.kv_cache_dtype)
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
     llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()
     why_not = llama_cpp_available() if llama_cpp else None
@@ -69,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
     rows = {"pagellm dense fp32 (reference)": distance(reference, reference, tokens)}
     model = load_mode(path, args.quantization, dtype, kernels)
     kv = "" if kv_dtype == dtype else f", {dtype_name(kv_dtype)} KV"
-    kv += narrow_sites(narrow, kv_dtype)
+    kv += narrow_sites(narrow)
     rows[f"pagellm {args.quantization} {dtype_name(dtype)}{kv} ({level})"] = distance(
         reference, pagellm_logits(model, tokens, dtype, kv_cache_dtype=kv_dtype, kernels=kernels, narrow=narrow),
         tokens)

@@ -34,10 +34,10 @@ def mode_kv_cache_dtype(name: str | None, level: str | None, kv: str = "auto",
     return DTYPES[kv_cache_dtype(kv, name, "cpu", level, gguf_blocks)]
 
 
-def mode_narrow_dtype(name: str | None, level: str | None, gguf_blocks: bool = False) -> torch.dtype | None:
-    """The dtype the engine runs the MLP's intermediate in (and attention, over a K/V cache of that dtype) when
-    narrower than the activations."""
-    narrow = narrow_dtype(name, "cpu", level, gguf_blocks)
+def mode_narrow_dtype(name: str | None, level: str | None, gguf_blocks: bool = False,
+                      kv: str = "auto") -> torch.dtype | None:
+    """The dtype the engine runs attention in when narrower than the activations (a bf16 cache at avx512)."""
+    narrow = narrow_dtype(name, "cpu", level, gguf_blocks, kv)
     return DTYPES[narrow] if narrow else None
 
 

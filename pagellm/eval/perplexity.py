@@ -132,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
     blocks = keeps_gguf_blocks(str(path), args.quantization, "auto", "cpu")
     dtype = mode_dtype(args.dtype, chosen, blocks)
     kv_dtype = mode_kv_cache_dtype(args.dtype, chosen, gguf_blocks=blocks)
-    narrow = mode_narrow_dtype(args.dtype, chosen, blocks)
+    narrow = mode_narrow_dtype(args.dtype, chosen, blocks)  # the default fp16 K/V: none
     model = load_mode(path, args.quantization, dtype, kernels)
     _check_context(model, args.ctx)
     reference = None
@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         reference = model if is_dense_mode(path, args.quantization, dtype) else load_dense_reference(path, kernels)
     print(f"model: {path}\nmode: {args.quantization} {str(dtype).removeprefix('torch.')}, "
           f"{str(kv_dtype).removeprefix('torch.')} KV"
-          f"{narrow_sites(narrow, kv_dtype)}; "
+          f"{narrow_sites(narrow)}; "
           f"kernels: {level}\n"
           f"text: {args.text}, {len(tokens)} tokens; {len(chunks)} windows of {args.ctx} "
           f"(positions {args.ctx // 2}..{args.ctx - 2} of each scored)")

@@ -81,16 +81,18 @@ def compute_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks
     return "bfloat16" if kind == "cpu" and level == "avx512" and not gguf_blocks else "float32"
 
 
-def narrow_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks: bool = False) -> str | None:
-    """The dtype of the MLP's intermediate (gate/up output, act * up) and, over a K/V cache of the same dtype, of
-    attention (queries, scores, output) where `dtype` auto chose float32 activations for a GGUF's blocks on a
-    CPU whose level computes bf16 natively (avx512); None elsewhere (they follow the compute dtype). Why: at a
-    2048-token prefill step fp32 there cost ~30% (the [T, 2I] intermediate and attention's dot products); the
-    intermediate is rounded to int8 for the down projection anyway, so it moved no KL measurably. Attention
-    narrows only under `--kv-cache-dtype bfloat16` now: a GGUF's default K/V are fp16 (kv_cache_dtype)."""
+def narrow_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks: bool = False,
+                 kv_cache: str = "auto") -> str | None:
+    """The dtype attention runs in (queries, scores, output) where narrower than the activations: bfloat16 where
+    `dtype` auto chose float32 for a GGUF's blocks on a CPU whose level computes bf16 natively (avx512) and the
+    K/V cache is bf16 (`--kv-cache-dtype bfloat16`: vdpbf16ps reads it); None elsewhere. The default fp16 K/V
+    keep attention in fp32, and the MLP runs in the activations' dtype at every level: its gate/up projection
+    and activation are one kernel (csrc/quant_gguf.cpp), faster in fp32 than the bf16 intermediate it replaced
+    (docs/benchmarks/2026-11-27-fused-gate-up.md)."""
     auto_fp32 = dtype in (None, "auto") and compute_dtype(dtype, device, level, gguf_blocks) == "float32"
     native_bf16 = torch.device(device).type == "cpu" and level == "avx512"
-    return "bfloat16" if auto_fp32 and native_bf16 and gguf_blocks else None
+    bf16_cache = kv_cache_dtype(kv_cache, dtype, device, level, gguf_blocks) == "bfloat16"
+    return "bfloat16" if auto_fp32 and native_bf16 and gguf_blocks and bf16_cache else None
 
 
 def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str, level: str | None,
@@ -114,13 +116,10 @@ def kv_cache_dtype(kv_cache_dtype: str, dtype: str | None, device: str, level: s
     return "float16" if gguf_blocks else "bfloat16"
 
 
-def narrow_sites(narrow: torch.dtype | str | None, kv_cache_dtype: torch.dtype | str) -> str:
-    """", bfloat16 MLP" or ", bfloat16 MLP and attention" (attention narrows only over a K/V cache of the narrow
-    dtype: models/bound_layers.py pairs them), "" without a narrow dtype: for start-up lines and reports."""
-    if narrow is None:
-        return ""
-    name = str(narrow).removeprefix("torch.")
-    return f", {name} MLP and attention" if str(kv_cache_dtype).removeprefix("torch.") == name else f", {name} MLP"
+def narrow_sites(narrow: torch.dtype | str | None) -> str:
+    """", bfloat16 attention" where attention runs narrower than the activations, "": for start-up lines and
+    reports."""
+    return "" if narrow is None else f", {str(narrow).removeprefix('torch.')} attention"
 
 
 def describe(level: str | None) -> str:

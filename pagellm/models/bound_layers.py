@@ -103,16 +103,20 @@ class BoundLayer:
         self.qk_args = attn.qk_norm_args()
         self.paged = attn.attn
         self.activation = FUSED_ACTIVATIONS[mlp.activation]
-        # narrow (PlanSettings.narrow, the activations' dtype): the MLP's intermediate, and attention where
-        # narrow_attention (the K/V cache pairs with the narrow dtype), in the first, the rest in the second; only
-        # where the projections write any output dtype (a GGUF's blocks)
-        self.narrow = self.narrow_attention = None
-        if narrow is not None and narrow[0] in kernels.dtypes and all(
-                isinstance(linear, BoundMatmul) for linear in (self.o, self.gate_up, self.down)):
-            self.narrow = narrow[0]
-            self.narrow_attention = narrow[0] if narrow_attention else None
-            self.o, self.down = (functools.partial(f, out_dtype=narrow[1]) for f in (self.o, self.down))
-            self.gate_up = functools.partial(self.gate_up, out_dtype=narrow[0])
+        # narrow (PlanSettings.narrow, the activations' dtype): attention in the first where narrow_attention (the
+        # K/V cache pairs with it), the o projection taking its output and writing the second; only where the
+        # projection writes any output dtype (a GGUF's blocks)
+        self.narrow_attention = None
+        if (narrow is not None and narrow_attention and narrow[0] in kernels.dtypes
+                and isinstance(self.o, BoundMatmul)):
+            self.narrow_attention = narrow[0]
+            self.o = functools.partial(self.o, out_dtype=narrow[1])
+        # a GGUF gate/up of one format computes act(gate) * up in its own epilogue: the same bits, without the
+        # [T, 2I] intermediate written and read back (csrc/quant_gguf.cpp)
+        code = layer_ops.ACTIVATIONS.get(self.activation)
+        self.gate_up_act = None
+        if isinstance(self.gate_up, BoundMatmul) and self.gate_up.fuses_gate_up() and code is not None:
+            self.gate_up_act = functools.partial(self.gate_up.gate_up_act, activation=code)
         # each fused residual call applies one eps and flavour to two norms
         self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down)
                    and kernels.head_dim_ok(attn.head_dim)  # known here, not mid-step
@@ -147,7 +151,10 @@ class BoundLayer:
         if self.all_reduce is not None:
             attended = self.all_reduce(attended)
         h, x = self.residual(h, attended, w_post_mid, self.norm_mid, w_mid)
-        hidden = kernels.act_mul(self.gate_up(x), self.activation)  # [T, 2I] -> [T, I]
+        if self.gate_up_act is not None:
+            hidden = self.gate_up_act(x)  # [T, I]
+        else:
+            hidden = kernels.act_mul(self.gate_up(x), self.activation)  # [T, 2I] -> [T, I]
         mlp_out = self.down(hidden)  # [T, E]
         if self.all_reduce is not None:
             mlp_out = self.all_reduce(mlp_out)
@@ -185,7 +192,7 @@ class PlanSettings:
     kv_cache_dtype: torch.dtype
     bound_layers: bool = True
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-    narrow: torch.dtype | None = None  # the MLP's intermediate dtype, attention's too over a cache of it (narrow_dtype)
+    narrow: torch.dtype | None = None  # attention's dtype over a cache of it, narrower than `dtype` (narrow_dtype)
 
 
 def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,

@@ -32,16 +32,16 @@ def test_the_default_mode_keeps_fp32_accuracy(tmp_path, arch, level):
 
 
 @pytest.mark.parametrize("level", native.host_levels())
-def test_a_gguf_runs_its_mlp_narrow_only_where_bf16_is_native(tmp_path, level):
-    """The default's bound plan at avx512: fp32 activations, the MLP's intermediate in bf16, attention in fp32 over
-    the fp16 K/V (in bf16 over a bf16 cache, as `--kv-cache-dtype bfloat16` asks)."""
-    narrow = mode_narrow_dtype(None, level, gguf_blocks=True)
+def test_a_gguf_runs_fp32_with_its_gate_up_fused_and_bf16_attention_only_over_a_bf16_cache(tmp_path, level):
+    """The default's bound plan at every level: fp32 activations, attention in fp32 over the fp16 K/V, gate/up and
+    the activation in one kernel; at avx512 `--kv-cache-dtype bfloat16` runs attention in bf16 (vdpbf16ps)."""
+    narrow = mode_narrow_dtype(None, level, gguf_blocks=True, kv="bfloat16")
     assert narrow == (BF16 if level == "avx512" else None)
-    assert mode_narrow_dtype(None, level, gguf_blocks=False) is None  # an HF checkpoint's dense weights
-    assert mode_narrow_dtype("float32", level, gguf_blocks=True) is None  # a dtype named is the whole mode
-    if narrow is not None:
-        model = load_mode(tiny_gguf(tmp_path / "llama.gguf", "llama", T.Q4_0), "auto", F32, KernelConfig(cpu_isa=level))
-        for kv, attention in ((torch.float16, None), (BF16, BF16)):  # the default's fp16 K/V; --kv-cache-dtype bf16
-            bound = plan_model(model, PlanSettings(level, F32, kv, narrow=narrow)).bound
-            assert bound is not None and {(layer.narrow, layer.narrow_attention) for layer in bound.layers} == {
-                (BF16, attention)}
+    assert mode_narrow_dtype(None, level, gguf_blocks=True) is None  # the default fp16 K/V
+    assert mode_narrow_dtype(None, level, gguf_blocks=False, kv="bfloat16") is None  # an HF checkpoint's weights
+    assert mode_narrow_dtype("float32", level, gguf_blocks=True, kv="bfloat16") is None  # a dtype named: the mode
+    model = load_mode(tiny_gguf(tmp_path / "llama.gguf", "llama", T.Q4_0), "auto", F32, KernelConfig(cpu_isa=level))
+    for kv, plan_narrow, attention in ((torch.float16, None, None), (BF16, narrow, narrow)):
+        bound = plan_model(model, PlanSettings(level, F32, kv, narrow=plan_narrow)).bound
+        assert bound is not None and {layer.narrow_attention for layer in bound.layers} == {attention}
+        assert all(layer.gate_up_act is not None for layer in bound.layers)

@@ -180,3 +180,30 @@ def test_an_fp32_output_of_bf16_activations_is_the_bf16_output_unrounded(ggml_ty
     assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
     assert torch.equal(wide.to(torch.bfloat16), narrow)
     assert not torch.equal(wide, narrow.float())  # really unrounded
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_gate_up_act_is_act_mul_over_the_matmul_bit_for_bit(ggml_type, cpu_isa):
+    from pagellm.kernels import layer_ops
+    data = gguf_tensor(ggml_type, 96, 512, seed=3)  # gate rows 0-47, up rows 48-95
+    weight = gguf_blocks.repack(data, ggml_type, (96, 512))
+    for bias in (None, torch.randn(96)):
+        bound = gguf_blocks.BoundMatmul([weight], bias, cpu_isa)
+        for rows in (1, 13, 40):
+            x = torch.randn(rows, 512) * 3
+            for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+                for name, code in layer_ops.ACTIVATIONS.items():
+                    separate = layer_ops.act_mul_unchecked(bound(x, dtype), name, cpu_isa)
+                    fused = bound.gate_up_act(x, code, dtype)  # fp32 activations, the output in dtype
+                    assert fused.shape == (rows, 48) and torch.equal(fused.view(bits), separate.view(bits))
+
+
+def test_gate_up_act_refuses_what_it_cannot_fuse():
+    q8 = gguf_blocks.repack(gguf_tensor(T.Q8_0, 32, 64), T.Q8_0, (32, 64))
+    q4 = gguf_blocks.repack(gguf_tensor(T.Q4_0, 32, 64), T.Q4_0, (32, 64))
+    two_formats = gguf_blocks.BoundMatmul([q8, q4], None, None if not gguf_blocks.available("generic") else "generic")
+    assert not two_formats.fuses_gate_up()
+    with pytest.raises(ValueError, match="one segment"):
+        two_formats.gate_up_act(torch.randn(2, 64), 0)
+    with pytest.raises(ValueError, match="activation"):
+        gguf_blocks.BoundMatmul([q8], None, "generic").gate_up_act(torch.randn(2, 64), 2)

@@ -130,7 +130,7 @@ def test_presence_and_frequency_penalties_choose_as_the_formula_says(http):
     apply_penalties ranks first on the server's own raw logprobs. Dropping either penalty, swapping their values,
     or dropping both would rank another token first at some step: then the server's output would have differed."""
     presence, frequency = 1.5, 0.5  # distinct: a swap changes the penalty of every token seen twice or more
-    out = complete(http, prompt="red, green, blue, red, green,", max_tokens=10, temperature=0,
+    out = complete(http, prompt="red, green, blue, red, green,", max_tokens=16, temperature=0,
                    presence_penalty=presence, frequency_penalty=frequency, logprobs=MAX_TOP)
     lp = out["choices"][0]["logprobs"]
     for above_chosen, above_floor in penalized(lp, presence, frequency):
@@ -144,8 +144,7 @@ def test_presence_and_frequency_penalties_choose_as_the_formula_says(http):
 @pytest.fixture(scope="module")
 def local_model():
     """The server's model in this process, as `pagellm serve` loads it: default kernel level, "auto" dtypes (for
-    a GGUF's blocks: float32 with fp16 K/V, the MLP's intermediate in bfloat16 on an AVX-512 BF16 host) and GGUF
-    quantization."""
+    a GGUF's blocks: float32 with fp16 K/V) and GGUF quantization."""
     from pagellm.config import KernelConfig
     from pagellm.eval.forward import load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype
     from pagellm.kernels.selection import select_kernels

@@ -22,9 +22,11 @@
 //   generic  plain C++ loops
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "act_mul.h"  // act_mul_row: gate_up_act's epilogue
 #include "fma_f32.h"
 #include "gguf_format.h"
 #include "int4_common.h"
@@ -335,14 +337,15 @@ const int32_t* zero_starts(const QuantizedActivations& a, int64_t M, int64_t G) 
 }
 
 // Blocks [first, last) against all M activation rows: a chunk of blocks at a time (~256 KB, in L2), pass by pass
-// over it (as quant_gemv_q8.cpp's q8_blocks, whose measurements hold here).
-template <class F>
+// over it (as quant_gemv_q8.cpp's q8_blocks, whose measurements hold here). emit(m0, mr, nb, totals, paired)
+// takes each block's fp32 sums for rows m0 .. m0 + mr - 1; with pair > 0 paired holds block nb + pair's (the up
+// projection's block beside the gate's, for gate_up_act), otherwise nothing.
+template <class F, class Emit>
 void gguf_blocks(int64_t first, int64_t last, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp,
-                 const QuantizedActivations& a, int64_t M, int64_t K, int64_t ldo, const void* bias, void* out,
-                 int out_bf16) {
+                 const QuantizedActivations& a, int64_t M, int64_t K, int64_t pair, Emit&& emit) {
     const int64_t G = K / kGroup;
     const int64_t block_bytes = G * (F::kGroupBytes + F::kParamBytes) + K / 256 * F::kSuperBytes;
-    const int64_t chunk_size = std::max<int64_t>(1, (256 << 10) / block_bytes);
+    const int64_t chunk_size = std::max<int64_t>(1, (256 << 10) / (block_bytes * (pair ? 2 : 1)));
     const int32_t* starts = zero_starts<F>(a, M, G);
     for (int64_t chunk = first; chunk < last; chunk += chunk_size) {
         for (int64_t p = 0; p < row_passes(M); ++p) {
@@ -350,21 +353,48 @@ void gguf_blocks(int64_t first, int64_t last, const uint8_t* qs, const uint8_t* 
             const int mr = int(first_row(p + 1, M) - m0);
             const Panel panel{a.q + m0 * K / 4, a.scale + m0 * G, a.scaled_sum + m0 * G,
                               starts ? starts + 2 * m0 * G : nullptr};
-            for (int64_t nb = chunk; nb < std::min(last, chunk + chunk_size); ++nb) {
-                float total[kMaxRowsQ8][16];
+            auto block = [&](int64_t nb, float (*total)[16]) {
                 gguf_block_any<F>(mr, qs + nb * G * F::kGroupBytes, gp + nb * G * F::kParamBytes,
                                   sp + nb * (K / 256) * F::kSuperBytes, panel, K, total,
                                   std::make_integer_sequence<int, kMaxRowsQ8>());
-                for (int r = 0; r < mr; ++r)
-                    for (int i = 0; i < kBlock; ++i) {
-                        const float v = total[r][i];
-                        store_value(out, (m0 + r) * ldo + nb * kBlock + i,
-                                    bias ? v + load_value(bias, nb * kBlock + i, out_bf16) : v, out_bf16);
-                    }
+            };
+            for (int64_t nb = chunk; nb < std::min(last, chunk + chunk_size); ++nb) {
+                float total[kMaxRowsQ8][16], paired[kMaxRowsQ8][16];
+                block(nb, total);
+                if (pair) block(nb + pair, paired);
+                emit(m0, mr, nb, total, paired);
             }
         }
     }
 }
+
+// The stored output of a block's sums: v (+ bias) rounded once to out's dtype.
+inline void store_block(void* out, int64_t ldo, const void* bias, int out_bf16, int64_t m0, int mr, int64_t nb,
+                        const float (*total)[16]) {
+    for (int r = 0; r < mr; ++r)
+        for (int i = 0; i < kBlock; ++i) {
+            const float v = total[r][i];
+            store_value(out, (m0 + r) * ldo + nb * kBlock + i,
+                        bias ? v + load_value(bias, nb * kBlock + i, out_bf16) : v, out_bf16);
+        }
+}
+
+// gate_up_act's epilogue: the gate and up blocks stored as the plain matmul stores them (into 16-value rows of
+// T, out's type), then act_mul.h's row arithmetic on those values, so the bits are those of the two calls.
+template <typename T, int ACT>
+struct GateUpEmit {
+    T* out;  // [M, I]
+    int64_t I, pair;
+    const void* bias;  // [2I] in T, or null
+
+    void operator()(int64_t m0, int mr, int64_t nb, const float (*gate)[16], const float (*up)[16]) const {
+        constexpr int kBf16 = std::is_same_v<T, uint16_t>;
+        T g[kMaxRowsQ8][16], u[kMaxRowsQ8][16];
+        store_block(g, 16, bias ? static_cast<const T*>(bias) + nb * kBlock : nullptr, kBf16, 0, mr, 0, gate);
+        store_block(u, 16, bias ? static_cast<const T*>(bias) + (nb + pair) * kBlock : nullptr, kBf16, 0, mr, 0, up);
+        for (int r = 0; r < mr; ++r) act_mul_row<T, ACT>(g[r], u[r], out + (m0 + r) * I + nb * kBlock, kBlock);
+    }
+};
 
 // Row n's dequantized weights into out[K] (fp32 or bf16): scale * (q - zero) (+ min), as the gguf package.
 template <class F>
@@ -395,8 +425,35 @@ extern "C" int pagellm_gguf_matmul_q8(const void* x, int x_bf16, int64_t M, int6
     return with_format(format, [&](auto f) {
         using F = decltype(f);
         q8_matmul(x, x_bf16, M, K, N, [&](int64_t first, int64_t last, const QuantizedActivations& a) {
-            gguf_blocks<F>(first, last, qs, gp, sp, a, M, K, ldo, bias, out, out_bf16);
+            gguf_blocks<F>(first, last, qs, gp, sp, a, M, K, 0,
+                           [&](int64_t m0, int mr, int64_t nb, const float (*total)[16], const float (*)[16]) {
+                               store_block(out, ldo, bias, out_bf16, m0, mr, nb, total);
+                           });
         });
+    }) ? 0 : -1;
+}
+
+// out[M, I] = act(x W_gate^T + b_gate) * (x W_up^T + b_up) for W [2I, K] the joined gate/up projection (gate
+// rows first) in one format `format`, bias [2I] or null, act 0 = silu, 1 = gelu (tanh): each projection rounded to
+// out's dtype as pagellm_gguf_matmul_q8 stores it, then pagellm_act_mul's arithmetic, bit for bit the two calls,
+// without writing and reading back the [M, 2I] intermediate or a second pass over it. I a multiple of 16.
+// Returns 0, or -1 for an unknown format or act.
+extern "C" int pagellm_gguf_gate_up_act(const void* x, int x_bf16, int64_t M, int64_t K, int format, const uint8_t* qs,
+                                        const uint8_t* gp, const uint8_t* sp, int64_t I, const void* bias, int act,
+                                        void* out, int out_bf16) {
+    if (act != 0 && act != 1) return -1;
+    return with_format(format, [&](auto f) {
+        using F = decltype(f);
+        auto run = [&](auto emit) {
+            q8_matmul(x, x_bf16, M, K, I, [&](int64_t first, int64_t last, const QuantizedActivations& a) {
+                gguf_blocks<F>(first, last, qs, gp, sp, a, M, K, I / kBlock, emit);
+            });
+        };
+        const int64_t pair = I / kBlock;
+        if (out_bf16 && act == 1) run(GateUpEmit<uint16_t, 1>{static_cast<uint16_t*>(out), I, pair, bias});
+        else if (out_bf16) run(GateUpEmit<uint16_t, 0>{static_cast<uint16_t*>(out), I, pair, bias});
+        else if (act == 1) run(GateUpEmit<float, 1>{static_cast<float*>(out), I, pair, bias});
+        else run(GateUpEmit<float, 0>{static_cast<float*>(out), I, pair, bias});
     }) ? 0 : -1;
 }
 
