@@ -38,8 +38,8 @@ class ModelConfig(_FromDict):
     )
     dtype: str | None = _help(
         "Compute dtype: float32, bfloat16, float16 or auto (the default): on CUDA bfloat16 (float16 on a GPU "
-        "without bf16); on CPU float32 for a GGUF run as stored (with its MLP intermediate and attention in "
-        "bfloat16 at avx512), else bfloat16 where the kernel level has a native bf16 dot product (avx512) and "
+        "without bf16); on CPU float32 for a GGUF run as stored (attention in bfloat16 at avx512 only over a "
+        "bfloat16 --kv-cache-dtype), else bfloat16 where the kernel level has a native bf16 dot product (avx512) and "
         "float32 elsewhere; float32 on other devices.", default=None)
     max_model_len: int | None = _help("Longest sequence served (default: the model's context length).", default=None)
     device: str = _help("torch device to run on.", default="cpu")

@@ -14,8 +14,8 @@ def add_model_mode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="GGUF file or HF checkpoint directory (default: the embedded Gemma 3 270M Q4_K_M)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                        help="pagellm compute dtype (default auto, as the engine: float32 for a GGUF as stored, "
-                             "its MLP intermediate bf16 at avx512; else bfloat16 at avx512, float32 below)")
+                        help="pagellm compute dtype (default auto, as the engine: float32 for a GGUF as stored; "
+                             "else bfloat16 at avx512, float32 below)")
     parser.add_argument("--quantization", default="auto", choices=["none", "int8", "int4", "auto"],
                         help="pagellm weights kept quantized (see `pagellm serve --help`; default auto: GGUF as stored)")
     parser.add_argument("--cpu-isa", default=None, choices=["auto", "avx512", "avx2", "generic"],

@@ -45,12 +45,13 @@ _BLOCKS = (Flag("format"), Tensor("qs"), Tensor("gp"), Tensor("sp"))  # a GGUFWe
 _MATMUL = Function("pagellm_gguf_matmul_q8", (
     Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("N"), Int("ldo"), Address("bias"),
     Address("out"), Flag("out_dtype")), returns=ctypes.c_int)
-_GATE_UP_ACT = Function("pagellm_gguf_gate_up_act", (
+_MLP = Function("pagellm_gguf_mlp", (
     Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("I"), Address("bias"), Flag("act"),
+    Flag("down_format"), Tensor("down_qs"), Tensor("down_gp"), Tensor("down_sp"), Int("N"), Address("down_bias"),
     Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int)
 _ROWS = Function("pagellm_gguf_rows", (*_BLOCKS, Int("N"), Int("K"), Tensor("ids", (torch.int64,)), Int("T"),
                                        Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int64)
-_KERNELS = native.Library("quant_gguf", [_MATMUL, _GATE_UP_ACT, _ROWS], "GGUF blocks x int8 matmul", extensions=("avx_vnni",))
+_KERNELS = native.Library("quant_gguf", [_MATMUL, _MLP, _ROWS], "GGUF blocks x int8 matmul", extensions=("avx_vnni",))
 LIBRARIES = (_KERNELS,)  # for kernels/selection.py
 _DTYPE_FLAG = native.DTYPE_CODES
 
@@ -232,7 +233,7 @@ class BoundMatmul:
         if any(w.cols != self.cols for w in weights):
             raise ValueError(f"weights side by side need one input width, got {[w.cols for w in weights]}")
         self._fn = _kernel(_MATMUL.symbol, at)
-        self._at, self._gate_up_fn = at, None
+        self.at = at
         offsets = np.cumsum([0] + [w.rows for w in weights])[:-1].tolist()
         self._calls = [(int(o), (w.format_id, w.qs, w.gp, w.sp, w.rows)) for o, w in zip(offsets, weights)]
         self._biases = {}  # dtype -> the bias in it
@@ -257,38 +258,48 @@ class BoundMatmul:
                      out_at + offset * size, code)
         return out
 
-    def fuses_gate_up(self) -> bool:
-        """Whether gate_up_act takes this weight: one format (one segment) of 2I rows, I whole 16-row blocks."""
-        return len(self._calls) == 1 and self.rows % (2 * BLOCK_ROWS) == 0
-
-    def gate_up_act(self, x: torch.Tensor, activation: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [..., K] -> act(gate) * up [..., I] for this weight the joined gate/up projection (gate rows first;
-        fuses_gate_up), activation 0 = silu, 1 = gelu (tanh): the bits of act_mul over this matmul's output in
-        out_dtype, without that [..., 2I] output (csrc/quant_gguf.cpp)."""
-        if x.shape[-1] != self.cols or not x.is_cpu or x.dtype not in _DTYPE_FLAG:
-            raise ValueError(f"expected a CPU fp32 or bf16 input of {self.cols} features, got {tuple(x.shape)} "
-                             f"{x.dtype} on {x.device}")
-        out_dtype = out_dtype or x.dtype
-        if not self.fuses_gate_up() or out_dtype not in _DTYPE_FLAG or activation not in (0, 1):
-            raise ValueError(f"gate_up_act takes one segment of 2I rows, I a multiple of {BLOCK_ROWS}, an fp32 or "
-                             f"bf16 output and activation 0 or 1; got {len(self._calls)} segment(s) of {self.rows} "
-                             f"rows, {out_dtype}, activation {activation}")
-        x = x.contiguous()
-        half = self.rows // 2
-        out = torch.empty(*x.shape[:-1], half, dtype=out_dtype)
-        fn = self._gate_up_fn or _kernel(_GATE_UP_ACT.symbol, self._at)
-        self._gate_up_fn = fn
-        if fn(x, x.numel() // self.cols, self.cols, *self._calls[0][1][:4], half, self._bias_in(out_dtype),
-              activation, out):
-            raise RuntimeError(f"pagellm_gguf_gate_up_act refused format {self.weights[0].ggml_type!r}")
-        return out
-
     def _bias_in(self, dtype: torch.dtype) -> int | None:
         if self.bias is None:
             return None
         if dtype not in self._biases:
             self._biases[dtype] = self.bias.detach().to(dtype).contiguous()
         return self._biases[dtype].data_ptr()
+
+
+class BoundMLP:
+    """A gated MLP whose joined gate/up projection (gate rows first, one format) and down projection are GGUF
+    blocks, in one call: x [..., K] -> down(act(gate) * up) [..., N] in x's dtype, the bits of the three calls
+    with the intermediates in x's dtype, neither of them stored (csrc/quant_gguf.cpp's pagellm_gguf_mlp)."""
+
+    def __init__(self, gate_up: BoundMatmul, down: BoundMatmul, activation: int):
+        if not self.fuses(gate_up, down) or activation not in (0, 1):
+            raise ValueError(f"a fused MLP takes a one-format gate/up of 2I rows (I a multiple of {GROUP_SIZE}), a "
+                             f"one-format down of I columns and activation 0 or 1; got {len(gate_up.weights)} and "
+                             f"{len(down.weights)} segment(s), {gate_up.rows} rows, {down.cols} columns, activation "
+                             f"{activation}")
+        self.gate_up, self.down, self.activation = gate_up, down, activation
+        self._fn = _kernel(_MLP.symbol, gate_up.at)
+
+    @staticmethod
+    def fuses(gate_up: BoundMatmul, down: BoundMatmul) -> bool:
+        return (len(gate_up.weights) == 1 and len(down.weights) == 1 and gate_up.rows % (2 * GROUP_SIZE) == 0
+                and down.cols == gate_up.rows // 2)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.gate_up, self.down
+        if x.shape[-1] != gate_up.cols or not x.is_cpu or x.dtype not in _DTYPE_FLAG:
+            raise ValueError(f"expected a CPU fp32 or bf16 input of {gate_up.cols} features, got {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        x = x.contiguous()
+        out = torch.empty(*x.shape[:-1], down.rows, dtype=x.dtype)
+        format_id, qs, gp, sp, _ = gate_up._calls[0][1]
+        down_format, down_qs, down_gp, down_sp, _ = down._calls[0][1]
+        if self._fn(x, x.numel() // gate_up.cols, gate_up.cols, format_id, qs, gp, sp, down.cols,
+                    gate_up._bias_in(x.dtype), self.activation, down_format, down_qs, down_gp, down_sp, down.rows,
+                    down._bias_in(x.dtype), out):
+            raise RuntimeError(f"pagellm_gguf_mlp refused formats {gate_up.weights[0].ggml_type!r}, "
+                               f"{down.weights[0].ggml_type!r}")
+        return out
 
 
 def rows(weight: GGUFWeight, ids: torch.Tensor, at: str | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import nn
 
 from pagellm.kernels import attention, cuda_ops, layer_ops, native
 from pagellm.kernels.binding import kv_cache_pairs
-from pagellm.kernels.gguf_blocks import BoundMatmul
+from pagellm.kernels.gguf_blocks import BoundMatmul, BoundMLP
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.mlp import FUSED_ACTIVATIONS
@@ -111,12 +111,12 @@ class BoundLayer:
                 and isinstance(self.o, BoundMatmul)):
             self.narrow_attention = narrow[0]
             self.o = functools.partial(self.o, out_dtype=narrow[1])
-        # a GGUF gate/up of one format computes act(gate) * up in its own epilogue: the same bits, without the
-        # [T, 2I] intermediate written and read back (csrc/quant_gguf.cpp)
+        # a GGUF MLP (gate/up of one format) in one call: the same bits, no intermediate stored (csrc/quant_gguf.cpp)
         code = layer_ops.ACTIVATIONS.get(self.activation)
-        self.gate_up_act = None
-        if isinstance(self.gate_up, BoundMatmul) and self.gate_up.fuses_gate_up() and code is not None:
-            self.gate_up_act = functools.partial(self.gate_up.gate_up_act, activation=code)
+        self.fused_mlp = None
+        if (code is not None and all(isinstance(linear, BoundMatmul) for linear in (self.gate_up, self.down))
+                and BoundMLP.fuses(self.gate_up, self.down)):
+            self.fused_mlp = BoundMLP(self.gate_up, self.down, code)
         # each fused residual call applies one eps and flavour to two norms
         self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down)
                    and kernels.head_dim_ok(attn.head_dim)  # known here, not mid-step
@@ -151,11 +151,10 @@ class BoundLayer:
         if self.all_reduce is not None:
             attended = self.all_reduce(attended)
         h, x = self.residual(h, attended, w_post_mid, self.norm_mid, w_mid)
-        if self.gate_up_act is not None:
-            hidden = self.gate_up_act(x)  # [T, I]
+        if self.fused_mlp is not None:
+            mlp_out = self.fused_mlp(x)  # [T, E]
         else:
-            hidden = kernels.act_mul(self.gate_up(x), self.activation)  # [T, 2I] -> [T, I]
-        mlp_out = self.down(hidden)  # [T, E]
+            mlp_out = self.down(kernels.act_mul(self.gate_up(x), self.activation))  # [T, 2I] -> [T, I] -> [T, E]
         if self.all_reduce is not None:
             mlp_out = self.all_reduce(mlp_out)
         return h, (mlp_out, w_post_mlp)

@@ -33,8 +33,8 @@ def test_the_default_mode_keeps_fp32_accuracy(tmp_path, arch, level):
 
 @pytest.mark.parametrize("level", native.host_levels())
 def test_a_gguf_runs_fp32_with_its_gate_up_fused_and_bf16_attention_only_over_a_bf16_cache(tmp_path, level):
-    """The default's bound plan at every level: fp32 activations, attention in fp32 over the fp16 K/V, gate/up and
-    the activation in one kernel; at avx512 `--kv-cache-dtype bfloat16` runs attention in bf16 (vdpbf16ps)."""
+    """The default's bound plan at every level: fp32 activations, attention in fp32 over the fp16 K/V, the MLP in
+    one kernel; at avx512 `--kv-cache-dtype bfloat16` runs attention in bf16 (vdpbf16ps)."""
     narrow = mode_narrow_dtype(None, level, gguf_blocks=True, kv="bfloat16")
     assert narrow == (BF16 if level == "avx512" else None)
     assert mode_narrow_dtype(None, level, gguf_blocks=True) is None  # the default fp16 K/V
@@ -44,4 +44,4 @@ def test_a_gguf_runs_fp32_with_its_gate_up_fused_and_bf16_attention_only_over_a_
     for kv, plan_narrow, attention in ((torch.float16, None, None), (BF16, narrow, narrow)):
         bound = plan_model(model, PlanSettings(level, F32, kv, narrow=plan_narrow)).bound
         assert bound is not None and {layer.narrow_attention for layer in bound.layers} == {attention}
-        assert all(layer.gate_up_act is not None for layer in bound.layers)
+        assert all(layer.fused_mlp is not None for layer in bound.layers)

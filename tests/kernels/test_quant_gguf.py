@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.kernels import gguf_blocks, native
+from pagellm.kernels import gguf_blocks, layer_ops, native
 from tests.kernels.gguf_blocks_builders import KERNEL_TYPES, T, gguf_tensor
 from tests.kernels import requires_compiler
 
@@ -183,27 +183,42 @@ def test_an_fp32_output_of_bf16_activations_is_the_bf16_output_unrounded(ggml_ty
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-def test_gate_up_act_is_act_mul_over_the_matmul_bit_for_bit(ggml_type, cpu_isa):
-    from pagellm.kernels import layer_ops
-    data = gguf_tensor(ggml_type, 96, 512, seed=3)  # gate rows 0-47, up rows 48-95
-    weight = gguf_blocks.repack(data, ggml_type, (96, 512))
-    for bias in (None, torch.randn(96)):
-        bound = gguf_blocks.BoundMatmul([weight], bias, cpu_isa)
-        for rows in (1, 13, 40):
+def test_the_fused_mlp_is_the_three_calls_bit_for_bit(ggml_type, cpu_isa):
+    gate_up = gguf_blocks.repack(gguf_tensor(ggml_type, 512, 512, seed=3), ggml_type, (512, 512))  # I = 256
+    down_type = T.Q6_K if ggml_type != T.Q6_K else T.Q4_0  # the two formats differ, as in a Q4_K_M file
+    down = gguf_blocks.repack(gguf_tensor(down_type, 48, 256, seed=4), down_type, (48, 256))
+    for biases in ((None, None), (torch.randn(gate_up.rows), torch.randn(48))):
+        first, second = gguf_blocks.BoundMatmul([gate_up], biases[0], cpu_isa), gguf_blocks.BoundMatmul(
+            [down], biases[1], cpu_isa)
+        for rows in (1, 13, 40, 160):  # 160: x quantized by both threads
             x = torch.randn(rows, 512) * 3
             for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
                 for name, code in layer_ops.ACTIVATIONS.items():
-                    separate = layer_ops.act_mul_unchecked(bound(x, dtype), name, cpu_isa)
-                    fused = bound.gate_up_act(x, code, dtype)  # fp32 activations, the output in dtype
+                    xs = x.to(dtype)
+                    separate = second(layer_ops.act_mul_unchecked(first(xs), name, cpu_isa))
+                    fused = gguf_blocks.BoundMLP(first, second, code)(xs)
                     assert fused.shape == (rows, 48) and torch.equal(fused.view(bits), separate.view(bits))
 
 
-def test_gate_up_act_refuses_what_it_cannot_fuse():
-    q8 = gguf_blocks.repack(gguf_tensor(T.Q8_0, 32, 64), T.Q8_0, (32, 64))
-    q4 = gguf_blocks.repack(gguf_tensor(T.Q4_0, 32, 64), T.Q4_0, (32, 64))
-    two_formats = gguf_blocks.BoundMatmul([q8, q4], None, None if not gguf_blocks.available("generic") else "generic")
-    assert not two_formats.fuses_gate_up()
-    with pytest.raises(ValueError, match="one segment"):
-        two_formats.gate_up_act(torch.randn(2, 64), 0)
-    with pytest.raises(ValueError, match="activation"):
-        gguf_blocks.BoundMatmul([q8], None, "generic").gate_up_act(torch.randn(2, 64), 2)
+def test_the_fused_mlp_over_wide_blocks_keeps_each_group_in_one_chunk(cpu_isa):
+    """K = 8192: a chunk of gate/up blocks holds only a few (~256 KB), an odd number before rounding."""
+    gate_up = gguf_blocks.repack(gguf_tensor(T.Q8_0, 448, 8192, seed=5), T.Q8_0, (448, 8192))  # I = 224: 7 groups
+    down = gguf_blocks.repack(gguf_tensor(T.Q4_0, 32, 224, seed=6), T.Q4_0, (32, 224))
+    first, second = (gguf_blocks.BoundMatmul([w], None, cpu_isa) for w in (gate_up, down))
+    x = torch.randn(5, 8192)
+    separate = second(layer_ops.act_mul_unchecked(first(x), "silu", cpu_isa))
+    assert torch.equal(gguf_blocks.BoundMLP(first, second, 0)(x), separate)
+
+
+def test_the_fused_mlp_refuses_what_it_cannot_fuse():
+    q8 = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(T.Q8_0, 64, 64), T.Q8_0, (64, 64))], None, "generic")
+    two = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(t, 32, 64), t, (32, 64)) for t in (T.Q8_0, T.Q4_0)],
+                                  None, "generic")
+    down = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(T.Q8_0, 16, 32), T.Q8_0, (16, 32))], None,
+                                   "generic")
+    assert gguf_blocks.BoundMLP.fuses(q8, down) and not gguf_blocks.BoundMLP.fuses(two, down)
+    assert not gguf_blocks.BoundMLP.fuses(q8, q8)  # down must take I = 32 columns
+    with pytest.raises(ValueError, match="one-format gate/up"):
+        gguf_blocks.BoundMLP(two, down, 0)
+    with pytest.raises(ValueError, match="activation 2"):
+        gguf_blocks.BoundMLP(q8, down, 2)

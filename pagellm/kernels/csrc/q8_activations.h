@@ -52,7 +52,9 @@ struct QuantizedActivations {
     int32_t* half_sum;  // panel p at first_row(p) * G * 2: [G, rows, 2] sum_k a over columns 0-15, 16-31
 };
 
-// The calling thread's buffers, grown to M x K: no allocation per call once warm.
+// The calling thread's buffers, grown to M x K: no allocation per call once warm. kSlot: another set, for a call
+// that holds two (the fused MLP: its input's and its hidden rows').
+template <int kSlot = 0>
 inline QuantizedActivations activation_buffers(int64_t M, int64_t K) {
     thread_local std::vector<int32_t> q, half_sum;
     thread_local std::vector<float> scale, scaled_sum;
@@ -190,14 +192,18 @@ void quantize_group_from(const void* x, int x_bf16, int64_t at, const GroupSlot&
 }
 #endif
 
+// Where group g of row m (of M rows, G groups each) goes in its pass's panels of a.
+inline GroupSlot group_slot(int64_t m, int64_t g, int64_t M, int64_t G, const QuantizedActivations& a) {
+    const int64_t p = pass_of(m, M), m0 = first_row(p, M);
+    const int64_t rows = first_row(p + 1, M) - m0, r = m - m0;
+    const int64_t at = m0 * G + g * rows + r;  // in scale and scaled_sum; q has 8 quads a group, half_sum 2
+    return {a.q + 8 * (m0 * G + g * rows) + r, rows, a.scale + at, a.scaled_sum + at, a.half_sum + 2 * at};
+}
+
 // Group j = m * G + g of x [M, K] into its pass's panels of a.
 inline void quantize_group_at(const void* x, int x_bf16, int64_t j, int64_t M, int64_t G,
                               const QuantizedActivations& a) {
-    const int64_t m = j / G, g = j % G, p = pass_of(m, M), m0 = first_row(p, M);
-    const int64_t rows = first_row(p + 1, M) - m0, r = m - m0;
-    const int64_t at = m0 * G + g * rows + r;  // in scale and scaled_sum; q has 8 quads a group, half_sum 2
-    quantize_group_from(x, x_bf16, j * kGroup,
-                        {a.q + 8 * (m0 * G + g * rows) + r, rows, a.scale + at, a.scaled_sum + at, a.half_sum + 2 * at});
+    quantize_group_from(x, x_bf16, j * kGroup, group_slot(j / G, j % G, M, G, a));
 }
 
 // Every group of x [M, K], by the calling threads: inside a parallel region (its loop's barrier ends with all rows

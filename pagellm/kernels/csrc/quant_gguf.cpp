@@ -8,311 +8,18 @@
 // rows per pass over the weights (12 at avx512, 10 at avx2), prefill and large batches reuse each decoded chunk
 // that often (quant_gemv_q8.cpp, the same design on pagellm's int4 layout).
 //
-// Per row lane and group: isum = sum_k q a (exact in int32), then in fp32
-//   total += (isum - zero * sum_k a) * (scale * d)            (the zero point in integers: exact; the sums
-//                                                             start from -zero * sum_k a, one broadcast a row)
-//   total += min * (d * sum_k a)                               (formats with a min)
-// with Q6_K's two 16-column halves each taking their own scale and half sum. Three builds of this arithmetic,
-// bit-identical (integer sums are exact; every fp32 step is the same operation in the same order):
-//   avx512   vpdpbusd on 16 rows at once; Q8_0's signed codes shifted to unsigned (xor 0x80), the shift taken
-//            back with the zero point (128 * sum a)
-//   avx2     vpmaddubsw + vpmaddwd on 8 rows at once (chunks add in int16 as far as they cannot overflow it:
-//            8 of 4-bit codes, as quant_gemv_q8.cpp, 4 of 5-bit, 2 of 6-bit; Q8_0 by llama.cpp's sign trick,
-//            |q| x sign(a, q), at most 128 x 127 x 2, widens every chunk). With AVX-VNNI: vpdpbusd as avx512
-//   generic  plain C++ loops
+// Per row lane and group, the arithmetic and its three builds (avx512, avx2, generic; bit-identical):
+// gguf_block_rows.h.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "act_mul.h"  // act_mul_row: gate_up_act's epilogue
-#include "fma_f32.h"
-#include "gguf_format.h"
-#include "int4_common.h"
-#include "q8_activations.h"
+#include "act_mul.h"  // act_mul_row: gguf_mlp's epilogue
+#include "gguf_block_rows.h"  // Panel, gguf_block_rows per level; gguf_format.h, q8_activations.h
 
 namespace {
-
-// One pass's activation panels (q8_activations.h), at the pass's first row.
-struct Panel {
-    const int32_t* q;     // [K/4, MR] quads
-    const float* d;       // [G, MR]
-    const float* dsum;    // [G, MR] d * sum a
-    const int32_t* zero_start;  // [G, MR, 2] -zero * sum of a over the columns scale h covers (zero_starts)
-};
-
-// The integer zero point a level subtracts: the format's, plus 128 where Q8_0's codes were shifted.
-template <class F, bool kShifted>
-constexpr int32_t zero_point() { return F::kZero + (F::kBits == 8 && kShifted ? 128 : 0); }
-
-// Sum of a over the columns a group's scale h covers (both halves for one-scale formats).
-template <class F>
-inline int32_t covered_sum(const int32_t* half, int h) { return F::kHalves == 2 ? half[h] : half[0] + half[1]; }
-
-#if !PAGELLM_Q8_AVX512 && !PAGELLM_Q8_AVX2
-constexpr bool kShiftedQ8 = false;
-#endif
-
-#if PAGELLM_Q8_AVX512
-constexpr bool kShiftedQ8 = true;
-
-// ((plane >> t) & 0x01010101) << bit or-ed into v: the code bit `bit` of chunk t's 4 codes per row lane.
-template <int Bit>
-inline __m512i with_plane(__m512i v, __m512i plane, int t) {
-    const __m512i moved = _mm512_slli_epi32(_mm512_srli_epi32(plane, t), Bit);
-    return _mm512_ternarylogic_epi32(v, moved, _mm512_set1_epi32(0x01010101 << Bit), 0xF8);  // v | (moved & mask)
-}
-
-// Chunk t of a group: per row lane the codes 4t..4t+3 as unsigned bytes.
-template <class F>
-inline __m512i chunk_codes(const uint8_t* q, int t) {
-    if constexpr (F::kBits == 8)
-        return _mm512_xor_si512(_mm512_loadu_si512(q + 64 * t), _mm512_set1_epi8(char(0x80)));
-    __m512i v = unpack_chunk(q + 32 * t);
-    if constexpr (F::kBits >= 5) v = with_plane<4>(v, _mm512_loadu_si512(q + 256), t);
-    if constexpr (F::kBits >= 6) v = with_plane<5>(v, _mm512_loadu_si512(q + 320), t);
-    return v;
-}
-
-struct VectorScales {
-    __m512 scale[2];
-    __m512 min;
-};
-
-template <class F>
-inline VectorScales group_scales(const uint8_t* gp, const uint8_t* sp) {
-    VectorScales s;
-    if constexpr (F::kScales == Scales::kF16 || F::kScales == Scales::kF16Min) {
-        s.scale[0] = s.scale[1] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)gp));
-        if constexpr (F::kMin) s.min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gp + 32)));
-    } else if constexpr (F::kScales == Scales::kSuper) {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)));
-        s.scale[0] = s.scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)gp))));
-        const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(gp + 16))));
-        s.min = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, m));
-    } else {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
-        for (int h = 0; h < 2; ++h)
-            s.scale[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(gp + 16 * h)))));
-    }
-    return s;
-}
-
-// out[r] (the block's 16 rows) for the MR activation rows of one pass. SPLIT partial sums per row hide the
-// vpdpbusd latency when few rows give few independent chains (exact: integers).
-template <class F, int MR, int SPLIT>
-void gguf_block(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K, float (*out)[16]) {
-    constexpr int kChunks = 8 / F::kHalves;
-    constexpr int32_t kZero = zero_point<F, kShiftedQ8>();
-    __m512 total[MR];
-    for (int r = 0; r < MR; ++r) total[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < K / kGroup; ++g) {
-        const uint8_t* q = qs + g * F::kGroupBytes;
-        for (int64_t l = 0; l < F::kGroupBytes; l += 64) _mm_prefetch((const char*)q + kPrefetch + l, _MM_HINT_T0);
-        const VectorScales s = group_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes);
-        for (int h = 0; h < F::kHalves; ++h) {
-            __m512i acc[MR][SPLIT];
-            for (int r = 0; r < MR; ++r)
-                for (int i = 0; i < SPLIT; ++i) acc[r][i] = _mm512_setzero_si512();
-            if constexpr (kZero != 0)
-                for (int r = 0; r < MR; ++r) acc[r][0] = _mm512_set1_epi32(a.zero_start[2 * (g * MR + r) + h]);
-#pragma GCC unroll 8
-            for (int c = 0; c < kChunks; ++c) {
-                const int t = h * kChunks + c;
-                const __m512i w = chunk_codes<F>(q, t);
-                const int32_t* quads = a.q + (g * 8 + t) * MR;
-                for (int r = 0; r < MR; ++r)
-                    acc[r][c % SPLIT] = _mm512_dpbusd_epi32(acc[r][c % SPLIT], w, _mm512_set1_epi32(quads[r]));
-            }
-            for (int r = 0; r < MR; ++r) {
-                __m512i sum = acc[r][0];
-                for (int i = 1; i < SPLIT; ++i) sum = _mm512_add_epi32(sum, acc[r][i]);
-                const __m512 scaled = _mm512_mul_ps(s.scale[h], _mm512_set1_ps(a.d[g * MR + r]));
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, total[r]);
-                if constexpr (F::kMin) total[r] = _mm512_fmadd_ps(s.min, _mm512_set1_ps(a.dsum[g * MR + r]), total[r]);
-            }
-        }
-    }
-    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out[r], total[r]);
-}
-
-template <class F, int MR>
-void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
-                     float (*out)[16]) {
-    gguf_block<F, MR, (MR <= 1 ? 4 : MR <= 3 ? 2 : 1)>(qs, gp, sp, a, K, out);
-}
-
-#elif PAGELLM_Q8_AVX2
-#ifdef __AVXVNNI__
-constexpr bool kShiftedQ8 = true;
-#else
-constexpr bool kShiftedQ8 = false;
-#endif
-
-template <int Bit>
-inline __m256i with_plane(__m256i v, __m256i plane, int t) {
-    const __m256i moved = _mm256_slli_epi32(_mm256_srli_epi32(plane, t), Bit);
-    return _mm256_or_si256(v, _mm256_and_si256(moved, _mm256_set1_epi32(0x01010101 << Bit)));
-}
-
-// Chunk t of a group, rows 8 * half .. + 7: per row lane the codes 4t..4t+3 (Q8_0: signed, shifted with VNNI).
-template <class F>
-inline __m256i chunk_codes(const uint8_t* q, int t, int half) {
-    if constexpr (F::kBits == 8) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 64 * t + 32 * half));
-        return kShiftedQ8 ? _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80))) : v;
-    }
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * t + 16 * half)));
-    __m256i w = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0F0F0F0F));
-    if constexpr (F::kBits >= 5) w = with_plane<4>(w, _mm256_loadu_si256((const __m256i*)(q + 256 + 32 * half)), t);
-    if constexpr (F::kBits >= 6) w = with_plane<5>(w, _mm256_loadu_si256((const __m256i*)(q + 320 + 32 * half)), t);
-    return w;
-}
-
-#ifndef __AVXVNNI__
-// Chunks whose vpmaddubsw pair sums still add up exactly in int16: two products of a code (< 2^bits; Q8_0's
-// |q| <= 128 by the sign trick) and an activation (|a| <= 127) per pair, so 8 chunks of 4-bit codes, 4 of 5-bit,
-// 2 of 6-bit, 1 of 8-bit. Each batch costs one vpmaddwd + vpaddd instead of one per chunk: a quarter of the
-// instructions of a 5-bit chunk (Q5_0, most of a Q4_K_M file's weights).
-template <class F>
-constexpr int int16_chunks() { return F::kBits == 8 ? 1 : 32767 / (((1 << F::kBits) - 1) * 127 * 2); }
-
-// An empty asm that v passes through, so that its sum is built in the order written: GCC otherwise regroups
-// the chunks' sums into a tree whose partial sums outnumber the 16 ymm registers and spill to the stack.
-// measured: docs/benchmarks/2026-11-24-avx2-level-against-llama-cpp.md
-inline void in_order(__m256i& v) { __asm__("" : "+x"(v)); }
-
-// The int16 pair sums of w's codes with a row's broadcast quad.
-template <class F>
-inline __m256i pair_sums(__m256i w, __m256i quad) {
-    if constexpr (F::kBits == 8) return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(quad, w));
-    return _mm256_maddubs_epi16(w, quad);
-}
-#endif
-
-// acc[r] = the 8 lanes' int32 dot products of chunks h * kChunks .. + kChunks - 1 of group q (rows 8 * half ..)
-// with activation row r's quads (quads: the group's [8, MR]), plus row r's zero start (starts: the group's
-// [MR, 2]).
-template <class F, int MR>
-inline void chunk_sums(const uint8_t* q, int h, int half, const int32_t* quads, const int32_t* starts,
-                       __m256i* acc) {
-    constexpr int kChunks = 8 / F::kHalves;
-    constexpr bool kStarts = zero_point<F, kShiftedQ8>() != 0;
-    for (int r = 0; r < MR; ++r) acc[r] = kStarts ? _mm256_set1_epi32(starts[2 * r + h]) : _mm256_setzero_si256();
-#ifdef __AVXVNNI__
-#pragma GCC unroll 8
-    for (int c = 0; c < kChunks; ++c) {
-        const int t = h * kChunks + c;
-        const __m256i w = chunk_codes<F>(q, t, half);
-        for (int r = 0; r < MR; ++r) acc[r] = _mm256_dpbusd_avx_epi32(acc[r], w, _mm256_set1_epi32(quads[t * MR + r]));
-    }
-#else
-    constexpr int kBatch = std::min(int16_chunks<F>(), kChunks);
-    const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 8
-    for (int b = 0; b < kChunks; b += kBatch) {
-        __m256i part[MR];
-#pragma GCC unroll 8
-        for (int c = 0; c < kBatch; ++c) {
-            const int t = h * kChunks + b + c;
-            const __m256i w = chunk_codes<F>(q, t, half);
-            for (int r = 0; r < MR; ++r) {
-                const __m256i sums = pair_sums<F>(w, _mm256_set1_epi32(quads[t * MR + r]));
-                part[r] = c == 0 ? sums : _mm256_add_epi16(part[r], sums);
-                in_order(part[r]);
-            }
-        }
-        for (int r = 0; r < MR; ++r) {
-            const __m256i widened = _mm256_madd_epi16(part[r], ones);
-            acc[r] = b == 0 && !kStarts ? widened : _mm256_add_epi32(acc[r], widened);  // no add to a zero start
-            in_order(acc[r]);
-        }
-    }
-#endif
-}
-
-inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-
-struct VectorScales {
-    __m256 scale[2];
-    __m256 min;
-};
-
-template <class F>
-inline VectorScales group_scales(const uint8_t* gp, const uint8_t* sp, int half) {
-    VectorScales s;
-    const int64_t o = 8 * half;
-    if constexpr (F::kScales == Scales::kF16 || F::kScales == Scales::kF16Min) {
-        s.scale[0] = s.scale[1] = halves8(gp + 2 * o);
-        if constexpr (F::kMin) s.min = halves8(gp + 32 + 2 * o);
-    } else if constexpr (F::kScales == Scales::kSuper) {
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gp + o))));
-        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gp + 16 + o))));
-        s.scale[0] = s.scale[1] = _mm256_mul_ps(halves8(sp + 2 * o), sc);
-        s.min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(halves8(sp + 32 + 2 * o), m));
-    } else {
-        for (int h = 0; h < 2; ++h)
-            s.scale[h] = _mm256_mul_ps(halves8(sp + 2 * o), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                                _mm_loadl_epi64((const __m128i*)(gp + 16 * h + o)))));
-    }
-    return s;
-}
-
-template <class F, int MR>
-void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
-                     float (*out)[16]) {
-    for (int half = 0; half < 2; ++half) {
-        __m256 total[MR];
-        for (int r = 0; r < MR; ++r) total[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < K / kGroup; ++g) {
-            const uint8_t* q = qs + g * F::kGroupBytes;
-            if (half == 0)
-                for (int64_t l = 0; l < F::kGroupBytes; l += 64) _mm_prefetch((const char*)q + kPrefetch + l, _MM_HINT_T0);
-            const VectorScales s = group_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, half);
-            for (int h = 0; h < F::kHalves; ++h) {
-                __m256i acc[MR];
-                chunk_sums<F, MR>(q, h, half, a.q + g * 8 * MR, a.zero_start + 2 * g * MR, acc);
-                for (int r = 0; r < MR; ++r) {
-                    const __m256i sum = acc[r];
-                    const __m256 scaled = _mm256_mul_ps(s.scale[h], _mm256_set1_ps(a.d[g * MR + r]));
-                    total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, total[r]);
-                    if constexpr (F::kMin) total[r] = _mm256_fmadd_ps(s.min, _mm256_set1_ps(a.dsum[g * MR + r]), total[r]);
-                }
-            }
-        }
-        for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out[r] + 8 * half, total[r]);
-    }
-}
-
-#else
-// The vector blocks' arithmetic one value at a time.
-template <class F, int MR>
-void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
-                     float (*out)[16]) {
-    constexpr int kWidth = 32 / F::kHalves;
-    for (int r = 0; r < MR; ++r) std::fill(out[r], out[r] + kBlock, 0.f);
-    for (int64_t g = 0; g < K / kGroup; ++g) {
-        const uint8_t* q = qs + g * F::kGroupBytes;
-        for (int i = 0; i < kBlock; ++i) {
-            int32_t codes[32];
-            for (int k = 0; k < 32; ++k) codes[k] = code_at<F>(q, i, k);
-            const RowScales s = row_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, i);
-            for (int h = 0; h < F::kHalves; ++h)
-                for (int r = 0; r < MR; ++r) {
-                    int32_t sum = zero_point<F, kShiftedQ8>() != 0 ? a.zero_start[2 * (g * MR + r) + h] : 0;
-                    for (int k = h * kWidth; k < (h + 1) * kWidth; ++k) {
-                        const uint32_t quad = uint32_t(a.q[(g * 8 + k / 4) * MR + r]);
-                        sum += codes[k] * int32_t(int8_t(quad >> (8 * (k % 4))));
-                    }
-                    out[r][i] = fma_f32(float(sum), s.scale[h] * a.d[g * MR + r], out[r][i]);
-                    if constexpr (F::kMin) out[r][i] = fma_f32(s.min, a.dsum[g * MR + r], out[r][i]);
-                }
-        }
-    }
-}
-#endif
 
 template <class F, int... MR>
 void gguf_block_any(int mr, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
@@ -339,13 +46,14 @@ const int32_t* zero_starts(const QuantizedActivations& a, int64_t M, int64_t G) 
 // Blocks [first, last) against all M activation rows: a chunk of blocks at a time (~256 KB, in L2), pass by pass
 // over it (as quant_gemv_q8.cpp's q8_blocks, whose measurements hold here). emit(m0, mr, nb, totals, paired)
 // takes each block's fp32 sums for rows m0 .. m0 + mr - 1; with pair > 0 paired holds block nb + pair's (the up
-// projection's block beside the gate's, for gate_up_act), otherwise nothing.
+// projection's block beside the gate's, for gguf_mlp), otherwise nothing.
 template <class F, class Emit>
 void gguf_blocks(int64_t first, int64_t last, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp,
                  const QuantizedActivations& a, int64_t M, int64_t K, int64_t pair, Emit&& emit) {
     const int64_t G = K / kGroup;
     const int64_t block_bytes = G * (F::kGroupBytes + F::kParamBytes) + K / 256 * F::kSuperBytes;
-    const int64_t chunk_size = std::max<int64_t>(1, (256 << 10) / (block_bytes * (pair ? 2 : 1)));
+    int64_t chunk_size = std::max<int64_t>(1, (256 << 10) / (block_bytes * (pair ? 2 : 1)));
+    if (pair) chunk_size += chunk_size % 2;  // a 32-column group's two blocks in one chunk (gguf_mlp)
     const int32_t* starts = zero_starts<F>(a, M, G);
     for (int64_t chunk = first; chunk < last; chunk += chunk_size) {
         for (int64_t p = 0; p < row_passes(M); ++p) {
@@ -379,22 +87,74 @@ inline void store_block(void* out, int64_t ldo, const void* bias, int out_bf16, 
         }
 }
 
-// gate_up_act's epilogue: the gate and up blocks stored as the plain matmul stores them (into 16-value rows of
-// T, out's type), then act_mul.h's row arithmetic on those values, so the bits are those of the two calls.
+// gguf_mlp's first matmul's epilogue: the gate and up blocks stored as the plain matmul stores them (into
+// 16-value rows of T, the output's type), act_mul.h's row arithmetic on those values into a 32-column scratch
+// row, and each finished group (blocks 2g and 2g + 1) quantized straight into the down projection's panels: the
+// bits of the separate calls, with no intermediate stored. Blocks come in pairs (gguf_blocks: even ranges and
+// chunks), each pass's 2g just before its 2g + 1.
 template <typename T, int ACT>
-struct GateUpEmit {
-    T* out;  // [M, I]
-    int64_t I, pair;
+struct HiddenEmit {
+    QuantizedActivations hidden;  // [M, I] as the down matmul reads its input
+    int64_t M, I;
     const void* bias;  // [2I] in T, or null
+    T scratch[kMaxRowsQ8][2 * kBlock];
 
-    void operator()(int64_t m0, int mr, int64_t nb, const float (*gate)[16], const float (*up)[16]) const {
+    void operator()(int64_t m0, int mr, int64_t nb, const float (*gate)[16], const float (*up)[16]) {
         constexpr int kBf16 = std::is_same_v<T, uint16_t>;
+        const T* b = static_cast<const T*>(bias);
         T g[kMaxRowsQ8][16], u[kMaxRowsQ8][16];
-        store_block(g, 16, bias ? static_cast<const T*>(bias) + nb * kBlock : nullptr, kBf16, 0, mr, 0, gate);
-        store_block(u, 16, bias ? static_cast<const T*>(bias) + (nb + pair) * kBlock : nullptr, kBf16, 0, mr, 0, up);
-        for (int r = 0; r < mr; ++r) act_mul_row<T, ACT>(g[r], u[r], out + (m0 + r) * I + nb * kBlock, kBlock);
+        store_block(g, 16, b ? b + nb * kBlock : nullptr, kBf16, 0, mr, 0, gate);
+        store_block(u, 16, b ? b + I + nb * kBlock : nullptr, kBf16, 0, mr, 0, up);
+        const int half = int(nb % 2);
+        for (int r = 0; r < mr; ++r) act_mul_row<T, ACT>(g[r], u[r], scratch[r] + half * kBlock, kBlock);
+        if (half)
+            for (int r = 0; r < mr; ++r)
+                quantize_group_from(scratch[r], kBf16, 0, group_slot(m0 + r, nb / 2, M, I / kGroup, hidden));
     }
 };
+
+// The down projection's share of thread t of `threads`: its blocks against the quantized hidden rows h.
+inline void down_blocks(int down_format, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp,
+                        const QuantizedActivations& h, int64_t M, int64_t I, int64_t N, const void* bias, void* out,
+                        int out_bf16, int64_t t, int64_t threads) {
+    with_format(down_format, [&](auto f) {
+        const int64_t count = N / kBlock;
+        gguf_blocks<decltype(f)>(count * t / threads, count * (t + 1) / threads, qs, gp, sp, h, M, I, 0,
+                                 [&](int64_t m0, int mr, int64_t nb, const float (*total)[16], const float (*)[16]) {
+                                     store_block(out, N, bias, out_bf16, m0, mr, nb, total);
+                                 });
+    });
+}
+
+struct MlpWeights {  // pagellm_gguf_mlp's arguments past x and its shape
+    const uint8_t *qs, *gp, *sp;
+    int64_t I;
+    const void* bias;
+    int down_format;
+    const uint8_t *down_qs, *down_gp, *down_sp;
+    int64_t N;
+    const void* down_bias;
+};
+
+// One parallel region: x quantized, the gate/up blocks (groups of two) with HiddenEmit, a barrier, the down
+// blocks. Each thread's hidden groups are its own; the barrier makes all of them the down matmul's input.
+template <class F, typename T, int ACT>
+void gguf_mlp(const void* x, int x_bf16, int64_t M, int64_t K, const MlpWeights& w, T* out) {
+    const QuantizedActivations a = activation_buffers(M, K), h = activation_buffers<1>(M, w.I);
+    const bool shared = share_quantization(M, K);
+    if (!shared) quantize_rows(x, x_bf16, M, K, a, false);
+#pragma omp parallel if (worth_threads(w.I * K))
+    {
+        if (shared) quantize_rows(x, x_bf16, M, K, a, true);  // its barrier: all rows ready before any block
+        const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads(), groups = w.I / kGroup;
+        HiddenEmit<T, ACT> emit{h, M, w.I, w.bias, {}};
+        gguf_blocks<F>(2 * (groups * t / threads), 2 * (groups * (t + 1) / threads), w.qs, w.gp, w.sp, a, M, K,
+                       w.I / kBlock, emit);
+#pragma omp barrier
+        down_blocks(w.down_format, w.down_qs, w.down_gp, w.down_sp, h, M, w.I, w.N, w.down_bias, out,
+                    int(std::is_same_v<T, uint16_t>), t, threads);
+    }
+}
 
 // Row n's dequantized weights into out[K] (fp32 or bf16): scale * (q - zero) (+ min), as the gguf package.
 template <class F>
@@ -433,27 +193,24 @@ extern "C" int pagellm_gguf_matmul_q8(const void* x, int x_bf16, int64_t M, int6
     }) ? 0 : -1;
 }
 
-// out[M, I] = act(x W_gate^T + b_gate) * (x W_up^T + b_up) for W [2I, K] the joined gate/up projection (gate
-// rows first) in one format `format`, bias [2I] or null, act 0 = silu, 1 = gelu (tanh): each projection rounded to
-// out's dtype as pagellm_gguf_matmul_q8 stores it, then pagellm_act_mul's arithmetic, bit for bit the two calls,
-// without writing and reading back the [M, 2I] intermediate or a second pass over it. I a multiple of 16.
-// Returns 0, or -1 for an unknown format or act.
-extern "C" int pagellm_gguf_gate_up_act(const void* x, int x_bf16, int64_t M, int64_t K, int format, const uint8_t* qs,
-                                        const uint8_t* gp, const uint8_t* sp, int64_t I, const void* bias, int act,
-                                        void* out, int out_bf16) {
-    if (act != 0 && act != 1) return -1;
+// out[M, N] = (act(x W_gate^T + b_gate) * (x W_up^T + b_up)) W_down^T + b_down: a gated MLP in one call, for W
+// [2I, K] the joined gate/up (gate rows first) in `format`, W_down [N, I] in `down_format`, the biases [2I] and
+// [N] in out's dtype or null, act 0 = silu, 1 = gelu (tanh). The bits of pagellm_gguf_matmul_q8, pagellm_act_mul
+// and pagellm_gguf_matmul_q8 again with the intermediates in out's dtype (fp32 or bf16), without storing either
+// intermediate, and one parallel region for the three. I a multiple of 32. Returns 0, or -1 for an unknown
+// format or act.
+extern "C" int pagellm_gguf_mlp(const void* x, int x_bf16, int64_t M, int64_t K, int format, const uint8_t* qs,
+                                const uint8_t* gp, const uint8_t* sp, int64_t I, const void* bias, int act,
+                                int down_format, const uint8_t* down_qs, const uint8_t* down_gp,
+                                const uint8_t* down_sp, int64_t N, const void* down_bias, void* out, int out_bf16) {
+    if ((act != 0 && act != 1) || !with_format(down_format, [](auto) {})) return -1;
+    const MlpWeights w{qs, gp, sp, I, bias, down_format, down_qs, down_gp, down_sp, N, down_bias};
     return with_format(format, [&](auto f) {
         using F = decltype(f);
-        auto run = [&](auto emit) {
-            q8_matmul(x, x_bf16, M, K, I, [&](int64_t first, int64_t last, const QuantizedActivations& a) {
-                gguf_blocks<F>(first, last, qs, gp, sp, a, M, K, I / kBlock, emit);
-            });
-        };
-        const int64_t pair = I / kBlock;
-        if (out_bf16 && act == 1) run(GateUpEmit<uint16_t, 1>{static_cast<uint16_t*>(out), I, pair, bias});
-        else if (out_bf16) run(GateUpEmit<uint16_t, 0>{static_cast<uint16_t*>(out), I, pair, bias});
-        else if (act == 1) run(GateUpEmit<float, 1>{static_cast<float*>(out), I, pair, bias});
-        else run(GateUpEmit<float, 0>{static_cast<float*>(out), I, pair, bias});
+        if (out_bf16 && act == 1) gguf_mlp<F, uint16_t, 1>(x, x_bf16, M, K, w, static_cast<uint16_t*>(out));
+        else if (out_bf16) gguf_mlp<F, uint16_t, 0>(x, x_bf16, M, K, w, static_cast<uint16_t*>(out));
+        else if (act == 1) gguf_mlp<F, float, 1>(x, x_bf16, M, K, w, static_cast<float*>(out));
+        else gguf_mlp<F, float, 0>(x, x_bf16, M, K, w, static_cast<float*>(out));
     }) ? 0 : -1;
 }
 
