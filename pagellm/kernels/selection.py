@@ -71,8 +71,8 @@ def compute_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks
     than fp32 (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md). Why fp32 for a GGUF's
     blocks: their matmuls take int8 activations whatever the dtype, so bf16 buys only bandwidth, and it cost
     small models up to 1.7x llama.cpp's KL (its weights outside the blocks, norms and biases, rounded to bf16
-    the largest part; docs/benchmarks/2026-11-26-bf16-accuracy.md), and with the gate/up projection and its
-    activation fused the fp32 MLP is the faster one (docs/benchmarks/2026-11-27-fused-mlp.md)."""
+    the largest part; docs/benchmarks/2026-11-26-bf16-accuracy.md), and with the MLP in one kernel its fp32
+    intermediate is the faster one (docs/benchmarks/2026-11-27-fused-mlp.md)."""
     if dtype not in (None, "auto"):
         return dtype
     kind = torch.device(device).type
@@ -87,8 +87,8 @@ def narrow_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks:
     """The dtype attention runs in (queries, scores, output) where narrower than the activations: bfloat16 where
     `dtype` auto chose float32 for a GGUF's blocks on a CPU whose level computes bf16 natively (avx512) and the
     K/V cache is bf16 (`--kv-cache-dtype bfloat16`: vdpbf16ps reads it); None elsewhere. The default fp16 K/V
-    keep attention in fp32, and the MLP runs in the activations' dtype at every level: its gate/up projection
-    and activation are one kernel (csrc/quant_gguf.cpp), faster in fp32 than the bf16 intermediate it replaced
+    keep attention in fp32, and the MLP runs in the activations' dtype at every level: gate/up, the activation
+    and down are one kernel (csrc/quant_gguf.cpp), faster in fp32 than the bf16 intermediate it replaced
     (docs/benchmarks/2026-11-27-fused-mlp.md)."""
     auto_fp32 = dtype in (None, "auto") and compute_dtype(dtype, device, level, gguf_blocks) == "float32"
     native_bf16 = torch.device(device).type == "cpu" and level == "avx512"
