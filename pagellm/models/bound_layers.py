@@ -47,6 +47,7 @@ class StepKernels:
     qkv_prepare: Callable  # (qkv, H, K, q_w, k_w, eps, unit_offset, cos, sin, k cache, v cache, slots) -> q
     attention: Callable  # (q, k cache, v cache, meta, scale, window, soft cap) -> [T, H, D]
     act_mul: Callable  # (gate_up, activation) -> act(gate) * up
+    fuses_gguf_mlp: bool  # act_mul is the native one, whose arithmetic gguf_blocks.BoundMLP repeats in one call
     dtypes: tuple  # of the activations
     pairs: Callable[[torch.dtype, torch.dtype], bool]  # (activations, KV cache) dtypes taken together
     head_dim_ok: Callable[[int], bool]
@@ -58,7 +59,7 @@ def kernels_for(device: torch.device, level: str | None) -> tuple[StepKernels | 
     if device.type == "cuda":
         ops, triton_attention = cuda_ops.layer_ops(), cuda_ops.triton_module("triton_attention")
         return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare,
-                           triton_attention.paged_attention_triton, ops.act_mul, cuda_ops.FLOATS,
+                           triton_attention.paged_attention_triton, ops.act_mul, False, cuda_ops.FLOATS,
                            lambda act, kv: act in cuda_ops.FLOATS and kv in cuda_ops.FLOATS,
                            lambda head_dim: head_dim % 2 == 0), ""
     if device.type != "cpu":
@@ -69,7 +70,7 @@ def kernels_for(device: torch.device, level: str | None) -> tuple[StepKernels | 
     return StepKernels(f"the kernels at {level}", bind(layer_ops.add_rms_norm_unchecked, at=level),
                        bind(layer_ops.qkv_prepare_unchecked, at=level),
                        bind(attention.paged_attention_native, at=level), bind(layer_ops.act_mul_unchecked, at=level),
-                       tuple(_DTYPE_CODES), kv_cache_pairs,
+                       True, tuple(_DTYPE_CODES), kv_cache_pairs,
                        lambda head_dim: head_dim % 16 == 0 and head_dim <= layer_ops.MAX_HEAD_DIM), ""
 
 
@@ -114,7 +115,8 @@ class BoundLayer:
         # a GGUF MLP (gate/up of one format) in one call: the same bits, no intermediate stored (csrc/quant_gguf.cpp)
         code = layer_ops.ACTIVATIONS.get(self.activation)
         self.fused_mlp = None
-        if (code is not None and all(isinstance(linear, BoundMatmul) for linear in (self.gate_up, self.down))
+        if (code is not None and kernels.fuses_gguf_mlp
+                and all(isinstance(linear, BoundMatmul) for linear in (self.gate_up, self.down))
                 and BoundMLP.fuses(self.gate_up, self.down)):
             self.fused_mlp = BoundMLP(self.gate_up, self.down, code)
         # each fused residual call applies one eps and flavour to two norms

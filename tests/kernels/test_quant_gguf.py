@@ -201,13 +201,14 @@ def test_the_fused_mlp_is_the_three_calls_bit_for_bit(ggml_type, cpu_isa):
 
 
 def test_the_fused_mlp_over_wide_blocks_keeps_each_group_in_one_chunk(cpu_isa):
-    """K = 8192: a chunk of gate/up blocks holds only a few (~256 KB), an odd number before rounding."""
+    """K = 8192: a chunk of gate/up block pairs under ~256 KB is one pair, rounded from one block to two."""
     gate_up = gguf_blocks.repack(gguf_tensor(T.Q8_0, 448, 8192, seed=5), T.Q8_0, (448, 8192))  # I = 224: 7 groups
     down = gguf_blocks.repack(gguf_tensor(T.Q4_0, 32, 224, seed=6), T.Q4_0, (32, 224))
-    first, second = (gguf_blocks.BoundMatmul([w], None, cpu_isa) for w in (gate_up, down))
-    x = torch.randn(5, 8192)
-    separate = second(layer_ops.act_mul_unchecked(first(x), "silu", cpu_isa))
-    assert torch.equal(gguf_blocks.BoundMLP(first, second, 0)(x), separate)
+    first = gguf_blocks.BoundMatmul([gate_up], torch.randn(448), cpu_isa)
+    second = gguf_blocks.BoundMatmul([down], None, cpu_isa)
+    for x in (torch.randn(5, 8192), torch.randn(5, 8192).bfloat16()):
+        separate = second(layer_ops.act_mul_unchecked(first(x), "silu", cpu_isa))
+        assert torch.equal(gguf_blocks.BoundMLP(first, second, 0)(x).float(), separate.float())
 
 
 def test_the_fused_mlp_refuses_what_it_cannot_fuse():

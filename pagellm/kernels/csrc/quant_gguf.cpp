@@ -197,13 +197,14 @@ extern "C" int pagellm_gguf_matmul_q8(const void* x, int x_bf16, int64_t M, int6
 // [2I, K] the joined gate/up (gate rows first) in `format`, W_down [N, I] in `down_format`, the biases [2I] and
 // [N] in out's dtype or null, act 0 = silu, 1 = gelu (tanh). The bits of pagellm_gguf_matmul_q8, pagellm_act_mul
 // and pagellm_gguf_matmul_q8 again with the intermediates in out's dtype (fp32 or bf16), without storing either
-// intermediate, and one parallel region for the three. I a multiple of 32. Returns 0, or -1 for an unknown
-// format or act.
+// intermediate, and one parallel region for the three. Returns 0, or -1 for an unknown format or act, or I or
+// K not a multiple of 32, or N of 16 (nothing done).
 extern "C" int pagellm_gguf_mlp(const void* x, int x_bf16, int64_t M, int64_t K, int format, const uint8_t* qs,
                                 const uint8_t* gp, const uint8_t* sp, int64_t I, const void* bias, int act,
                                 int down_format, const uint8_t* down_qs, const uint8_t* down_gp,
                                 const uint8_t* down_sp, int64_t N, const void* down_bias, void* out, int out_bf16) {
     if ((act != 0 && act != 1) || !with_format(down_format, [](auto) {})) return -1;
+    if (I % kGroup || K % kGroup || N % kBlock) return -1;  // a group never finished would leave stale codes
     const MlpWeights w{qs, gp, sp, I, bias, down_format, down_qs, down_gp, down_sp, N, down_bias};
     return with_format(format, [&](auto f) {
         using F = decltype(f);
