@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from pagellm.config import KernelConfig
 from pagellm.eval.forward import (is_dense_mode, load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype,
-                                  mode_narrow_dtype, pagellm_logits, tokenize_text)
-from pagellm.kernels.selection import narrow_sites, select_kernels
+                                  pagellm_logits, tokenize_text)
+from pagellm.kernels.selection import select_kernels
 from pagellm.loader.model_loader import keeps_gguf_blocks, resolve_model_path
 
 
@@ -100,19 +100,18 @@ def windows(tokens: list[int], ctx: int, bos: int | None, max_windows: int | Non
 def score_windows(model: torch.nn.Module, dtype: torch.dtype, chunks: list[list[int]],
                   reference: torch.nn.Module | None = None,
                   kv_cache_dtype: torch.dtype | None = None,
-                  kernels: KernelConfig | None = None, narrow: torch.dtype | None = None) -> Iterator[PositionScores]:
+                  kernels: KernelConfig | None = None) -> Iterator[PositionScores]:
     """Each window's scores in turn: positions ctx/2 .. ctx-2 against the window's next tokens (the layers
-    planned for `kernels` and `narrow`)."""
+    planned for `kernels`; the auto K/V this tool runs never narrows attention: selection.narrow_dtype)."""
     for window in chunks:
         first = len(window) // 2
         # the last position has no next token
-        logits = pagellm_logits(model, window, dtype, first=first, kv_cache_dtype=kv_cache_dtype, kernels=kernels,
-                                narrow=narrow)[:-1]
+        logits = pagellm_logits(model, window, dtype, first=first, kv_cache_dtype=kv_cache_dtype, kernels=kernels)[:-1]
         if reference is None:
             yield score_positions(logits, window[first + 1 :])
             continue
         # the mode is the reference itself (weights, dtype and cache): KL 0, no second forward
-        same = reference is model and (kv_cache_dtype or dtype) == torch.float32 and narrow is None
+        same = reference is model and (kv_cache_dtype or dtype) == torch.float32
         ref_logits = logits if same else pagellm_logits(reference, window, torch.float32, first=first,
                                                         kernels=kernels)[:-1]
         yield score_positions(logits, window[first + 1 :], ref_logits)
@@ -132,20 +131,18 @@ def main(args: argparse.Namespace) -> int:
     blocks = keeps_gguf_blocks(str(path), args.quantization, "auto", "cpu")
     dtype = mode_dtype(args.dtype, chosen, blocks)
     kv_dtype = mode_kv_cache_dtype(args.dtype, chosen, gguf_blocks=blocks)
-    narrow = mode_narrow_dtype(args.dtype, chosen, blocks)  # the default fp16 K/V: none
     model = load_mode(path, args.quantization, dtype, kernels)
     _check_context(model, args.ctx)
     reference = None
     if args.kl_base == "dense":
         reference = model if is_dense_mode(path, args.quantization, dtype) else load_dense_reference(path, kernels)
     print(f"model: {path}\nmode: {args.quantization} {str(dtype).removeprefix('torch.')}, "
-          f"{str(kv_dtype).removeprefix('torch.')} KV"
-          f"{narrow_sites(narrow)}; "
+          f"{str(kv_dtype).removeprefix('torch.')} KV; "
           f"kernels: {level}\n"
           f"text: {args.text}, {len(tokens)} tokens; {len(chunks)} windows of {args.ctx} "
           f"(positions {args.ctx // 2}..{args.ctx - 2} of each scored)")
     parts = []
-    for i, scores in enumerate(score_windows(model, dtype, chunks, reference, kv_dtype, kernels, narrow), start=1):
+    for i, scores in enumerate(score_windows(model, dtype, chunks, reference, kv_dtype, kernels), start=1):
         parts.append(scores)
         print(f"[{i}]{summarize(concat(parts)).ppl:.4f},", end="\n" if i == len(chunks) else "", flush=True)
     print(format_summary(summarize(concat(parts))))
