@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "fma_f32.h"
 #include "gguf_format.h"
@@ -278,26 +279,74 @@ void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, co
 }
 
 #else
-// The vector blocks' arithmetic one value at a time.
+// The vector blocks' arithmetic in plain loops over the block's 16 rows, which a compiler vectorizes on int16
+// lanes (x86-64's baseline SSE2, NEON). Integer sums are exact in any order: a chunk's four products are summed in
+// int16 (codes below 2^6 times activation bytes: |sum| <= 63 * 128 * 4 < 2^15; Q8_0's signed codes one product at
+// a time) and widened into int32. The fp32 steps are the vector levels' own, in their order.
+
+// Code 4t + b of row i, for b < 4 and the block's 16 rows: codes[b][i]. bits[p][b][i]: byte b of row i's plane p
+// (code bit 4 + p of codes 4t' + b in bit t').
+template <class F>
+inline void chunk_codes(const uint8_t* q, int t, const uint8_t (*bits)[4][kBlock], int16_t (*codes)[kBlock]) {
+    if constexpr (F::kBits == 8) {
+        for (int i = 0; i < kBlock; ++i)
+            for (int b = 0; b < 4; ++b) codes[b][i] = int8_t(q[64 * t + 4 * i + b]);
+        return;
+    }
+    uint16_t w[kBlock];  // per row: byte 0 | byte 1 << 8, so codes 4t .. 4t + 3 are its nibbles 0, 2, 1, 3
+    std::memcpy(w, q + 32 * t, sizeof(w));
+    for (int i = 0; i < kBlock; ++i) {
+        codes[0][i] = int16_t(w[i] & 15);
+        codes[1][i] = int16_t((w[i] >> 8) & 15);
+        codes[2][i] = int16_t((w[i] >> 4) & 15);
+        codes[3][i] = int16_t(w[i] >> 12);
+    }
+    for (int p = 0; p < F::kBits - 4; ++p)
+        for (int b = 0; b < 4; ++b)
+            for (int i = 0; i < kBlock; ++i) codes[b][i] = int16_t(codes[b][i] | (((bits[p][b][i] >> t) & 1) << (4 + p)));
+}
+
 template <class F, int MR>
 void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
                      float (*out)[16]) {
-    constexpr int kWidth = 32 / F::kHalves;
+    constexpr int kChunks = 8 / F::kHalves;
     for (int r = 0; r < MR; ++r) std::fill(out[r], out[r] + kBlock, 0.f);
     for (int64_t g = 0; g < K / kGroup; ++g) {
         const uint8_t* q = qs + g * F::kGroupBytes;
+        uint8_t bits[2][4][kBlock];
+        for (int p = 0; p < F::kBits - 4 && F::kBits < 8; ++p)
+            for (int i = 0; i < kBlock; ++i)
+                for (int b = 0; b < 4; ++b) bits[p][b][i] = q[256 + 64 * p + 4 * i + b];
+        int32_t sums[2][MR][kBlock];
+        for (int h = 0; h < F::kHalves; ++h) {
+            for (int r = 0; r < MR; ++r) {
+                const int32_t start = zero_point<F, kShiftedQ8>() != 0 ? a.zero_start[2 * (g * MR + r) + h] : 0;
+                std::fill(sums[h][r], sums[h][r] + kBlock, start);
+            }
+            for (int c = 0; c < kChunks; ++c) {
+                const int t = h * kChunks + c;
+                int16_t codes[4][kBlock];
+                chunk_codes<F>(q, t, bits, codes);
+                for (int r = 0; r < MR; ++r) {
+                    const uint32_t quad = uint32_t(a.q[(g * 8 + t) * MR + r]);
+                    const int16_t a0 = int8_t(quad), a1 = int8_t(quad >> 8), a2 = int8_t(quad >> 16), a3 = int8_t(quad >> 24);
+                    int32_t* sum = sums[h][r];
+                    if constexpr (F::kBits == 8) {
+                        for (int i = 0; i < kBlock; ++i)
+                            sum[i] += int16_t(codes[0][i] * a0) + int16_t(codes[1][i] * a1) +
+                                      int16_t(codes[2][i] * a2) + int16_t(codes[3][i] * a3);
+                    } else {
+                        for (int i = 0; i < kBlock; ++i)
+                            sum[i] += int16_t(codes[0][i] * a0 + codes[1][i] * a1 + codes[2][i] * a2 + codes[3][i] * a3);
+                    }
+                }
+            }
+        }
         for (int i = 0; i < kBlock; ++i) {
-            int32_t codes[32];
-            for (int k = 0; k < 32; ++k) codes[k] = code_at<F>(q, i, k);
             const RowScales s = row_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, i);
             for (int h = 0; h < F::kHalves; ++h)
                 for (int r = 0; r < MR; ++r) {
-                    int32_t sum = zero_point<F, kShiftedQ8>() != 0 ? a.zero_start[2 * (g * MR + r) + h] : 0;
-                    for (int k = h * kWidth; k < (h + 1) * kWidth; ++k) {
-                        const uint32_t quad = uint32_t(a.q[(g * 8 + k / 4) * MR + r]);
-                        sum += codes[k] * int32_t(int8_t(quad >> (8 * (k % 4))));
-                    }
-                    out[r][i] = fma_f32(float(sum), s.scale[h] * a.d[g * MR + r], out[r][i]);
+                    out[r][i] = fma_f32(float(sums[h][r][i]), s.scale[h] * a.d[g * MR + r], out[r][i]);
                     if constexpr (F::kMin) out[r][i] = fma_f32(s.min, a.dsum[g * MR + r], out[r][i]);
                 }
         }
