@@ -216,7 +216,7 @@ class KernelConfig(_FromDict):
     cpu_isa: str = _help(
         "Instruction-set level of the native CPU kernels: auto (the fastest this CPU runs) | avx512 (AVX-512 "
         "with BF16 and VNNI) | avx2 (AVX2 + FMA) | generic (plain C++). Default: $PAGELLM_CPU_ISA or auto.",
-        default_factory=lambda: os.environ.get("PAGELLM_CPU_ISA", "auto"))
+        default_factory=lambda: os.environ.get("PAGELLM_CPU_ISA") or "auto")  # set but empty: auto
     native_kernels: bool = _help(
         "Use the C++ CPU kernels (off: torch's reference ops everywhere). Default: on unless PAGELLM_NATIVE=0.",
         default_factory=lambda: _env_switch("PAGELLM_NATIVE"))

@@ -39,6 +39,8 @@ def test_environment_sets_defaults_read_in_the_config(monkeypatch):
     config = KernelConfig()
     assert config.cpu_isa == "generic" and not config.bound_layers and config.int8_activations
     assert EngineConfig().kernels == config
+    monkeypatch.setenv("PAGELLM_CPU_ISA", "")  # `PAGELLM_CPU_ISA= pagellm serve`: unset, as a shell user means it
+    assert KernelConfig().cpu_isa == "auto"
 
 
 def test_every_engine_command_takes_the_kernel_flags():

@@ -34,5 +34,5 @@ def test_a_single_run_gets_the_level_its_environment_configures(cpu_isa):
     # The level of KernelConfig()'s defaults, read from the environment as an engine's config reads it: a pass
     # that lower_levels.py starts with PAGELLM_CPU_ISA=avx2 runs avx2, one with PAGELLM_NATIVE=0 no kernels.
     off = os.environ.get("PAGELLM_NATIVE", "1") == "0"
-    configured = None if off else native.resolve(os.environ.get("PAGELLM_CPU_ISA", "auto"))
+    configured = None if off else native.resolve(os.environ.get("PAGELLM_CPU_ISA") or "auto")
     assert cpu_isa == native.default_level() == native.level_of(KernelConfig()) == configured
