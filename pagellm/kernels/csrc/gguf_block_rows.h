@@ -303,7 +303,8 @@ inline void chunk_codes(const uint8_t* q, int t, const uint8_t (*bits)[4][kBlock
     }
     for (int p = 0; p < F::kBits - 4; ++p)
         for (int b = 0; b < 4; ++b)
-            for (int i = 0; i < kBlock; ++i) codes[b][i] = int16_t(codes[b][i] | (((bits[p][b][i] >> t) & 1) << (4 + p)));
+            for (int i = 0; i < kBlock; ++i)
+                codes[b][i] = int16_t(codes[b][i] | (((bits[p][b][i] >> t) & 1) << (4 + p)));
 }
 
 template <class F, int MR>
@@ -329,7 +330,8 @@ void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, co
                 chunk_codes<F>(q, t, bits, codes);
                 for (int r = 0; r < MR; ++r) {
                     const uint32_t quad = uint32_t(a.q[(g * 8 + t) * MR + r]);
-                    const int16_t a0 = int8_t(quad), a1 = int8_t(quad >> 8), a2 = int8_t(quad >> 16), a3 = int8_t(quad >> 24);
+                    const int16_t a0 = int8_t(quad), a1 = int8_t(quad >> 8), a2 = int8_t(quad >> 16),
+                                  a3 = int8_t(quad >> 24);
                     int32_t* sum = sums[h][r];
                     if constexpr (F::kBits == 8) {
                         for (int i = 0; i < kBlock; ++i)
@@ -337,7 +339,8 @@ void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, co
                                       int16_t(codes[2][i] * a2) + int16_t(codes[3][i] * a3);
                     } else {
                         for (int i = 0; i < kBlock; ++i)
-                            sum[i] += int16_t(codes[0][i] * a0 + codes[1][i] * a1 + codes[2][i] * a2 + codes[3][i] * a3);
+                            sum[i] += int16_t(codes[0][i] * a0 + codes[1][i] * a1 + codes[2][i] * a2 +
+                                              codes[3][i] * a3);
                     }
                 }
             }
