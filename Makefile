@@ -22,9 +22,12 @@ $(BIN)/python:
 	then echo "make: torch installed from $(TORCH_CPU_INDEX) (CPU-only build)"; \
 	else echo "make: $(TORCH_CPU_INDEX) not reachable: torch will come from PyPI (its build links CUDA libraries)"; fi
 
-# Re-install only when the package metadata changes.
+# Re-install only when the package metadata changes. The native kernels are compiled here, for every
+# instruction-set level this CPU runs and side by side, so that no start (nor the suite) waits for a compiler;
+# an edited kernel is rebuilt on its first use.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/python -m pagellm.kernels
 	touch $(STAMP)
 
 install: $(STAMP)

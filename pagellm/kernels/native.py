@@ -37,6 +37,8 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
 
@@ -47,6 +49,9 @@ from pagellm.kernels.errors import KernelBuildError
 from pagellm.kernels import binding
 
 CSRC = Path(__file__).with_name("csrc")
+# The GGUF vocabulary's library (csrc/sentencepiece_vocab.cpp): the tokenizer's, not a kernel; no vector code, so
+# one build, at the generic level, serves every CPU.
+VOCABULARY = ("sentencepiece_vocab", "generic")
 DTYPE_CODES = binding.DTYPE_CODES  # the kernels' dtype argument (is_bf16)
 # -ffp-contract=off: a*b+c stays two roundings unless the source asks for fma, so every level computes alike
 CXX_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
@@ -187,6 +192,30 @@ def _build(name: str, cxx: str, flags: tuple[str, ...]) -> Path:
     return target
 
 
+def prebuild(builds: Iterable[tuple[str, str, tuple[str, ...]]]) -> None:
+    """Compiles those of the (name, level, extensions) builds not yet cached side by side, one compiler per core:
+    on a fresh machine (or after an edit) the first start builds its level's libraries in the time of the
+    slowest, not of all in turn. A build that fails here is left to `load`, which builds it again and says why
+    (the one place build errors are reported)."""
+    cxx = compiler()
+    if cxx is None:
+        return
+    jobs = [(name, build_flags(level, extensions)) for name, level, extensions in dict.fromkeys(builds)]
+    jobs = [(name, flags) for name, flags in jobs if not library_path(name, flags, cxx).is_file()]
+    if len(jobs) < 2:
+        return
+
+    def build(job: tuple[str, tuple[str, ...]]) -> None:
+        try:
+            _build(job[0], cxx, job[1])
+        except (KernelBuildError, OSError):
+            pass  # said by load()
+
+    # threads suffice: each waits on its compiler process
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        list(pool.map(build, jobs))
+
+
 @functools.cache
 def _load(name: str, level: str, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | KernelBuildError | None:
     """The library, None without a compiler, or the build's error: kept, so a broken kernel is compiled once per
@@ -262,6 +291,10 @@ class Library:
     def promised(self, at: str | None) -> bool:
         """Whether the kernel exists at level `at` (None: native kernels off)."""
         return at in self.levels
+
+    def build_of(self, at: str) -> tuple[str, str, tuple[str, ...]]:
+        """What `at(at)` builds: (source name, level, the host's extensions of it), for `prebuild`."""
+        return self.name, at, host_extensions(at, self.extensions)
 
     def at(self, at: str | None, extensions: tuple[str, ...] | None = None) -> dict | None:
         """{symbol: (unchecked, checked)} of the library built for level `at` (and the host's extensions of it,

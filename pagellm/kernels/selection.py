@@ -60,6 +60,8 @@ def kernel_levels(at: str | None) -> dict[str, str]:
     """{kernel: the level it runs at, or "torch"} at level `at` (None, native kernels off: every kernel
     "torch"), each promised kernel built now if not yet cached. A kernel that fails to build raises
     KernelBuildError."""
+    if at is not None:
+        native.prebuild(library.build_of(at) for library in LIBRARIES if library.promised(at))
     return {library.title: at if library.at(at) is not None else "torch" for library in LIBRARIES}
 
 

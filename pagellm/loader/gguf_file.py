@@ -223,7 +223,7 @@ def _strings_end(blob: np.ndarray, pos: int, count: int, key: str) -> int:
 def _compiled_walk():
     """gguf_strings_end of the vocabulary's library (csrc/sentencepiece_vocab.cpp), typed; None without it."""
     try:
-        lib = native.load("sentencepiece_vocab", "generic")
+        lib = native.load(*native.VOCABULARY)
     except KernelBuildError:
         return None  # the reader needs no compiled code: the tokenizer reports a broken build where it needs one
     if lib is None:

@@ -43,7 +43,7 @@ _FUNCTIONS = {  # symbol: (argtypes, restype)
 
 def library() -> ctypes.CDLL | None:
     """The compiled vocabulary code (one build for every CPU: no vector code in it), None without a compiler."""
-    lib = native.load("sentencepiece_vocab", "generic")
+    lib = native.load(*native.VOCABULARY)
     if lib is not None and lib.sentencepiece_new.restype is not ctypes.c_void_p:
         for symbol, (argtypes, restype) in _FUNCTIONS.items():
             getattr(lib, symbol).argtypes, getattr(lib, symbol).restype = argtypes, restype

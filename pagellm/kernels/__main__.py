@@ -1,0 +1,34 @@
+"""python -m pagellm.kernels: builds every native kernel library, and the GGUF vocabulary's, for each
+instruction-set level this CPU runs, side by side (native.prebuild), so that no start waits for a compiler;
+`make install` runs it. Without a C++ compiler it says so and builds nothing. A library that fails to build is
+named here, and reported with the compiler's words by the first start that needs it."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from pagellm.kernels import native
+from pagellm.kernels.selection import LIBRARIES
+
+
+def main() -> int:
+    cxx = native.compiler()
+    if cxx is None:
+        print("pagellm kernels: no C++ compiler (set CXX or install g++): torch's reference ops will run")
+        return 0
+    levels = native.host_levels()
+    builds = [library.build_of(level) for level in levels for library in LIBRARIES if library.promised(level)]
+    builds = list(dict.fromkeys([*builds, (*native.VOCABULARY, ())]))
+    start = time.perf_counter()
+    native.prebuild(builds)
+    failed = [f"{name} at {level}" for name, level, extensions in builds
+              if not native.library_path(name, native.build_flags(level, extensions), cxx).is_file()]
+    print(f"pagellm kernels: {len(builds) - len(failed)} of {len(builds)} libraries ready for "
+          f"{', '.join(levels)} in {time.perf_counter() - start:.0f} s in {native.cache_dir()}"
+          + (f"; failed to build: {', '.join(failed)}" if failed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
