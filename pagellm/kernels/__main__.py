@@ -22,8 +22,12 @@ def main() -> int:
     builds = list(dict.fromkeys([*builds, (*native.VOCABULARY, ())]))
     start = time.perf_counter()
     native.prebuild(builds)
-    failed = [f"{name} at {level}" for name, level, extensions in builds
-              if not native.library_path(name, native.build_flags(level, extensions), cxx).is_file()]
+    try:
+        failed = [f"{name} at {level}" for name, level, extensions in builds
+                  if not native.library_path(name, native.build_flags(level, extensions), cxx).is_file()]
+    except OSError as e:  # CXX names no program: install goes on; a start says the same, as a KernelBuildError
+        print(f"pagellm kernels: cannot run the C++ compiler {cxx!r} ({e}): nothing built")
+        return 0
     print(f"pagellm kernels: {len(builds) - len(failed)} of {len(builds)} libraries ready for "
           f"{', '.join(levels)} in {time.perf_counter() - start:.0f} s in {native.cache_dir()}"
           + (f"; failed to build: {', '.join(failed)}" if failed else ""))

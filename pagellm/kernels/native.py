@@ -201,7 +201,10 @@ def prebuild(builds: Iterable[tuple[str, str, tuple[str, ...]]]) -> None:
     if cxx is None:
         return
     jobs = [(name, build_flags(level, extensions)) for name, level, extensions in dict.fromkeys(builds)]
-    jobs = [(name, flags) for name, flags in jobs if not library_path(name, flags, cxx).is_file()]
+    try:
+        jobs = [(name, flags) for name, flags in jobs if not library_path(name, flags, cxx).is_file()]
+    except OSError:  # e.g. CXX names no program (library_path asks it its version): said by load()
+        return
     if len(jobs) < 2:
         return
 
@@ -211,8 +214,10 @@ def prebuild(builds: Iterable[tuple[str, str, tuple[str, ...]]]) -> None:
         except (KernelBuildError, OSError):
             pass  # said by load()
 
-    # threads suffice: each waits on its compiler process
-    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+    # threads suffice: each waits on its compiler process. The cores this process may use, not the host's (a
+    # container's limit), bound how many run at once.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=min(len(jobs), cores)) as pool:
         list(pool.map(build, jobs))
 
 

@@ -59,19 +59,20 @@ def check(family: str, device: str) -> bool:
                 if dtype == "float32" and torch.device(device).type == "cuda":
                     line.append(graphs_line(tmp, device, got, family in TINY_CONFIGS))
             print(" | ".join(line), f"({time.perf_counter() - t:.1f}s)", flush=True)
-            return passed(line)
+            return passed(line, torch.device(device).type == "cuda")
         except Exception as e:  # noqa: BLE001 - one family's failure must not hide the others'
             print(family, "FAILED", type(e).__name__, str(e)[:300], flush=True)
             return False
 
 
-def passed(line: list[str]) -> bool:
-    """A family's verdict from its line's parts: fp32 ids all HF's, and on CUDA the graphs' ids all eager's (the
-    bf16 part is reported, not judged)."""
+def passed(line: list[str], cuda: bool) -> bool:
+    """A family's verdict from its line's parts: fp32 ids all HF's, and on CUDA a graphs part whose ids are all
+    eager's (the bf16 part is reported, not judged)."""
     n = len(PROMPTS)
     fp32 = next(part for part in line if part.startswith("float32: "))
-    return fp32.startswith(f"float32: {n}/{n} ") and all(f": {n}/{n} as eager" in part for part in line
-                                                          if part.startswith("graphs"))
+    graphs = [part for part in line if part.startswith("graphs")]
+    return (fp32.startswith(f"float32: {n}/{n} ") and len(graphs) == (1 if cuda else 0)
+            and all(f": {n}/{n} as eager" in part for part in graphs))
 
 
 def graphs_line(model: str, device: str, eager: list[list[int]], recurrent_free: bool) -> str:

@@ -3,6 +3,7 @@ pagellm.kernels` (make install) building every level's. Builds go to a cache of 
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -29,14 +30,15 @@ def test_prebuild_compiles_the_missing_builds_that_load_then_finds(monkeypatch, 
     assert [path.stat().st_mtime_ns for path in paths] == built
 
 
-@requires_compiler
-def test_a_build_that_fails_in_prebuild_is_left_to_load_to_report(monkeypatch, tmp_path):
+@pytest.mark.parametrize("cxx", ["false", "/nonexistent/c++"])  # one that fails every build; one not there
+def test_a_compiler_that_fails_leaves_prebuild_quiet_and_load_reports_it(monkeypatch, tmp_path, cxx):
     monkeypatch.setenv("PAGELLM_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("CXX", "false")  # a compiler that fails every build
+    monkeypatch.setattr(native, "compiler", lambda: cxx)
+    monkeypatch.setattr(native, "_load", functools.cache(native._load.__wrapped__))  # nothing kept from before
     native.prebuild([("rotary", "generic", ()), ("rms_norm", "generic", ())])  # no exception here
     assert not list(tmp_path.glob("*.so"))
-    with pytest.raises(native.KernelBuildError, match="false failed on rotary.cpp"):
-        native._build("rotary", "false", native.build_flags("generic", ()))
+    with pytest.raises(native.KernelBuildError, match="native kernel 'rotary' failed to build at level generic"):
+        native.load("rotary", "generic")
 
 
 def test_python_m_pagellm_kernels_asks_for_every_promised_library_at_every_host_level(monkeypatch, capsys):
@@ -55,3 +57,13 @@ def test_python_m_pagellm_kernels_without_a_compiler_says_so(monkeypatch, capsys
     monkeypatch.setattr(native, "compiler", lambda: None)
     assert build_all.main() == 0
     assert "no C++ compiler" in capsys.readouterr().out
+
+
+def test_python_m_pagellm_kernels_with_a_compiler_it_cannot_run_builds_nothing_and_succeeds(monkeypatch, capsys,
+                                                                                         tmp_path):
+    """make install goes on; the first start reports the compiler (a KernelBuildError naming it)."""
+    monkeypatch.setenv("PAGELLM_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "compiler", lambda: "/nonexistent/c++")
+    assert build_all.main() == 0
+    assert "cannot run the C++ compiler '/nonexistent/c++'" in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.so"))

@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "fma_f32.h"
 #include "gguf_format.h"
@@ -294,7 +293,7 @@ inline void chunk_codes(const uint8_t* q, int t, const uint8_t (*bits)[4][kBlock
         return;
     }
     uint16_t w[kBlock];  // per row: byte 0 | byte 1 << 8, so codes 4t .. 4t + 3 are its nibbles 0, 2, 1, 3
-    std::memcpy(w, q + 32 * t, sizeof(w));
+    for (int i = 0; i < kBlock; ++i) w[i] = uint16_t(q[32 * t + 2 * i] | q[32 * t + 2 * i + 1] << 8);  // any endianness
     for (int i = 0; i < kBlock; ++i) {
         codes[0][i] = int16_t(w[i] & 15);
         codes[1][i] = int16_t((w[i] >> 8) & 15);
