@@ -300,7 +300,7 @@ inline void chunk_codes(const uint8_t* q, int t, const uint8_t (*bits)[4][kBlock
         codes[2][i] = int16_t((w[i] >> 4) & 15);
         codes[3][i] = int16_t(w[i] >> 12);
     }
-    for (int p = 0; p < F::kBits - 4; ++p)
+    for (int p = 0; p < F::kPlanes; ++p)
         for (int b = 0; b < 4; ++b)
             for (int i = 0; i < kBlock; ++i)
                 codes[b][i] = int16_t(codes[b][i] | (((bits[p][b][i] >> t) & 1) << (4 + p)));
@@ -314,7 +314,7 @@ void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, co
     for (int64_t g = 0; g < K / kGroup; ++g) {
         const uint8_t* q = qs + g * F::kGroupBytes;
         uint8_t bits[2][4][kBlock];
-        for (int p = 0; p < F::kBits - 4 && F::kBits < 8; ++p)
+        for (int p = 0; p < F::kPlanes; ++p)
             for (int i = 0; i < kBlock; ++i)
                 for (int b = 0; b < 4; ++b) bits[p][b][i] = q[256 + 64 * p + 4 * i + b];
         int32_t sums[2][MR][kBlock];

@@ -35,6 +35,7 @@ struct Format {
     static constexpr Scales kScales = S;
     static constexpr bool kMin = S == Scales::kF16Min || S == Scales::kSuper;
     static constexpr int kHalves = S == Scales::kQ6K ? 2 : 1;  // scales per group
+    static constexpr int kPlanes = Bits == 8 ? 0 : Bits - 4;  // 64-byte planes of code bits above the nibble
     static constexpr int64_t kGroupBytes = Bits == 8 ? 512 : 256 + 64 * (Bits - 4);
     static constexpr int64_t kParamBytes = S == Scales::kF16Min ? 64 : 32;
     static constexpr int64_t kSuperBytes = S == Scales::kSuper ? 64 : S == Scales::kQ6K ? 32 : 0;
@@ -80,7 +81,7 @@ inline int32_t code_at(const uint8_t* q, int r, int k) {
     const int t = k / 4, b = k % 4;
     if constexpr (F::kBits == 8) return int8_t(q[64 * t + 4 * r + b]);
     int32_t code = (q[32 * t + 2 * r + (b & 1)] >> (4 * (b >> 1))) & 15;
-    for (int p = 0; p < F::kBits - 4; ++p) {
+    for (int p = 0; p < F::kPlanes; ++p) {
         uint32_t plane;
         std::memcpy(&plane, q + 256 + 64 * p + 4 * r, 4);
         code |= int32_t((plane >> (8 * b + t)) & 1) << (4 + p);
