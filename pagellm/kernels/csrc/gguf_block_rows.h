@@ -45,6 +45,16 @@ inline int32_t covered_sum(const int32_t* half, int h) { return F::kHalves == 2 
 constexpr bool kShiftedQ8 = false;
 #endif
 
+#if PAGELLM_Q8_AVX512 || PAGELLM_Q8_AVX2
+// A group's codes kPrefetch bytes ahead, into L2 rather than L1: T0 that far ahead evicted what the loop reuses
+// from L1 and measured slower from DRAM (the MLP of a B=1 decode step, an LM head) than T1 at the distance.
+// measured: docs/benchmarks/2026-11-27-weight-prefetch.md
+template <class F>
+inline void prefetch_group(const uint8_t* q) {
+    for (int64_t l = 0; l < F::kGroupBytes; l += 64) _mm_prefetch((const char*)q + kPrefetch + l, _MM_HINT_T1);
+}
+#endif
+
 #if PAGELLM_Q8_AVX512
 constexpr bool kShiftedQ8 = true;
 
@@ -101,7 +111,7 @@ void gguf_block(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const P
     for (int r = 0; r < MR; ++r) total[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / kGroup; ++g) {
         const uint8_t* q = qs + g * F::kGroupBytes;
-        for (int64_t l = 0; l < F::kGroupBytes; l += 64) _mm_prefetch((const char*)q + kPrefetch + l, _MM_HINT_T0);
+        prefetch_group<F>(q);
         const VectorScales s = group_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes);
         for (int h = 0; h < F::kHalves; ++h) {
             __m512i acc[MR][SPLIT];
@@ -259,8 +269,7 @@ void gguf_block_rows(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, co
         for (int r = 0; r < MR; ++r) total[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < K / kGroup; ++g) {
             const uint8_t* q = qs + g * F::kGroupBytes;
-            if (half == 0)
-                for (int64_t l = 0; l < F::kGroupBytes; l += 64) _mm_prefetch((const char*)q + kPrefetch + l, _MM_HINT_T0);
+            if (half == 0) prefetch_group<F>(q);
             const VectorScales s = group_scales<F>(gp + g * F::kParamBytes, sp + (g / 8) * F::kSuperBytes, half);
             for (int h = 0; h < F::kHalves; ++h) {
                 __m256i acc[MR];
