@@ -70,8 +70,10 @@ namespace {
 constexpr int64_t kTileRows = 32;        // target rows per task: K/V reuse vs. Q+acc staying in L1/L2
 constexpr int64_t kMinSplitKeys = 128;   // below this a split costs more in merging than it gains
 constexpr int kUnitsPerThread = 4;       // split granularity so dynamic scheduling can balance
-// Less work than this is not worth waking a thread. Its time: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
-constexpr int64_t kMinParallelMacs = int64_t(1) << 19;
+// Less work than this is not worth waking a thread. Its time: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md;
+// a lone decode over one KV head (Gemma 3 270M) at a few hundred keys gains from the split above this.
+// measured: docs/benchmarks/2026-11-27-weight-prefetch.md
+constexpr int64_t kMinParallelMacs = int64_t(1) << 17;
 
 // Everything about a call but the tensors' element type.
 struct Shape {
