@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pagellm.kernels import native
-from pagellm.kernels.binding import FLOATS, Address, DtypeCode, Flag, Function, Int, Tensor
+from pagellm.kernels.binding import FLOATS, Address, DtypeCode, Flag, Float, Function, Int, Tensor
 
 T = gguf.GGMLQuantizationType
 BLOCK_ROWS = 16
@@ -49,9 +49,15 @@ _MLP = Function("pagellm_gguf_mlp", (
     Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("I"), Address("bias"), Flag("act"),
     Flag("down_format"), Tensor("down_qs"), Tensor("down_gp"), Tensor("down_sp"), Int("N"), Address("down_bias"),
     Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int)
+_MATMUL_ADD_NORM = Function("pagellm_gguf_matmul_add_norm", (
+    Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("N"), Address("bias"),
+    Tensor("residual", FLOATS), Tensor("post_weight", FLOATS, optional=True), Tensor("weight", FLOATS),
+    Float("eps"), Flag("unit_offset"), Tensor("residual_out", FLOATS), Tensor("out", FLOATS), DtypeCode("out")),
+    returns=ctypes.c_int)
 _ROWS = Function("pagellm_gguf_rows", (*_BLOCKS, Int("N"), Int("K"), Tensor("ids", (torch.int64,)), Int("T"),
                                        Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int64)
-_KERNELS = native.Library("quant_gguf", [_MATMUL, _MLP, _ROWS], "GGUF blocks x int8 matmul", extensions=("avx_vnni",))
+_KERNELS = native.Library("quant_gguf", [_MATMUL, _MATMUL_ADD_NORM, _MLP, _ROWS], "GGUF blocks x int8 matmul",
+                          extensions=("avx_vnni",))
 LIBRARIES = (_KERNELS,)  # for kernels/selection.py
 _DTYPE_FLAG = native.DTYPE_CODES
 
@@ -233,6 +239,7 @@ class BoundMatmul:
         if any(w.cols != self.cols for w in weights):
             raise ValueError(f"weights side by side need one input width, got {[w.cols for w in weights]}")
         self._fn = _kernel(_MATMUL.symbol, at)
+        self._add_norm = _kernel(_MATMUL_ADD_NORM.symbol, at)
         self.at = at
         offsets = np.cumsum([0] + [w.rows for w in weights])[:-1].tolist()
         self._calls = [(int(o), (w.format_id, w.qs, w.gp, w.sp, w.rows)) for o, w in zip(offsets, weights)]
@@ -257,6 +264,28 @@ class BoundMatmul:
             self._fn(x, rows, cols, *args, self.rows, None if bias is None else bias + offset * size,
                      out_at + offset * size, code)
         return out
+
+    def fuses_add_norm(self) -> bool:
+        """Whether add_norm takes this matmul: one weight (a joined layer of several formats writes at offsets)."""
+        return len(self._calls) == 1
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
+                 weight: torch.Tensor, eps: float, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) for h = residual + post(x W^T + bias), in one call: layer_ops.add_rms_norm after this
+        matmul, the same bits (csrc/quant_gguf.cpp's pagellm_gguf_matmul_add_norm). x [..., K] fp32 or bf16;
+        residual [..., N] fp32 or bf16, the product's dtype; the norm weights as add_rms_norm takes them."""
+        if (x.shape[-1] != self.cols or x.dtype not in _DTYPE_FLAG or not x.is_cpu or residual.dtype not in
+                _DTYPE_FLAG or residual.shape != (*x.shape[:-1], self.rows) or not self.fuses_add_norm()):
+            raise ValueError(f"expected one weight, x [..., {self.cols}] and a residual [..., {self.rows}] on the "
+                             f"CPU in fp32 or bf16; got {len(self._calls)} weights, {tuple(x.shape)} {x.dtype}, "
+                             f"{tuple(residual.shape)} {residual.dtype}")
+        x, residual = x.contiguous(), residual.contiguous()
+        new_residual, out = torch.empty_like(residual), torch.empty_like(residual)
+        format_id, qs, gp, sp, _ = self._calls[0][1]
+        self._add_norm(x, x.numel() // self.cols, self.cols, format_id, qs, gp, sp, self.rows,
+                       self._bias_in(residual.dtype), residual, post_weight, weight, eps, int(unit_offset),
+                       new_residual, out)
+        return new_residual, out
 
     def _bias_in(self, dtype: torch.dtype) -> int | None:
         if self.bias is None:

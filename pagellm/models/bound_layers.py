@@ -2,10 +2,11 @@
 
 `plan_model` decides once per model and runner (the runner calls it when it binds the KV cache, with tensor
 parallel's all-reduce) which CPU kernel level every module calls (layers/kernel_user.py; the loader gave the
-quantized layers the same, their layouts chosen for it) and whether the layers run bound, and says why not where they cannot; the runner hands the bound plan
-to the backbone's forward every step. Bound, a step's layer is 9
-direct kernel calls: everything that does not change between steps (weight pointers, norm flavours and their
-kernel weights, eps, head counts, the cache objects) is resolved at planning time. Why: at decode a Gemma 3 270M
+quantized layers the same, their layouts chosen for it) and whether the layers run bound, and says why not where
+they cannot; the runner hands the bound plan to the backbone's forward every step. Bound, a step's layer is a few
+direct kernel calls (six for a GGUF layer of Gemma 3): everything that does not change between steps (weight
+pointers, norm flavours and their kernel weights, eps, head counts, the cache objects) is resolved at planning
+time. Why: at decode a Gemma 3 270M
 layer spent more time in nn.Module dispatch and in the per-call checks of each kernel wrapper than in its
 kernels, and a GPU's eager step is bound by the same host work.
 
@@ -47,7 +48,7 @@ class StepKernels:
     qkv_prepare: Callable  # (qkv, H, K, q_w, k_w, eps, unit_offset, cos, sin, k cache, v cache, slots) -> q
     attention: Callable  # (q, k cache, v cache, meta, scale, window, soft cap) -> [T, H, D]
     act_mul: Callable  # (gate_up, activation) -> act(gate) * up
-    fuses_gguf_mlp: bool  # act_mul is the native one, whose arithmetic gguf_blocks.BoundMLP repeats in one call
+    fuses_gguf: bool  # act_mul and add_rms_norm are the native ones, whose arithmetic gguf_blocks' fused calls repeat
     dtypes: tuple  # of the activations
     pairs: Callable[[torch.dtype, torch.dtype], bool]  # (activations, KV cache) dtypes taken together
     head_dim_ok: Callable[[int], bool]
@@ -115,10 +116,14 @@ class BoundLayer:
         # a GGUF MLP (gate/up of one format) in one call: the same bits, no intermediate stored (csrc/quant_gguf.cpp)
         code = layer_ops.ACTIVATIONS.get(self.activation)
         self.fused_mlp = None
-        if (code is not None and kernels.fuses_gguf_mlp
+        if (code is not None and kernels.fuses_gguf
                 and all(isinstance(linear, BoundMatmul) for linear in (self.gate_up, self.down))
                 and BoundMLP.fuses(self.gate_up, self.down)):
             self.fused_mlp = BoundMLP(self.gate_up, self.down, code)
+        # a GGUF o projection and the add + norm after it in one call, the same bits (no all-reduce between them)
+        o_matmul = self.o.func if isinstance(self.o, functools.partial) else self.o
+        self.o_add_norm = (o_matmul.add_norm if all_reduce is None and kernels.fuses_gguf
+                           and isinstance(o_matmul, BoundMatmul) and o_matmul.fuses_add_norm() else None)
         # each fused residual call applies one eps and flavour to two norms
         self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down)
                    and kernels.head_dim_ok(attn.head_dim)  # known here, not mid-step
@@ -149,10 +154,14 @@ class BoundLayer:
             q = q.to(self.narrow_attention)  # attention's queries, scores and output narrow (K/V are already)
         out = kernels.attention(q, paged.key_cache, paged.value_cache, meta, paged.scale, paged.sliding_window,
                                 paged.logits_soft_cap)
-        attended = self.o(out.view(tokens, heads * head_dim))  # [T, E]
-        if self.all_reduce is not None:
-            attended = self.all_reduce(attended)
-        h, x = self.residual(h, attended, w_post_mid, self.norm_mid, w_mid)
+        out = out.view(tokens, heads * head_dim)
+        if self.o_add_norm is not None:  # [T, H*D] -> h [T, E] and its norm
+            h, x = self.o_add_norm(out, h, w_post_mid, w_mid, self.norm_mid.eps, self.norm_mid.unit_offset)
+        else:
+            attended = self.o(out)  # [T, E]
+            if self.all_reduce is not None:
+                attended = self.all_reduce(attended)
+            h, x = self.residual(h, attended, w_post_mid, self.norm_mid, w_mid)
         if self.fused_mlp is not None:
             mlp_out = self.fused_mlp(x)  # [T, E]
         else:

@@ -223,3 +223,38 @@ def test_the_fused_mlp_refuses_what_it_cannot_fuse():
         gguf_blocks.BoundMLP(two, down, 0)
     with pytest.raises(ValueError, match="activation 2"):
         gguf_blocks.BoundMLP(q8, down, 2)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+def test_the_matmul_with_its_add_and_norm_is_the_two_calls_bit_for_bit(ggml_type, cpu_isa):
+    """An o projection and the residual add + norm after it in one call (BoundMatmul.add_norm), both norm
+    flavours, with and without Gemma's post norm, x in another dtype than the residual (narrow attention)."""
+    weight = gguf_blocks.repack(gguf_tensor(ggml_type, 96, 256, seed=7), ggml_type, (96, 256))
+    for bias in (None, torch.randn(96)):
+        matmul = gguf_blocks.BoundMatmul([weight], bias, cpu_isa)
+        for rows in (1, 7, 160):
+            x = torch.randn(rows, 256) * 2
+            for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+                residual = (torch.randn(rows, 96) * 4).to(dtype)
+                for unit_offset in (True, False):
+                    norm_dtype = torch.float32 if unit_offset else dtype
+                    weight_norm, post = torch.randn(96).to(norm_dtype), torch.randn(96).to(norm_dtype)
+                    for post_weight in (None, post):
+                        for xs in (x.to(dtype), x.bfloat16()):
+                            separate = layer_ops.add_rms_norm_unchecked(
+                                residual, matmul(xs, dtype), post_weight, weight_norm, 1e-6, unit_offset, cpu_isa)
+                            fused = matmul.add_norm(xs, residual, post_weight, weight_norm, 1e-6, unit_offset)
+                            for a, b in zip(fused, separate):
+                                assert a.dtype == dtype and torch.equal(a.view(bits), b.view(bits))
+
+
+def test_the_matmul_with_its_add_and_norm_refuses_what_it_cannot_take():
+    two = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(t, 32, 64), t, (32, 64)) for t in (T.Q8_0, T.Q4_0)],
+                                  None, "generic")
+    one = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(T.Q8_0, 32, 64), T.Q8_0, (32, 64))], None, "generic")
+    assert one.fuses_add_norm() and not two.fuses_add_norm()
+    w = torch.ones(64)
+    with pytest.raises(ValueError, match="expected one weight"):
+        two.add_norm(torch.randn(1, 64), torch.randn(1, 64), None, w, 1e-6, True)
+    with pytest.raises(ValueError, match="residual"):
+        one.add_norm(torch.randn(1, 64), torch.randn(1, 31), None, torch.ones(32), 1e-6, True)

@@ -88,25 +88,6 @@ void prepare(const T* qkv, int64_t tokens, int64_t H, int64_t Hk, int64_t D, con
                                          sin + t * D / 2, key_cache, value_cache, slots[t], q_out + t * H * D);
 }
 
-template <int IS_BF16, int UNIT_OFFSET>
-void add_norm_rows(const char* residual, const char* x, const void* post_weight, const void* weight, char* residual_out,
-                   char* out, int64_t rows, int64_t dim, float eps) {
-    const int64_t stride = dim * (IS_BF16 ? 2 : 4);
-#pragma omp parallel for schedule(static) if (rows * dim >= (1 << 16))
-    for (int64_t r = 0; r < rows; ++r) {
-        const char* xr = x + r * stride;
-        char* hr = residual_out + r * stride;
-        if (post_weight != nullptr) {  // the block's own output norm first (Gemma's sandwich norms), rounded
-            norm_row<IS_BF16, UNIT_OFFSET>(xr, post_weight, hr, dim, eps);
-            xr = hr;
-        }
-        for (int64_t i = 0; i < dim; ++i)  // one rounding of the sum, as torch's add
-            store_from_f32(hr, i, load_as_f32(residual + r * stride, i, IS_BF16) + load_as_f32(xr, i, IS_BF16),
-                           IS_BF16);
-        norm_row<IS_BF16, UNIT_OFFSET>(hr, weight, out + r * stride, dim, eps);
-    }
-}
-
 template <typename T, int ACT>
 void act_mul(const T* gate_up, int64_t rows, int64_t n, T* out) {
 #pragma omp parallel for schedule(static) if (rows * n >= (1 << 15))
@@ -149,14 +130,7 @@ extern "C" int pagellm_qkv_prepare(const void* qkv, int64_t tokens, int64_t H, i
 extern "C" void pagellm_add_rms_norm(const void* residual, const void* x, const void* post_weight,
                                      const void* weight, void* residual_out, void* out, int64_t rows, int64_t dim,
                                      float eps, int is_bf16, int unit_offset) {
-    auto r = static_cast<const char*>(residual);
-    auto xs = static_cast<const char*>(x);
-    auto ro = static_cast<char*>(residual_out);
-    auto o = static_cast<char*>(out);
-    if (is_bf16 && unit_offset) add_norm_rows<1, 1>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
-    else if (is_bf16) add_norm_rows<1, 0>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
-    else if (unit_offset) add_norm_rows<0, 1>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
-    else add_norm_rows<0, 0>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
+    add_norm_rows_as(residual, x, post_weight, weight, residual_out, out, rows, dim, eps, is_bf16, unit_offset);
 }
 
 // out [rows, n] = act(gate_up[:, :n]) * gate_up[:, n:]; act 0 = silu, 1 = gelu (tanh approximation).

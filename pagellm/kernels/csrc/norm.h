@@ -90,3 +90,43 @@ void norm_row(const void* x, const void* weight, void* out, int64_t dim, float e
         store_from_f32(out, i, y, IS_BF16);
     }
 }
+
+// One row of the residual add + norm (layer_ops.cpp's pagellm_add_rms_norm, quant_gguf.cpp's matmul epilogue):
+// h = residual + post(x), rounded once as torch's add (post: the block's own output norm, Gemma's sandwich
+// norms, or null), written to residual_out; out = norm(h).
+template <int IS_BF16, int UNIT_OFFSET>
+void add_norm_row(const char* residual, const char* x, const void* post_weight, const void* weight,
+                  char* residual_out, char* out, int64_t dim, float eps) {
+    if (post_weight != nullptr) {  // the post norm first, rounded, into residual_out as scratch
+        norm_row<IS_BF16, UNIT_OFFSET>(x, post_weight, residual_out, dim, eps);
+        x = residual_out;
+    }
+    for (int64_t i = 0; i < dim; ++i)
+        store_from_f32(residual_out, i, load_as_f32(residual, i, IS_BF16) + load_as_f32(x, i, IS_BF16), IS_BF16);
+    norm_row<IS_BF16, UNIT_OFFSET>(residual_out, weight, out, dim, eps);
+}
+
+// add_norm_row over rows of dim values (threads for large inputs).
+template <int IS_BF16, int UNIT_OFFSET>
+void add_norm_rows(const char* residual, const char* x, const void* post_weight, const void* weight,
+                   char* residual_out, char* out, int64_t rows, int64_t dim, float eps) {
+    const int64_t stride = dim * (IS_BF16 ? 2 : 4);
+#pragma omp parallel for schedule(static) if (rows * dim >= (1 << 16))
+    for (int64_t r = 0; r < rows; ++r)
+        add_norm_row<IS_BF16, UNIT_OFFSET>(residual + r * stride, x + r * stride, post_weight, weight,
+                                           residual_out + r * stride, out + r * stride, dim, eps);
+}
+
+// The four instantiations by the runtime flags.
+inline void add_norm_rows_as(const void* residual, const void* x, const void* post_weight, const void* weight,
+                             void* residual_out, void* out, int64_t rows, int64_t dim, float eps, int is_bf16,
+                             int unit_offset) {
+    auto r = static_cast<const char*>(residual);
+    auto xs = static_cast<const char*>(x);
+    auto ro = static_cast<char*>(residual_out);
+    auto o = static_cast<char*>(out);
+    if (is_bf16 && unit_offset) add_norm_rows<1, 1>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
+    else if (is_bf16) add_norm_rows<1, 0>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
+    else if (unit_offset) add_norm_rows<0, 1>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
+    else add_norm_rows<0, 0>(r, xs, post_weight, weight, ro, o, rows, dim, eps);
+}

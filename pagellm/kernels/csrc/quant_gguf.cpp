@@ -18,6 +18,7 @@
 
 #include "act_mul.h"  // act_mul_row: gguf_mlp's epilogue
 #include "gguf_block_rows.h"  // Panel, gguf_block_rows per level; gguf_format.h, q8_activations.h
+#include "norm.h"  // add_norm_rows_as: the matmul + residual add + norm epilogue
 
 namespace {
 
@@ -191,6 +192,23 @@ extern "C" int pagellm_gguf_matmul_q8(const void* x, int x_bf16, int64_t M, int6
                            });
         });
     }) ? 0 : -1;
+}
+
+// pagellm_gguf_matmul_q8 into y [M, N] (bias added, rounded to the residual's dtype), then layer_ops.cpp's
+// pagellm_add_rms_norm of (residual, y): residual_out = residual + post(y), out = norm(residual_out), N = the
+// norm's width. The bits of the two calls; y lives in a per-thread buffer, and a layer's o projection and the
+// add + norm after it are one call (a decode step paid ~10 us a call for the separate one). Returns 0, or -1 for
+// an unknown format.
+extern "C" int pagellm_gguf_matmul_add_norm(const void* x, int x_bf16, int64_t M, int64_t K, int format,
+                                            const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, int64_t N,
+                                            const void* bias, const void* residual, const void* post_weight,
+                                            const void* weight, float eps, int unit_offset, void* residual_out,
+                                            void* out, int out_bf16) {
+    thread_local std::vector<float> y;  // fp32 words; a bf16 y uses the first half
+    y.resize(size_t(M * N));
+    if (pagellm_gguf_matmul_q8(x, x_bf16, M, K, format, qs, gp, sp, N, N, bias, y.data(), out_bf16)) return -1;
+    add_norm_rows_as(residual, y.data(), post_weight, weight, residual_out, out, M, N, eps, out_bf16, unit_offset);
+    return 0;
 }
 
 // out[M, N] = (act(x W_gate^T + b_gate) * (x W_up^T + b_up)) W_down^T + b_down: a gated MLP in one call, for W
