@@ -49,15 +49,17 @@ _MLP = Function("pagellm_gguf_mlp", (
     Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("I"), Address("bias"), Flag("act"),
     Flag("down_format"), Tensor("down_qs"), Tensor("down_gp"), Tensor("down_sp"), Int("N"), Address("down_bias"),
     Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int)
+_NORM_ARGS = (Tensor("residual", FLOATS), Tensor("post_weight", FLOATS, optional=True), Tensor("weight", FLOATS),
+              Float("eps"), Flag("unit_offset"), Tensor("residual_out", FLOATS), Tensor("out", FLOATS),
+              DtypeCode("out"))  # a residual add + RMSNorm after the product, as layer_ops.add_rms_norm
 _MATMUL_ADD_NORM = Function("pagellm_gguf_matmul_add_norm", (
-    Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("N"), Address("bias"),
-    Tensor("residual", FLOATS), Tensor("post_weight", FLOATS, optional=True), Tensor("weight", FLOATS),
-    Float("eps"), Flag("unit_offset"), Tensor("residual_out", FLOATS), Tensor("out", FLOATS), DtypeCode("out")),
+    Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("N"), Address("bias"), *_NORM_ARGS),
     returns=ctypes.c_int)
+_MLP_ADD_NORM = Function("pagellm_gguf_mlp_add_norm", (*_MLP.args[:-2], *_NORM_ARGS), returns=ctypes.c_int)
 _ROWS = Function("pagellm_gguf_rows", (*_BLOCKS, Int("N"), Int("K"), Tensor("ids", (torch.int64,)), Int("T"),
                                        Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int64)
-_KERNELS = native.Library("quant_gguf", [_MATMUL, _MATMUL_ADD_NORM, _MLP, _ROWS], "GGUF blocks x int8 matmul",
-                          extensions=("avx_vnni",))
+_KERNELS = native.Library("quant_gguf", [_MATMUL, _MATMUL_ADD_NORM, _MLP, _MLP_ADD_NORM, _ROWS],
+                          "GGUF blocks x int8 matmul", extensions=("avx_vnni",))
 LIBRARIES = (_KERNELS,)  # for kernels/selection.py
 _DTYPE_FLAG = native.DTYPE_CODES
 
@@ -308,6 +310,7 @@ class BoundMLP:
                              f"{activation}")
         self.gate_up, self.down, self.activation = gate_up, down, activation
         self._fn = _kernel(_MLP.symbol, gate_up.at)
+        self._add_norm = _kernel(_MLP_ADD_NORM.symbol, gate_up.at)
 
     @staticmethod
     def fuses(gate_up: BoundMatmul, down: BoundMatmul) -> bool:
@@ -315,20 +318,45 @@ class BoundMLP:
                 and down.cols == gate_up.rows // 2)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._checked(x)
+        out = torch.empty(*x.shape[:-1], self.down.rows, dtype=x.dtype)
+        if self._fn(*self._args(x), out):
+            raise RuntimeError(self._refused())
+        return out
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
+                 weight: torch.Tensor, eps: float, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) for h = residual + post(self(x)), in one call: layer_ops.add_rms_norm after this MLP, the
+        same bits (csrc/quant_gguf.cpp's pagellm_gguf_mlp_add_norm); a layer's MLP with the next layer's input
+        norm. residual [..., N] in x's dtype; the norm weights as add_rms_norm takes them."""
+        x = self._checked(x)
+        if residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], self.down.rows):
+            raise ValueError(f"expected a residual [..., {self.down.rows}] in {x.dtype}, got {tuple(residual.shape)} "
+                             f"{residual.dtype}")
+        residual = residual.contiguous()
+        new_residual, out = torch.empty_like(residual), torch.empty_like(residual)
+        if self._add_norm(*self._args(x), residual, post_weight, weight, eps, int(unit_offset), new_residual, out):
+            raise RuntimeError(self._refused())
+        return new_residual, out
+
+    def _checked(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.gate_up.cols or not x.is_cpu or x.dtype not in _DTYPE_FLAG:
+            raise ValueError(f"expected a CPU fp32 or bf16 input of {self.gate_up.cols} features, got "
+                             f"{tuple(x.shape)} {x.dtype} on {x.device}")
+        return x.contiguous()
+
+    def _args(self, x: torch.Tensor) -> tuple:
+        """The kernels' arguments up to the output: x, the two weights, their biases in x's dtype."""
         gate_up, down = self.gate_up, self.down
-        if x.shape[-1] != gate_up.cols or not x.is_cpu or x.dtype not in _DTYPE_FLAG:
-            raise ValueError(f"expected a CPU fp32 or bf16 input of {gate_up.cols} features, got {tuple(x.shape)} "
-                             f"{x.dtype} on {x.device}")
-        x = x.contiguous()
-        out = torch.empty(*x.shape[:-1], down.rows, dtype=x.dtype)
         format_id, qs, gp, sp, _ = gate_up._calls[0][1]
         down_format, down_qs, down_gp, down_sp, _ = down._calls[0][1]
-        if self._fn(x, x.numel() // gate_up.cols, gate_up.cols, format_id, qs, gp, sp, down.cols,
-                    gate_up._bias_in(x.dtype), self.activation, down_format, down_qs, down_gp, down_sp, down.rows,
-                    down._bias_in(x.dtype), out):
-            raise RuntimeError(f"pagellm_gguf_mlp refused formats {gate_up.weights[0].ggml_type!r}, "
-                               f"{down.weights[0].ggml_type!r}")
-        return out
+        return (x, x.numel() // gate_up.cols, gate_up.cols, format_id, qs, gp, sp, down.cols,
+                gate_up._bias_in(x.dtype), self.activation, down_format, down_qs, down_gp, down_sp, down.rows,
+                down._bias_in(x.dtype))
+
+    def _refused(self) -> str:
+        return (f"pagellm_gguf_mlp refused formats {self.gate_up.weights[0].ggml_type!r}, "
+                f"{self.down.weights[0].ggml_type!r}")
 
 
 def rows(weight: GGUFWeight, ids: torch.Tensor, at: str | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -4,7 +4,7 @@
 parallel's all-reduce) which CPU kernel level every module calls (layers/kernel_user.py; the loader gave the
 quantized layers the same, their layouts chosen for it) and whether the layers run bound, and says why not where
 they cannot; the runner hands the bound plan to the backbone's forward every step. Bound, a step's layer is a few
-direct kernel calls (six for a GGUF layer of Gemma 3): everything that does not change between steps (weight
+direct kernel calls (five for a GGUF layer of Gemma 3): everything that does not change between steps (weight
 pointers, norm flavours and their kernel weights, eps, head counts, the cache objects) is resolved at planning
 time. Why: at decode a Gemma 3 270M
 layer spent more time in nn.Module dispatch and in the per-call checks of each kernel wrapper than in its
@@ -88,7 +88,8 @@ def _linear(module: nn.Module):
 
 
 class BoundLayer:
-    """One decoder layer's step: (h, pending) -> (h, pending), pending = (MLP output, its post-norm weight)."""
+    """One decoder layer's step: (h, x) -> (h, x), x the normed input of this layer, then of the next (the next
+    layer's input norm, or the final norm: `next_norm`, set by BoundModel)."""
 
     def __init__(self, layer: nn.Module, norms: tuple, kernels: StepKernels, all_reduce=None,
                  narrow: tuple[torch.dtype, torch.dtype] | None = None, narrow_attention: bool = True):
@@ -124,6 +125,10 @@ class BoundLayer:
         o_matmul = self.o.func if isinstance(self.o, functools.partial) else self.o
         self.o_add_norm = (o_matmul.add_norm if all_reduce is None and kernels.fuses_gguf
                            and isinstance(o_matmul, BoundMatmul) and o_matmul.fuses_add_norm() else None)
+        # the MLP and the next norm's add + norm in one call, the same bits (no all-reduce between them)
+        self.mlp_add_norm = (self.fused_mlp.add_norm if all_reduce is None and self.fused_mlp is not None
+                             else None)
+        self.next_norm = None  # (the norm after this layer, its flavour weight): BoundModel's to set
         # each fused residual call applies one eps and flavour to two norms
         self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down)
                    and kernels.head_dim_ok(attn.head_dim)  # known here, not mid-step
@@ -133,18 +138,15 @@ class BoundLayer:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     def residual(self, h, x, post, norm, weight):
-        """(h + post(x), norm of it) in one call (post: a flavour weight or None; x None: h unchanged; weight:
-        the norm's flavour weight)."""
-        if x is None:
-            return h, norm(h)
+        """(h + post(x), norm of it) in one call (post: a flavour weight or None; weight: the norm's flavour
+        weight)."""
         return self.kernels.add_rms_norm(h, x, post, weight, norm.eps, norm.unit_offset)
 
-    def __call__(self, h, cos, sin, meta, pending):
+    def __call__(self, h, x, cos, sin, meta):
         tokens = h.shape[0]
         heads, kv_heads, head_dim = self.shape
         paged = self.paged
-        w_in, w_mid, w_post_mid, w_post_mlp = self.weights
-        h, x = self.residual(h, *pending, self.norm_in, w_in)
+        _, w_mid, w_post_mid, w_post_mlp = self.weights
         kernels = self.kernels
         q = kernels.qkv_prepare(self.qkv(x), heads, kv_heads, *self.qk_args, cos, sin, paged.key_cache,
                                 paged.value_cache, meta.slot_mapping)  # [T, H, D]; k, v in the cache
@@ -162,13 +164,16 @@ class BoundLayer:
             if self.all_reduce is not None:
                 attended = self.all_reduce(attended)
             h, x = self.residual(h, attended, w_post_mid, self.norm_mid, w_mid)
+        norm, weight = self.next_norm
+        if self.mlp_add_norm is not None:  # [T, E] -> h [T, E] and the next norm of it
+            return self.mlp_add_norm(x, h, w_post_mlp, weight, norm.eps, norm.unit_offset)
         if self.fused_mlp is not None:
             mlp_out = self.fused_mlp(x)  # [T, E]
         else:
             mlp_out = self.down(kernels.act_mul(self.gate_up(x), self.activation))  # [T, 2I] -> [T, I] -> [T, E]
         if self.all_reduce is not None:
             mlp_out = self.all_reduce(mlp_out)
-        return h, (mlp_out, w_post_mlp)
+        return self.residual(h, mlp_out, w_post_mlp, norm, weight)
 
 
 class BoundModel:
@@ -177,6 +182,9 @@ class BoundModel:
     def __init__(self, layers: list[BoundLayer], final_norm: nn.Module, dtype: torch.dtype, kernels: StepKernels):
         self.layers, self.final_norm, self.dtype, self.kernels = layers, final_norm, dtype, kernels
         self.final_weight = final_norm.flavour_weight()
+        for layer, following in zip(layers, layers[1:]):  # each layer's MLP ends with the next one's input norm
+            layer.next_norm = (following.norm_in, following.weights[0])
+        layers[-1].next_norm = (final_norm, self.final_weight)
 
     def __call__(self, h: torch.Tensor, ropes: list, meta) -> torch.Tensor:
         """ropes: (cos, sin) [T, D/2] per layer, in the model dtype."""
@@ -185,10 +193,10 @@ class BoundModel:
         if h.dtype != self.dtype or caches is None or not self.kernels.pairs(self.dtype, caches.dtype):
             raise RuntimeError(f"the bound layers were planned for {self.dtype} activations and a KV cache paired "
                                f"with them; got {h.dtype} and {None if caches is None else caches.dtype}")
-        pending = (None, None)
+        x = self.layers[0].norm_in(h)
         for layer, (cos, sin) in zip(self.layers, ropes):
-            h, pending = layer(h, cos, sin, meta, pending)
-        return self.layers[-1].residual(h, *pending, self.final_norm, self.final_weight)[1]
+            h, x = layer(h, x, cos, sin, meta)
+        return x
 
 
 @dataclass(frozen=True)

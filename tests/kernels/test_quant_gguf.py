@@ -248,6 +248,29 @@ def test_the_matmul_with_its_add_and_norm_is_the_two_calls_bit_for_bit(ggml_type
                                 assert a.dtype == dtype and torch.equal(a.view(bits), b.view(bits))
 
 
+def test_the_fused_mlp_with_its_add_and_norm_is_the_two_calls_bit_for_bit(cpu_isa):
+    """A layer's MLP and the next layer's input norm in one call (BoundMLP.add_norm)."""
+    gate_up = gguf_blocks.repack(gguf_tensor(T.Q5_0, 512, 256, seed=8), T.Q5_0, (512, 256))  # I = 256
+    down = gguf_blocks.repack(gguf_tensor(T.Q4_K, 256, 256, seed=9), T.Q4_K, (256, 256))
+    for biases in ((None, None), (torch.randn(512), torch.randn(256))):
+        mlp = gguf_blocks.BoundMLP(gguf_blocks.BoundMatmul([gate_up], biases[0], cpu_isa),
+                                   gguf_blocks.BoundMatmul([down], biases[1], cpu_isa), 1)
+        for rows in (1, 13, 160):
+            for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+                x, residual = torch.randn(rows, 256).to(dtype), (torch.randn(rows, 256) * 4).to(dtype)
+                for unit_offset in (True, False):
+                    norm_dtype = torch.float32 if unit_offset else dtype
+                    weight, post = torch.randn(256).to(norm_dtype), torch.randn(256).to(norm_dtype)
+                    for post_weight in (None, post):
+                        separate = layer_ops.add_rms_norm_unchecked(residual, mlp(x), post_weight, weight, 1e-6,
+                                                                    unit_offset, cpu_isa)
+                        fused = mlp.add_norm(x, residual, post_weight, weight, 1e-6, unit_offset)
+                        for a, b in zip(fused, separate):
+                            assert a.dtype == dtype and torch.equal(a.view(bits), b.view(bits))
+    with pytest.raises(ValueError, match="residual"):
+        mlp.add_norm(x, residual.float() if dtype != torch.float32 else residual.bfloat16(), None, weight, 1e-6, True)
+
+
 def test_the_matmul_with_its_add_and_norm_refuses_what_it_cannot_take():
     two = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(t, 32, 64), t, (32, 64)) for t in (T.Q8_0, T.Q4_0)],
                                   None, "generic")

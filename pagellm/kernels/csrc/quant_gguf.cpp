@@ -233,6 +233,25 @@ extern "C" int pagellm_gguf_mlp(const void* x, int x_bf16, int64_t M, int64_t K,
     }) ? 0 : -1;
 }
 
+// pagellm_gguf_mlp into y [M, N] (in the residual's dtype), then the residual add + norm of (residual, y) as
+// pagellm_gguf_matmul_add_norm: a layer's MLP and the next layer's input norm (or the final norm) in one call,
+// the bits of the two. Returns pagellm_gguf_mlp's code (nothing done but y on -1).
+extern "C" int pagellm_gguf_mlp_add_norm(const void* x, int x_bf16, int64_t M, int64_t K, int format,
+                                         const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, int64_t I,
+                                         const void* bias, int act, int down_format, const uint8_t* down_qs,
+                                         const uint8_t* down_gp, const uint8_t* down_sp, int64_t N,
+                                         const void* down_bias, const void* residual, const void* post_weight,
+                                         const void* weight, float eps, int unit_offset, void* residual_out,
+                                         void* out, int out_bf16) {
+    thread_local std::vector<float> y;  // fp32 words; a bf16 y uses the first half
+    y.resize(size_t(M * N));
+    if (pagellm_gguf_mlp(x, x_bf16, M, K, format, qs, gp, sp, I, bias, act, down_format, down_qs, down_gp, down_sp,
+                         N, down_bias, y.data(), out_bf16))
+        return -1;
+    add_norm_rows_as(residual, y.data(), post_weight, weight, residual_out, out, M, N, eps, out_bf16, unit_offset);
+    return 0;
+}
+
 // out[T, K] = rows ids[T] of W dequantized. Returns how many ids were out of range (their rows left untouched),
 // or -1 for an unknown format.
 extern "C" int64_t pagellm_gguf_rows(int format, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, int64_t N,
