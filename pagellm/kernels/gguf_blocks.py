@@ -284,9 +284,10 @@ class BoundMatmul:
         x, residual = x.contiguous(), residual.contiguous()
         new_residual, out = torch.empty_like(residual), torch.empty_like(residual)
         format_id, qs, gp, sp, _ = self._calls[0][1]
-        self._add_norm(x, x.numel() // self.cols, self.cols, format_id, qs, gp, sp, self.rows,
-                       self._bias_in(residual.dtype), residual, post_weight, weight, eps, int(unit_offset),
-                       new_residual, out)
+        if self._add_norm(x, x.numel() // self.cols, self.cols, format_id, qs, gp, sp, self.rows,
+                          self._bias_in(residual.dtype), residual, post_weight, weight, eps, int(unit_offset),
+                          new_residual, out):
+            raise RuntimeError(f"pagellm_gguf_matmul_add_norm refused format {self.weights[0].ggml_type!r}")
         return new_residual, out
 
     def _bias_in(self, dtype: torch.dtype) -> int | None:

@@ -6,9 +6,8 @@ quantized layers the same, their layouts chosen for it) and whether the layers r
 they cannot; the runner hands the bound plan to the backbone's forward every step. Bound, a step's layer is a few
 direct kernel calls (five for a GGUF layer of Gemma 3): everything that does not change between steps (weight
 pointers, norm flavours and their kernel weights, eps, head counts, the cache objects) is resolved at planning
-time. Why: at decode a Gemma 3 270M
-layer spent more time in nn.Module dispatch and in the per-call checks of each kernel wrapper than in its
-kernels, and a GPU's eager step is bound by the same host work.
+time. Why: at decode a Gemma 3 270M layer spent more time in nn.Module dispatch and in the per-call checks of each
+kernel wrapper than in its kernels, and a GPU's eager step is bound by the same host work.
 
 The kernels are one set per device (`kernels_for`): the native CPU kernels, or on CUDA the Triton ones with
 cuBLAS matmuls. Bound applies when every linear layer is dense, in GGUF blocks, or int4 with int8 activations

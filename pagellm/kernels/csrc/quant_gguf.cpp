@@ -194,6 +194,23 @@ extern "C" int pagellm_gguf_matmul_q8(const void* x, int x_bf16, int64_t M, int6
     }) ? 0 : -1;
 }
 
+namespace {
+
+// product(y) writes [M, N] into the calling thread's buffer y (in out's dtype), then the residual add + norm of
+// (residual, y) as layer_ops.cpp's pagellm_add_rms_norm: the fused entries below. product's nonzero code is
+// returned with nothing else done.
+template <class Product>
+int then_add_norm(int64_t M, int64_t N, Product&& product, const void* residual, const void* post_weight,
+                  const void* weight, float eps, int unit_offset, void* residual_out, void* out, int out_bf16) {
+    thread_local std::vector<float> y;  // fp32 words; a bf16 y uses the first half
+    y.resize(size_t(M * N));
+    if (const int code = product(y.data())) return code;
+    add_norm_rows_as(residual, y.data(), post_weight, weight, residual_out, out, M, N, eps, out_bf16, unit_offset);
+    return 0;
+}
+
+}  // namespace
+
 // pagellm_gguf_matmul_q8 into y [M, N] (bias added, rounded to the residual's dtype), then layer_ops.cpp's
 // pagellm_add_rms_norm of (residual, y): residual_out = residual + post(y), out = norm(residual_out), N = the
 // norm's width. The bits of the two calls; y lives in a per-thread buffer, and a layer's o projection and the
@@ -204,11 +221,9 @@ extern "C" int pagellm_gguf_matmul_add_norm(const void* x, int x_bf16, int64_t M
                                             const void* bias, const void* residual, const void* post_weight,
                                             const void* weight, float eps, int unit_offset, void* residual_out,
                                             void* out, int out_bf16) {
-    thread_local std::vector<float> y;  // fp32 words; a bf16 y uses the first half
-    y.resize(size_t(M * N));
-    if (pagellm_gguf_matmul_q8(x, x_bf16, M, K, format, qs, gp, sp, N, N, bias, y.data(), out_bf16)) return -1;
-    add_norm_rows_as(residual, y.data(), post_weight, weight, residual_out, out, M, N, eps, out_bf16, unit_offset);
-    return 0;
+    return then_add_norm(M, N, [&](void* y) {
+        return pagellm_gguf_matmul_q8(x, x_bf16, M, K, format, qs, gp, sp, N, N, bias, y, out_bf16);
+    }, residual, post_weight, weight, eps, unit_offset, residual_out, out, out_bf16);
 }
 
 // out[M, N] = (act(x W_gate^T + b_gate) * (x W_up^T + b_up)) W_down^T + b_down: a gated MLP in one call, for W
@@ -243,13 +258,10 @@ extern "C" int pagellm_gguf_mlp_add_norm(const void* x, int x_bf16, int64_t M, i
                                          const void* down_bias, const void* residual, const void* post_weight,
                                          const void* weight, float eps, int unit_offset, void* residual_out,
                                          void* out, int out_bf16) {
-    thread_local std::vector<float> y;  // fp32 words; a bf16 y uses the first half
-    y.resize(size_t(M * N));
-    if (pagellm_gguf_mlp(x, x_bf16, M, K, format, qs, gp, sp, I, bias, act, down_format, down_qs, down_gp, down_sp,
-                         N, down_bias, y.data(), out_bf16))
-        return -1;
-    add_norm_rows_as(residual, y.data(), post_weight, weight, residual_out, out, M, N, eps, out_bf16, unit_offset);
-    return 0;
+    return then_add_norm(M, N, [&](void* y) {
+        return pagellm_gguf_mlp(x, x_bf16, M, K, format, qs, gp, sp, I, bias, act, down_format, down_qs, down_gp,
+                                down_sp, N, down_bias, y, out_bf16);
+    }, residual, post_weight, weight, eps, unit_offset, residual_out, out, out_bf16);
 }
 
 // out[T, K] = rows ids[T] of W dequantized. Returns how many ids were out of range (their rows left untouched),
