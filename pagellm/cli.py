@@ -71,7 +71,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     with collector_paused():  # torch's, FastAPI's and the engine's modules: long-lived objects only
-        from pagellm.server.run import run_server
+        from pagellm.server.start import import_server
+
+        run_server = import_server()
 
     take_model_argument(args)
     return run_server(args, args.given_flags)
