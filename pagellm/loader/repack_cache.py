@@ -10,8 +10,13 @@ kernels first touch them), as llama.cpp and vLLM keep what they derive from a fi
               its size and its modification time: the weights' bytes are not hashed, which would read the whole
               file at every start (Python checks its .pyc files against their source the same way)
     manifest  per tensor: ggml type, rows, cols, and the offset and shape of its three arrays; blocks.bin's
-              size. An entry whose manifest does not parse or whose blocks.bin has another size is rebuilt
-              (logged), never used; entries are written to a temporary directory and renamed into place.
+              size; the file it was made from. An entry whose manifest does not parse or whose blocks.bin has
+              another size is rebuilt (logged), never used; entries are written to a temporary directory and
+              renamed into place.
+    pruning   each entry is a whole copy of a model's blocks, and a new key for the same file (an edited file, a
+              pagellm whose layout changed) orphans the old one for good: a commit removes the file's older
+              entries but the newest (two pagellm versions sharing a cache keep one each), and entries that do
+              not name their file (written before manifests did)
     layout    the tensors a layer joins (a layer's q/k/v, its gate/up) lie side by side, array by array, in the
               order the join takes them: layers/gguf_linear.merged_segments then views the joined range of the
               map instead of copying the parts into the heap, so they stay file pages like every other block
@@ -48,8 +53,9 @@ class RepackCache:
     """One file's entry: `get` from it when it is whole, else `add` each repacked weight and `commit` at the end
     of the load (`abandon` when the load stops early)."""
 
-    def __init__(self, entry: Path):
+    def __init__(self, entry: Path, source: str | None = None):
         self.entry = entry
+        self.source = source  # the GGUF file the entry is made from, recorded in its manifest
         self._blocks: np.ndarray | None = None  # blocks.bin mapped, when the entry is whole
         self._mapped: torch.Tensor | None = None  # the same map as one tensor: weights are views of its storage
         self._manifest: dict = {}
@@ -71,7 +77,7 @@ class RepackCache:
         digest.update(f"{stat.st_size} {stat.st_mtime_ns}".encode())
         with open(path, "rb") as f:
             digest.update(f.read(header.data_start))
-        return cls(cache_dir / "gguf-blocks" / digest.hexdigest())
+        return cls(cache_dir / "gguf-blocks" / digest.hexdigest(), str(path.resolve()))
 
     @property
     def hit(self) -> bool:
@@ -152,12 +158,40 @@ class RepackCache:
             size = self._out.tell()
             self._out.close()
             self._out = None
-            manifest = {"size": size, "tensors": self._written}
+            manifest = {"size": size, "source": self.source, "tensors": self._written}
             (self._staging / "manifest.json").write_text(json.dumps(manifest))
             os.rename(self._staging, self.entry)
         except OSError:
             shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+            return
         self._staging = None
+        self._remove_stale()
+
+    def _remove_stale(self) -> None:
+        """The pruning of the module's docstring, after a commit. An entry another process maps stays readable
+        to it (Linux frees a removed file's pages when the last map goes); one whose manifest cannot be read is
+        being written, or damaged (its own load rebuilds it), and is left alone."""
+        same_file = []
+        for other in self.entry.parent.iterdir():
+            if other == self.entry or other.name.startswith("."):
+                continue
+            try:
+                manifest = other / "manifest.json"
+                source = json.loads(manifest.read_text()).get("source")
+                if source is None:
+                    self._remove(other)
+                elif source == self.source:
+                    same_file.append((manifest.stat().st_mtime_ns, other))
+            except (OSError, ValueError, AttributeError):
+                continue
+        for _, other in sorted(same_file, reverse=True)[1:]:
+            self._remove(other)
+
+    @staticmethod
+    def _remove(entry: Path) -> None:
+        logger.info("weight cache: removed the stale entry %s", entry)
+        shutil.rmtree(entry, ignore_errors=True)
 
     def release(self) -> None:
         """Once the model is built: the mapped pages read so far leave the resident set (weights joined into new

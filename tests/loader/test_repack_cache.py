@@ -83,6 +83,29 @@ def test_a_changed_file_gets_its_own_entry(tiny, tmp_path):
     torch.testing.assert_close(changed, _logits(_load(other.path, None)), rtol=0, atol=0)
 
 
+def test_a_commit_keeps_one_older_entry_of_its_file_and_no_unnamed_one(tiny, tmp_path):
+    """Each entry is a whole copy of a model's blocks: entries orphaned by a changed file (or a changed layout)
+    must not pile up. The newest older one stays (two pagellm versions sharing a cache keep one each); one written
+    before manifests named their file goes; another file's entry stays."""
+    cache = tmp_path / "cache"
+    entries = cache / "gguf-blocks"
+    other_file = write_tiny_gguf(tmp_path / "other.gguf", "llama", types=TYPES, seed=2)
+    _load(other_file.path, cache)
+    (other_entry,) = entries.iterdir()
+    unnamed = entries / ("0" * 64)
+    unnamed.mkdir()
+    (unnamed / "manifest.json").write_text(json.dumps({"size": 0, "tensors": {}}))
+    made = []
+    for seed in range(3):  # the same path rewritten three times: three keys
+        write_tiny_gguf(tiny.path, "llama", types=TYPES, seed=seed)
+        os.utime(tiny.path, ns=(0, (seed + 1) * 10**9))
+        _load(tiny.path, cache)
+        made.append(next(e for e in entries.iterdir() if e not in (other_entry, unnamed, *made)))
+    assert sorted(entries.iterdir()) == sorted([other_entry, made[1], made[2]])
+    reference = _logits(_load(tiny.path, None))
+    torch.testing.assert_close(_logits(_load(tiny.path, cache)), reference, rtol=0, atol=0)  # the newest is whole
+
+
 def test_a_load_that_stops_early_leaves_no_entry(tiny, tmp_path, monkeypatch):
     repack = gguf_blocks.repack
     calls = []
