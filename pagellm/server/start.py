@@ -1,14 +1,14 @@
 """The start of `pagellm serve`: torch's native libraries load on one core while the server's torch-free
 modules import on the other.
 
-Why: a good part of `import torch` (about a third on a 2-core Zen 4, with PyPI's CUDA wheel) is the dynamic
-loader mapping and relocating libtorch and the CUDA libraries the wheel links, and running their static
-constructors. CPython holds the GIL through an extension module's dlopen, so the process does nothing else
-meanwhile. Called through ctypes, dlopen releases the GIL: a thread loads the same files torch's import would, in
-the order torch's import would (its global dependencies first, then torch._C's tree), while the main thread
-imports FastAPI, uvicorn and the server modules that need no torch. torch's own import then finds those files
-loaded. No module imported here may import torch: it would wait for the loader's lock (a test holds the list
-torch-free).
+Why: a good part of `import torch` (with PyPI's CUDA wheel) is the dynamic loader mapping and relocating libtorch
+and the CUDA libraries the wheel links, and running their static constructors. CPython holds the GIL through an
+extension module's dlopen, so the process does nothing else meanwhile. Called through ctypes, dlopen releases the
+GIL: a thread loads the same files torch's import would, in the order torch's import would (its global
+dependencies first, then torch._C's tree), while the main thread imports FastAPI, uvicorn and the server modules
+that need no torch. torch's own import then finds those files loaded. No module imported here may import torch: it
+would wait for the loader's lock (a test holds the list torch-free).
+measured: docs/benchmarks/2026-11-26-start-up-and-memory.md
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def load_torch_libraries_in_background() -> threading.Thread | None:
 
 
 def _dlopen_in_order(global_deps: Path, extension: Path) -> None:
-    libc = ctypes.CDLL(None)
-    dlopen = libc.dlopen  # a foreign call: ctypes releases the GIL for its length
+    try:
+        dlopen = ctypes.CDLL(None).dlopen  # a foreign call: ctypes releases the GIL for its length
+    except (OSError, AttributeError):  # no C library to ask: torch's import loads everything itself
+        return
     dlopen.restype = ctypes.c_void_p
     dlopen.argtypes = [ctypes.c_char_p, ctypes.c_int]
     # as torch/__init__.py loads them: global dependencies into the global scope, then the extension with the
