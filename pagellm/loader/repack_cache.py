@@ -15,8 +15,9 @@ kernels first touch them), as llama.cpp and vLLM keep what they derive from a fi
               renamed into place.
     pruning   each entry is a whole copy of a model's blocks, and a new key for the same file (an edited file, a
               pagellm whose layout changed) orphans the old one for good: a commit removes the file's older
-              entries but the newest (two pagellm versions sharing a cache keep one each), and entries that do
-              not name their file (written before manifests did)
+              entries but the newest (two pagellm versions sharing a cache keep one each), entries that do not
+              name their file (written before manifests did), and partial entries no process has written to
+              for an hour (a load killed mid-write)
     layout    the tensors a layer joins (a layer's q/k/v, its gate/up) lie side by side, array by array, in the
               order the join takes them: layers/gguf_linear.merged_segments then views the joined range of the
               map instead of copying the parts into the heap, so they stay file pages like every other block
@@ -31,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import gguf
@@ -44,6 +46,7 @@ logger = logging.getLogger("pagellm.loader")
 
 FORMAT = 2
 _ALIGN = 64  # each array starts on a cache line, as the kernels' own allocations do
+_ABANDONED_AFTER_S = 3600  # a partial entry untouched this long was left by a load that died mid-write
 # the tensors of one layer that a model joins into one matmul (models/llama.py, layers/mlp.py), in join order
 _JOIN_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 _JOIN_MEMBER = re.compile(r"^(blk\.\d+\.)(" + "|".join(r for g in _JOIN_GROUPS for r in g) + r")\.weight$")
@@ -174,6 +177,10 @@ class RepackCache:
         being written, or damaged (its own load rebuilds it), and is left alone."""
         same_file = []
         for other in self.entry.parent.iterdir():
+            if other.name.startswith(".partial-"):
+                if _idle_seconds(other) > _ABANDONED_AFTER_S:
+                    self._remove(other)
+                continue
             if other == self.entry or other.name.startswith("."):
                 continue
             try:
@@ -209,3 +216,12 @@ class RepackCache:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
         self._written = None  # nothing more is written for this load
+
+
+def _idle_seconds(directory: Path) -> float:
+    """Seconds since anything in `directory` was last written (blocks.bin grows for as long as a load writes)."""
+    try:
+        newest = max([directory.stat().st_mtime, *(f.stat().st_mtime for f in directory.iterdir())])
+    except OSError:  # removed meanwhile (its writer abandoned or committed it)
+        return 0.0
+    return time.time() - newest

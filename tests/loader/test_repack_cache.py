@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import gguf
 import pytest
@@ -104,6 +105,22 @@ def test_a_commit_keeps_one_older_entry_of_its_file_and_no_unnamed_one(tiny, tmp
     assert sorted(entries.iterdir()) == sorted([other_entry, made[1], made[2]])
     reference = _logits(_load(tiny.path, None))
     torch.testing.assert_close(_logits(_load(tiny.path, cache)), reference, rtol=0, atol=0)  # the newest is whole
+
+
+def test_a_commit_removes_partial_entries_a_killed_load_left(tiny, tmp_path):
+    """A load killed mid-write (SIGKILL, power) leaves its temporary directory; one untouched for an hour goes at
+    the next commit, one still being written stays."""
+    entries = tmp_path / "cache" / "gguf-blocks"
+    entries.mkdir(parents=True)
+    for name, age in ((".partial-killed", 7200), (".partial-writing", 5)):
+        (entries / name).mkdir()
+        (entries / name / "blocks.bin").write_bytes(b"\0" * 64)
+        then = time.time() - age
+        for path in (entries / name / "blocks.bin", entries / name):
+            os.utime(path, (then, then))
+    _load(tiny.path, tmp_path / "cache")
+    left = sorted(p.name for p in entries.iterdir())
+    assert ".partial-killed" not in left and ".partial-writing" in left and len(left) == 2
 
 
 def test_a_load_that_stops_early_leaves_no_entry(tiny, tmp_path, monkeypatch):
