@@ -15,10 +15,12 @@ from pathlib import Path
 ROOT = Path(__file__).parents[2]
 
 
-def _fresh(script: str, **env: str) -> dict:
+def _fresh(script: str) -> dict:
+    """The last line `script` prints, as JSON, from a fresh interpreter without the variables that turn the thread
+    off."""
     environ = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "TORCH_USE_RTLD_GLOBAL")}
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                         cwd=ROOT, env={**environ, **env}, timeout=120)
+                         cwd=ROOT, env=environ, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -58,13 +60,16 @@ def test_the_thread_loads_libtorch_and_torch_then_imports_and_computes():
 def test_no_thread_where_the_environment_changes_which_libraries_load():
     """LD_LIBRARY_PATH's CUDA copies are what torch's own import orders its loads around; TORCH_USE_RTLD_GLOBAL
     loads libtorch another way. Both leave the loading to torch's import, as does a torch imported already."""
-    script = """
-        import json, sys
+    result = _fresh("""
+        import json, os
         from pagellm.server.start import torch_library_paths
-        first = torch_library_paths()
+        found = {"plain": torch_library_paths() is not None}
+        for name, value in (("LD_LIBRARY_PATH", "/nonexistent"), ("TORCH_USE_RTLD_GLOBAL", "1")):
+            os.environ[name] = value
+            found[name] = torch_library_paths() is not None
+            del os.environ[name]
         import torch
-        print(json.dumps({"paths": first is not None, "after_torch": torch_library_paths() is not None}))
-    """
-    assert _fresh(script) == {"paths": True, "after_torch": False}
-    assert _fresh(script, LD_LIBRARY_PATH="/nonexistent") == {"paths": False, "after_torch": False}
-    assert _fresh(script, TORCH_USE_RTLD_GLOBAL="1") == {"paths": False, "after_torch": False}
+        found["after torch"] = torch_library_paths() is not None
+        print(json.dumps(found))
+    """)
+    assert result == {"plain": True, "LD_LIBRARY_PATH": False, "TORCH_USE_RTLD_GLOBAL": False, "after torch": False}
