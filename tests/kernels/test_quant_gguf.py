@@ -225,27 +225,36 @@ def test_the_fused_mlp_refuses_what_it_cannot_fuse():
         gguf_blocks.BoundMLP(q8, down, 2)
 
 
+def _assert_one_call_is_the_two(fused, product, residual, cpu_isa):
+    """fused(post_weight, weight, unit_offset) against layer_ops.add_rms_norm of (residual, product()), bit for bit:
+    both norm flavours, with and without Gemma's post norm."""
+    dtype, n = residual.dtype, residual.shape[-1]
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for unit_offset in (True, False):
+        norm_dtype = torch.float32 if unit_offset else dtype
+        weight, post = torch.randn(n).to(norm_dtype), torch.randn(n).to(norm_dtype)
+        for post_weight in (None, post):
+            separate = layer_ops.add_rms_norm_unchecked(residual, product(), post_weight, weight, 1e-6, unit_offset,
+                                                        cpu_isa)
+            for a, b in zip(fused(post_weight, weight, unit_offset), separate):
+                assert a.dtype == dtype and torch.equal(a.view(bits), b.view(bits))
+
+
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0, T.Q5_0], ids=lambda t: t.name)
 def test_the_matmul_with_its_add_and_norm_is_the_two_calls_bit_for_bit(ggml_type, cpu_isa):
-    """An o projection and the residual add + norm after it in one call (BoundMatmul.add_norm), both norm
-    flavours, with and without Gemma's post norm, x in another dtype than the residual (narrow attention)."""
+    """An o projection and the residual add + norm after it in one call (BoundMatmul.add_norm), x in another dtype
+    than the residual too (narrow attention)."""
     weight = gguf_blocks.repack(gguf_tensor(ggml_type, 96, 256, seed=7), ggml_type, (96, 256))
     for bias in (None, torch.randn(96)):
         matmul = gguf_blocks.BoundMatmul([weight], bias, cpu_isa)
         for rows in (1, 7, 160):
             x = torch.randn(rows, 256) * 2
-            for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+            for dtype in (torch.float32, torch.bfloat16):
                 residual = (torch.randn(rows, 96) * 4).to(dtype)
-                for unit_offset in (True, False):
-                    norm_dtype = torch.float32 if unit_offset else dtype
-                    weight_norm, post = torch.randn(96).to(norm_dtype), torch.randn(96).to(norm_dtype)
-                    for post_weight in (None, post):
-                        for xs in (x.to(dtype), x.bfloat16()):
-                            separate = layer_ops.add_rms_norm_unchecked(
-                                residual, matmul(xs, dtype), post_weight, weight_norm, 1e-6, unit_offset, cpu_isa)
-                            fused = matmul.add_norm(xs, residual, post_weight, weight_norm, 1e-6, unit_offset)
-                            for a, b in zip(fused, separate):
-                                assert a.dtype == dtype and torch.equal(a.view(bits), b.view(bits))
+                for xs in (x.to(dtype), x.bfloat16()):
+                    _assert_one_call_is_the_two(
+                        lambda post, w, unit: matmul.add_norm(xs, residual, post, w, 1e-6, unit),
+                        lambda: matmul(xs, dtype), residual, cpu_isa)
 
 
 def test_the_fused_mlp_with_its_add_and_norm_is_the_two_calls_bit_for_bit(cpu_isa):
@@ -256,19 +265,12 @@ def test_the_fused_mlp_with_its_add_and_norm_is_the_two_calls_bit_for_bit(cpu_is
         mlp = gguf_blocks.BoundMLP(gguf_blocks.BoundMatmul([gate_up], biases[0], cpu_isa),
                                    gguf_blocks.BoundMatmul([down], biases[1], cpu_isa), 1)
         for rows in (1, 13, 160):
-            for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+            for dtype in (torch.float32, torch.bfloat16):
                 x, residual = torch.randn(rows, 256).to(dtype), (torch.randn(rows, 256) * 4).to(dtype)
-                for unit_offset in (True, False):
-                    norm_dtype = torch.float32 if unit_offset else dtype
-                    weight, post = torch.randn(256).to(norm_dtype), torch.randn(256).to(norm_dtype)
-                    for post_weight in (None, post):
-                        separate = layer_ops.add_rms_norm_unchecked(residual, mlp(x), post_weight, weight, 1e-6,
-                                                                    unit_offset, cpu_isa)
-                        fused = mlp.add_norm(x, residual, post_weight, weight, 1e-6, unit_offset)
-                        for a, b in zip(fused, separate):
-                            assert a.dtype == dtype and torch.equal(a.view(bits), b.view(bits))
+                _assert_one_call_is_the_two(lambda post, w, unit: mlp.add_norm(x, residual, post, w, 1e-6, unit),
+                                            lambda: mlp(x), residual, cpu_isa)
     with pytest.raises(ValueError, match="residual"):
-        mlp.add_norm(x, residual.float() if dtype != torch.float32 else residual.bfloat16(), None, weight, 1e-6, True)
+        mlp.add_norm(x, residual.float(), None, torch.ones(256), 1e-6, True)  # the last residual was bf16
 
 
 def test_the_matmul_with_its_add_and_norm_refuses_what_it_cannot_take():
