@@ -30,7 +30,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pagellm.kernels
 	touch $(STAMP)
 
-install: $(STAMP)
+# Bytecode for pagellm's own modules, refreshed when a source changes: an editable install gets none from pip,
+# and where PYTHONDONTWRITEBYTECODE is set (common in containers) Python would otherwise compile every module at
+# every start (measured: docs/PERFORMANCE.md, "Bytecode for pagellm's modules").
+BYTECODE := $(VENV)/.bytecode
+$(BYTECODE): $(STAMP) $(shell find pagellm -name '*.py')
+	$(BIN)/python -m compileall -q pagellm
+	touch $(BYTECODE)
+
+install: $(STAMP) $(BYTECODE)
 
 # The whole suite at the CPU's own instruction-set level (tests/kernels covers every level in process), then
 # the model, layer and engine tests again at each lower level the CPU can run, and the HF-parity and engine

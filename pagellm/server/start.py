@@ -33,7 +33,9 @@ TORCH_FREE_MODULES = (
     "uvicorn.lifespan.on", "uvicorn.protocols.http.h11_impl", "uvicorn.loops.asyncio", "jinja2",
     "prometheus_client", "pagellm.server.protocol", "pagellm.server.converted_requests", "pagellm.server.metrics",
     "pagellm.server.errors", "pagellm.server.error_answers", "pagellm.server.guards", "pagellm.server.infill",
-    "pagellm.server.reasoning",
+    "pagellm.server.reasoning", "pagellm.server.responses", "pagellm.loader.model_configs", "pagellm.core.types",
+    "pagellm.loader.chat_template", "pagellm.outputs",
+    "pydantic.v1",  # FastAPI's route building asks whether each model is a pydantic v1 one: it imports this
 )
 
 
