@@ -3,7 +3,7 @@
 Each format is, per row and 32-column group, integer codes and fp32 factors: w = scale * (q - zero) (+ min).
 `repack` reads a tensor's raw blocks and lays those same codes and factors out for the kernel (the layout:
 csrc/gguf_format.h): 16 rows per block, the low nibbles as pagellm's int4 layout, code bits above 4 as bit
-planes, scales per group and, for K formats, per 256 columns. Nothing is re-rounded, and the bytes stay within
+planes (Q6_K's two as quads of chunks), scales per group and, for K formats, per 256 columns. Nothing is re-rounded, and the bytes stay within
 3% of the file's (Q4_K: 148 per 144; the unpacked 6-bit scales cost the rest).
 
 Blocks as the file stores them (sizes in bytes; codes of a block in column order unless said):
@@ -157,6 +157,13 @@ def _code_bytes(codes: np.ndarray, bits: int) -> np.ndarray:
     low = (per_chunk & 15).astype(np.uint8).reshape(*per_chunk.shape[:4], 2, 2)  # [.., t, high?, b']
     nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)  # [nb, g, t, r, b']
     parts = [nibbles.reshape(n // BLOCK_ROWS, cols // GROUP_SIZE, 256)]
+    if bits == 6:  # two high bits as quads: chunk 4j + c's at bits 8b + 2c, 8b + 2c + 1 of quad j
+        high = ((per_chunk >> 4) & 3).astype(np.uint32).reshape(*per_chunk.shape[:3], 2, 4, 4)  # [.., j, c, b]
+        quads = (high << (8 * np.arange(4) + 2 * np.arange(4)[:, None]).astype(np.uint32)).sum(
+            axis=(4, 5), dtype=np.uint32)  # [nb, r, g, j]
+        parts.append(np.ascontiguousarray(quads.transpose(0, 2, 3, 1)).view(np.uint8).reshape(
+            n // BLOCK_ROWS, cols // GROUP_SIZE, 128))  # [nb, g, j, r] uint32
+        return np.concatenate(parts, axis=2)
     shifts = (8 * np.arange(4)[None, :] + np.arange(8)[:, None]).astype(np.uint32)  # [t, b]: bit 8b + t
     for bit in range(4, bits):
         plane = (((per_chunk.astype(np.uint32) >> bit) & 1) << shifts).sum(axis=(3, 4), dtype=np.uint32)  # [nb, r, g]

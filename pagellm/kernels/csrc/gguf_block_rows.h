@@ -65,14 +65,20 @@ inline __m512i with_plane(__m512i v, __m512i plane, int t) {
     return _mm512_ternarylogic_epi32(v, moved, _mm512_set1_epi32(0x01010101 << Bit), 0xF8);  // v | (moved & mask)
 }
 
+// Chunk 4j + c's two high bits from quad j (bits 2c, 2c + 1 of each byte) to bits 4 and 5, or-ed into v.
+inline __m512i with_high_bits(__m512i v, __m512i quad, int c) {
+    const __m512i moved = c == 2 ? quad : c == 3 ? _mm512_srli_epi32(quad, 2) : _mm512_slli_epi32(quad, 4 - 2 * c);
+    return _mm512_ternarylogic_epi32(v, moved, _mm512_set1_epi32(0x30303030), 0xF8);  // v | (moved & mask)
+}
+
 // Chunk t of a group: per row lane the codes 4t..4t+3 as unsigned bytes.
 template <class F>
 inline __m512i chunk_codes(const uint8_t* q, int t) {
     if constexpr (F::kBits == 8)
         return _mm512_xor_si512(_mm512_loadu_si512(q + 64 * t), _mm512_set1_epi8(char(0x80)));
     __m512i v = unpack_chunk(q + 32 * t);
+    if constexpr (F::kHighQuads) return with_high_bits(v, _mm512_loadu_si512(q + 256 + 64 * (t >> 2)), t & 3);
     if constexpr (F::kBits >= 5) v = with_plane<4>(v, _mm512_loadu_si512(q + 256), t);
-    if constexpr (F::kBits >= 6) v = with_plane<5>(v, _mm512_loadu_si512(q + 320), t);
     return v;
 }
 
@@ -167,8 +173,13 @@ inline __m256i chunk_codes(const uint8_t* q, int t, int half) {
     }
     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * t + 16 * half)));
     __m256i w = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0F0F0F0F));
+    if constexpr (F::kHighQuads) {  // gguf_format.h: chunk 4j + c's high bits at bits 2c, 2c + 1 of quad j
+        const __m256i quad = _mm256_loadu_si256((const __m256i*)(q + 256 + 64 * (t >> 2) + 32 * half));
+        const int c = t & 3;
+        const __m256i moved = c == 2 ? quad : c == 3 ? _mm256_srli_epi32(quad, 2) : _mm256_slli_epi32(quad, 4 - 2 * c);
+        return _mm256_or_si256(w, _mm256_and_si256(moved, _mm256_set1_epi32(0x30303030)));
+    }
     if constexpr (F::kBits >= 5) w = with_plane<4>(w, _mm256_loadu_si256((const __m256i*)(q + 256 + 32 * half)), t);
-    if constexpr (F::kBits >= 6) w = with_plane<5>(w, _mm256_loadu_si256((const __m256i*)(q + 320 + 32 * half)), t);
     return w;
 }
 
@@ -308,6 +319,12 @@ inline void chunk_codes(const uint8_t* q, int t, const uint8_t (*bits)[4][kBlock
         codes[1][i] = int16_t((w[i] >> 8) & 15);
         codes[2][i] = int16_t((w[i] >> 4) & 15);
         codes[3][i] = int16_t(w[i] >> 12);
+    }
+    if constexpr (F::kHighQuads) {  // bits[j]: quad j (gguf_format.h)
+        for (int b = 0; b < 4; ++b)
+            for (int i = 0; i < kBlock; ++i)
+                codes[b][i] = int16_t(codes[b][i] | (((bits[t / 4][b][i] >> (2 * (t % 4))) & 3) << 4));
+        return;
     }
     for (int p = 0; p < F::kPlanes; ++p)
         for (int b = 0; b < 4; ++b)

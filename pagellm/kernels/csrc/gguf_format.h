@@ -16,7 +16,10 @@
 //   qs  [N/16][G][group_bytes]: 256 bytes of low nibbles in the int4 layout of quant_gemv.cpp (chunk t of 8:
 //       16 rows x 2 bytes; byte b of row r: low nibble k = 4t + b, high nibble k = 4t + 2 + b), then one 64-byte
 //       plane per code bit above 4: 16 rows x uint32, bit 8b + t holding that bit of code k = 4t + b (so
-//       ((plane >> t) & 0x01010101) << bit puts it in the right byte of a chunk's lane).
+//       ((plane >> t) & 0x01010101) << bit puts it in the right byte of a chunk's lane). Q6_K's two high bits
+//       instead as two 64-byte quads, quad j for chunks 4j .. 4j + 3: 16 rows x uint32, bits 8b + 2c and
+//       8b + 2c + 1 holding bits 4 and 5 of code k = 4(4j + c) + b (so one shift, or none, and one mask put a
+//       chunk's in place: two planes took two shifts and a mask each, most of a Q6_K chunk's instructions).
 //       Q8_0 instead: 8 chunks of 16 rows x 4 bytes (the codes 4t..4t+3 of a row, int8).
 //   gp  [N/16][G][group_params]: f16 scale[16] (+ f16 min[16]); K formats u8 sc[16], m[16]; Q6_K i8 sc[2][16]
 //   sp  [N/16][K/256][super_params]: K formats f16 d[16], dmin[16]; Q6_K f16 d[16]; others none
@@ -36,6 +39,7 @@ struct Format {
     static constexpr bool kMin = S == Scales::kF16Min || S == Scales::kSuper;
     static constexpr int kHalves = S == Scales::kQ6K ? 2 : 1;  // scales per group
     static constexpr int kPlanes = Bits == 8 ? 0 : Bits - 4;  // 64-byte planes of code bits above the nibble
+    static constexpr bool kHighQuads = Bits == 6;  // those two planes as quads of chunks (Q6_K)
     static constexpr int64_t kGroupBytes = Bits == 8 ? 512 : 256 + 64 * (Bits - 4);
     static constexpr int64_t kParamBytes = S == Scales::kF16Min ? 64 : 32;
     static constexpr int64_t kSuperBytes = S == Scales::kSuper ? 64 : S == Scales::kQ6K ? 32 : 0;
@@ -81,6 +85,11 @@ inline int32_t code_at(const uint8_t* q, int r, int k) {
     const int t = k / 4, b = k % 4;
     if constexpr (F::kBits == 8) return int8_t(q[64 * t + 4 * r + b]);
     int32_t code = (q[32 * t + 2 * r + (b & 1)] >> (4 * (b >> 1))) & 15;
+    if constexpr (F::kHighQuads) {
+        uint32_t quad;
+        std::memcpy(&quad, q + 256 + 64 * (t / 4) + 4 * r, 4);
+        return code | int32_t((quad >> (8 * b + 2 * (t % 4))) & 3) << 4;
+    }
     for (int p = 0; p < F::kPlanes; ++p) {
         uint32_t plane;
         std::memcpy(&plane, q + 256 + 64 * p + 4 * r, 4);
