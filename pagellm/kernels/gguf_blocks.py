@@ -3,8 +3,9 @@
 Each format is, per row and 32-column group, integer codes and fp32 factors: w = scale * (q - zero) (+ min).
 `repack` reads a tensor's raw blocks and lays those same codes and factors out for the kernel (the layout:
 csrc/gguf_format.h): 16 rows per block, the low nibbles as pagellm's int4 layout, code bits above 4 as bit
-planes (Q6_K's two as quads of chunks), scales per group and, for K formats, per 256 columns. Nothing is re-rounded, and the bytes stay within
-3% of the file's (Q4_K: 148 per 144; the unpacked 6-bit scales cost the rest).
+planes (Q6_K's two as quads of chunks), scales per group and, for K formats, per 256 columns. Nothing is
+re-rounded, and the bytes stay within 3% of the file's (Q4_K: 148 per 144; the unpacked 6-bit scales cost the
+rest).
 
 Blocks as the file stores them (sizes in bytes; codes of a block in column order unless said):
     Q4_0  32: d f16 | 16 nibble bytes (low nibbles columns 0-15, high 16-31)       w = d (q - 8)
