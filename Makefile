@@ -1,5 +1,6 @@
 # Every target bootstraps .venv on a fresh machine and is safe to re-run.
-PYTHON ?= python3
+# The venv's interpreter: python3, or another one here that imports faster (tools/pick_python.py says why).
+PYTHON ?= $(shell python3 tools/pick_python.py || echo python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
