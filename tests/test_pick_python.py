@@ -45,3 +45,17 @@ def test_the_tool_prints_one_usable_interpreter():
     version = subprocess.run([chosen, "-c", "import sys; print(sys.version_info >= (3, 11))"], capture_output=True,
                              text=True, timeout=60, check=True).stdout.strip()
     assert version == "True"
+
+
+def test_it_says_why_python3_was_passed_over(monkeypatch, capsys):
+    found = {"python3": _probe("/p3", version=(3, 10)), "python3.12": _probe("/p312")}
+    monkeypatch.setattr(pick_python, "probe", found.get)
+    assert pick_python.main() == 0
+    out = capsys.readouterr()
+    assert out.out == "/p312\n" and "python3 (/p3) cannot carry the venv" in out.err
+    found["python3"] = _probe("/p3", shared=True)
+    pick_python.main()
+    assert "python3 (/p3) loads a shared libpython" in capsys.readouterr().err
+    found["python3"] = _probe("/p3")  # the usual case: python3 kept, nothing said
+    pick_python.main()
+    assert capsys.readouterr() == ("/p3\n", "")

@@ -8,7 +8,7 @@ cannot inline across them; Debian's and Ubuntu's python3 is linked statically. S
 start runs faster on the static one, and the engine's steps, which run in the native kernels, do not change.
 measured: docs/PERFORMANCE.md, "The interpreter".
 
-Run by whatever `python3` is (any 3.x); prints one path or name. `make install PYTHON=...` skips it.
+Run by whatever `python3` is (3.7 or later); prints one path or name. `make install PYTHON=...` skips it.
 """
 
 from __future__ import annotations
@@ -22,16 +22,21 @@ CANDIDATES = ("python3", "python3.13", "python3.12", "python3.11", "/usr/bin/pyt
 MIN_VERSION = (3, 11)  # pyproject.toml's requires-python
 
 # What each candidate says of itself: its real path, version, whether a libpython is mapped into it, and whether
-# it can make a venv with pip (Debian splits ensurepip into python3-venv) and build against its headers (Triton
-# compiles a helper on a GPU).
+# it can make a venv with pip (Debian ships ensurepip in python3.X-venv; its version() finds the bundled pip) and
+# build against its headers (Triton compiles a helper on a GPU).
 PROBE = """
-import importlib.util, json, os, sys, sysconfig
+import json, os, sys, sysconfig
+try:
+    import ensurepip, venv
+    can_venv = bool(ensurepip.version())
+except Exception:
+    can_venv = False
 maps = open("/proc/self/maps").read() if os.path.exists("/proc/self/maps") else ""
 print(json.dumps({
     "path": os.path.realpath(sys.executable),
     "version": list(sys.version_info[:2]),
     "shared_libpython": "libpython" in maps,
-    "venv": all(importlib.util.find_spec(m) is not None for m in ("venv", "ensurepip")),
+    "venv": can_venv,
     "headers": os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
 }))
 """
@@ -68,9 +73,11 @@ def main() -> int:
     if chosen is None:  # nothing usable: python3 as before, whose venv step then says what is missing
         print("python3")
         return 0
-    if probes and chosen is not probes[0]:
-        print(f"make: the venv uses {chosen['path']}: python3 ({probes[0]['path']}) loads a shared libpython, whose "
-              "imports run slower (PYTHON=... overrides)", file=sys.stderr)
+    if chosen is not probes[0]:  # say why python3 was passed over
+        why = ("loads a shared libpython, whose imports run slower" if choose([probes[0]]) is not None
+               else "cannot carry the venv ({}.{}+ with venv, pip and headers)".format(*MIN_VERSION))
+        print(f"make: the venv uses {chosen['path']}: python3 ({probes[0]['path']}) {why} (PYTHON=... overrides)",
+              file=sys.stderr)
     print(chosen["path"])
     return 0
 
