@@ -10,6 +10,7 @@ from tqdm import tqdm
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagellm.engine import LLMEngine
 from pagellm.outputs import RequestOutput
+from pagellm.platform import release_cuda_library_pages
 from pagellm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -63,6 +64,8 @@ class LLM:
             kernels=KernelConfig() if cpu_isa is None else KernelConfig(cpu_isa=cpu_isa),
         )
         self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
+        if self.engine.device.type == "cpu":
+            release_cuda_library_pages()  # torch links them; a CPU engine runs none of them
 
     @property
     def tokenizer(self):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import re
 from types import MappingProxyType
 
 import torch
@@ -99,3 +100,46 @@ def keep_step_buffers_in_heap(enabled: bool = True) -> bool:
         return all([bool(libc.mallopt(param, value)) for param, value in settings])  # each applied on its own
     except (OSError, AttributeError):
         return False
+
+
+_MADV_DONTNEED = 4
+# the CUDA runtime and libraries PyPI's torch links: the nvidia-* wheels' libraries, libtorch_cuda, c10's CUDA part
+_CUDA_LIBRARY = re.compile(r"/nvidia/.*\.so[.0-9]*$|/lib(?:torch_cuda|c10_cuda|torch_nvshmem)\.so$")
+
+
+def release_cuda_library_pages() -> int:
+    """Drop this process's page mappings of the CUDA libraries torch links, for an engine on the CPU: torch's CUDA
+    build loads them (and their constructors touch hundreds of MB of their code and tables), but nothing runs
+    them here. Only mappings that hold no private data are dropped (not writable, no copied-on-write pages):
+    MADV_DONTNEED then only removes page-table entries, the files stay in the page cache, and a later access
+    maps its page again. Returns the resident bytes dropped (0 where there is nothing to drop, or no /proc)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            smaps = f.read().splitlines()
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released = 0
+    for start, end, resident in unwritten_mappings(smaps, _CUDA_LIBRARY):
+        if madvise(start, end - start, _MADV_DONTNEED) == 0:
+            released += resident
+    return released
+
+
+def unwritten_mappings(smaps: list[str], path: re.Pattern) -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of each mapping in /proc/self/smaps' lines whose file matches `path`, that is
+    not writable and has no anonymous (copied-on-write) pages: what MADV_DONTNEED can drop without losing data."""
+    found, current = [], None
+    for line in smaps + ["end-of-smaps 0"]:  # the sentinel closes the last mapping
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # "start-end perms offset dev inode [path]"
+            if current is not None and current["keep"] and current["anonymous"] == 0 and current["rss"] > 0:
+                found.append((current["start"], current["end"], current["rss"]))
+            bounds = fields[0].split("-")
+            keep = len(fields) >= 6 and "w" not in fields[1] and bool(path.search(fields[-1]))
+            current = {"start": int(bounds[0], 16), "end": int(bounds[1], 16), "keep": keep, "rss": 0,
+                       "anonymous": -1} if keep else {"keep": False}
+        elif current is not None and current["keep"] and fields and fields[0] in ("Rss:", "Anonymous:"):
+            current["rss" if fields[0] == "Rss:" else "anonymous"] = int(fields[1]) * 1024
+    return found

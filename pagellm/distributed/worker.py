@@ -136,7 +136,7 @@ def publish_runner_setup(state: ParallelState, setup: RunnerSetup, workers: Loca
 
 
 def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float, join_timeout: float) -> int:
-    from pagellm.platform import DTYPES, keep_step_buffers_in_heap, limit_threads_to_cores
+    from pagellm.platform import DTYPES, keep_step_buffers_in_heap, limit_threads_to_cores, release_cuda_library_pages
     from pagellm.loader.model_loader import load_model
     from pagellm.runner.model_runner import ModelRunner
 
@@ -165,6 +165,8 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
                          logits=vocab_parallel_logits(model, state),  # the head's decision: same model and world
                          kernels=config.kernels, compute_dtype=dtype, all_reduce=state.all_reduce_)
     keep_step_buffers_in_heap(config.kernels.heap_tuning)
+    if device.type == "cpu":
+        release_cuda_library_pages()  # torch links them; a CPU rank runs none of them
     state.store.set(f"pagellm/ready/{rank}", "1")
     return _serve_steps(state, runner)
 

@@ -260,6 +260,12 @@ class AsyncEngine:
         self._publish_stats(engine)
         self._ready.set()
         logger.info("engine ready: max_model_len=%d", engine.max_model_len)
+        if engine.device.type == "cpu":  # after /health turns ready: it takes a few tens of ms
+            from pagellm.platform import release_cuda_library_pages
+
+            released = release_cuda_library_pages()
+            if released:
+                logger.info("CUDA libraries' pages unmapped (a CPU engine runs none of them): %d MB", released >> 20)
         try:
             self._loop(engine)
             error = EngineDeadError("the server is shutting down")
