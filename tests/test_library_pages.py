@@ -61,7 +61,8 @@ def test_the_pages_go_and_torch_still_computes():
     assert result["released"] == result["linked"] and result["left"] == 0
     assert result["drop"] >= result["released"] // 2  # gone from the resident set, not only counted
     x = torch.arange(16.0).reshape(4, 4)
-    assert result["sum"] == (x @ x).sum().item() and result["cuda"] is False
+    assert result["sum"] == (x @ x).sum().item()
+    assert result["cuda"] == torch.cuda.is_available()  # the CUDA runtime still answers, from its pages mapped again
     if "+cu" in torch.__version__:  # PyPI's CUDA build links them: there is something to drop
         assert result["released"] > 50 << 20
 
