@@ -64,8 +64,7 @@ class LLM:
             kernels=KernelConfig() if cpu_isa is None else KernelConfig(cpu_isa=cpu_isa),
         )
         self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
-        if self.engine.device.type == "cpu":
-            release_cuda_library_pages()  # torch links them; a CPU engine runs none of them
+        release_cuda_library_pages(self.engine.device)  # torch links them; a CPU engine runs none of them
 
     @property
     def tokenizer(self):

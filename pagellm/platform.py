@@ -107,12 +107,15 @@ _MADV_DONTNEED = 4
 _CUDA_LIBRARY = re.compile(r"/nvidia/.*\.so[.0-9]*$|/lib(?:torch_cuda|c10_cuda|torch_nvshmem)\.so$")
 
 
-def release_cuda_library_pages() -> int:
-    """Drop this process's page mappings of the CUDA libraries torch links, for an engine on the CPU: torch's CUDA
-    build loads them (and their constructors touch hundreds of MB of their code and tables), but nothing runs
-    them here. Only mappings that hold no private data are dropped (not writable, no copied-on-write pages):
-    MADV_DONTNEED then only removes page-table entries, the files stay in the page cache, and a later access
-    maps its page again. Returns the resident bytes dropped (0 where there is nothing to drop, or no /proc)."""
+def release_cuda_library_pages(device: torch.device) -> int:
+    """Drop this process's page mappings of the CUDA libraries torch links, for an engine on the CPU (nothing for
+    another `device`): torch's CUDA build loads them (and their constructors touch hundreds of MB of their code and
+    tables), but nothing runs them here. Only mappings that hold no private data are dropped (not writable, no
+    copied-on-write pages): MADV_DONTNEED then only removes page-table entries, the files stay in the page cache,
+    and a later access maps its page again. Returns the resident bytes dropped (0 where there is nothing to drop, or
+    no /proc)."""
+    if device.type != "cpu":
+        return 0
     try:
         with open("/proc/self/smaps") as f:
             smaps = f.read().splitlines()

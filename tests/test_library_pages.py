@@ -51,14 +51,16 @@ def test_the_pages_go_and_torch_still_computes():
         smaps = lambda: open("/proc/self/smaps").read().splitlines()
         linked = sum(r for _, _, r in unwritten_mappings(smaps(), _CUDA_LIBRARY))
         before = resident_bytes()
-        released = release_cuda_library_pages()
+        released = release_cuda_library_pages(torch.device("cpu"))
+        nothing_for_cuda = release_cuda_library_pages(torch.device("cuda"))
         after = resident_bytes()
         left = sum(r for _, _, r in unwritten_mappings(smaps(), _CUDA_LIBRARY))
         x = torch.arange(16.0).reshape(4, 4)
-        print(json.dumps({"linked": linked, "released": released, "drop": before - after, "left": left,
+        print(json.dumps({"linked": linked, "released": released, "cuda_device": nothing_for_cuda,
+                          "drop": before - after, "left": left,
                           "sum": (x @ x).sum().item(), "cuda": torch.cuda.is_available()}))
     """)
-    assert result["released"] == result["linked"] and result["left"] == 0
+    assert result["released"] == result["linked"] and result["left"] == 0 and result["cuda_device"] == 0
     assert result["drop"] >= result["released"] // 2  # gone from the resident set, not only counted
     x = torch.arange(16.0).reshape(4, 4)
     assert result["sum"] == (x @ x).sum().item()

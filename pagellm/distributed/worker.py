@@ -165,8 +165,7 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
                          logits=vocab_parallel_logits(model, state),  # the head's decision: same model and world
                          kernels=config.kernels, compute_dtype=dtype, all_reduce=state.all_reduce_)
     keep_step_buffers_in_heap(config.kernels.heap_tuning)
-    if device.type == "cpu":
-        release_cuda_library_pages()  # torch links them; a CPU rank runs none of them
+    release_cuda_library_pages(device)  # torch links them; a CPU rank runs none of them
     state.store.set(f"pagellm/ready/{rank}", "1")
     return _serve_steps(state, runner)
 

@@ -30,6 +30,7 @@ from pagellm.config import EngineConfig
 from pagellm.distributed.parallel_state import DistributedError
 from pagellm.engine_errors import StepError
 from pagellm.outputs import RequestOutput
+from pagellm.platform import release_cuda_library_pages
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm.server")
@@ -260,12 +261,8 @@ class AsyncEngine:
         self._publish_stats(engine)
         self._ready.set()
         logger.info("engine ready: max_model_len=%d", engine.max_model_len)
-        if engine.device.type == "cpu":  # after /health turns ready: it takes a few tens of ms
-            from pagellm.platform import release_cuda_library_pages
-
-            released = release_cuda_library_pages()
-            if released:
-                logger.info("CUDA libraries' pages unmapped (a CPU engine runs none of them): %d MB", released >> 20)
+        if released := release_cuda_library_pages(engine.device):  # after /health turns ready: tens of ms
+            logger.info("CUDA libraries' pages unmapped (a CPU engine runs none of them): %d MB", released >> 20)
         try:
             self._loop(engine)
             error = EngineDeadError("the server is shutting down")
