@@ -99,10 +99,17 @@ class ModelConfig(_FromDict):
 class CacheConfig(_FromDict):
     block_size: int = _help("Tokens per KV block.", default=16)
     kv_cache_memory: float | None = _help(
-        "KV cache budget in GiB (default on a CPU: a quarter of available RAM, at most 4 GiB; on a GPU: from "
-        "gpu_memory_utilization). On a CPU it is reserved, but pages become resident only as blocks are written: "
-        "a long-running server's resident set approaches it as prefix-cached blocks accumulate (one is reused for new content only when every free "
-        "block holds cached content).",
+        "KV cache budget in GiB (default on a CPU: four sequences of max_model_len tokens, at most a quarter of "
+        "the RAM available at start; on a GPU: from gpu_memory_utilization). On a CPU it is reserved address "
+        "space: pages become resident as blocks are written, and blocks no request holds stay resident only "
+        "within prefix_cache_memory.",
+        default=None,
+    )
+    prefix_cache_memory: float | None = _help(
+        "GiB of KV blocks no request holds that stay resident: the prefix cache, least recently used out first "
+        "(llama-server's --cache-ram plays this part, in MiB). Past it blocks lose their cached prefix and, on a "
+        "CPU, their pages go back to the OS (hybrid models' state snapshots with them). Default on a CPU: an "
+        "eighth of the KV cache; on a GPU: the whole KV cache, which is reserved anyway. 0 keeps no idle block.",
         default=None,
     )
     gpu_memory_utilization: float = _help(
@@ -137,6 +144,8 @@ class CacheConfig(_FromDict):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.prefix_cache_memory is not None and self.prefix_cache_memory < 0:
+            raise ValueError(f"prefix_cache_memory must be >= 0 GiB, got {self.prefix_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -35,12 +35,13 @@ from pagellm.loader.quantization import weight_bytes
 from pagellm.collector import collector_paused
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
-from pagellm.platform import (DTYPES, GIB, default_kv_cache_gib, freeze_loaded_objects, keep_step_buffers_in_heap,
+from pagellm.platform import (DTYPES, GIB, freeze_loaded_objects, keep_step_buffers_in_heap,
                               limit_threads_to_cores, resident_bytes)
 from pagellm.request import Request, RequestStatus, stop_ids_of
 from pagellm.runner.grammar import Grammars
 from pagellm.runner.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, check_holds_one_sequence,
-                                      fit_max_model_len, kv_budget_bytes, profile_forward, start_measuring)
+                                      cpu_kv_budget_bytes, fit_max_model_len, idle_budget_blocks,
+                                      kv_budget_bytes, profile_forward, start_measuring)
 from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
 
@@ -131,7 +132,10 @@ class LLMEngine:
         # prefix cache needs state snapshots at block boundaries (none budgeted: the cache stays off).
         snapshots = self._make_snapshot_pool(num_blocks) if cc.enable_prefix_caching else None
         prefix_caching = cc.enable_prefix_caching and (self.state_pool is None or snapshots is not None)
-        self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots)
+        self.kv_bytes_per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.kv_cache_dtype)
+        idle_budget = idle_budget_blocks(cc.prefix_cache_memory, num_blocks, self.kv_bytes_per_block,
+                                         self.device.type)
+        self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots, idle_budget)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.state_pool)
         setup = self._runner_setup()
         # Structured output needs the vocabulary's text; nothing is built until a request asks for it.
@@ -154,7 +158,8 @@ class LLMEngine:
         cc, sc = self.config.cache, self.config.scheduler
         per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.kv_cache_dtype)
         if before is None:
-            budget, flag = (cc.kv_cache_memory or default_kv_cache_gib()) * GIB, "kv_cache_memory"
+            budget = cpu_kv_budget_bytes(cc.kv_cache_memory, per_block, cc.block_size, self.max_model_len)
+            flag = "kv_cache_memory"
         else:
             profile_forward(self.model, logits or self.model.compute_logits, sc.max_num_batched_tokens,
                             sc.max_num_seqs, cc.block_size, self.kv_cache_dtype, self.device)
@@ -264,7 +269,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         self._states.pop(request_id, None)
-        return self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED) is not None
+        aborted = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED) is not None
+        self._release_if_idle()
+        return aborted
 
     @property
     def failure(self) -> Exception | None:
@@ -296,7 +303,15 @@ class LLMEngine:
             raise
         except Exception as exc:
             self._recover(current, exc)
-        return self._process(current.output, current.schedule_ms, model_output)
+        outputs = self._process(current.output, current.schedule_ms, model_output)
+        self._release_if_idle()
+        return outputs
+
+    def _release_if_idle(self) -> None:
+        """With nothing left to run, the pages the last requests freed past the prefix cache's budget go back now
+        (one step with no model work), not with the next request's first step."""
+        if self._in_flight is None and not self.scheduler.has_unfinished() and self.kv_cache.has_released():
+            self.executor.execute(self.scheduler.schedule())
 
     def _launch_next(self, after: InFlightStep | None = None) -> InFlightStep | None:
         t0 = time.perf_counter()
@@ -382,7 +397,7 @@ class LLMEngine:
         return not self.has_unfinished_requests() and self.kv_cache.reset_prefix_cache()
 
     def stats(self) -> dict:
-        stats = self.counters.as_dict(self.kv_cache, self.scheduler)
+        stats = self.counters.as_dict(self.kv_cache, self.scheduler, self.kv_bytes_per_block)
         stats["tensor_parallel_size"] = self.executor.world_size
         stats["kernels"] = self.kernels
         stats["dtype"] = self.dtype_description()

@@ -28,6 +28,8 @@ class EngineStats:
 
     def record_step(self, output, schedule_ms: float, model_output, scheduler) -> None:
         """output: the SchedulerOutput; model_output: the ModelOutput it returned, with its costs."""
+        if not output.scheduled:  # a step that only released pages: no model work to count
+            return
         timings, message_bytes = model_output.timings, model_output.message_bytes
         self.num_steps += 1
         self.step_message_bytes_total += message_bytes
@@ -52,7 +54,8 @@ class EngineStats:
                     self.prefix_cache_hit_tokens += request.num_cached_tokens
                     self.prefix_cache_queried_tokens += request.num_prompt_tokens
 
-    def as_dict(self, kv_cache, scheduler) -> dict:
+    def as_dict(self, kv_cache, scheduler, bytes_per_block: int) -> dict:
+        """bytes_per_block: one KV block's bytes over every layer (the memory figures are blocks times it)."""
         steps = max(self.num_steps, 1)
         pool, snapshots = kv_cache.pool, kv_cache.snapshots
         return {
@@ -60,9 +63,19 @@ class EngineStats:
             "computed_prefill_tokens": self.computed_prefill_tokens,
             "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
             "prefix_cache_queried_tokens": self.prefix_cache_queried_tokens,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_tokens / max(self.prefix_cache_queried_tokens, 1),
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,
             "kv_blocks_cached": pool.num_cached_blocks,
+            "kv_blocks_resident": pool.num_resident_blocks,
+            "kv_blocks_released": pool.num_released_total,
+            "kv_pool_bytes": pool.num_blocks * bytes_per_block,
+            # resident: written and not released since (live, cached, and freed blocks kept for reuse)
+            "kv_resident_bytes": pool.num_resident_blocks * bytes_per_block,
+            # the free blocks kept resident for the prefix they hold, and their budget (idle blocks in all)
+            "prefix_cache_resident_bytes": pool.num_idle_cached_blocks * bytes_per_block,
+            "prefix_cache_budget_bytes": (pool.idle_budget if pool.idle_budget is not None else pool.num_blocks)
+            * bytes_per_block,
             "num_preemptions": scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "decode_tokens": self.decode_tokens,

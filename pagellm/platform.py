@@ -28,13 +28,12 @@ def resident_bytes() -> int | None:
         return None
 
 
-def default_kv_cache_gib() -> float:
-    """A quarter of the RAM available now, capped at 4 GiB (pages are committed only when written)."""
+def available_memory_bytes() -> int:
+    """RAM available now (free pages; 8 GiB where the OS does not say)."""
     try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        available = 8 * GIB
-    return min(4.0, available / 4 / GIB)
+        return 8 * GIB
 
 
 def physical_cores() -> int:

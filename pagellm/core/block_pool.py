@@ -1,19 +1,30 @@
-"""BlockPool: the KV blocks, their reference counts, an LRU free queue and the prefix-hash map.
+"""BlockPool: the KV blocks, their reference counts, the free blocks in the order they are reused, and the
+prefix-hash map.
 
-    free queue (LRU first)                      hash -> block map
-    head <-> b7 <-> b3 <-> b9 <-> tail          H(b3) -> b3, H(b9) -> b9
-             ^ no hash: reused first            (cached blocks stay in the free
-                                                 queue until a new block is needed)
+A free block (ref_count 0) is in one of three places, taken from in this order:
 
-A block with ref_count 0 sits in the free queue; if it still has a hash it is a
-cached block that a later request can revive in O(1) by unlinking it from the
-middle of the queue. Only when a block is taken for new content is its hash
-dropped (eviction). The doubly linked list is hand-written because
-collections.deque.remove is O(n) and OrderedDict cannot insert at the front.
+    warm    resident, holds nothing (a finished request's last, partial block; a forgotten prefix):
+            reused first, the most recently freed first (its pages are hottest)
+    cold    not resident: never written, or released (its pages handed back to the operating system)
+    cached  resident, holds a prefix under its hash: an LRU queue a later request can revive a block from in
+            O(1); evicted, least recently freed first, only when neither of the others has a block
+
+                                               hash -> block map
+    warm:   [b4, b8]  (deque)                  H(b3) -> b3, H(b9) -> b9
+    cold:   [b12, b11, b10]  (stack)           (a cached block keeps its hash until it is evicted, or released)
+    cached: head <-> b3 <-> b9 <-> tail
+
+Resident memory so follows the work: the pool's never-written blocks stay untouched while any freed one can
+serve. The resident blocks no request holds (warm + cached) have a budget (`idle_budget`): past it the warm
+ones go first, then the least recently used cached ones, which lose their hash; each goes to cold, and its id
+to the released list, which the runner's owner turns into MADV_DONTNEED on the block's pages (runner/
+host_pages.py). Without a budget nothing is released: vLLM's order. The doubly linked list is hand-written
+because collections.deque.remove is O(n) and OrderedDict cannot insert at the front.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Iterable
 
 
@@ -33,14 +44,12 @@ class KVBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks with sentinels; O(1) append, appendleft, popleft, remove."""
+    """Doubly linked list of free blocks with sentinels; O(1) append, popleft and removal from the middle."""
 
-    def __init__(self, blocks: Iterable[KVBlock]):
+    def __init__(self):
         self._head, self._tail = KVBlock(-1), KVBlock(-1)
-        chain = [self._head, *blocks, self._tail]
-        for prev, block in zip(chain, chain[1:]):  # linked in one pass: a pool has many blocks, built at start-up
-            prev.next, block.prev = block, prev
-        self.num_free = len(chain) - 2
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
 
     def _link(self, block: KVBlock, prev: KVBlock, nxt: KVBlock) -> None:
         block.prev, block.next = prev, nxt
@@ -49,9 +58,6 @@ class FreeBlockQueue:
 
     def append(self, block: KVBlock) -> None:
         self._link(block, self._tail.prev, self._tail)
-
-    def appendleft(self, block: KVBlock) -> None:
-        self._link(block, self._head, self._head.next)
 
     def remove(self, block: KVBlock) -> None:
         block.prev.next, block.next.prev = block.next, block.prev
@@ -76,37 +82,70 @@ class FreeBlockQueue:
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 on_evict: Callable[[int], None] | None = None):
+                 on_evict: Callable[[int], None] | None = None, idle_budget: int | None = None):
+        """idle_budget: how many resident blocks no request holds may stay resident (None: no limit)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if idle_budget is not None and idle_budget < 0:
+            raise ValueError(f"idle_budget must be >= 0 blocks, got {idle_budget}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.idle_budget = idle_budget
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.warm: deque[KVBlock] = deque()  # newest at the right: reused from there, released from the left
+        self.cold: list[KVBlock] = self.blocks[::-1]  # pop() hands out block 0 first
+        self.cached_queue = FreeBlockQueue()  # free blocks holding a hash, least recently freed first
         self.cached: dict[int, KVBlock] = {}  # block hash -> block holding that content
         # Told the hash of each evicted cached block (hybrid models drop the state snapshot keyed by it).
         self.on_evict = on_evict
+        self._released: list[int] = []  # ids whose pages are to go back, since take_released
+        self.num_released_total = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return len(self.warm) + len(self.cold) + self.cached_queue.num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.free_queue.num_free
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
+    @property
+    def num_resident_blocks(self) -> int:
+        """Blocks whose pages are (or are about to be) written: all but the cold ones."""
+        return self.num_blocks - len(self.cold)
+
+    @property
+    def num_idle_resident_blocks(self) -> int:
+        """Resident blocks no request holds: what idle_budget bounds."""
+        return len(self.warm) + self.cached_queue.num_free
+
+    @property
+    def num_idle_cached_blocks(self) -> int:
+        """Free blocks kept resident for the prefix they hold."""
+        return self.cached_queue.num_free
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in the order allocate takes them (for tests and debugging)."""
+        return ([b.block_id for b in reversed(self.warm)] + [b.block_id for b in reversed(self.cold)]
+                + self.cached_queue.block_ids())
+
     def allocate(self, count: int) -> list[KVBlock]:
-        """Take `count` blocks from the LRU end, evicting their cached content. Caller checks num_free_blocks."""
+        """Take `count` blocks: warm, then cold, then the LRU cached ones (evicted). Caller checks num_free_blocks."""
         if count > self.num_free_blocks:
             raise RuntimeError(f"asked for {count} KV blocks, {self.num_free_blocks} free")
         taken = []
         for _ in range(count):
-            block = self.free_queue.popleft()
-            self._evict(block)
+            if self.warm:
+                block = self.warm.pop()
+            elif self.cold:
+                block = self.cold.pop()
+            else:
+                block = self.cached_queue.popleft()
+                self._evict(block)
             block.ref_count = 1
             taken.append(block)
         return taken
@@ -120,7 +159,11 @@ class BlockPool:
             block.block_hash = block.token_ids = None
 
     def uncache(self, block: KVBlock) -> None:
-        """Drop a block's cache entry (its content was never computed); it stays allocated to its owner."""
+        """Drop a block's cache entry (its content was never computed); a free one turns warm, a held one stays
+        with its owner."""
+        if block.ref_count == 0 and block.block_hash is not None:
+            self.cached_queue.remove(block)
+            self.warm.append(block)
         self._evict(block)
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
@@ -131,10 +174,10 @@ class BlockPool:
         return block
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on cache hits, reviving free ones out of the middle of the queue."""
+        """Take a reference on cache hits, reviving free ones out of the middle of the cached queue."""
         for block in blocks:
             if block.ref_count == 0:
-                self.free_queue.remove(block)
+                self.cached_queue.remove(block)
             block.ref_count += 1
 
     def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> bool:
@@ -151,8 +194,8 @@ class BlockPool:
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given (callers pass tail-first).
 
-        Blocks without a hash go to the front of the queue (reused first); cached
-        ones to the back, so the LRU order decides which cached content goes.
+        Blocks without a hash turn warm (reused first); cached ones go to the back of the cached queue, so
+        the LRU order decides which cached content goes. Then the idle blocks are trimmed to the budget.
         """
         for block in blocks:
             block.ref_count -= 1
@@ -160,11 +203,36 @@ class BlockPool:
                 raise RuntimeError(f"{block} freed more often than taken")
             if block.ref_count == 0:
                 if block.block_hash is None:
-                    self.free_queue.appendleft(block)
+                    self.warm.append(block)
                 else:
-                    self.free_queue.append(block)
+                    self.cached_queue.append(block)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Release idle resident blocks past the budget: warm ones (they hold nothing) before cached ones."""
+        if self.idle_budget is None:
+            return
+        while self.num_idle_resident_blocks > self.idle_budget:
+            if self.warm:
+                block = self.warm.popleft()
+            else:
+                block = self.cached_queue.popleft()
+                self._evict(block)
+            self.cold.append(block)
+            self._released.append(block.block_id)
+            self.num_released_total += 1
+
+    @property
+    def has_released(self) -> bool:
+        return bool(self._released)
+
+    def take_released(self) -> tuple[int, ...]:
+        """Ids of the blocks released since the last call, ascending: their pages may go back to the OS. A block
+        listed here may be allocated again meanwhile; its new owner writes it in the step that carries the list,
+        after the release."""
+        released, self._released = tuple(sorted(set(self._released))), []
+        return released
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.cached.values()):
-            block.block_hash = block.token_ids = None
-        self.cached.clear()
+            self.uncache(block)

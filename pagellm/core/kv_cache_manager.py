@@ -29,12 +29,14 @@ from pagellm.request import Request
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 snapshots: SnapshotPool | None = None):
+                 snapshots: SnapshotPool | None = None, idle_budget: int | None = None):
+        """idle_budget: blocks no request holds that may stay resident, the prefix cache's budget (None: no
+        limit); past it blocks are released (core/block_pool.py), and their snapshots with them."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.snapshots = snapshots if enable_caching else None  # hybrid models: state at block boundaries
         on_evict = self.snapshots.discard if self.snapshots is not None else None
-        self.pool = BlockPool(num_blocks, enable_caching, on_evict)
+        self.pool = BlockPool(num_blocks, enable_caching, on_evict, idle_budget)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # blocks of each request already registered in the cache
         # Hashes of full prompt blocks that a running request will compute in a later step:
@@ -186,6 +188,15 @@ class KVCacheManager:
         """(block id, hash) of the blocks registered in the prefix cache since the last call: one step's."""
         registered, self._registered = tuple(self._registered), []
         return registered
+
+    def take_released(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(KV block ids, snapshot rows) released since the last call: their pages may go back to the OS."""
+        rows = self.snapshots.take_released() if self.snapshots is not None else ()
+        return self.pool.take_released(), rows
+
+    def has_released(self) -> bool:
+        """Whether pages wait to be released (an idle engine runs one step for them)."""
+        return self.pool.has_released or (self.snapshots is not None and self.snapshots.has_released)
 
     def forget(self, registered: tuple[tuple[int, int], ...]) -> None:
         """Unregister blocks a step registered (blocks are hashed as of the end of their step) when the step failed

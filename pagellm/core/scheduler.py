@@ -116,8 +116,9 @@ class Scheduler:
             request.num_placeholders += item.sample
         num_tokens = sum(len(item.token_ids) for item in scheduled)
         num_decode = sum(1 for item in scheduled if item.new is None and len(item.token_ids) == 1)
+        released_blocks, released_rows = self.kv_cache.take_released()
         return SchedulerOutput(tuple(scheduled), released, num_decode, num_tokens - num_decode,
-                               self.kv_cache.take_registered())
+                               self.kv_cache.take_registered(), released_blocks, released_rows)
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
         """Fill the step's placeholders with its sampled tokens; return the requests that got a token (a request

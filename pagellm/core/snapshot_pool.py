@@ -19,6 +19,12 @@ A row is in one of three states:
 New rows come from the free list, then from the least recently used cached row
 (eviction). Like KV blocks, a row referenced by this step (pending, or the source
 of a restore) is never evicted.
+
+A row's pages become resident when a step first writes it, so resident snapshots
+never pass the pool's budget (state_snapshot_memory). A row that loses its
+snapshot without being reused (its KV block evicted or released, a cancelled
+write, a reset) goes back to the free list and is released: its pages return
+to the operating system, as a released KV block's do (take_released).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class SnapshotPool:
         self._pending: set[int] = set()
         self._key_of: dict[int, tuple[int, int]] = {}  # row -> (block hash, tokens before the boundary)
         self._row_of: dict[int, int] = {}  # block hash -> row
+        self._released: list[int] = []  # rows freed since take_released: their pages may go back
 
     # ---- counters -------------------------------------------------------------------------
 
@@ -109,7 +116,7 @@ class SnapshotPool:
         self._pending.discard(row)
         del self._refs[row]
         self._unregister(row)
-        self._free.append(row)
+        self._drop_row(row)
 
     def acquire(self, row: int) -> None:
         """Pin a committed row as the source of a restore in this step (not evictable until released)."""
@@ -129,7 +136,7 @@ class SnapshotPool:
         if row in self._key_of:
             self._lru[row] = None  # most recently used end
         else:
-            self._free.append(row)
+            self._drop_row(row)
 
     def discard(self, block_hash: int) -> None:
         """The KV block under this hash was evicted: without it the snapshot can never hit, so free its row.
@@ -141,7 +148,7 @@ class SnapshotPool:
             return
         del self._lru[row]
         self._unregister(row)
-        self._free.append(row)
+        self._drop_row(row)
 
     def reset(self) -> bool:
         """Forget every snapshot (with the KV prefix cache). Refused (False) while a row is referenced."""
@@ -149,9 +156,25 @@ class SnapshotPool:
             return False
         for row in list(self._lru):
             self._unregister(row)
-            self._free.append(row)
+            self._drop_row(row)
         self._lru.clear()
         return True
+
+    @property
+    def has_released(self) -> bool:
+        return bool(self._released)
+
+    def take_released(self) -> tuple[int, ...]:
+        """Rows freed without reuse since the last call, ascending: their pages may go back to the OS. A row
+        listed here may be allocated again meanwhile; its new owner writes it in the step that carries the list,
+        after the release."""
+        released, self._released = tuple(sorted(set(self._released))), []
+        return released
+
+    def _drop_row(self, row: int) -> None:
+        """A row without a snapshot: free, and its pages to be released."""
+        self._free.append(row)
+        self._released.append(row)
 
     def _unregister(self, row: int) -> None:
         block_hash, _ = self._key_of.pop(row)

@@ -52,6 +52,11 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     # (block id, hash) of the blocks this step registered in the prefix cache: forgotten if it fails. Head only.
     cached_blocks: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    # KV blocks and state snapshot rows freed past the prefix cache's budget since the previous step: on a CPU
+    # every rank hands their pages back to the OS before the step runs (core/block_pool.py). Sent because each
+    # rank holds its own shard of them; a step may carry only these (an idle engine's last step).
+    released_blocks: tuple[int, ...] = ()
+    released_snapshot_rows: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +64,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to run, nothing to release."""
+        return not self.scheduled and not self.released_blocks and not self.released_snapshot_rows
 
 
 @dataclass(frozen=True)

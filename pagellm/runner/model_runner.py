@@ -26,6 +26,7 @@ from pagellm.models.bound_layers import LayerPlan, PlanSettings, activation_dtyp
 from pagellm.runner.decode_graphs import CudaGraphRecorder, DecodeGraphs, capture_or_run_eagerly, default_buckets
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import Grammars
+from pagellm.runner.host_pages import HostPages, page_aligned_empty
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_prompt_rows
 from pagellm.runner.pooling import pool_rows
@@ -97,10 +98,12 @@ class ModelRunner:
         # the last launched step's sampled ids [B] (on the device) and each sampling request's row in them
         self._last_samples: tuple[torch.Tensor, dict[str, int]] = (torch.empty(0, dtype=torch.int64), {})
         for layer in model.attention_layers():
-            # torch.empty reserves address space only: pages become resident as blocks are written.
+            # Reserved address space only: pages become resident as blocks are written (runner/host_pages.py).
             shape = (num_blocks + (1 if decode_buckets else 0), block_size, layer.num_kv_heads, layer.head_dim)
-            layer.bind_kv_cache(torch.empty(shape, dtype=kv_cache_dtype, device=device),
-                                torch.empty(shape, dtype=kv_cache_dtype, device=device))
+            layer.bind_kv_cache(page_aligned_empty(shape, kv_cache_dtype, device),
+                                page_aligned_empty(shape, kv_cache_dtype, device))
+        self.kv_pages = HostPages([t for layer in model.attention_layers()
+                                   for t in (layer.key_cache, layer.value_cache)])
         # How the layers run, chosen once for this device, level, dtype and cache: bound to the kernels, or the
         # modules (models/bound_layers.py); tensor parallel's all-reduce goes into a bound plan.
         self.plan_settings = PlanSettings(self.kernel_level, compute_dtype or activation_dtype(model),
@@ -111,11 +114,13 @@ class ModelRunner:
         # (core/snapshot_pool.py). Uninitialised too: a request's first chunk starts from zero state
         # without reading its slot, and a snapshot row is read only after a step has written it.
         rows = num_state_slots + num_snapshot_slots
+        states = []
         for layer in self.state_layers:
             shapes = layer.state_shapes()
-            layer.bind_state(torch.empty((rows, *shapes.conv_state), dtype=shapes.conv_dtype, device=device),
-                             torch.empty((rows, *shapes.recurrent_state), dtype=shapes.recurrent_dtype,
-                                         device=device))
+            states += [page_aligned_empty((rows, *shapes.conv_state), shapes.conv_dtype, device),
+                       page_aligned_empty((rows, *shapes.recurrent_state), shapes.recurrent_dtype, device)]
+            layer.bind_state(*states[-2:])
+        self.state_pages = HostPages(states)  # snapshot rows released with their KV blocks
         if graphs and self.plan.bound is not None:
             self.decode_graphs = DecodeGraphs(self._bound_forward, self.decode_inputs)
             if device.type == "cuda":
@@ -138,6 +143,10 @@ class ModelRunner:
         prompt-logprob read aside). A PLACEHOLDER token is the last launched step's sample for its request."""
         t0 = time.perf_counter()
         states = self.input_batch.apply(output.released_request_ids, output.scheduled)
+        self.kv_pages.release(output.released_blocks)  # before the step, which may write them again
+        self.state_pages.release(output.released_snapshot_rows)
+        if not output.scheduled:  # only pages to release (an idle engine's last step)
+            return LaunchedStep(StepTimings(), done=ModelOutput((), ()))
         reused = False
         pure_decode = self.decode_inputs is not None and _is_pure_decode(output)
         if pure_decode:

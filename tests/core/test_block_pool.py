@@ -21,7 +21,7 @@ def test_unhashed_blocks_are_reused_first_and_hashed_ones_in_lru_order():
     pool.free([a])  # cached: goes to the back
     pool.free([c])  # no hash: goes to the front
     pool.free([b])  # cached, freed after a
-    assert pool.free_queue.block_ids() == [2, 0, 1]
+    assert pool.free_block_ids() == [2, 0, 1]
     first = pool.allocate(1)[0]
     assert first.block_id == 2  # the unhashed block, so both cached blocks survive
     assert pool.num_cached_blocks == 2
@@ -35,9 +35,9 @@ def test_touch_revives_a_cached_block_from_the_middle_of_the_queue():
     a, b, c = pool.allocate(3)
     pool.cache_block(b, 7, (5, 6))
     pool.free([a, b, c])
-    assert pool.free_queue.block_ids() == [2, 0, 1]
+    assert pool.free_block_ids() == [2, 0, 1]
     pool.touch([b])
-    assert b.ref_count == 1 and 1 not in pool.free_queue.block_ids()
+    assert b.ref_count == 1 and 1 not in pool.free_block_ids()
     assert pool.num_free_blocks == 2
 
 

@@ -19,9 +19,9 @@ def test_allocate_returns_none_and_changes_nothing_when_it_does_not_fit():
     a = make_request("a", range(8))
     kv.allocate(a, 8)
     b = make_request("b", range(100, 109))
-    free_before = kv.pool.free_queue.block_ids()
+    free_before = kv.pool.free_block_ids()
     assert kv.allocate(b, 9) is None
-    assert kv.pool.free_queue.block_ids() == free_before and kv.block_ids("b") == []
+    assert kv.pool.free_block_ids() == free_before and kv.block_ids("b") == []
 
 
 def test_prefix_hit_is_capped_below_the_last_token_and_shares_blocks():
@@ -51,7 +51,7 @@ def test_freed_blocks_stay_cached_and_are_evicted_tail_first():
     kv.allocate(a, 9)  # blocks 0, 1 full (cached); block 2 partial
     kv.free(a)
     # tail first: the partial block 2 (no hash) goes to the front, then 1, then 0 at the back
-    assert kv.pool.free_queue.block_ids() == [2, 3, 1, 0]
+    assert kv.pool.free_block_ids() == [2, 3, 1, 0]
     b = make_request("b", range(50, 63))
     kv.allocate(b, 13)  # needs 4 blocks: takes 2, 3, then evicts 1 before 0
     assert kv.block_ids("b") == [2, 3, 1, 0]
