@@ -99,8 +99,8 @@ class ModelConfig(_FromDict):
 class CacheConfig(_FromDict):
     block_size: int = _help("Tokens per KV block.", default=16)
     kv_cache_memory: float | None = _help(
-        "KV cache budget in GiB (default on a CPU: four sequences of max_model_len tokens, at most a quarter of "
-        "the RAM available at start; on a GPU: from gpu_memory_utilization). On a CPU it is reserved address "
+        "KV cache budget in GiB (default on a CPU: max_num_seqs sequences of max_model_len tokens, at most a "
+        "quarter of the RAM available at start; on a GPU: from gpu_memory_utilization). On a CPU it is reserved address "
         "space: pages become resident as blocks are written, and blocks no request holds stay resident only "
         "within prefix_cache_memory.",
         default=None,
@@ -109,7 +109,8 @@ class CacheConfig(_FromDict):
         "GiB of KV blocks no request holds that stay resident: the prefix cache, least recently used out first "
         "(llama-server's --cache-ram plays this part, in MiB). Past it blocks lose their cached prefix and, on a "
         "CPU, their pages go back to the OS (hybrid models' state snapshots with them). Default on a CPU: an "
-        "eighth of the KV cache; on a GPU: the whole KV cache, which is reserved anyway. 0 keeps no idle block.",
+        "eighth of the KV cache, at most 0.25 GiB; on a GPU: the whole KV cache, which is reserved anyway. 0 keeps "
+        "no idle block.",
         default=None,
     )
     gpu_memory_utilization: float = _help(

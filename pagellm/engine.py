@@ -158,7 +158,8 @@ class LLMEngine:
         cc, sc = self.config.cache, self.config.scheduler
         per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.kv_cache_dtype)
         if before is None:
-            budget = cpu_kv_budget_bytes(cc.kv_cache_memory, per_block, cc.block_size, self.max_model_len)
+            budget = cpu_kv_budget_bytes(cc.kv_cache_memory, per_block, cc.block_size, self.max_model_len,
+                                         sc.max_num_seqs)
             flag = "kv_cache_memory"
         else:
             profile_forward(self.model, logits or self.model.compute_logits, sc.max_num_batched_tokens,

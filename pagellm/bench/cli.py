@@ -153,6 +153,8 @@ def _add_serve_parsers(kinds) -> None:
     both.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")], default=[0.5, 1, 2, 4],
                       help="sweep: Poisson rates in requests/s, comma-separated (default 0.5,1,2,4)")
     both.add_argument("--ttft-bound", type=float, default=5.0, help="sweep: p99 TTFT bound in seconds")
+    both.add_argument("--rounds", type=int, default=1,
+                      help="run each load this many times in a row (resident memory is read after each)")
     add_workload_arguments(both, workload="text", shared_prefix_len=300, output_len=64, request_rate=0.5)
     add_output_arguments(both, "serve-compare", "write every row and request to FILE.json",
                          "TTFT and ITL CDFs of each server")
@@ -176,6 +178,8 @@ def add_workload_arguments(serve: argparse.ArgumentParser, workload: str = "rand
     serve.add_argument("--request-rate", type=float, default=request_rate,
                        help="Poisson arrival rate in requests/s (default %(default)s; inf: all at once)")
     serve.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    serve.add_argument("--disconnect-fraction", type=float, default=0.0,
+                       help="share of requests whose client closes the stream after three chunks (default 0)")
     serve.add_argument("--seed", type=int, default=0)
 
 

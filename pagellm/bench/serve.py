@@ -8,7 +8,8 @@ beyond /v1/completions and /v1/models (llama-server and vLLM work unchanged):
                         GPL-3 Debian ships, else a built-in paragraph) and a unique question per request
     --workload random   --input-len random token ids (drawn from a fixed text's ids) after a shared prefix
 
-They are sent at a Poisson --request-rate (default: all at once), at most --concurrency in flight. Per request:
+They are sent at a Poisson --request-rate (default: all at once), at most --concurrency in flight; a
+--disconnect-fraction of them (chosen by --seed) close their stream after three chunks. Per request:
 
     TTFT  send -> first streamed chunk        E2E  send -> end of stream
     ITL   gaps between successive chunks      TPOT (E2E - TTFT) / (output tokens - 1)
@@ -50,6 +51,7 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str | None = None
+    dropped: bool = False  # the client closed the stream early (--disconnect-fraction), as a user who leaves
 
 
 def _httpx():
@@ -96,8 +98,12 @@ def workload_prompts(args, tokenizer) -> list[str | list[int]]:
     return text_prompts(tokenizer, text, args.num_prompts, args.shared_prefix_len, args.seed)
 
 
+# A disconnecting client (--disconnect-fraction) closes its stream after this many chunks.
+DISCONNECT_AFTER_CHUNKS = 3
+
+
 async def _one_request(client, url: str, model: str, prompt: str | list[int], output_len: int, headers,
-                       tokenizer) -> RequestResult:
+                       tokenizer, disconnect: bool = False) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     prompt_len = len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
@@ -123,30 +129,34 @@ async def _one_request(client, url: str, model: str, prompt: str | list[int], ou
                     else:
                         result.itls.append(now - last)
                     last = now
+                    if disconnect and len(pieces) >= DISCONNECT_AFTER_CHUNKS:
+                        result.dropped = True
+                        break  # leaving the block closes the connection: the server sees the client go
     except Exception as exc:  # a transport error fails this request, not the run
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.e2e = time.perf_counter() - t0
     result.ok = result.ttft > 0
-    if not result.output_tokens:  # no usage from this server: count the text with the client's tokenizer
+    if not result.output_tokens or result.dropped:  # no usage from this server: count the text with the client's tokenizer
         result.output_tokens = len(tokenizer.encode("".join(pieces), add_special_tokens=False))
     return result
 
 
 async def _run_clients(url, model, prompts, output_len, rate: float, concurrency: int | None, headers, seed,
-                       tokenizer):
+                       tokenizer, disconnect_fraction: float = 0.0):
     httpx = _httpx()
     rng = random.Random(seed + 1)
+    leaving = set(random.Random(seed + 2).sample(range(len(prompts)), round(disconnect_fraction * len(prompts))))
     limit = asyncio.Semaphore(concurrency or len(prompts))
     timeout = httpx.Timeout(None, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
-        async def limited(prompt):
+        async def limited(prompt, disconnect):
             async with limit:
-                return await _one_request(client, url, model, prompt, output_len, headers, tokenizer)
+                return await _one_request(client, url, model, prompt, output_len, headers, tokenizer, disconnect)
 
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for i, prompt in enumerate(prompts):
+            tasks.append(asyncio.create_task(limited(prompt, i in leaving)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         return await asyncio.gather(*tasks)
@@ -176,8 +186,11 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def summarize(results: list[RequestResult], duration: float, before: dict, after: dict) -> dict:
-    done = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in done)
+    """Throughput counts every streamed token; TTFT and ITL every answered request; TPOT and E2E the requests
+    that ran to their end (not those whose client left)."""
+    answered = [r for r in results if r.ok]
+    done = [r for r in answered if not r.dropped]
+    out_tokens = sum(r.output_tokens for r in answered)
     queried = after.get("prefix_cache_queried_tokens", 0) - before.get("prefix_cache_queried_tokens", 0)
     hits = after.get("prefix_cache_hit_tokens", 0) - before.get("prefix_cache_hit_tokens", 0)
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
@@ -191,17 +204,18 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
                - before.get("host_ms_per_step", 0) * before.get("num_steps", 0))  # the run's, from the means
     decode_steps = delta("step_reuse_hits") + delta("step_reuse_misses")
     summary = {
-        "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
+        "completed": len(done), "dropped": len(answered) - len(done), "failed": len(results) - len(answered),
+        "duration_s": duration,
         "request_throughput": len(done) / duration, "output_token_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + sum(r.prompt_len for r in done)) / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_len for r in answered)) / duration,
         "prefix_cache_hit_ratio": (hits / queried if queried else 0.0) if known else None,
         "preemptions": after["num_preemptions"] - before.get("num_preemptions", 0) if known else None,
         "host_ms_per_step": host_ms / steps if known and steps else None,
         "step_reuse_rate": delta("step_reuse_hits") / decode_steps if known and decode_steps else None,
         "decode_graph_replay_rate": delta("decode_graph_replays") / decode_steps if known and decode_steps else None,
     }
-    for name, values in (("ttft_ms", [r.ttft for r in done]), ("tpot_ms", tpots),
-                         ("itl_ms", [x for r in done for x in r.itls]), ("e2e_ms", [r.e2e for r in done])):
+    for name, values in (("ttft_ms", [r.ttft for r in answered]), ("tpot_ms", tpots),
+                         ("itl_ms", [x for r in answered for x in r.itls]), ("e2e_ms", [r.e2e for r in done])):
         for stat, value in _percentiles(values).items():
             summary[f"{stat}_{name}"] = value * 1e3
     return summary
@@ -277,14 +291,15 @@ def run(url: str, args, headers: dict, tokenizer, prompts, request_rate: float |
     t0 = time.perf_counter()
     rate = args.request_rate if request_rate is None else request_rate
     results = asyncio.run(_run_clients(url, model, prompts, args.output_len, rate, args.concurrency, headers,
-                                       args.seed, tokenizer))
+                                       args.seed, tokenizer, args.disconnect_fraction))
     duration = time.perf_counter() - t0
     after = scrape_metrics(url, headers)
     return summarize(results, duration, before, after), results, model
 
 
 def print_and_save(summary: dict, results: list[RequestResult], args, settings: dict) -> None:
-    print(f"completed {summary['completed']}, failed {summary['failed']} in {summary['duration_s']:.2f} s")
+    print(f"completed {summary['completed']}, dropped by their client {summary['dropped']}, failed "
+          f"{summary['failed']} in {summary['duration_s']:.2f} s")
     print(f"request throughput {summary['request_throughput']:.3f} req/s, output token throughput "
           f"{summary['output_token_throughput']:.2f} tok/s, total token throughput "
           f"{summary['total_token_throughput']:.2f} tok/s")
@@ -318,11 +333,18 @@ def _plot(path: str, results: list[RequestResult], settings: dict) -> None:
     finish_plot(plt, fig, ax, path, "seconds", "fraction of requests", title)
 
 
+def check_workload(args) -> None:
+    """ValueError naming the flag for a workload that cannot run."""
+    if args.request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0 (inf = all at once), got {args.request_rate}")
+    if not 0 <= args.disconnect_fraction <= 1:
+        raise ValueError(f"--disconnect-fraction must be in [0, 1], got {args.disconnect_fraction}")
+
+
 def main(args) -> int:
     if args.out is not None and Path(args.out).suffix != ".json":
         raise ValueError(f"--out {args.out}: bench serve writes JSON, the file name must end in .json")
-    if args.request_rate <= 0:
-        raise ValueError(f"--request-rate must be > 0 (inf = all at once), got {args.request_rate}")
+    check_workload(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     settings = {k: getattr(args, k) for k in ("workload", "num_prompts", "input_len", "output_len",
                                               "shared_prefix_len", "request_rate", "concurrency", "seed")}

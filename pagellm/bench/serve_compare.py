@@ -3,7 +3,9 @@
 Each server is started in turn on a free port with matched capacity (pagellm `--max-num-seqs N`; llama-server
 `-np N -c N*ctx --cont-batching`, its prompt cache on as by default), warmed with one request, and given the
 same seeded workload (bench/serve.py: real text with a shared system prompt, streaming). Per server: completed
-/ failed, output tok/s, TTFT / ITL / E2E p50 and p99, and the peak RSS of its process (VmHWM). Workloads:
+/ failed, output tok/s, TTFT / ITL / E2E p50 and p99, its process's resident set (VmRSS) at /health, after the
+warm-up request and a second after each load, and its peak (VmHWM). Each load runs --rounds times in a row (a
+server whose memory grows with use shows it round by round). Workloads:
 
     poisson   --num-prompts at a Poisson --request-rate
     burst     --num-prompts at once
@@ -14,6 +16,7 @@ same seeded workload (bench/serve.py: real text with a shared system prompt, str
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 from pagellm.bench import serve
@@ -24,16 +27,30 @@ COLUMNS = (Column("server", "server"), Column("load", "load"), Column("completed
            Column("failed", "failed"), Column("output_token_throughput", "out tok/s", "{:.1f}"),
            Column("median_ttft_ms", "TTFT p50 ms", "{:.0f}"), Column("p99_ttft_ms", "TTFT p99 ms", "{:.0f}"),
            Column("median_itl_ms", "ITL p50 ms", "{:.0f}"), Column("p99_itl_ms", "ITL p99 ms", "{:.0f}"),
-           Column("median_e2e_ms", "E2E p50 ms", "{:.0f}"), Column("peak_rss_mb", "peak RSS MB", "{:.0f}"),
+           Column("median_e2e_ms", "E2E p50 ms", "{:.0f}"), Column("rss_mb", "RSS after MB", "{:.0f}"),
+           Column("peak_rss_mb", "peak RSS MB", "{:.0f}"), Column("prefix_cache_hit_ratio", "prefix hits", "{:.2f}"),
            Column("host_ms_per_step", "host ms/step", "{:.2f}"), Column("step_reuse_rate", "step reuse", "{:.2f}"))
+
+
+def _status_mb(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident set (VmHWM), MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return _status_mb(pid, "VmHWM")
+
+
+def rss_mb(pid: int) -> float:
+    """The process's resident set now (VmRSS), MB."""
+    return _status_mb(pid, "VmRSS")
+
+
+# Resident memory is read this long after a round's last response: a server may still be freeing its requests.
+SETTLE_S = 1.0
 
 
 def servers(args, model: str) -> list[serve.Server]:
@@ -67,22 +84,30 @@ def _loads(args) -> list[tuple[str, float]]:
 
 
 def run_one_server(server: serve.Server, args, tokenizer, prompts) -> tuple[list[dict], dict]:
-    """Every load against one server (a sweep stops past the TTFT bound); rows and each row's requests."""
+    """Every load (--rounds times each) against one server (a sweep stops past the TTFT bound); rows and each
+    row's requests. Each row has the server's VmRSS after its round, and its RSS at /health and after the
+    warm-up request."""
     rows, requests = [], {}
     server.start()
     try:
+        at_health = rss_mb(server.proc.pid)
         serve.run(server.url, args, {}, tokenizer, prompts[:1], request_rate=float("inf"))  # warm-up
+        time.sleep(SETTLE_S)
+        after_first = rss_mb(server.proc.pid)
         for load, rate in _loads(args):
-            row, results = _measure(server, args, tokenizer, prompts, rate, load)
-            rows.append(row)
-            requests[load] = results
+            for round_ in range(1, args.rounds + 1):
+                name = load if args.rounds == 1 else f"{load} #{round_}"
+                row, results = _measure(server, args, tokenizer, prompts, rate, name)
+                time.sleep(SETTLE_S)
+                rows.append({**row, "rss_mb": rss_mb(server.proc.pid)})
+                requests[name] = results
             if args.load == "sweep" and (row["failed"] or row["p99_ttft_ms"] > args.ttft_bound * 1e3):
                 break
         peak = peak_rss_mb(server.proc.pid)
     finally:
         server.stop()
     for row in rows:
-        row["peak_rss_mb"] = peak
+        row.update(peak_rss_mb=peak, rss_at_health_mb=at_health, rss_after_first_mb=after_first)
     return rows, requests
 
 
@@ -106,6 +131,9 @@ def torch_build() -> str:
 def main(args) -> int:
     from pagellm.loader.default_model import default_model_path
 
+    serve.check_workload(args)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     model = str(args.model or default_model_path())
     tokenizer = serve.client_tokenizer(args.tokenizer or model)
     prompts = serve.workload_prompts(args, tokenizer)
@@ -118,6 +146,10 @@ def main(args) -> int:
           f"{args.num_prompts} requests, shared prefix {args.shared_prefix_len} tokens, {args.output_len} out")
     print(torch_build())
     print(format_table(rows, COLUMNS))
+    for name in requests:
+        first = next(r for r in rows if r["server"] == name)
+        print(f"{name}: RSS {first['rss_at_health_mb']:.0f} MB at /health, {first['rss_after_first_mb']:.0f} MB "
+              "after the warm-up request")
     if args.load == "sweep":
         for name in requests:
             rate = held_rate([r for r in rows if r["server"] == name], args.ttft_bound)

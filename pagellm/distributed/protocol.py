@@ -3,7 +3,8 @@
 Workers keep per-slot state (block tables, recurrent-state slots) between steps,
 so a step carries only what changed: per scheduled request its slot, state slot,
 start position, the tokens fed, the block ids appended this step, and (once, when
-it starts or resumes) its sampling parameters; plus the ids of requests that left.
+it starts or resumes) its sampling parameters; plus the ids of requests that left,
+and the KV blocks and snapshot rows whose pages go back to the OS (each rank's own).
 A steady decode step is therefore O(batch) bytes whatever the context length.
 Positions and ids are fixed-width int32 (not pickled varints) so that holds
 exactly, byte for byte. Prompt token ids of new requests are not sent: workers
@@ -11,8 +12,9 @@ never sample, and the tokens they compute on arrive in `token_ids` chunks.
 Pickle is used only for the rare sampling parameters.
 
 Layout (little-endian):
-    header   u32 n_scheduled, u32 n_decode_tokens, u32 n_prefill_tokens, u32 n_released
-    released n_released x (u16 length, utf-8 request id)
+    header   u32 n_scheduled, u32 n_decode_tokens, u32 n_prefill_tokens, u32 n_released,
+             u32 n_released_blocks, u32 n_released_rows
+    released n_released x (u16 length, utf-8 request id), n_released_blocks x i32, n_released_rows x i32
     request  i32 slot, i32 start, i32 state_slot (-1 none), i32 restore_snapshot (-1 none),
              u32 n_tokens, u32 n_new_blocks, u16 n_snapshot_writes, u16 id length, u8 flags
              (1 sample, 2 new, 4 prompt logits), id, n_tokens x i32, n_new_blocks x i32, writes x (i32, i32),
@@ -27,7 +29,7 @@ from array import array
 
 from pagellm.core.types import NewRequestData, ScheduledRequest, SchedulerOutput
 
-_HEADER = struct.Struct("<IIII")
+_HEADER = struct.Struct("<IIIIII")
 _REQUEST = struct.Struct("<iiiiIIHHB")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -36,10 +38,12 @@ _SAMPLE, _NEW, _PROMPT_LOGITS = 1, 2, 4  # prompt logits: only prompt_logprobs r
 
 def encode_step(output: SchedulerOutput) -> bytes:
     parts = [_HEADER.pack(len(output.scheduled), output.num_decode_tokens, output.num_prefill_tokens,
-                          len(output.released_request_ids))]
+                          len(output.released_request_ids), len(output.released_blocks),
+                          len(output.released_snapshot_rows))]
     for request_id in output.released_request_ids:
         raw = request_id.encode()
         parts += [_U16.pack(len(raw)), raw]
+    parts += [array("i", output.released_blocks).tobytes(), array("i", output.released_snapshot_rows).tobytes()]
     for item in output.scheduled:
         raw = item.request_id.encode()
         flags = ((_SAMPLE if item.sample else 0) | (_NEW if item.new is not None else 0)
@@ -59,12 +63,14 @@ def encode_step(output: SchedulerOutput) -> bytes:
 
 def decode_step(data: bytes) -> SchedulerOutput:
     view = memoryview(data)
-    n_scheduled, n_decode, n_prefill, n_released = _HEADER.unpack_from(view, 0)
+    n_scheduled, n_decode, n_prefill, n_released, n_blocks_out, n_rows_out = _HEADER.unpack_from(view, 0)
     offset = _HEADER.size
     released = []
     for _ in range(n_released):
         request_id, offset = _read_str(view, offset)
         released.append(request_id)
+    released_blocks, offset = _read_ints(view, offset, n_blocks_out)
+    released_rows, offset = _read_ints(view, offset, n_rows_out)
     scheduled = []
     for _ in range(n_scheduled):
         slot, start, state_slot, restore, n_tokens, n_blocks, n_writes, id_len, flags = _REQUEST.unpack_from(view, offset)
@@ -90,7 +96,8 @@ def decode_step(data: bytes) -> SchedulerOutput:
             tuple(zip(flat_writes[::2], flat_writes[1::2])), num_prompt_logits))
     if offset != len(data):
         raise ValueError(f"step message has {len(data) - offset} trailing bytes")
-    return SchedulerOutput(tuple(scheduled), tuple(released), n_decode, n_prefill)
+    return SchedulerOutput(tuple(scheduled), tuple(released), n_decode, n_prefill,
+                           released_blocks=released_blocks, released_snapshot_rows=released_rows)
 
 
 def _or_minus_one(value: int | None) -> int:

@@ -8,7 +8,7 @@ so a budget is an allocation, not an address range as on a CPU (cpu_kv_budget_by
 
 On a CPU the pool is address space whose pages become resident as blocks are written, and go back past the
 prefix cache's budget (idle_budget_blocks, core/block_pool.py): its size bounds how many tokens can be live at
-once, not what is resident. It is sized for the model: DEFAULT_KV_SEQUENCES sequences of its whole context.
+once, not what is resident. It is sized for the model: every sequence at once at its whole context.
 
 Whatever the device: a pool that cannot hold one sequence of the model's context shortens max_model_len to what
 it holds (logged, as llama.cpp serves the context it could allocate); one that cannot hold an explicit
@@ -77,31 +77,31 @@ def kv_budget_bytes(utilization: float, before: DeviceMemory, after: DeviceMemor
     return budget
 
 
-# On a CPU, without kv_cache_memory: the pool holds this many sequences of max_model_len at once (more live
-# tokens than that preempt), so that a few clients can each reach the model's whole context.
-DEFAULT_KV_SEQUENCES = 4
-# ... but reserves at most this share of the RAM available at start: a long context's four sequences may not fit
-# (the context is then shortened to what the pool holds, fit_max_model_len).
+# On a CPU, without kv_cache_memory, the pool holds max_num_seqs sequences of max_model_len (as llama-server's -c is
+# its slots times their context) but reserves at most this share of the RAM available at start: a long context may
+# not fit that often (the context is then shortened to what the pool holds, fit_max_model_len).
 DEFAULT_KV_RAM_SHARE = 0.25
 # Without prefix_cache_memory, on a CPU: the idle resident blocks (the prefix cache) may hold this share of the
-# pool. On a GPU the pool is reserved whole: the cache may use all of it.
+# pool, at most DEFAULT_PREFIX_CACHE_GIB. On a GPU the pool is reserved whole: the cache may use all of it.
 DEFAULT_PREFIX_CACHE_SHARE = 0.125
+DEFAULT_PREFIX_CACHE_GIB = 0.25
 
 
-def cpu_kv_budget_bytes(kv_cache_memory: float | None, per_block: int, block_size: int, max_model_len: int) -> int:
-    """The KV pool's bytes on a CPU: kv_cache_memory GiB, else DEFAULT_KV_SEQUENCES sequences of max_model_len
-    tokens, capped by DEFAULT_KV_RAM_SHARE of the available RAM (the choice and why are logged)."""
+def cpu_kv_budget_bytes(kv_cache_memory: float | None, per_block: int, block_size: int, max_model_len: int,
+                        max_num_seqs: int) -> int:
+    """The KV pool's bytes on a CPU: kv_cache_memory GiB, else max_num_seqs sequences of max_model_len tokens,
+    capped by DEFAULT_KV_RAM_SHARE of the available RAM (the choice and why are logged)."""
     if kv_cache_memory is not None:
         return int(kv_cache_memory * GIB)
     per_sequence = -(-max_model_len // block_size) * per_block
     available = available_memory_bytes()
-    wanted, cap = DEFAULT_KV_SEQUENCES * per_sequence, int(DEFAULT_KV_RAM_SHARE * available)
+    wanted, cap = max_num_seqs * per_sequence, int(DEFAULT_KV_RAM_SHARE * available)
     budget = min(wanted, cap)
-    logger.info("KV cache: %s reserved for %s (%d sequences of %d tokens, %s each%s); pages become resident "
-                "only as blocks are written; kv_cache_memory sets it", _size(budget),
-                "the model's context" if budget == wanted else "a share of the RAM", DEFAULT_KV_SEQUENCES,
+    logger.info("KV cache: %s reserved for %s (max_num_seqs %d x max_model_len %d tokens, %s a sequence%s); "
+                "pages become resident only as blocks are written; kv_cache_memory sets it", _size(budget),
+                "every sequence at full length" if budget == wanted else "part of the RAM", max_num_seqs,
                 max_model_len, _size(per_sequence),
-                "" if budget == wanted else f", capped at {DEFAULT_KV_RAM_SHARE:.0%} of the {_size(available)} "
+                "" if budget == wanted else f": capped at {DEFAULT_KV_RAM_SHARE:.0%} of the {_size(available)} "
                 "available")
     return budget
 
@@ -109,11 +109,12 @@ def cpu_kv_budget_bytes(kv_cache_memory: float | None, per_block: int, block_siz
 def idle_budget_blocks(prefix_cache_memory: float | None, num_blocks: int, per_block: int,
                        device_type: str) -> int | None:
     """How many blocks no request holds may stay resident (the prefix cache's budget; None: no limit):
-    prefix_cache_memory GiB, else DEFAULT_PREFIX_CACHE_SHARE of a CPU's pool."""
+    prefix_cache_memory GiB, else on a CPU DEFAULT_PREFIX_CACHE_SHARE of the pool, at most
+    DEFAULT_PREFIX_CACHE_GIB."""
     if prefix_cache_memory is not None:
         budget = min(num_blocks, int(prefix_cache_memory * GIB // per_block))
     elif device_type == "cpu":
-        budget = int(num_blocks * DEFAULT_PREFIX_CACHE_SHARE)
+        budget = min(int(num_blocks * DEFAULT_PREFIX_CACHE_SHARE), int(DEFAULT_PREFIX_CACHE_GIB * GIB // per_block))
     else:
         return None
     logger.info("prefix cache: at most %s of idle KV blocks stay resident (%d blocks); past it the least "

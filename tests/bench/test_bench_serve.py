@@ -23,7 +23,7 @@ def test_serve_bench_reports_latencies_throughput_and_prefix_hits(tmp_path, caps
                    "--serve-args", "--kv-cache-memory 0.01 --max-model-len 128",
                    "--num-prompts", "6", "--input-len", "8", "--output-len", "4", "--shared-prefix-len", "48",
                    "--concurrency", "3", "--out", str(out), "--plot", str(png))
-    assert "completed 6, failed 0" in text
+    assert "completed 6, dropped by their client 0, failed 0" in text
     for metric in ("TTFT", "TPOT", "ITL", "E2E"):
         assert re.search(rf"\|\s*{metric} \|", text), metric
     assert "prefix cache hit ratio" in text and "preemptions" in text

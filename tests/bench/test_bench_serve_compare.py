@@ -64,6 +64,30 @@ def test_both_servers_get_the_same_workload_and_a_row_each(tiny, tmp_path, capsy
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_rounds_read_resident_memory_after_each_and_clients_may_leave_early(tiny, tmp_path, capsys):
+    model, shim = tiny
+    out = tmp_path / "rounds.json"
+    text = run_cli(capsys, "serve-compare", "--llama-server", str(shim), "--model", str(model), "--slots", "3",
+                   "--ctx", "128", "--num-prompts", "5", "--shared-prefix-len", "16", "--output-len", "8",
+                   "--load", "burst", "--rounds", "2", "--disconnect-fraction", "0.4", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["server"], r["load"]) for r in rows] == [
+        ("pagellm", "burst #1"), ("pagellm", "burst #2"), ("llama-server", "burst #1"), ("llama-server", "burst #2")]
+    for row in rows:
+        assert row["completed"] == 3 and row["dropped"] == 2 and row["failed"] == 0
+        assert 100 < row["rss_at_health_mb"] and 100 < row["rss_mb"] <= row["peak_rss_mb"]
+    assert "pagellm: RSS" in text and "after the warm-up request" in text
+
+
+def test_bad_workload_flags_are_named(tiny, capsys):
+    from pagellm.cli import main
+
+    model, shim = tiny
+    for flags, name in ((["--rounds", "0"], "--rounds"), (["--disconnect-fraction", "1.5"], "--disconnect-fraction")):
+        assert main(["bench", "serve-compare", "--llama-server", str(shim), "--model", str(model), *flags]) != 0
+        assert f"error: {name} must be" in capsys.readouterr().err
+
+
 def test_a_sweep_stops_past_the_ttft_bound_and_names_the_rate_held(tiny, tmp_path, capsys):
     model, shim = tiny
     text = run_cli(capsys, "serve-compare", "--llama-server", str(shim), "--model", str(model), "--slots", "2",

@@ -23,14 +23,21 @@ def test_round_trip_keeps_every_field_workers_use():
          ScheduledRequest("b", 0, (1,), 300, (12,), True, None, 1, 40),
          ScheduledRequest("chunk", 1, tuple(range(64)), 64, (), False),
          ScheduledRequest("scored", 2, tuple(range(8)), 16, (3,), False, num_prompt_logits=8)),
-        released_request_ids=("gone", "also-gone"), num_decode_tokens=1, num_prefill_tokens=75)
+        released_request_ids=("gone", "also-gone"), num_decode_tokens=1, num_prefill_tokens=75,
+        released_blocks=(3, 4, 90), released_snapshot_rows=(17,))
     decoded = decode_step(encode_step(output))
     # Workers never sample, so prompt ids are not sent; everything else arrives unchanged.
     first = output.scheduled[0]
     expected = SchedulerOutput((ScheduledRequest(first.request_id, 3, (5, 6, 7), 0, (4, 9), True,
                                                  NewRequestData((), (), params), 2, None, ((16, 70),)),
-                                *output.scheduled[1:]), output.released_request_ids, 1, 75)
+                                *output.scheduled[1:]), output.released_request_ids, 1, 75,
+                               released_blocks=(3, 4, 90), released_snapshot_rows=(17,))
     assert decoded == expected
+
+
+def test_a_step_of_releases_only_reaches_the_workers():
+    output = SchedulerOutput((), released_blocks=(7, 8), released_snapshot_rows=(2,))
+    assert not output.is_empty and decode_step(encode_step(output)) == output
 
 
 def test_steady_decode_bytes_do_not_grow_with_context():

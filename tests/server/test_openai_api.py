@@ -296,6 +296,10 @@ def test_metrics_are_exported(server):
         assert name in metrics, name
     assert metrics["generation_tokens_total"] >= metrics["e2e_request_latency_seconds_count"]
     assert metrics["kv_blocks_free"] == metrics["kv_blocks_total"]  # idle: every block back in the pool
+    # memory: the pool, what of it is resident (idle now: only what the prefix cache's budget keeps), the hit rate
+    assert 0 < metrics["kv_resident_bytes"] <= metrics["prefix_cache_budget_bytes"] < metrics["kv_pool_bytes"]
+    assert metrics["prefix_cache_resident_bytes"] <= metrics["kv_resident_bytes"]
+    assert 0 <= metrics["prefix_cache_hit_rate"] <= 1 and "kv_blocks_released_total" in metrics
 
 
 HANG_GUARD = 120  # seconds: only a broken server waits this long
