@@ -180,6 +180,8 @@ def add_workload_arguments(serve: argparse.ArgumentParser, workload: str = "rand
     serve.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
     serve.add_argument("--disconnect-fraction", type=float, default=0.0,
                        help="share of requests whose client closes the stream after three chunks (default 0)")
+    serve.add_argument("--chunk-timeout", type=float, default=300.0,
+                       help="seconds a request waits for its next chunk before it counts as failed (default 300)")
     serve.add_argument("--seed", type=int, default=0)
 
 

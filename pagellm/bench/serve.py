@@ -143,12 +143,12 @@ async def _one_request(client, url: str, model: str, prompt: str | list[int], ou
 
 
 async def _run_clients(url, model, prompts, output_len, rate: float, concurrency: int | None, headers, seed,
-                       tokenizer, disconnect_fraction: float = 0.0):
+                       tokenizer, disconnect_fraction: float = 0.0, chunk_timeout: float | None = None):
     httpx = _httpx()
     rng = random.Random(seed + 1)
     leaving = set(random.Random(seed + 2).sample(range(len(prompts)), round(disconnect_fraction * len(prompts))))
     limit = asyncio.Semaphore(concurrency or len(prompts))
-    timeout = httpx.Timeout(None, connect=30.0)
+    timeout = httpx.Timeout(None, connect=30.0, read=chunk_timeout)  # a stalled stream fails, the run goes on
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         async def limited(prompt, disconnect):
             async with limit:
@@ -291,7 +291,7 @@ def run(url: str, args, headers: dict, tokenizer, prompts, request_rate: float |
     t0 = time.perf_counter()
     rate = args.request_rate if request_rate is None else request_rate
     results = asyncio.run(_run_clients(url, model, prompts, args.output_len, rate, args.concurrency, headers,
-                                       args.seed, tokenizer, args.disconnect_fraction))
+                                       args.seed, tokenizer, args.disconnect_fraction, args.chunk_timeout))
     duration = time.perf_counter() - t0
     after = scrape_metrics(url, headers)
     return summarize(results, duration, before, after), results, model
@@ -337,6 +337,8 @@ def check_workload(args) -> None:
     """ValueError naming the flag for a workload that cannot run."""
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (inf = all at once), got {args.request_rate}")
+    if args.chunk_timeout <= 0:
+        raise ValueError(f"--chunk-timeout must be > 0 seconds, got {args.chunk_timeout}")
     if not 0 <= args.disconnect_fraction <= 1:
         raise ValueError(f"--disconnect-fraction must be in [0, 1], got {args.disconnect_fraction}")
 

@@ -142,6 +142,7 @@ def main(args) -> int:
         server_rows, server_requests = run_one_server(server, args, tokenizer, prompts)
         rows += server_rows
         requests[server.name] = server_requests
+        print(format_table(server_rows, COLUMNS), flush=True)  # as each server ends: a long run shows progress
     print(f"model {model}; {args.slots} sequences at once, {args.ctx} tokens each; workload {args.workload}, "
           f"{args.num_prompts} requests, shared prefix {args.shared_prefix_len} tokens, {args.output_len} out")
     print(torch_build())
