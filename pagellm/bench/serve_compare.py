@@ -16,6 +16,7 @@ server whose memory grows with use shows it round by round). Workloads:
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -142,7 +143,7 @@ def main(args) -> int:
         server_rows, server_requests = run_one_server(server, args, tokenizer, prompts)
         rows += server_rows
         requests[server.name] = server_requests
-        print(format_table(server_rows, COLUMNS), flush=True)  # as each server ends: a long run shows progress
+        print(format_table(server_rows, COLUMNS), file=sys.stderr, flush=True)  # progress of a long run
     print(f"model {model}; {args.slots} sequences at once, {args.ctx} tokens each; workload {args.workload}, "
           f"{args.num_prompts} requests, shared prefix {args.shared_prefix_len} tokens, {args.output_len} out")
     print(torch_build())
