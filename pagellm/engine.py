@@ -35,14 +35,12 @@ from pagellm.loader.quantization import weight_bytes
 from pagellm.collector import collector_paused
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
-from pagellm.platform import (DTYPES, GIB, freeze_loaded_objects, keep_step_buffers_in_heap,
+from pagellm.platform import (DTYPES, GIB, freeze_loaded_objects, keep_step_buffers_in_heap, release_freed_heap,
                               limit_threads_to_cores, resident_bytes)
 from pagellm.request import Request, RequestStatus, stop_ids_of
 from pagellm.runner.grammar import Grammars
-from pagellm.runner.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, check_holds_one_sequence,
-                                      cpu_kv_budget_bytes, fit_max_model_len, idle_budget_blocks,
-                                      kv_budget_bytes, profile_forward, start_measuring)
-from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block, state_bytes_per_slot
+from pagellm.runner.kv_budget import DeviceMemory, idle_budget_blocks, size_kv_pool, start_measuring
+from pagellm.runner.model_runner import ModelRunner, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm.engine")
@@ -132,7 +130,6 @@ class LLMEngine:
         # prefix cache needs state snapshots at block boundaries (none budgeted: the cache stays off).
         snapshots = self._make_snapshot_pool(num_blocks) if cc.enable_prefix_caching else None
         prefix_caching = cc.enable_prefix_caching and (self.state_pool is None or snapshots is not None)
-        self.kv_bytes_per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.kv_cache_dtype)
         idle_budget = idle_budget_blocks(cc.prefix_cache_memory, num_blocks, self.kv_bytes_per_block,
                                          self.device.type)
         self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots, idle_budget)
@@ -155,31 +152,14 @@ class LLMEngine:
     def _kv_blocks(self, before: DeviceMemory | None, logits) -> int:
         """KV blocks from the configured budget, or (before: the device's memory before loading) from what
         gpu_memory_utilization leaves after the weights and a profiling step (runner/kv_budget.py)."""
-        cc, sc = self.config.cache, self.config.scheduler
-        per_block = kv_cache_bytes_per_block(self.model, cc.block_size, self.kv_cache_dtype)
-        if before is None:
-            budget = cpu_kv_budget_bytes(cc.kv_cache_memory, per_block, cc.block_size, self.max_model_len,
-                                         sc.max_num_seqs)
-            flag = "kv_cache_memory"
-        else:
-            profile_forward(self.model, logits or self.model.compute_logits, sc.max_num_batched_tokens,
-                            sc.max_num_seqs, cc.block_size, self.kv_cache_dtype, self.device)
-            per_slot = state_bytes_per_slot(self.model)
-            states = 0 if per_slot == 0 else (
-                (cc.state_cache_memory * GIB if cc.state_cache_memory is not None else sc.max_num_seqs * per_slot)
-                + (cc.state_snapshot_memory * GIB if cc.enable_prefix_caching else 0))
-            sampler = sc.max_num_seqs * self.hf_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
-            budget = kv_budget_bytes(cc.gpu_memory_utilization, before, DeviceMemory.read(self.device),
-                                     int(states) + sampler)
-            flag = "gpu_memory_utilization (or give kv_cache_memory)"
-        num_blocks = int(budget // per_block)
-        if self.config.model.max_model_len is None:  # the model's own context: shortened to the pool, said once
-            self.max_model_len = fit_max_model_len(num_blocks, cc.block_size, self.max_model_len, per_block, flag)
-        check_holds_one_sequence(num_blocks, cc.block_size, self.max_model_len, per_block, flag)
+        cc = self.config.cache
+        pool = size_kv_pool(self.model, logits or self.model.compute_logits, self.config, self.max_model_len,
+                            self.kv_cache_dtype, self.device, self.hf_config.vocab_size, before)
+        self.max_model_len, self.kv_bytes_per_block = pool.max_model_len, pool.bytes_per_block
         logger.info("backend: %s (%s, %s, KV %.2f GiB: %d blocks of %d tokens)", self.device.type,
                     _attention_of(self.device, self.kernel_level), self.dtype_description(),
-                    num_blocks * per_block / GIB, num_blocks, cc.block_size)
-        return num_blocks
+                    pool.num_blocks * pool.bytes_per_block / GIB, pool.num_blocks, cc.block_size)
+        return pool.num_blocks
 
     def dtype_description(self) -> str:
         """The activations' dtype, and attention's where narrower ("float32, bfloat16 attention")."""
@@ -271,7 +251,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         self._states.pop(request_id, None)
         aborted = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED) is not None
-        self._release_if_idle()
+        if aborted:
+            self._settle_when_idle()
         return aborted
 
     @property
@@ -305,14 +286,19 @@ class LLMEngine:
         except Exception as exc:
             self._recover(current, exc)
         outputs = self._process(current.output, current.schedule_ms, model_output)
-        self._release_if_idle()
+        self._settle_when_idle()
         return outputs
 
-    def _release_if_idle(self) -> None:
-        """With nothing left to run, the pages the last requests freed past the prefix cache's budget go back now
-        (one step with no model work), not with the next request's first step."""
-        if self._in_flight is None and not self.scheduler.has_unfinished() and self.kv_cache.has_released():
+    def _settle_when_idle(self) -> None:
+        """With nothing left to run, memory goes back to what idles: the pages the last requests freed past the
+        prefix cache's budget now (one step with no model work), not with the next request's first step; and on
+        a CPU the heap's freed step buffers (kept while steps run, platform.keep_step_buffers_in_heap)."""
+        if self._in_flight is not None or self.scheduler.has_unfinished():
+            return
+        if self.kv_cache.has_released():
             self.executor.execute(self.scheduler.schedule())
+        if self.device.type == "cpu":
+            release_freed_heap()
 
     def _launch_next(self, after: InFlightStep | None = None) -> InFlightStep | None:
         t0 = time.perf_counter()

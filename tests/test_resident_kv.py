@@ -70,3 +70,10 @@ def test_released_blocks_leave_the_resident_set():
     assert sizes["released_blocks"] >= 125
     assert sizes["bytes_released"] == sizes["released"]  # blocks are whole pages: every byte went back
     assert sizes["drop"] >= 0.9 * sizes["released"] > 30 << 20
+
+
+def test_an_engine_left_idle_hands_back_its_freed_heap(embedded_llm, monkeypatch):
+    trims = []
+    monkeypatch.setattr("pagellm.engine.release_freed_heap", lambda: trims.append(1))
+    embedded_llm.generate(PROMPTS[2:4], GREEDY, use_tqdm=False)
+    assert len(trims) == 1  # once, when the last request finished: not after every step

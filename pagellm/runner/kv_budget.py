@@ -24,6 +24,7 @@ import torch
 
 from pagellm.core.attention_metadata import AttentionMetadata
 from pagellm.platform import GIB, available_memory_bytes
+from pagellm.runner.model_runner import kv_cache_bytes_per_block, state_bytes_per_slot
 
 logger = logging.getLogger("pagellm.engine")
 
@@ -121,6 +122,40 @@ def idle_budget_blocks(prefix_cache_memory: float | None, num_blocks: int, per_b
                 "recently used go back to the OS%s", _size(budget * per_block), budget,
                 "" if prefix_cache_memory is not None else "; prefix_cache_memory sets it")
     return budget
+
+
+@dataclass(frozen=True)
+class KVPool:
+    num_blocks: int
+    bytes_per_block: int  # one block over every layer, K and V
+    max_model_len: int  # the model's context shortened to what the pool holds, or the explicit one
+
+
+def size_kv_pool(model, compute_logits, config, max_model_len: int, kv_cache_dtype: torch.dtype,
+                 device: torch.device, vocab_size: int, before: DeviceMemory | None) -> KVPool:
+    """The pool an engine of `config` (EngineConfig) gets: on a CPU (before None) or with kv_cache_memory from
+    the configured budget; else, `before` being the device's memory before loading, from what
+    gpu_memory_utilization leaves after the weights, a profiling step and the state rows."""
+    cc, sc = config.cache, config.scheduler
+    per_block = kv_cache_bytes_per_block(model, cc.block_size, kv_cache_dtype)
+    if before is None:
+        budget = cpu_kv_budget_bytes(cc.kv_cache_memory, per_block, cc.block_size, max_model_len, sc.max_num_seqs)
+        flag = "kv_cache_memory"
+    else:
+        profile_forward(model, compute_logits, sc.max_num_batched_tokens, sc.max_num_seqs, cc.block_size,
+                        kv_cache_dtype, device)
+        per_slot = state_bytes_per_slot(model)
+        states = 0 if per_slot == 0 else (
+            (cc.state_cache_memory * GIB if cc.state_cache_memory is not None else sc.max_num_seqs * per_slot)
+            + (cc.state_snapshot_memory * GIB if cc.enable_prefix_caching else 0))
+        sampler = sc.max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
+        budget = kv_budget_bytes(cc.gpu_memory_utilization, before, DeviceMemory.read(device), int(states) + sampler)
+        flag = "gpu_memory_utilization (or give kv_cache_memory)"
+    num_blocks = int(budget // per_block)
+    if config.model.max_model_len is None:  # the model's own context: shortened to the pool, said once
+        max_model_len = fit_max_model_len(num_blocks, cc.block_size, max_model_len, per_block, flag)
+    check_holds_one_sequence(num_blocks, cc.block_size, max_model_len, per_block, flag)
+    return KVPool(num_blocks, per_block, max_model_len)
 
 
 def check_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: int, per_block: int,

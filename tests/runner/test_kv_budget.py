@@ -78,7 +78,7 @@ def test_sizing_from_device_memory_profiles_a_full_step_then_sizes_the_pool(fami
     engine = llm.engine
     profiled = []
     real_profile = kv_budget.profile_forward
-    monkeypatch.setattr("pagellm.engine.profile_forward",
+    monkeypatch.setattr("pagellm.runner.kv_budget.profile_forward",
                         lambda *args: profiled.append(args[2:4]) or real_profile(*args))
     # a 4 GiB device: 3 GiB allowed, 0.5 GiB taken outside torch since the start
     monkeypatch.setattr("pagellm.engine.DeviceMemory.read",
