@@ -290,11 +290,13 @@ class LLMEngine:
         return outputs
 
     def _settle_when_idle(self) -> None:
-        """With nothing left to run, memory goes back to what idles: the pages the last requests freed past the
-        prefix cache's budget now (one step with no model work), not with the next request's first step; and on
-        a CPU the heap's freed step buffers (kept while steps run, platform.keep_step_buffers_in_heap)."""
+        """With nothing left to run, memory goes back to what idles: the free KV blocks past the prefix cache's
+        budget, warm ones included (kept for reuse while steps run), now (one step with no model work), not with
+        the next request's first step; and on a CPU the heap's freed step buffers (kept while steps run,
+        platform.keep_step_buffers_in_heap)."""
         if self._in_flight is not None or self.scheduler.has_unfinished():
             return
+        self.kv_cache.release_warm()
         if self.kv_cache.has_released():
             self.executor.execute(self.scheduler.schedule())
         if self.device.type == "cpu":

@@ -15,11 +15,13 @@ A free block (ref_count 0) is in one of three places, taken from in this order:
     cached: head <-> b3 <-> b9 <-> tail
 
 Resident memory so follows the work: the pool's never-written blocks stay untouched while any freed one can
-serve. The resident blocks no request holds (warm + cached) have a budget (`idle_budget`): past it the warm
-ones go first, then the least recently used cached ones, which lose their hash; each goes to cold, and its id
-to the released list, which the runner's owner turns into MADV_DONTNEED on the block's pages (runner/
-host_pages.py). Without a budget nothing is released: vLLM's order. The doubly linked list is hand-written
-because collections.deque.remove is O(n) and OrderedDict cannot insert at the front.
+serve. The cached blocks have a budget (`idle_budget`, the prefix cache's): past it the least recently used lose
+their hash and turn warm. Warm blocks are what a busy engine reuses without faulting pages in again; there may be
+as many as the budget, past it (and all of them once the engine is idle, `release_warm`) they are released: each
+goes to cold, and its id to the released list, which the runner turns into MADV_DONTNEED on the block's pages
+(runner/host_pages.py). So resident blocks are the live ones plus at most twice the budget while steps run, and
+at most the budget when idle. Without a budget nothing is released: vLLM's order. The doubly linked list is
+hand-written because collections.deque.remove is O(n) and OrderedDict cannot insert at the front.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class FreeBlockQueue:
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  on_evict: Callable[[int], None] | None = None, idle_budget: int | None = None):
-        """idle_budget: how many resident blocks no request holds may stay resident (None: no limit)."""
+        """idle_budget: how many free blocks may stay resident for their cached prefix, and how many more, warm,
+        while the engine is busy (None: no limit, nothing is released)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if idle_budget is not None and idle_budget < 0:
@@ -120,7 +123,7 @@ class BlockPool:
 
     @property
     def num_idle_resident_blocks(self) -> int:
-        """Resident blocks no request holds: what idle_budget bounds."""
+        """Resident blocks no request holds: cached and warm."""
         return len(self.warm) + self.cached_queue.num_free
 
     @property
@@ -195,7 +198,7 @@ class BlockPool:
         """Drop one reference from each block, in the order given (callers pass tail-first).
 
         Blocks without a hash turn warm (reused first); cached ones go to the back of the cached queue, so
-        the LRU order decides which cached content goes. Then the idle blocks are trimmed to the budget.
+        the LRU order decides which cached content goes. Then both are trimmed to the budget.
         """
         for block in blocks:
             block.ref_count -= 1
@@ -209,18 +212,28 @@ class BlockPool:
         self._trim()
 
     def _trim(self) -> None:
-        """Release idle resident blocks past the budget: warm ones (they hold nothing) before cached ones."""
+        """Hold the cached blocks to the budget (past it the least recently used lose their hash and turn warm),
+        and the warm ones to as many again (past it the oldest are released)."""
         if self.idle_budget is None:
             return
-        while self.num_idle_resident_blocks > self.idle_budget:
-            if self.warm:
-                block = self.warm.popleft()
-            else:
-                block = self.cached_queue.popleft()
-                self._evict(block)
-            self.cold.append(block)
-            self._released.append(block.block_id)
-            self.num_released_total += 1
+        while self.cached_queue.num_free > self.idle_budget:
+            block = self.cached_queue.popleft()
+            self._evict(block)
+            self.warm.append(block)
+        while len(self.warm) > self.idle_budget:
+            self._release(self.warm.popleft())
+
+    def release_warm(self) -> None:
+        """Release every warm block (an engine with nothing to run: the next request may be far off). Under a
+        budget only: without one nothing is ever released."""
+        if self.idle_budget is not None:
+            while self.warm:
+                self._release(self.warm.popleft())
+
+    def _release(self, block: KVBlock) -> None:
+        self.cold.append(block)
+        self._released.append(block.block_id)
+        self.num_released_total += 1
 
     @property
     def has_released(self) -> bool:

@@ -194,6 +194,10 @@ class KVCacheManager:
         rows = self.snapshots.take_released() if self.snapshots is not None else ()
         return self.pool.take_released(), rows
 
+    def release_warm(self) -> None:
+        """The engine has nothing to run: the warm blocks (kept for reuse by busy steps) are released too."""
+        self.pool.release_warm()
+
     def has_released(self) -> bool:
         """Whether pages wait to be released (an idle engine runs one step for them)."""
         return self.pool.has_released or (self.snapshots is not None and self.snapshots.has_released)

@@ -34,21 +34,24 @@ def test_without_a_budget_nothing_is_released():
     assert pool.take_released() == () and pool.num_resident_blocks == 4 and pool.num_cached_blocks == 4
 
 
-def test_the_budget_releases_warm_blocks_first_then_the_least_recently_used_cached():
-    pool = BlockPool(8, idle_budget=2)
+def test_cached_blocks_past_the_budget_turn_warm_and_warm_ones_past_it_are_released():
+    pool = BlockPool(12, idle_budget=2)
     a, b, c, d = pool.allocate(4)
     for block, h in ((a, 1), (b, 2), (c, 3)):
         pool.cache_block(block, h, (h,))
     pool.free([a])
     pool.free([b])
-    assert pool.take_released() == () and pool.num_idle_resident_blocks == 2
-    pool.free([d, c])  # d (no hash) would be warm, c cached: 4 idle for a budget of 2
-    assert pool.take_released() == (0, 3)  # d (holds nothing), then a (LRU cached)
+    pool.free([d, c])  # d (no hash) turns warm, c cached: 3 cached for a budget of 2
     assert pool.lookup(1, (1,)) is None and pool.lookup(2, (2,)) is b and pool.lookup(3, (3,)) is c
-    assert pool.num_idle_resident_blocks == 2 and pool.num_resident_blocks == 2
-    assert pool.num_released_total == 2 and pool.take_released() == ()
-    # released blocks are cold again: taken before the cached ones are evicted
-    assert [x.block_id for x in pool.allocate(2)] == [0, 3]
+    assert pool.free_block_ids()[:2] == [0, 3]  # a lost its hash to the budget but stays warm: reused first
+    assert pool.take_released() == () and pool.num_resident_blocks == 4
+    more = pool.allocate(3)  # a, d, then block 4
+    pool.free(more)
+    assert pool.take_released() == (0,)  # 3 warm for a budget of 2: the oldest goes back
+    pool.release_warm()  # the engine has nothing to run
+    assert pool.take_released() == (3, 4) and pool.num_idle_resident_blocks == 2 == pool.num_resident_blocks
+    assert pool.num_released_total == 3
+    assert [x.block_id for x in pool.allocate(2)] == [4, 3]  # released blocks are cold again: before the cached
     assert pool.num_cached_blocks == 2
 
 
@@ -100,7 +103,8 @@ def test_finished_requests_keep_at_most_the_budget_and_steps_carry_the_releases(
     scheduler.update(output, ModelOutput(("r0", "r1", "r2"), (1, 2, 3)))
     for i in range(3):
         scheduler.finish(f"r{i}", scheduler.requests[f"r{i}"].status)
-    assert kv.pool.num_idle_resident_blocks == 3 and kv.has_released()
+    assert kv.pool.num_idle_resident_blocks == 6 and kv.has_released()  # 3 cached, 3 warm, 3 released
+    kv.release_warm()  # as the engine does once it has nothing to run
     released = scheduler.schedule().released_blocks  # nothing to run: a step that only releases
     assert len(released) == 6 and not kv.has_released()
     assert kv.pool.num_resident_blocks == 3 and kv.pool.num_cached_blocks == 3  # r2's two prefix blocks, r1's last
@@ -120,7 +124,9 @@ def test_snapshots_of_released_blocks_are_released_too():
     assert len(rows) == 2  # the state after blocks 0 and 1
     scheduler.update(output, ModelOutput(("a",), (7,)))
     scheduler.finish("a", scheduler.requests["a"].status)
-    blocks, released_rows = kv.take_released()
-    # budget 1: the warm tail block goes, then block 1 (freed tail first: the LRU cached one) with its snapshot
-    assert blocks == (1, 2) and released_rows == (rows[1],)
+    # budget 1: block 1 (freed tail first: the LRU cached one) loses its hash, its snapshot row is released; the
+    # oldest warm block (the partial one) goes
+    assert kv.take_released() == ((2,), (rows[1],))
+    kv.release_warm()
+    assert kv.take_released() == ((1,), ())
     assert snapshots.num_cached == 1 and kv.find_cached_prefix(make_request("b", range(9)))[1] == 4
