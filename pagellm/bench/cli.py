@@ -147,6 +147,8 @@ def _add_serve_parsers(kinds) -> None:
     both.add_argument("--slots", type=int, default=16, help="sequences at once, each server (default %(default)s)")
     both.add_argument("--ctx", type=int, default=1024, help="context tokens per sequence (default %(default)s)")
     both.add_argument("--threads", type=int, default=2, help="llama-server threads (default %(default)s)")
+    both.add_argument("--servers", default="pagellm,llama-server",
+                      help="which servers to run, in this order (default %(default)s)")
     both.add_argument("--serve-args", default="", help="more `pagellm serve` flags, one string")
     both.add_argument("--llama-args", default="", help="more llama-server flags, one string")
     both.add_argument("--load", choices=["poisson", "burst", "sweep"], default="poisson")

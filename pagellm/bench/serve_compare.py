@@ -54,21 +54,33 @@ def rss_mb(pid: int) -> float:
 SETTLE_S = 1.0
 
 
+SERVERS = ("pagellm", "llama-server")
+
+
 def servers(args, model: str) -> list[serve.Server]:
-    """pagellm and llama-server with the same model file and the same number of sequences at once."""
+    """pagellm and llama-server (those of --servers) with the same model file and the same number of sequences at
+    once."""
+    chosen = [name.strip() for name in args.servers.split(",")]
+    if not chosen or any(name not in SERVERS for name in chosen):
+        raise ValueError(f"--servers takes {', '.join(SERVERS)}, comma-separated, got {args.servers!r}")
+    if not model.endswith(".gguf"):
+        raise ValueError(f"serve-compare serves one GGUF file with both servers, got --model {model!r}")
+    made = {"pagellm": lambda: serve.pagellm_server(
+        ["--model", model, "--max-num-seqs", str(args.slots), "--max-model-len", str(args.ctx),
+         *args.serve_args.split()]), "llama-server": lambda: _llama_server(args, model)}
+    return [made[name]() for name in chosen]
+
+
+def _llama_server(args, model: str) -> serve.Server:
     llama = args.llama_server or shutil.which("llama-server")
     if llama is None or not Path(llama).is_file():
         raise ValueError("--llama-server PATH is needed (../shared/peers/build-llama-cpp.sh builds it), "
                          f"got {args.llama_server!r}")
-    if not model.endswith(".gguf"):
-        raise ValueError(f"serve-compare serves one GGUF file with both servers, got --model {model!r}")
-    ours = serve.pagellm_server(["--model", model, "--max-num-seqs", str(args.slots), "--max-model-len",
-                                 str(args.ctx), *args.serve_args.split()])
     peer = serve.Server("llama-server", [], serve.free_port())
     peer.cmd = [llama, "-m", model, "--host", "127.0.0.1", "--port", str(peer.port), "-np", str(args.slots),
                 "-c", str(args.slots * args.ctx), "--cont-batching", "-t", str(args.threads),
                 "-tb", str(args.threads), *args.llama_args.split()]
-    return [ours, peer]
+    return peer
 
 
 def _measure(server: serve.Server, args, tokenizer, prompts, rate: float, load: str) -> tuple[dict, list]:
@@ -112,6 +124,11 @@ def run_one_server(server: serve.Server, args, tokenizer, prompts) -> tuple[list
     return rows, requests
 
 
+def _rss_line(row: dict) -> str:
+    return (f"{row['server']}: RSS {row['rss_at_health_mb']:.0f} MB at /health, {row['rss_after_first_mb']:.0f} MB "
+            "after the warm-up request")
+
+
 def held_rate(rows: list[dict], bound_s: float) -> float:
     """The highest swept rate with every request done and p99 TTFT under the bound (0: none)."""
     held = [float(r["load"].removesuffix("/s")) for r in rows if not r["failed"] and r["p99_ttft_ms"] <= bound_s * 1e3]
@@ -144,14 +161,13 @@ def main(args) -> int:
         rows += server_rows
         requests[server.name] = server_requests
         print(format_table(server_rows, COLUMNS), file=sys.stderr, flush=True)  # progress of a long run
+        print(_rss_line(server_rows[0]), file=sys.stderr, flush=True)
     print(f"model {model}; {args.slots} sequences at once, {args.ctx} tokens each; workload {args.workload}, "
           f"{args.num_prompts} requests, shared prefix {args.shared_prefix_len} tokens, {args.output_len} out")
     print(torch_build())
     print(format_table(rows, COLUMNS))
     for name in requests:
-        first = next(r for r in rows if r["server"] == name)
-        print(f"{name}: RSS {first['rss_at_health_mb']:.0f} MB at /health, {first['rss_after_first_mb']:.0f} MB "
-              "after the warm-up request")
+        print(_rss_line(next(r for r in rows if r["server"] == name)))
     if args.load == "sweep":
         for name in requests:
             rate = held_rate([r for r in rows if r["server"] == name], args.ttft_bound)

@@ -83,9 +83,18 @@ def test_bad_workload_flags_are_named(tiny, capsys):
     from pagellm.cli import main
 
     model, shim = tiny
-    for flags, name in ((["--rounds", "0"], "--rounds"), (["--disconnect-fraction", "1.5"], "--disconnect-fraction")):
+    for flags, name in ((["--rounds", "0"], "--rounds must be"), (["--disconnect-fraction", "1.5"],
+                        "--disconnect-fraction must be"), (["--servers", "vllm"], "--servers takes")):
         assert main(["bench", "serve-compare", "--llama-server", str(shim), "--model", str(model), *flags]) != 0
-        assert f"error: {name} must be" in capsys.readouterr().err
+        assert f"error: {name}" in capsys.readouterr().err
+
+
+def test_servers_picks_which_run(tiny, capsys):
+    model, _ = tiny
+    text = run_cli(capsys, "serve-compare", "--servers", "pagellm", "--model", str(model), "--slots", "2",
+                   "--ctx", "128", "--num-prompts", "2", "--shared-prefix-len", "16", "--output-len", "2",
+                   "--load", "burst")
+    assert re.search(r"\|\s+pagellm \|\s+burst \|", text) and "llama-server" not in text
 
 
 def test_a_sweep_stops_past_the_ttft_bound_and_names_the_rate_held(tiny, tmp_path, capsys):
