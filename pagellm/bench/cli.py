@@ -156,7 +156,7 @@ def _add_serve_parsers(kinds) -> None:
                       help="sweep: Poisson rates in requests/s, comma-separated (default 0.5,1,2,4)")
     both.add_argument("--ttft-bound", type=float, default=5.0, help="sweep: p99 TTFT bound in seconds")
     both.add_argument("--rounds", type=int, default=1,
-                      help="run each load this many times in a row (resident memory is read after each)")
+                      help="run each load this many times in a row, each with prompts of its own (resident memory is read after each)")
     add_workload_arguments(both, workload="text", shared_prefix_len=300, output_len=64, request_rate=0.5)
     add_output_arguments(both, "serve-compare", "write every row and request to FILE.json",
                          "TTFT and ITL CDFs of each server")

@@ -4,8 +4,9 @@ Each server is started in turn on a free port with matched capacity (pagellm `--
 `-np N -c N*ctx --cont-batching`, its prompt cache on as by default), warmed with one request, and given the
 same seeded workload (bench/serve.py: real text with a shared system prompt, streaming). Per server: completed
 / failed, output tok/s, TTFT / ITL / E2E p50 and p99, its process's resident set (VmRSS) at /health, after the
-warm-up request and a second after each load, and its peak (VmHWM). Each load runs --rounds times in a row (a
-server whose memory grows with use shows it round by round). Workloads:
+warm-up request and a second after each load, and its peak (VmHWM). Each load runs --rounds times in a row, each
+round with prompts of its own (the workload drawn with --seed + round - 1): a server whose memory grows with use
+shows it round by round. Workloads:
 
     poisson   --num-prompts at a Poisson --request-rate
     burst     --num-prompts at once
@@ -15,6 +16,7 @@ server whose memory grows with use shows it round by round). Workloads:
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import time
@@ -96,7 +98,7 @@ def _loads(args) -> list[tuple[str, float]]:
     return [(f"{args.request_rate:g}/s", args.request_rate)]
 
 
-def run_one_server(server: serve.Server, args, tokenizer, prompts) -> tuple[list[dict], dict]:
+def run_one_server(server: serve.Server, args, tokenizer, rounds: list[list]) -> tuple[list[dict], dict]:
     """Every load (--rounds times each) against one server (a sweep stops past the TTFT bound); rows and each
     row's requests. Each row has the server's VmRSS after its round, and its RSS at /health and after the
     warm-up request."""
@@ -104,11 +106,11 @@ def run_one_server(server: serve.Server, args, tokenizer, prompts) -> tuple[list
     server.start()
     try:
         at_health = rss_mb(server.proc.pid)
-        serve.run(server.url, args, {}, tokenizer, prompts[:1], request_rate=float("inf"))  # warm-up
+        serve.run(server.url, args, {}, tokenizer, rounds[0][:1], request_rate=float("inf"))  # warm-up
         time.sleep(SETTLE_S)
         after_first = rss_mb(server.proc.pid)
         for load, rate in _loads(args):
-            for round_ in range(1, args.rounds + 1):
+            for round_, prompts in enumerate(rounds, 1):
                 name = load if args.rounds == 1 else f"{load} #{round_}"
                 row, results = _measure(server, args, tokenizer, prompts, rate, name)
                 time.sleep(SETTLE_S)
@@ -154,10 +156,13 @@ def main(args) -> int:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     model = str(args.model or default_model_path())
     tokenizer = serve.client_tokenizer(args.tokenizer or model)
-    prompts = serve.workload_prompts(args, tokenizer)
+    # each round its own prompts (the workload drawn with the next seed): what stays resident after a round is
+    # then the server's to keep, not a cache the next round hits
+    rounds = [serve.workload_prompts(argparse.Namespace(**{**vars(args), "seed": args.seed + r}), tokenizer)
+              for r in range(args.rounds)]
     rows, requests = [], {}
     for server in servers(args, model):
-        server_rows, server_requests = run_one_server(server, args, tokenizer, prompts)
+        server_rows, server_requests = run_one_server(server, args, tokenizer, rounds)
         rows += server_rows
         requests[server.name] = server_requests
         print(format_table(server_rows, COLUMNS), file=sys.stderr, flush=True)  # progress of a long run
