@@ -65,7 +65,10 @@ def _steps(engine, params: list[SamplingParams]) -> list[tuple[int, _HostWaits, 
         output, waits = launched.pop(id(step))
         with waits:
             result = collect(step)
-        seen.append((output.num_prefill_tokens, waits, result.timings.host_syncs))
+        if output.scheduled:  # else a step that only released KV pages (an idle engine's): no model, no read
+            seen.append((output.num_prefill_tokens, waits, result.timings.host_syncs))
+        else:
+            assert waits.reads == [] and waits.blocking_copies == []
         return result
 
     runner.launch, runner.collect = counted_launch, counted_collect
