@@ -28,9 +28,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO
 
 from pagellm.bench import report
 from pagellm.bench.report import Column
@@ -245,6 +247,7 @@ class Server:
     cmd: list[str]
     port: int
     proc: subprocess.Popen | None = None
+    log: IO[bytes] | None = None  # its stderr
 
     @property
     def url(self) -> str:
@@ -252,12 +255,15 @@ class Server:
 
     def start(self, timeout: float = 600.0) -> None:
         httpx = _httpx()
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr to a file, not a pipe: nobody reads a pipe while the server runs, and a server that logs every
+        # request (llama-server does) blocks on its write once the pipe's 64 KiB are full, and stops serving
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                   f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}")
+                                   f"{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
@@ -266,6 +272,11 @@ class Server:
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s")
+
+    def log_tail(self, size: int = 2000) -> str:
+        """The last `size` characters the server wrote to stderr."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-size:]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -39,3 +39,29 @@ def test_serve_bench_reports_latencies_throughput_and_prefix_hits(tmp_path, caps
     assert summary["preemptions"] == 0
     assert summary["host_ms_per_step"] > 0 and 0 <= summary["step_reuse_rate"] <= 1  # the run's, from /metrics
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+LOUD_SERVER = """
+import http.server, sys
+sys.stderr.write("x" * 300_000)  # past a pipe's 64 KiB: a server logging every request gets there
+sys.stderr.flush()
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_server_that_logs_much_is_not_blocked_on_its_stderr():
+    import sys
+
+    from pagellm.bench.serve import Server, free_port
+
+    port = free_port()
+    server = Server("loud", [sys.executable, "-c", LOUD_SERVER, str(port)], port)
+    try:
+        server.start(timeout=60)  # with stderr a pipe nobody reads, its write blocks and /health never answers
+        assert "x" * 1000 in server.log_tail(400_000)  # all of it kept, in the file
+    finally:
+        server.stop()
