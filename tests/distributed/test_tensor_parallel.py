@@ -45,6 +45,20 @@ def test_two_ranks_match_one_process(checkpoint, family, expert_parallel):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+def test_released_blocks_over_two_ranks_keep_the_tokens(checkpoint):
+    """No idle block kept: every request's blocks are released on both ranks (the worker's in steps that carry
+    only the release), and written again by the next generate."""
+    path = checkpoint("llama")
+    single, _ = _generate(path)
+    with LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32", prefix_cache_memory=0,
+             tensor_parallel_size=2, distributed_timeout=30) as llm:
+        runs = [[out.outputs[0] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] for _ in range(2)]
+        stats = llm.stats()
+    assert stats["kv_blocks_released"] > 0 and stats["kv_resident_bytes"] == 0
+    for outputs in runs:
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in single]
+
+
 def test_prompt_logprobs_over_two_ranks_match_one_process(checkpoint):
     """Prompt rows, chunked, go through the vocab-parallel LM head in the same passes on every rank."""
     params = [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2), GREEDY,
