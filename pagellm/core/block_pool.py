@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Iterable
 
+from pagellm.core.released_ids import ReleasedIds
+
 
 class KVBlock:
     __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "prev", "next")
@@ -101,7 +103,7 @@ class BlockPool:
         self.cached: dict[int, KVBlock] = {}  # block hash -> block holding that content
         # Told the hash of each evicted cached block (hybrid models drop the state snapshot keyed by it).
         self.on_evict = on_evict
-        self._released: list[int] = []  # ids whose pages are to go back, since take_released
+        self.released = ReleasedIds()  # ids whose pages are to go back, taken by each step
         self.num_released_total = 0
 
     @property
@@ -232,19 +234,8 @@ class BlockPool:
 
     def _release(self, block: KVBlock) -> None:
         self.cold.append(block)
-        self._released.append(block.block_id)
+        self.released.add(block.block_id)
         self.num_released_total += 1
-
-    @property
-    def has_released(self) -> bool:
-        return bool(self._released)
-
-    def take_released(self) -> tuple[int, ...]:
-        """Ids of the blocks released since the last call, ascending: their pages may go back to the OS. A block
-        listed here may be allocated again meanwhile; its new owner writes it in the step that carries the list,
-        after the release."""
-        released, self._released = tuple(sorted(set(self._released))), []
-        return released
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.cached.values()):

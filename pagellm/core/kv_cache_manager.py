@@ -191,8 +191,8 @@ class KVCacheManager:
 
     def take_released(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(KV block ids, snapshot rows) released since the last call: their pages may go back to the OS."""
-        rows = self.snapshots.take_released() if self.snapshots is not None else ()
-        return self.pool.take_released(), rows
+        rows = self.snapshots.released.take() if self.snapshots is not None else ()
+        return self.pool.released.take(), rows
 
     def release_warm(self) -> None:
         """The engine has nothing to run: the warm blocks (kept for reuse by busy steps) are released too."""
@@ -200,7 +200,7 @@ class KVCacheManager:
 
     def has_released(self) -> bool:
         """Whether pages wait to be released (an idle engine runs one step for them)."""
-        return self.pool.has_released or (self.snapshots is not None and self.snapshots.has_released)
+        return bool(self.pool.released) or (self.snapshots is not None and bool(self.snapshots.released))
 
     def forget(self, registered: tuple[tuple[int, int], ...]) -> None:
         """Unregister blocks a step registered (blocks are hashed as of the end of their step) when the step failed

@@ -24,12 +24,14 @@ A row's pages become resident when a step first writes it, so resident snapshots
 never pass the pool's budget (state_snapshot_memory). A row that loses its
 snapshot without being reused (its KV block evicted or released, a cancelled
 write, a reset) goes back to the free list and is released: its pages return
-to the operating system, as a released KV block's do (take_released).
+to the operating system, as a released KV block's do (`released`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from pagellm.core.released_ids import ReleasedIds
 
 
 class SnapshotPool:
@@ -44,7 +46,7 @@ class SnapshotPool:
         self._pending: set[int] = set()
         self._key_of: dict[int, tuple[int, int]] = {}  # row -> (block hash, tokens before the boundary)
         self._row_of: dict[int, int] = {}  # block hash -> row
-        self._released: list[int] = []  # rows freed since take_released: their pages may go back
+        self.released = ReleasedIds()  # rows freed without reuse: their pages may go back
 
     # ---- counters -------------------------------------------------------------------------
 
@@ -160,21 +162,10 @@ class SnapshotPool:
         self._lru.clear()
         return True
 
-    @property
-    def has_released(self) -> bool:
-        return bool(self._released)
-
-    def take_released(self) -> tuple[int, ...]:
-        """Rows freed without reuse since the last call, ascending: their pages may go back to the OS. A row
-        listed here may be allocated again meanwhile; its new owner writes it in the step that carries the list,
-        after the release."""
-        released, self._released = tuple(sorted(set(self._released))), []
-        return released
-
     def _drop_row(self, row: int) -> None:
         """A row without a snapshot: free, and its pages to be released."""
         self._free.append(row)
-        self._released.append(row)
+        self.released.add(row)
 
     def _unregister(self, row: int) -> None:
         block_hash, _ = self._key_of.pop(row)

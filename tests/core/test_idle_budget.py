@@ -31,7 +31,7 @@ def test_without_a_budget_nothing_is_released():
     for i, block in enumerate(blocks):
         pool.cache_block(block, 100 + i, (i,))
     pool.free(blocks)
-    assert pool.take_released() == () and pool.num_resident_blocks == 4 and pool.num_cached_blocks == 4
+    assert pool.released.take() == () and pool.num_resident_blocks == 4 and pool.num_cached_blocks == 4
 
 
 def test_cached_blocks_past_the_budget_turn_warm_and_warm_ones_past_it_are_released():
@@ -44,12 +44,12 @@ def test_cached_blocks_past_the_budget_turn_warm_and_warm_ones_past_it_are_relea
     pool.free([d, c])  # d (no hash) turns warm, c cached: 3 cached for a budget of 2
     assert pool.lookup(1, (1,)) is None and pool.lookup(2, (2,)) is b and pool.lookup(3, (3,)) is c
     assert pool.free_block_ids()[:2] == [0, 3]  # a lost its hash to the budget but stays warm: reused first
-    assert pool.take_released() == () and pool.num_resident_blocks == 4
+    assert pool.released.take() == () and pool.num_resident_blocks == 4
     more = pool.allocate(3)  # a, d, then block 4
     pool.free(more)
-    assert pool.take_released() == (0,)  # 3 warm for a budget of 2: the oldest goes back
+    assert pool.released.take() == (0,)  # 3 warm for a budget of 2: the oldest goes back
     pool.release_warm()  # the engine has nothing to run
-    assert pool.take_released() == (3, 4) and pool.num_idle_resident_blocks == 2 == pool.num_resident_blocks
+    assert pool.released.take() == (3, 4) and pool.num_idle_resident_blocks == 2 == pool.num_resident_blocks
     assert pool.num_released_total == 3
     assert [x.block_id for x in pool.allocate(2)] == [4, 3]  # released blocks are cold again: before the cached
     assert pool.num_cached_blocks == 2
@@ -61,9 +61,9 @@ def test_a_zero_budget_keeps_nothing_idle_but_live_requests_still_share():
     pool.cache_block(a, 5, (5,))
     pool.touch([a])  # a second holder
     pool.free([a])
-    assert pool.lookup(5, (5,)) is a and pool.take_released() == ()  # still held: no release
+    assert pool.lookup(5, (5,)) is a and pool.released.take() == ()  # still held: no release
     pool.free([a])
-    assert pool.lookup(5, (5,)) is None and pool.take_released() == (0,)
+    assert pool.lookup(5, (5,)) is None and pool.released.take() == (0,)
 
 
 def test_a_released_block_is_listed_once_even_if_reused_and_released_again():
@@ -72,7 +72,7 @@ def test_a_released_block_is_listed_once_even_if_reused_and_released_again():
     pool.free([a])
     (again,) = pool.allocate(1)
     pool.free([again])
-    assert again is a and pool.take_released() == (0,) and pool.num_released_total == 2
+    assert again is a and pool.released.take() == (0,) and pool.num_released_total == 2
 
 
 def test_uncache_and_reset_turn_free_cached_blocks_warm():
