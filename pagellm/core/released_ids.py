@@ -18,5 +18,7 @@ class ReleasedIds:
     def take(self) -> tuple[int, ...]:
         """The ids since the last call, ascending, each once. One listed may have been handed out again since;
         its new owner writes it in the step that carries the list, after the release."""
+        if not self._ids:  # most steps: nothing released
+            return ()
         taken, self._ids = tuple(sorted(set(self._ids))), []
         return taken
