@@ -35,7 +35,7 @@ from pagellm.loader.quantization import weight_bytes
 from pagellm.collector import collector_paused
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
-from pagellm.platform import (DTYPES, GIB, freeze_loaded_objects, keep_step_buffers_in_heap, release_freed_heap,
+from pagellm.platform import (DTYPES, GIB, freeze_loaded_objects, keep_step_buffers_in_heap,
                               limit_threads_to_cores, resident_bytes)
 from pagellm.request import Request, RequestStatus, stop_ids_of
 from pagellm.runner.grammar import Grammars
@@ -290,17 +290,14 @@ class LLMEngine:
         return outputs
 
     def _settle_when_idle(self) -> None:
-        """With nothing left to run, memory goes back to what idles: the free KV blocks past the prefix cache's
-        budget, warm ones included (kept for reuse while steps run), now (one step with no model work), not with
-        the next request's first step; and on a CPU the heap's freed step buffers (kept while steps run,
-        platform.keep_step_buffers_in_heap)."""
+        """With nothing left to run, memory goes back to what idles, now (one step with no model work), not with
+        the next request's first step: the free KV blocks past the prefix cache's budget, warm ones included
+        (kept for reuse while steps run); on a CPU also the step buffers every rank keeps (ModelRunner._settle)."""
         if self._in_flight is not None or self.scheduler.has_unfinished():
             return
         self.kv_cache.release_warm()
-        if self.kv_cache.has_released():
+        if self.kv_cache.has_released() or self.device.type == "cpu":
             self.executor.execute(self.scheduler.schedule())
-        if self.device.type == "cpu":
-            release_freed_heap()
 
     def _launch_next(self, after: InFlightStep | None = None) -> InFlightStep | None:
         t0 = time.perf_counter()

@@ -72,8 +72,10 @@ def test_released_blocks_leave_the_resident_set():
     assert sizes["drop"] >= 0.9 * sizes["released"] > 30 << 20
 
 
-def test_an_engine_left_idle_hands_back_its_freed_heap(embedded_llm, monkeypatch):
-    trims = []
-    monkeypatch.setattr("pagellm.engine.release_freed_heap", lambda: trims.append(1))
+def test_an_engine_left_idle_hands_back_its_step_buffers(embedded_llm, monkeypatch):
+    released = []
+    monkeypatch.setattr("pagellm.runner.model_runner.release_thread_scratch", lambda: released.append("scratch"))
+    monkeypatch.setattr("pagellm.runner.model_runner.release_freed_heap", lambda: released.append("heap"))
     embedded_llm.generate(PROMPTS[2:4], GREEDY, use_tqdm=False)
-    assert len(trims) == 1  # once, when the last request finished: not after every step
+    # once, when the last request finished (not after every step); the scratch first, then the heap it freed
+    assert released == ["scratch", "heap"]

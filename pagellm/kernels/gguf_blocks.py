@@ -59,7 +59,8 @@ _MATMUL_ADD_NORM = Function("pagellm_gguf_matmul_add_norm", (
 _MLP_ADD_NORM = Function("pagellm_gguf_mlp_add_norm", (*_MLP.args[:-2], *_NORM_ARGS), returns=ctypes.c_int)
 _ROWS = Function("pagellm_gguf_rows", (*_BLOCKS, Int("N"), Int("K"), Tensor("ids", (torch.int64,)), Int("T"),
                                        Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int64)
-_KERNELS = native.Library("quant_gguf", [_MATMUL, _MATMUL_ADD_NORM, _MLP, _MLP_ADD_NORM, _ROWS],
+_KERNELS = native.Library("quant_gguf", [_MATMUL, _MATMUL_ADD_NORM, _MLP, _MLP_ADD_NORM, _ROWS,
+                                         native.RELEASE_SCRATCH],
                           "GGUF blocks x int8 matmul", extensions=("avx_vnni",))
 LIBRARIES = (_KERNELS,)  # for kernels/selection.py
 _DTYPE_FLAG = native.DTYPE_CODES

@@ -53,6 +53,8 @@ CSRC = Path(__file__).with_name("csrc")
 # one build, at the generic level, serves every CPU.
 VOCABULARY = ("sentencepiece_vocab", "generic")
 DTYPE_CODES = binding.DTYPE_CODES  # the kernels' dtype argument (is_bf16)
+# Declared by every library whose source includes csrc/thread_scratch.h: its kept per-thread scratch given back.
+RELEASE_SCRATCH = binding.Function("pagellm_release_thread_scratch", ())
 # -ffp-contract=off: a*b+c stays two roundings unless the source asks for fma, so every level computes alike
 CXX_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 LEVELS = ("avx512", "avx2", "generic")
@@ -347,3 +349,11 @@ class Library:
     def accepts(self, symbol: str, **tensors) -> bool:
         """Whether the named tensors pass `symbol`'s checks (whatever the level)."""
         return self.functions[symbol].accepts(**tensors)
+
+    def release_scratch(self) -> None:
+        """Every build loaded so far empties its threads' kept scratch (csrc/thread_scratch.h), if it declares
+        RELEASE_SCRATCH; builds nothing."""
+        if RELEASE_SCRATCH.symbol in self.functions:
+            for callers in self._builds.values():
+                if callers is not None:
+                    callers[RELEASE_SCRATCH.symbol][0]()

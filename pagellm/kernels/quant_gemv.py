@@ -56,10 +56,10 @@ _ROWS = Function("pagellm_int4_rows", (Tensor("codes"), Tensor("sz"), Int("N"), 
 _TILE_T = Function("pagellm_int4_tile_t", (Tensor("codes"), Tensor("sz"), Int("K"), Int("first"), Int("rows"),
                                            Tensor("out", FLOATS, rows=True), Int("ld"), DtypeCode("out")))
 _LAYOUT = native.Library("quant_gemv", [_ROWS, _TILE_T], "int4 weight layout")
-_MATMULS = native.Library("quant_gemv", [_INT4, _INT8], "int4/int8 x bf16 matmul", levels=("avx512",),
+_MATMULS = native.Library("quant_gemv", [_INT4, _INT8, native.RELEASE_SCRATCH], "int4/int8 x bf16 matmul", levels=("avx512",),
                           exports_if="pagellm_quant_gemv_vectorized")  # AVX-512 BF16
 Q8_EXTENSIONS = ("avx_vnni",)  # built into the avx2 level's int8-activation kernel where the CPU has them
-_Q8 = native.Library("quant_gemv_q8", [_INT4_Q8], "int4 x int8 matmul", extensions=Q8_EXTENSIONS)
+_Q8 = native.Library("quant_gemv_q8", [_INT4_Q8, native.RELEASE_SCRATCH], "int4 x int8 matmul", extensions=Q8_EXTENSIONS)
 LIBRARIES = (_Q8, _LAYOUT, _MATMULS)  # for kernels/selection.py
 
 

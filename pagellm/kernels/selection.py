@@ -65,6 +65,13 @@ def kernel_levels(at: str | None) -> dict[str, str]:
     return {library.title: at if library.at(at) is not None else "torch" for library in LIBRARIES}
 
 
+def release_thread_scratch() -> None:
+    """Every kernel library loaded so far gives back the scratch its threads keep between calls (an idle engine,
+    csrc/thread_scratch.h)."""
+    for library in LIBRARIES:
+        library.release_scratch()
+
+
 def compute_dtype(dtype: str | None, device: str, level: str | None, gguf_blocks: bool = False) -> str:
     """The compute dtype `dtype` names; None or "auto": on CUDA bfloat16 (float16 on a GPU without it); on a CPU
     bfloat16 where the kernels' `level` has a native bf16 dot product (avx512: AVX-512 BF16), float32 elsewhere,

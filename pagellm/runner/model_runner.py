@@ -22,6 +22,8 @@ from pagellm.core.attention_metadata import AttentionMetadata
 from pagellm.core.transfers import to_device
 from pagellm.config import KernelConfig
 from pagellm.kernels import native
+from pagellm.kernels.selection import release_thread_scratch
+from pagellm.platform import release_freed_heap
 from pagellm.models.bound_layers import LayerPlan, PlanSettings, activation_dtype, plan_model
 from pagellm.runner.decode_graphs import CudaGraphRecorder, DecodeGraphs, capture_or_run_eagerly, default_buckets
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
@@ -133,6 +135,14 @@ class ModelRunner:
     def _bound_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model(input_ids, positions, meta, plan=self.plan.bound)
 
+    def _settle(self) -> None:
+        """Nothing runs until the next request: on a CPU what steps keep for the next one goes back to the OS
+        (every rank's own), the kernels' per-thread scratch, then the heap's freed step buffers
+        (platform.keep_step_buffers_in_heap); both grow to the largest step run, and would stay resident."""
+        if self.device.type == "cpu":
+            release_thread_scratch()
+            release_freed_heap()
+
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Run one step and return its tokens (launch, then collect)."""
         return self.collect(self.launch(output))
@@ -145,7 +155,8 @@ class ModelRunner:
         states = self.input_batch.apply(output.released_request_ids, output.scheduled)
         self.kv_pages.release(output.released_blocks)  # before the step, which may write them again
         self.state_pages.release(output.released_snapshot_rows)
-        if not output.scheduled:  # only pages to release (an idle engine's last step)
+        if not output.scheduled:  # an idle engine's last step: only memory to give back
+            self._settle()
             return LaunchedStep(StepTimings(), done=ModelOutput((), ()))
         reused = False
         pure_decode = self.decode_inputs is not None and _is_pure_decode(output)

@@ -21,6 +21,7 @@
 #include <omp.h>
 
 #include "int4_common.h"
+#include "thread_scratch.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -54,10 +55,15 @@ struct QuantizedActivations {
 
 // The calling thread's buffers, grown to M x K: no allocation per call once warm. kSlot: another set, for a call
 // that holds two (the fused MLP: its input's and its hidden rows').
+template <int kSlot, int kPart>
+struct ActivationPart {};  // thread_scratch's tag of one slot's part
+
 template <int kSlot = 0>
 inline QuantizedActivations activation_buffers(int64_t M, int64_t K) {
-    thread_local std::vector<int32_t> q, half_sum;
-    thread_local std::vector<float> scale, scaled_sum;
+    std::vector<int32_t>& q = thread_scratch::scratch<ActivationPart<kSlot, 0>, int32_t>();
+    std::vector<float>& scale = thread_scratch::scratch<ActivationPart<kSlot, 1>, float>();
+    std::vector<float>& scaled_sum = thread_scratch::scratch<ActivationPart<kSlot, 2>, float>();
+    std::vector<int32_t>& half_sum = thread_scratch::scratch<ActivationPart<kSlot, 3>, int32_t>();
     q.resize(M * K / 4);
     scale.resize(M * (K / kGroup));
     scaled_sum.resize(M * (K / kGroup));

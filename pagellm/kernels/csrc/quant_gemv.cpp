@@ -31,6 +31,7 @@
 
 #include "bf16.h"
 #include "int4_common.h"
+#include "thread_scratch.h"
 
 namespace {
 
@@ -88,12 +89,15 @@ constexpr int kMaxRows = 8;     // activation rows per pass over a weight block 
 
 // Activations rounded to bf16 as the torch kernels take them, plus per-group sums for the zero term.
 struct Activations {
-    std::vector<uint16_t> bf16;    // [M, K]
-    std::vector<float> group_sum;  // [M, G] (the int4 kernel's zero term)
+    std::vector<uint16_t>& bf16;    // [M, K]
+    std::vector<float>& group_sum;  // [M, G] (the int4 kernel's zero term)
 };
 
-Activations& prepare(const void* x, int x_bf16, int64_t M, int64_t K) {
-    thread_local Activations a;  // reused: no allocation per call
+Activations prepare(const void* x, int x_bf16, int64_t M, int64_t K) {
+    struct Bf16 {};
+    struct GroupSum {};
+    // the calling thread's: no allocation per call
+    Activations a{thread_scratch::scratch<Bf16, uint16_t>(), thread_scratch::scratch<GroupSum, float>()};
     a.bf16.resize(M * K);
     a.group_sum.resize(M * (K / kGroup));
     for (int64_t i = 0; i < M * K; ++i)
@@ -241,7 +245,7 @@ extern "C" int pagellm_quant_gemv_vectorized() { return 1; }
 // y[M, N] = x[M, K] W^T (+ bias) for the int4 layout above. x fp32 or bf16; bias and out in out's dtype.
 extern "C" void pagellm_int4_matmul(const void* x, int x_bf16, int64_t M, int64_t K, const uint8_t* codes,
                                     const uint16_t* sz, int64_t N, const void* bias, void* out, int out_bf16) {
-    const Activations& a = prepare(x, x_bf16, M, K);
+    const Activations a = prepare(x, x_bf16, M, K);
     const int64_t G = K / kGroup, blocks = N / kBlock;
     const uint16_t* xb = a.bf16.data();
     const float* xsum = a.group_sum.data();
@@ -290,7 +294,7 @@ extern "C" void pagellm_int4_tile_t(const uint8_t* codes, const uint16_t* sz, in
 // y[M, N] = x[M, K] (q[N, K] * scale[N])^T (+ bias): torch's Int8Linear layout as it is.
 extern "C" void pagellm_int8_matmul(const void* x, int x_bf16, int64_t M, int64_t K, const int8_t* q,
                                     const uint16_t* scale, int64_t N, const void* bias, void* out, int out_bf16) {
-    const Activations& a = prepare(x, x_bf16, M, K);
+    const Activations a = prepare(x, x_bf16, M, K);
     const uint16_t* xb = a.bf16.data();
     const __m512i tables[2] = {nibble_table(false), nibble_table(true)};
 #pragma omp parallel for schedule(static) if (worth_threads(N * K))

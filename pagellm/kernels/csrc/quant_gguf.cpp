@@ -37,7 +37,8 @@ template <class F>
 const int32_t* zero_starts(const QuantizedActivations& a, int64_t M, int64_t G) {
     constexpr int32_t kZero = zero_point<F, kShiftedQ8>();
     if constexpr (kZero == 0) return nullptr;
-    thread_local std::vector<int32_t> starts;
+    struct Starts {};
+    std::vector<int32_t>& starts = thread_scratch::scratch<Starts, int32_t>();
     starts.resize(2 * M * G);
     for (int64_t i = 0; i < M * G; ++i)
         for (int h = 0; h < 2; ++h) starts[2 * i + h] = -kZero * covered_sum<F>(a.half_sum + 2 * i, h);
@@ -202,7 +203,8 @@ namespace {
 template <class Product>
 int then_add_norm(int64_t M, int64_t N, Product&& product, const void* residual, const void* post_weight,
                   const void* weight, float eps, int unit_offset, void* residual_out, void* out, int out_bf16) {
-    thread_local std::vector<float> y;  // fp32 words; a bf16 y uses the first half
+    struct ProductRows {};
+    std::vector<float>& y = thread_scratch::scratch<ProductRows, float>();  // fp32 words; bf16 uses the first half
     y.resize(size_t(M * N));
     if (const int code = product(y.data())) return code;
     add_norm_rows_as(residual, y.data(), post_weight, weight, residual_out, out, M, N, eps, out_bf16, unit_offset);
