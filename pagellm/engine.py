@@ -23,54 +23,39 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
 from pagellm.core.state_pool import StatePool
 from pagellm.distributed.executor import HeadExecutor, LocalExecutor
-from pagellm.distributed.parallel_state import DistributedError, ParallelState, rank_device
+from pagellm.distributed.parallel_state import DistributedError, ParallelState
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
-from pagellm.distributed.worker import RunnerSetup, publish_runner_setup, start_head
+from pagellm.distributed.worker import publish_runner_setup, start_head
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
 from pagellm.engine_steps import InFlightStep, needs_host_tokens
-from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, narrow_dtype, narrow_sites, select_kernels
-from pagellm.loader.model_loader import keeps_gguf_blocks, load_model
+from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import weight_bytes
 from pagellm.collector import collector_paused
 from pagellm.output_processor import RequestState
 from pagellm.outputs import RequestOutput
-from pagellm.platform import (DTYPES, GIB, freeze_loaded_objects, keep_step_buffers_in_heap,
+from pagellm.platform import (GIB, freeze_loaded_objects, keep_step_buffers_in_heap,
                               limit_threads_to_cores, resident_bytes)
 from pagellm.request import Request, RequestStatus, stop_ids_of
 from pagellm.runner.grammar import Grammars
 from pagellm.runner.kv_budget import DeviceMemory, idle_budget_blocks, size_kv_pool, start_measuring
-from pagellm.runner.model_runner import ModelRunner, state_bytes_per_slot
+from pagellm.runner.backend import choose_backend
+from pagellm.runner.model_runner import ModelRunner, RankLinks, RunnerSetup, state_bytes_per_slot
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm.engine")
-
-
-def _attention_of(device: torch.device, level: str | None) -> str:
-    """The kernels a device runs (`level`: the CPU kernels'), in words, for the backend line."""
-    if device.type == "cuda":
-        return "Triton paged attention and layer ops, cuBLAS matmuls"
-    return f"native kernels at {level}" if level is not None else "torch reference ops"
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
         self.config = config
         mc = config.model
-        self.device = rank_device(mc.device, 0, config.parallel.tensor_parallel_size)  # rank 0's
-        if self.device.type == "cuda" and self.device.index is not None:  # Triton launches on the current device,
-            torch.cuda.set_device(self.device)                             # not the tensors': make it this one
-        chosen = select_kernels(config.kernels, mc.device)  # before loading: layouts follow the level's
-        self.kernels, self.kernel_level = chosen.description, chosen.level
-        level = chosen.level
-        # "auto" follows the level and the weights (a GGUF's blocks: fp32 with fp16 K/V)
-        blocks = keeps_gguf_blocks(mc.model, mc.quantization, mc.load_format, self.device.type,
-                                   config.parallel.tensor_parallel_size)
-        self.dtype = DTYPES[compute_dtype(mc.dtype, self.device.type, level, blocks)]
-        self.kv_cache_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, self.device.type, level,
-                                                    blocks)]
-        narrow = narrow_dtype(mc.dtype, self.device.type, level, blocks, config.cache.kv_cache_dtype)
-        self.narrow_dtype = DTYPES[narrow] if narrow else None
+        # What this device runs, decided once (every worker derives the same from the same config).
+        self.backend = backend = choose_backend(config, rank=0)
+        self.device, self.dtype, self.kv_cache_dtype = backend.device, backend.compute_dtype, backend.kv_cache_dtype
+        self.narrow_dtype, self.kernels, self.kernel_level = backend.narrow_dtype, backend.kernels, backend.level
+        if backend.captures_graphs and self.device.index is not None:  # Triton launches on the current device,
+            torch.cuda.set_device(self.device)                          # not the tensors': make it this one
         limit_threads_to_cores()
         parallel, workers, shard = None, None, None
         if config.parallel.tensor_parallel_size > 1:
@@ -78,7 +63,7 @@ class LLMEngine:
             shard = ShardSpec(0, parallel.world_size, config.parallel.enable_expert_parallel)
         try:
             if parallel is not None:
-                parallel.use_device(self.device)
+                parallel.use_device(self.device, self.backend.collective)
             with collector_paused():
                 self._build(config, skip_tokenizer_init, shard, parallel)
             if parallel is not None:
@@ -95,7 +80,7 @@ class LLMEngine:
         # Async scheduling: the step launched ahead, whose tokens the next step() reads back.
         self._async = config.scheduler.async_scheduling
         if self._async is None:  # unset: where it pays, a graph-replayed decode (measured: docs/PERFORMANCE.md)
-            self._async = self.runner.decode_graphs is not None and self.device.type == "cuda"
+            self._async = self.runner.decode_graphs is not None and self.backend.captures_graphs
         self._in_flight: InFlightStep | None = None
         freeze_loaded_objects()
         keep_step_buffers_in_heap(config.kernels.heap_tuning)
@@ -104,7 +89,7 @@ class LLMEngine:
                parallel: ParallelState | None) -> None:
         """Load the model (this rank's shard of it when parallel) and size the KV cache and state slots."""
         mc, cc = config.model, config.cache
-        from_device = self.device.type == "cuda" and cc.kv_cache_memory is None  # KV from gpu_memory_utilization
+        from_device = not self.backend.host_memory and cc.kv_cache_memory is None  # from gpu_memory_utilization
         if from_device and parallel is not None:
             raise ValueError("tensor parallel on CUDA needs kv_cache_memory (GiB per rank): the profiling step that "
                              "sizes the KV cache from gpu_memory_utilization runs on one device")
@@ -131,21 +116,14 @@ class LLMEngine:
         snapshots = self._make_snapshot_pool(num_blocks) if cc.enable_prefix_caching else None
         prefix_caching = cc.enable_prefix_caching and (self.state_pool is None or snapshots is not None)
         idle_budget = idle_budget_blocks(cc.prefix_cache_memory, num_blocks, self.kv_bytes_per_block,
-                                         self.device.type)
+                                         self.backend.host_memory)
         self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots, idle_budget)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.state_pool)
         setup = self._runner_setup()
         # Structured output needs the vocabulary's text; nothing is built until a request asks for it.
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size) if self.tokenizer is not None else None
-        self.runner = ModelRunner(self.model, setup.num_blocks, cc.block_size, config.scheduler.max_num_seqs,
-                                  self.kv_cache_dtype, self.device, num_state_slots=setup.num_state_slots,
-                                  num_snapshot_slots=setup.num_snapshot_slots, grammars=self.grammars,
-                                  logits=logits, kernels=config.kernels, compute_dtype=self.dtype,
-                                  narrow_dtype=self.narrow_dtype,
-                                  all_reduce=parallel.all_reduce_ if parallel is not None else None,
-                                  decode_graphs=mc.decode_graphs, graphs_required=mc.enforce_eager is False,
-                                  decode_buckets=mc.cuda_graph_sizes,
-                                  max_blocks_per_seq=-(-self.max_model_len // cc.block_size))
+        links = RankLinks(parallel.all_reduce_, logits, samples=True) if parallel is not None else None
+        self.runner = ModelRunner(self.model, config, self.backend, setup, links, self.grammars)
         self.memory = {"weight_bytes": weight_bytes(self.model), "rss_after_load_bytes": resident_bytes(),
                        "model_file_bytes": self.model_path.stat().st_size if self.model_path.is_file() else None}
 
@@ -157,19 +135,15 @@ class LLMEngine:
                             self.kv_cache_dtype, self.device, self.hf_config.vocab_size, before)
         self.max_model_len, self.kv_bytes_per_block = pool.max_model_len, pool.bytes_per_block
         logger.info("backend: %s (%s, %s, KV %.2f GiB: %d blocks of %d tokens)", self.device.type,
-                    _attention_of(self.device, self.kernel_level), self.dtype_description(),
+                    self.backend.ops_description(), self.backend.dtype_description(),
                     pool.num_blocks * pool.bytes_per_block / GIB, pool.num_blocks, cc.block_size)
         return pool.num_blocks
-
-    def dtype_description(self) -> str:
-        """The activations' dtype, and attention's where narrower ("float32, bfloat16 attention")."""
-        return str(self.dtype).removeprefix("torch.") + narrow_sites(self.narrow_dtype)
 
     def _runner_setup(self) -> RunnerSetup:
         """The cache sizes every runner (and, when parallel, every rank's) is built with."""
         snapshots = self.kv_cache.snapshots
         return RunnerSetup(self.kv_cache.pool.num_blocks, self.state_pool.num_slots if self.state_pool else 0,
-                           snapshots.num_rows if snapshots else 0)
+                           snapshots.num_rows if snapshots else 0, self.max_model_len)
 
     def _make_state_pool(self) -> StatePool | None:
         """One recurrent-state slot per running request, budgeted apart from the KV blocks."""
@@ -296,7 +270,7 @@ class LLMEngine:
         if self._in_flight is not None or self.scheduler.has_unfinished():
             return
         self.kv_cache.release_warm()
-        if self.kv_cache.has_released() or self.device.type == "cpu":
+        if self.kv_cache.has_released() or self.backend.host_memory:
             self.executor.execute(self.scheduler.schedule())
 
     def _launch_next(self, after: InFlightStep | None = None) -> InFlightStep | None:
@@ -386,7 +360,7 @@ class LLMEngine:
         stats = self.counters.as_dict(self.kv_cache, self.scheduler, self.kv_bytes_per_block)
         stats["tensor_parallel_size"] = self.executor.world_size
         stats["kernels"] = self.kernels
-        stats["dtype"] = self.dtype_description()
+        stats["dtype"] = self.backend.dtype_description()
         stats["kv_cache_dtype"] = str(self.kv_cache_dtype).removeprefix("torch.")
         stats["layers"] = self.runner.plan.description  # bound to the kernels, or modules and why
         graphs = self.runner.decode_graphs

@@ -74,8 +74,8 @@ def test_released_blocks_leave_the_resident_set():
 
 def test_an_engine_left_idle_hands_back_its_step_buffers(embedded_llm, monkeypatch):
     released = []
-    monkeypatch.setattr("pagellm.runner.model_runner.release_thread_scratch", lambda: released.append("scratch"))
-    monkeypatch.setattr("pagellm.runner.model_runner.release_freed_heap", lambda: released.append("heap"))
+    monkeypatch.setattr("pagellm.runner.backend.release_thread_scratch", lambda: released.append("scratch"))
+    monkeypatch.setattr("pagellm.runner.backend.release_freed_heap", lambda: released.append("heap"))
     embedded_llm.generate(PROMPTS[2:4], GREEDY, use_tqdm=False)
     # once, when the last request finished (not after every step); the scratch first, then the heap it freed
     assert released == ["scratch", "heap"]

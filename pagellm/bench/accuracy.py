@@ -17,11 +17,10 @@ import torch
 
 from pagellm.config import KernelConfig
 from pagellm.bench.llama_cpp_peer import llama_cpp_available
-from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype,
-                                  pagellm_logits, tokenize_text)
+from pagellm.eval.forward import load_dense_reference, load_mode, mode_backend, pagellm_logits, tokenize_text
 from pagellm.eval.perplexity import score_positions, summarize
-from pagellm.kernels.selection import narrow_sites, select_kernels
-from pagellm.loader.model_loader import keeps_gguf_blocks, resolve_model_path
+from pagellm.kernels.selection import narrow_sites
+from pagellm.loader.model_loader import resolve_model_path
 
 
 def text_tokens(path: Path, text_file: str, positions: int) -> list[int]:
@@ -52,12 +51,10 @@ def main(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     tokens = text_tokens(path, args.text, args.positions)
     kernels = KernelConfig(cpu_isa=args.cpu_isa or "auto")
-    chosen = select_kernels(kernels).level  # each kernel of the level built, or an error
-    level = chosen or "off"  # the full line is logged by select_kernels
-    blocks = keeps_gguf_blocks(str(path), args.quantization, "auto", "cpu")
-    dtype, kv_dtype = mode_dtype(args.dtype, chosen, blocks), mode_kv_cache_dtype(args.dtype, chosen,
-                                                                                  args.kv_cache_dtype, blocks)
-    narrow = mode_narrow_dtype(args.dtype, chosen, blocks, args.kv_cache_dtype)
+    # each kernel of its level built, or an error
+    backend = mode_backend(path, args.quantization, args.dtype, args.kv_cache_dtype, kernels)
+    level = backend.level or "off"  # the full line is logged by select_kernels
+    dtype, kv_dtype, narrow = backend.compute_dtype, backend.kv_cache_dtype, backend.narrow_dtype
     print(f"model: {path}\ntext: {args.text}, {len(tokens)} tokens; kernels: {level}")
     llama_cpp = "llama.cpp" in args.peers.split(",") and path.is_file()
     why_not = llama_cpp_available() if llama_cpp else None

@@ -7,7 +7,7 @@ hold several engines (tests do) and nothing lives in torch's global registry:
 torch.distributed's Gloo backend on every rank, for the step messages (CPU tensors)
 and a CPU model's collectives; and, for a model on CUDA, an NCCL group for the
 collectives on its tensors (vLLM's device group beside its CPU group), rank r on
-GPU r of its host (`rank_device`). The NCCL path has not run: it needs two GPUs.
+GPU r of its host (`runner/backend.rank_device`). The NCCL path has not run: it needs two GPUs.
 
 Start-up (all bounded by `join_timeout`):
     head    TCPStore master on (addr, port); writes the world size; waits until
@@ -46,12 +46,16 @@ class ParallelState:
         self._reduce_halves_in_fp32 = False  # set once Gloo refuses a bf16 / fp16 all-reduce
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("pagellm/group", store), rank, world_size,
                                            timedelta(seconds=timeout))
-        self.device_group = None  # NCCL, for collectives on CUDA tensors (use_device)
+        self.device_group = None  # NCCL, for collectives on the model's tensors (use_device)
+        self.device: torch.device | None = None
 
-    def use_device(self, device: torch.device) -> None:
-        """The model runs on `device` (every rank calls this, once the config is known): on CUDA its collectives
-        go through NCCL, as vLLM's do; Gloo keeps the step messages. NCCL connects on the first collective."""
-        if device.type == "cuda" and self.device_group is None:
+    def use_device(self, device: torch.device, collective: str) -> None:
+        """The model runs on `device` (every rank calls this, once the config is known), its collectives over
+        `collective` (runner/backend.Backend.collective): "nccl" (CUDA, as vLLM's) gets a group of its own, for
+        tensors on that device; Gloo keeps the step messages and heartbeats. NCCL connects on the first
+        collective."""
+        self.device = device
+        if collective == "nccl" and self.device_group is None:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timedelta(seconds=self.timeout)
             self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("pagellm/nccl", self.store), self.rank,
@@ -64,7 +68,7 @@ class ParallelState:
             self.device_group = None
 
     def _group_of(self, tensor: torch.Tensor):
-        return self.device_group if tensor.is_cuda and self.device_group is not None else self.group
+        return self.device_group if self.device_group is not None and tensor.device == self.device else self.group
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over ranks in place (every rank calls this in the same order).
@@ -109,22 +113,6 @@ class ParallelState:
         opts.rootRank = 0
         self.group.broadcast([tensor], opts).wait()
         return tensor
-
-
-def rank_device(device: str, rank: int, world_size: int, gpus: int | None = None) -> torch.device:
-    """The device rank `rank` runs on: the CPU for every rank; on CUDA, GPU rank % `gpus` of its host (`gpus`:
-    the host's count, torch.cuda.device_count() unless given), so ranks spread over hosts alike take their
-    GPUs in rank order, as vLLM's local ranks do. Tensor parallel names the device "cuda", not one GPU."""
-    chosen = torch.device(device)
-    if chosen.type != "cuda" or world_size == 1:
-        return chosen
-    if chosen.index is not None:
-        raise ValueError(f"device: tensor parallel over {world_size} GPUs takes device 'cuda' (each rank runs on "
-                         f"its own GPU), not one GPU ({device!r})")
-    gpus = torch.cuda.device_count() if gpus is None else gpus
-    if gpus < 1:
-        raise ValueError("device: 'cuda', but this host sees no GPU")
-    return torch.device("cuda", rank % gpus)
 
 
 def check_local_gpus(device: str, world_size: int, gpus: int | None = None) -> None:

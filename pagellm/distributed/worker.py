@@ -24,28 +24,23 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagellm.config import EngineConfig
 from pagellm.distributed.executor import HEARTBEAT, SHUTDOWN, STEP, heartbeat, receive_frame
 from pagellm.distributed.parallel_state import (DistributedError, ParallelState, check_local_gpus, init_head,
-                                               init_worker, rank_device)
+                                               init_worker)
 from pagellm.distributed.protocol import decode_step
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
+
+if TYPE_CHECKING:
+    from pagellm.runner.model_runner import RunnerSetup
 
 logger = logging.getLogger("pagellm.distributed")
 
 _SETUP_KEY, _RUNNER_KEY = "pagellm/setup", "pagellm/runner"
-
-
-@dataclass(frozen=True)
-class RunnerSetup:
-    """What the head decided that every rank's runner must share."""
-
-    num_blocks: int
-    num_state_slots: int
-    num_snapshot_slots: int
 
 
 def free_port(addr: str) -> int:
@@ -136,34 +131,29 @@ def publish_runner_setup(state: ParallelState, setup: RunnerSetup, workers: Loca
 
 
 def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float, join_timeout: float) -> int:
-    from pagellm.platform import DTYPES, keep_step_buffers_in_heap, limit_threads_to_cores, release_cuda_library_pages
+    from pagellm.platform import keep_step_buffers_in_heap, limit_threads_to_cores, release_cuda_library_pages
     from pagellm.loader.model_loader import load_model
-    from pagellm.runner.model_runner import ModelRunner
-
-    from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, select_kernels
+    from pagellm.runner.backend import choose_backend
+    from pagellm.runner.model_runner import ModelRunner, RankLinks, RunnerSetup
 
     limit_threads_to_cores()
     state = init_worker(addr, port, rank, world_size, timeout, join_timeout)
     state.store.set_timeout(timedelta(seconds=join_timeout))
     config: EngineConfig = pickle.loads(state.store.get(_SETUP_KEY))
     mc = config.model
-    level = select_kernels(config.kernels, mc.device).level  # the head's choice (checked on its own CPU)
-    device = rank_device(mc.device, rank, world_size)
-    dtype = DTYPES[compute_dtype(mc.dtype, mc.device, level)]
-    if device.type == "cuda":  # Triton launches on the current device, not the tensors' (and NCCL binds it)
+    backend = choose_backend(config, rank)  # the head's choice, derived alike (its level checked on this CPU)
+    device = backend.device
+    if backend.captures_graphs:  # Triton launches on the current device, not the tensors' (and NCCL binds it)
         torch.cuda.set_device(device)
-    state.use_device(device)
+    state.use_device(device, backend.collective)
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
-    model = load_model(mc.model, dtype, device, with_tokenizer=False, quantization=mc.quantization,
+    model = load_model(mc.model, backend.compute_dtype, device, with_tokenizer=False, quantization=mc.quantization,
                        shard=shard, kernels=config.kernels, load_format=mc.load_format).model
     install_all_reduce(model, state.all_reduce_)
     setup: RunnerSetup = pickle.loads(state.store.get(_RUNNER_KEY))
-    kv_dtype = DTYPES[kv_cache_dtype(config.cache.kv_cache_dtype, mc.dtype, mc.device, level)]
-    runner = ModelRunner(model, setup.num_blocks, config.cache.block_size, config.scheduler.max_num_seqs,
-                         kv_dtype, device, num_state_slots=setup.num_state_slots,
-                         num_snapshot_slots=setup.num_snapshot_slots, samples=False,
-                         logits=vocab_parallel_logits(model, state),  # the head's decision: same model and world
-                         kernels=config.kernels, compute_dtype=dtype, all_reduce=state.all_reduce_)
+    # the head's decision on the LM head: same model and world
+    links = RankLinks(state.all_reduce_, vocab_parallel_logits(model, state), samples=False)
+    runner = ModelRunner(model, config, backend, setup, links)
     keep_step_buffers_in_heap(config.kernels.heap_tuning)
     release_cuda_library_pages(device)  # torch links them; a CPU rank runs none of them
     state.store.set(f"pagellm/ready/{rank}", "1")

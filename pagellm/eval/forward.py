@@ -10,10 +10,9 @@ from pathlib import Path
 
 import torch
 
-from pagellm.platform import DTYPES
-from pagellm.kernels.selection import compute_dtype, kv_cache_dtype, narrow_dtype
 from pagellm.loader.model_loader import load_model
-from pagellm.config import KernelConfig, ModelConfig
+from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
+from pagellm.runner.backend import Backend, choose_backend
 from pagellm.kernels import native
 from pagellm.models.bound_layers import PlanSettings, plan_model
 from pagellm.loader.tokenizer import load_tokenizer
@@ -22,28 +21,20 @@ from pagellm.core.attention_metadata import AttentionMetadata
 _BLOCK = 16  # tokens per KV block of the sequence's private cache
 
 
-def mode_dtype(name: str | None, level: str | None, gguf_blocks: bool = False) -> torch.dtype:
-    """The compute dtype --dtype names on CPU; None / "auto" as the engine resolves it at the kernels' `level`
-    (and for a GGUF's blocks: loader/model_loader.keeps_gguf_blocks)."""
-    return DTYPES[compute_dtype(name, "cpu", level, gguf_blocks)]
-
-
-def mode_kv_cache_dtype(name: str | None, level: str | None, kv: str = "auto",
-                        gguf_blocks: bool = False) -> torch.dtype:
-    """The dtype the engine stores K/V in under --dtype `name` and --kv-cache-dtype `kv` at the kernels' `level`."""
-    return DTYPES[kv_cache_dtype(kv, name, "cpu", level, gguf_blocks)]
-
-
-def mode_narrow_dtype(name: str | None, level: str | None, gguf_blocks: bool = False,
-                      kv: str = "auto") -> torch.dtype | None:
-    """The dtype the engine runs attention in when narrower than the activations (a bf16 cache at avx512)."""
-    narrow = narrow_dtype(name, "cpu", level, gguf_blocks, kv)
-    return DTYPES[narrow] if narrow else None
+def mode_backend(path: Path | str | None, quantization: str = "auto", dtype: str | None = None,
+                 kv_cache_dtype: str = "auto", kernels: KernelConfig | None = None) -> Backend:
+    """The backend the engine would run `path` on, on CPU, in one mode (--quantization, --dtype,
+    --kv-cache-dtype, the kernels' level): the same choose_backend, from the config `LLM(...)` builds, so the
+    figures are the engine's dtypes and kernels ("auto": fp32 with fp16 K/V for a GGUF's blocks)."""
+    config = EngineConfig(model=ModelConfig(model=None if path is None else str(path), dtype=dtype,
+                                            quantization=quantization),
+                          cache=CacheConfig(kv_cache_dtype=kv_cache_dtype), kernels=kernels or KernelConfig())
+    return choose_backend(config)
 
 
 def is_dense_mode(path: Path, quantization: str, dtype: torch.dtype) -> bool:
     """Whether the mode loads the dense fp32 reference model itself ("auto" keeps an HF checkpoint dense; its
-    K/V may still be stored in bf16: see mode_kv_cache_dtype)."""
+    K/V may still be stored in bf16: see mode_backend)."""
     dense_weights = quantization == "none" or (quantization == "auto" and not path.is_file())
     return dense_weights and dtype == torch.float32
 

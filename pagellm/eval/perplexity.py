@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.config import KernelConfig
-from pagellm.eval.forward import (is_dense_mode, load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype,
-                                  pagellm_logits, tokenize_text)
-from pagellm.kernels.selection import select_kernels
-from pagellm.loader.model_loader import keeps_gguf_blocks, resolve_model_path
+from pagellm.eval.forward import (is_dense_mode, load_dense_reference, load_mode, mode_backend, pagellm_logits,
+                                  tokenize_text)
+from pagellm.loader.model_loader import resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -126,11 +125,9 @@ def main(args: argparse.Namespace) -> int:
     if not chunks:
         raise ValueError(f"--text {args.text} has {len(tokens)} tokens, fewer than one window of --ctx {args.ctx}")
     kernels = KernelConfig(cpu_isa=args.cpu_isa or "auto")
-    chosen = select_kernels(kernels).level  # each kernel of the level built, or an error
-    level = chosen or "off"  # the full line is logged by select_kernels
-    blocks = keeps_gguf_blocks(str(path), args.quantization, "auto", "cpu")
-    dtype = mode_dtype(args.dtype, chosen, blocks)
-    kv_dtype = mode_kv_cache_dtype(args.dtype, chosen, gguf_blocks=blocks)
+    backend = mode_backend(path, args.quantization, args.dtype, kernels=kernels)  # each kernel of its level built
+    level = backend.level or "off"  # the full line is logged by select_kernels
+    dtype, kv_dtype = backend.compute_dtype, backend.kv_cache_dtype
     model = load_mode(path, args.quantization, dtype, kernels)
     _check_context(model, args.ctx)
     reference = None

@@ -87,15 +87,6 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def keeps_gguf_blocks(model: str | None, quantization: str, load_format: str, device: str,
-                      tensor_parallel_size: int = 1) -> bool:
-    """Whether load_model runs a GGUF's tensors in their own blocks (the CPU block kernels): quantization auto on
-    a GGUF file (the embedded model when none is named), real weights, one CPU rank."""
-    if quantization != "auto" or load_format == "dummy" or tensor_parallel_size > 1:
-        return False
-    return torch.device(device).type == "cpu" and (not model or Path(model).expanduser().is_file())
-
-
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                with_tokenizer: bool = True, quantization: str = "none", shard: ShardSpec | None = None,
                kernels: KernelConfig | None = None, load_format: str = "auto",

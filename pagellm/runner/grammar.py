@@ -152,8 +152,9 @@ def _grammar_text(spec: StructuredOutputs) -> str:
 class GrammarMasks:
     """The sampler's reusable bitmask buffer, grown to the most grammar rows seen: [rows, ceil(V / 32)] int32."""
 
-    def __init__(self, kernel_level: str | None):
+    def __init__(self, kernel_level: str | None, pinned: bool = False):
         self._level = kernel_level  # of the CPU kernel applying the masks (None: torch's ops)
+        self._pinned = pinned  # the masks are copied to a device
         self._bitmask: torch.Tensor | None = None
         self._executor = None
 
@@ -168,10 +169,10 @@ class GrammarMasks:
             return
         words = (logits.shape[1] + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
-            # pinned on CUDA: its copy to the device then waits for nothing (core/transfers.py); the next step
-            # refills it only after this step's tokens were read back, when the copy has run
+            # pinned for a device: its copy then waits for nothing (core/transfers.py); the next step refills it
+            # only after this step's tokens were read back, when the copy has run
             self._bitmask = torch.empty(max(len(rows), logits.shape[0]), words, dtype=torch.int32,
-                                        pin_memory=logits.device.type == "cuda")
+                                        pin_memory=self._pinned)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         bitmask = self._bitmask[:len(rows)]

@@ -29,11 +29,9 @@ PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4  # from Linux's <sys/mman.h>
 
 
-def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.empty, starting on a page boundary on a CPU (torch aligns to 64 bytes only). Nothing is written:
+def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty on the CPU, starting on a page boundary (torch aligns to 64 bytes only). Nothing is written:
     the pages stay unresident until used."""
-    if device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     offset = -raw.data_ptr() % PAGE
@@ -65,10 +63,11 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int]]:
 
 class HostPages:
     """Releases rows of a set of CPU tensors that share their first dimension's meaning (every layer's key and
-    value cache: rows are KV blocks; every state layer's conv and recurrent state: rows are state rows)."""
+    value cache: rows are KV blocks; every state layer's conv and recurrent state: rows are state rows). None
+    given (device memory, reserved whole): nothing is released."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
-        self.tensors = [t for t in tensors if t.device.type == "cpu"]
+        self.tensors = list(tensors)
         self._madvise = _madvise() if self.tensors else None
         self.released_bytes_total = 0
 

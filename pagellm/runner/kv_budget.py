@@ -108,13 +108,13 @@ def cpu_kv_budget_bytes(kv_cache_memory: float | None, per_block: int, block_siz
 
 
 def idle_budget_blocks(prefix_cache_memory: float | None, num_blocks: int, per_block: int,
-                       device_type: str) -> int | None:
+                       host_memory: bool) -> int | None:
     """How many blocks no request holds may stay resident (the prefix cache's budget; None: no limit):
-    prefix_cache_memory GiB, else on a CPU DEFAULT_PREFIX_CACHE_SHARE of the pool, at most
-    DEFAULT_PREFIX_CACHE_GIB."""
+    prefix_cache_memory GiB, else in host memory (Backend.host_memory) DEFAULT_PREFIX_CACHE_SHARE of the pool,
+    at most DEFAULT_PREFIX_CACHE_GIB; device memory is reserved whole anyway."""
     if prefix_cache_memory is not None:
         budget = min(num_blocks, int(prefix_cache_memory * GIB // per_block))
-    elif device_type == "cpu":
+    elif host_memory:
         budget = min(int(num_blocks * DEFAULT_PREFIX_CACHE_SHARE), int(DEFAULT_PREFIX_CACHE_GIB * GIB // per_block))
     else:
         return None

@@ -11,6 +11,7 @@ with prompt_logprobs rows reads those back once more (runner/prompt_logprobs.py)
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import logging
 import time
 from collections.abc import Callable
@@ -20,11 +21,9 @@ import torch
 from pagellm.core.types import PLACEHOLDER, ModelOutput, SchedulerOutput, StepTimings
 from pagellm.core.attention_metadata import AttentionMetadata
 from pagellm.core.transfers import to_device
-from pagellm.config import KernelConfig
-from pagellm.kernels import native
-from pagellm.kernels.selection import release_thread_scratch
-from pagellm.platform import release_freed_heap
-from pagellm.models.bound_layers import LayerPlan, PlanSettings, activation_dtype, plan_model
+from pagellm.config import EngineConfig
+from pagellm.models.bound_layers import LayerPlan, PlanSettings, plan_model
+from pagellm.runner.backend import Backend
 from pagellm.runner.decode_graphs import CudaGraphRecorder, DecodeGraphs, capture_or_run_eagerly, default_buckets
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import Grammars
@@ -58,90 +57,113 @@ def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class RunnerSetup:
+    """What the head decided that every rank's runner must share: the cache's sizes, and the longest sequence
+    (the fixed block-table width of padded decode steps)."""
+
+    num_blocks: int
+    num_state_slots: int
+    num_snapshot_slots: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class RankLinks:
+    """A tensor-parallel rank's ties to the others (distributed/sharding.py): the all-reduce its layers end with,
+    and the vocab-parallel LM head [N, E] -> [N, V] fp32 that every rank then runs for every logits pass (the head
+    rank gets them gathered; None: the head stays whole on rank 0). `samples`: False on a worker, where the head
+    alone samples."""
+
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    logits: Callable[[torch.Tensor], torch.Tensor] | None
+    samples: bool
+
+
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int,
-                 kv_cache_dtype: torch.dtype, device: torch.device, num_state_slots: int = 0, num_snapshot_slots: int = 0,
-                 samples: bool = True, grammars: Grammars | None = None,
-                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: KernelConfig | None = None,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 compute_dtype: torch.dtype | None = None, narrow_dtype: torch.dtype | None = None,
-                 decode_buckets: tuple[int, ...] = (),
-                 max_blocks_per_seq: int | None = None, decode_graphs: bool = False,
-                 graphs_required: bool = False):
-        """decode_buckets: the batch sizes pure-decode steps are padded to (runner/decode_inputs.py; empty: none),
-        their padded rows in one scratch KV block past the pool's `num_blocks`; max_blocks_per_seq: a request's
-        most blocks (the padded steps' fixed table width; default the pool). decode_graphs: replay the bound
-        forward of those steps from CUDA graphs (runner/decode_graphs.py; buckets default_buckets unless given):
-        on CUDA captured here, on a CPU the same buffers run eagerly; a model without a bound plan, with
-        recurrent state, or tensor parallel runs every step eagerly; a capture that fails raises if
-        graphs_required, else warns and runs eagerly."""
-        self.model = model
-        # [N, E] -> [N, V] fp32. `logits` when tensor parallel splits the LM head (distributed/sharding.py):
-        # then every rank runs every logits pass, and the head rank gets them gathered.
-        self.compute_logits = logits or model.compute_logits
-        self.vocab_parallel = logits is not None
-        self.samples = samples  # False on a tensor-parallel worker: the head alone computes logits and samples
-        self.block_size = block_size
-        self.device = device
-        self.input_batch = InputBatch(max_num_seqs, device, grammars if samples else None)
-        graphs = decode_graphs and all_reduce is None and not state_layers_of(model)
-        if decode_graphs and not graphs:  # no graph to replay: padding would cost rows and gain nothing
+    def __init__(self, model, config: EngineConfig, backend: Backend, setup: RunnerSetup,
+                 links: RankLinks | None = None, grammars: Grammars | None = None):
+        """Binds the model's KV caches and state rows (`setup`'s sizes) on `backend`'s device, plans its layers
+        for the backend's level and dtypes, and sets up the padded decode steps (runner/decode_inputs.py) and
+        their graphs (runner/decode_graphs.py): backend.decode_graphs replays the bound forward of pure-decode
+        steps at backend.graph_sizes (default_buckets unless given), captured on CUDA, run eagerly from the same
+        buffers on a CPU; a model without a bound plan, with recurrent state, or tensor parallel runs every step
+        eagerly; a capture that fails raises if backend.graphs_required, else warns and runs eagerly."""
+        self.model, self.backend, self.device = model, backend, backend.device
+        self.vocab_parallel = links is not None and links.logits is not None
+        self.compute_logits = links.logits if self.vocab_parallel else model.compute_logits
+        self.samples = links.samples if links else True  # False on a tensor-parallel worker
+        self.block_size = block_size = config.cache.block_size
+        max_num_seqs = config.scheduler.max_num_seqs
+        self.input_batch = InputBatch(max_num_seqs, self.device, grammars if self.samples else None)
+        graphs = backend.decode_graphs and links is None and not state_layers_of(model)
+        decode_buckets = backend.graph_sizes
+        if backend.decode_graphs and not graphs:  # no graph to replay: padding would cost rows and gain nothing
             decode_buckets = ()
         elif graphs:  # a bucket past max_num_seqs would never be run (vLLM drops those too)
             decode_buckets = tuple(b for b in decode_buckets if b <= max_num_seqs) or default_buckets(max_num_seqs)
+        padded_blocks = setup.num_blocks if decode_buckets else None
+        table_width = -(-setup.max_model_len // block_size) if decode_buckets else None
         self.decode_inputs: DecodeInputs | None = DecodeInputs(  # None: no reuse
-            max_num_seqs, block_size, device, decode_buckets, num_blocks if decode_buckets else None,
-            (max_blocks_per_seq or num_blocks) if decode_buckets else None)
+            max_num_seqs, block_size, self.device, decode_buckets, padded_blocks, table_width)
         self.decode_graphs: DecodeGraphs | None = None
-        kernels = kernels or KernelConfig()
-        # the CPU kernels' level (checked at start by kernels/selection.py): every module's, bound by the plan
-        self.kernel_level = native.level_of(kernels) if device.type == "cpu" else None
-        self.sampler = Sampler(kernel_level=self.kernel_level)
+        self.kernel_level = backend.level  # every module's, bound by the plan
+        self.sampler = Sampler(kernel_level=self.kernel_level, pinned=not backend.host_memory)
         # the last launched step's sampled ids [B] (on the device) and each sampling request's row in them
         self._last_samples: tuple[torch.Tensor, dict[str, int]] = (torch.empty(0, dtype=torch.int64), {})
-        for layer in model.attention_layers():
-            # Reserved address space only: pages become resident as blocks are written (runner/host_pages.py).
-            shape = (num_blocks + (1 if decode_buckets else 0), block_size, layer.num_kv_heads, layer.head_dim)
-            layer.bind_kv_cache(page_aligned_empty(shape, kv_cache_dtype, device),
-                                page_aligned_empty(shape, kv_cache_dtype, device))
-        self.kv_pages = HostPages([t for layer in model.attention_layers()
-                                   for t in (layer.key_cache, layer.value_cache)])
+        self.kv_pages = self._bind_kv_caches(setup.num_blocks + (1 if decode_buckets else 0))
         # How the layers run, chosen once for this device, level, dtype and cache: bound to the kernels, or the
         # modules (models/bound_layers.py); tensor parallel's all-reduce goes into a bound plan.
-        self.plan_settings = PlanSettings(self.kernel_level, compute_dtype or activation_dtype(model),
-                                          kv_cache_dtype, kernels.bound_layers, all_reduce, narrow_dtype)
+        self.plan_settings = PlanSettings(self.kernel_level, backend.compute_dtype, backend.kv_cache_dtype,
+                                          config.kernels.bound_layers, links.all_reduce if links else None,
+                                          backend.narrow_dtype)
         self.plan: LayerPlan = self.replan()
         self.state_layers = state_layers_of(model)
-        # Rows [0, num_state_slots) are running requests' slots, the rest prefix-cache snapshots
-        # (core/snapshot_pool.py). Uninitialised too: a request's first chunk starts from zero state
-        # without reading its slot, and a snapshot row is read only after a step has written it.
-        rows = num_state_slots + num_snapshot_slots
+        self.state_pages = self._bind_states(setup.num_state_slots + setup.num_snapshot_slots)
+        if graphs and self.plan.bound is not None:
+            self.decode_graphs = DecodeGraphs(self._bound_forward, self.decode_inputs)
+            if backend.captures_graphs:
+                with torch.inference_mode():  # as every step runs
+                    self.decode_graphs = capture_or_run_eagerly(self.decode_graphs, CudaGraphRecorder(),
+                                                                backend.graphs_required)
+        if graphs and self.decode_graphs is None:  # asked for, none to replay (no bound plan, failed capture)
+            self.decode_inputs = DecodeInputs(max_num_seqs, block_size, self.device, (), None, None)
+
+    def _bind_kv_caches(self, num_blocks: int) -> HostPages:
+        """Every attention layer's K and V pools, [num_blocks, block_size, kv_heads, head_dim] each: reserved
+        address space only on a CPU, whose pages become resident as blocks are written (runner/host_pages.py)."""
+        for layer in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.bind_kv_cache(self._empty(shape, self.backend.kv_cache_dtype),
+                                self._empty(shape, self.backend.kv_cache_dtype))
+        return self._host_pages([t for layer in self.model.attention_layers()
+                                 for t in (layer.key_cache, layer.value_cache)])
+
+    def _bind_states(self, rows: int) -> HostPages:
+        """Rows [0, num_state_slots) are running requests' slots, the rest prefix-cache snapshots
+        (core/snapshot_pool.py). Uninitialised too: a request's first chunk starts from zero state without reading
+        its slot, and a snapshot row is read only after a step has written it. Snapshot rows are released with
+        their KV blocks."""
         states = []
         for layer in self.state_layers:
             shapes = layer.state_shapes()
-            states += [page_aligned_empty((rows, *shapes.conv_state), shapes.conv_dtype, device),
-                       page_aligned_empty((rows, *shapes.recurrent_state), shapes.recurrent_dtype, device)]
+            states += [self._empty((rows, *shapes.conv_state), shapes.conv_dtype),
+                       self._empty((rows, *shapes.recurrent_state), shapes.recurrent_dtype)]
             layer.bind_state(*states[-2:])
-        self.state_pages = HostPages(states)  # snapshot rows released with their KV blocks
-        if graphs and self.plan.bound is not None:
-            self.decode_graphs = DecodeGraphs(self._bound_forward, self.decode_inputs)
-            if device.type == "cuda":
-                with torch.inference_mode():  # as every step runs
-                    self.decode_graphs = capture_or_run_eagerly(self.decode_graphs, CudaGraphRecorder(),
-                                                                graphs_required)
-        if graphs and self.decode_graphs is None:  # asked for, none to replay (no bound plan, failed capture)
-            self.decode_inputs = DecodeInputs(max_num_seqs, block_size, device, (), None, None)
+        return self._host_pages(states)
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised; in host memory page-aligned, so that released rows free whole pages."""
+        if self.backend.host_memory:
+            return page_aligned_empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _host_pages(self, tensors: list[torch.Tensor]) -> HostPages:
+        """Their released rows' pages go back to the OS; device memory stays reserved whole."""
+        return HostPages(tensors if self.backend.host_memory else [])
 
     def _bound_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model(input_ids, positions, meta, plan=self.plan.bound)
-
-    def _settle(self) -> None:
-        """Nothing runs until the next request: on a CPU what steps keep for the next one goes back to the OS
-        (every rank's own), the kernels' per-thread scratch, then the heap's freed step buffers
-        (platform.keep_step_buffers_in_heap); both grow to the largest step run, and would stay resident."""
-        if self.device.type == "cpu":
-            release_thread_scratch()
-            release_freed_heap()
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Run one step and return its tokens (launch, then collect)."""
@@ -156,7 +178,7 @@ class ModelRunner:
         self.kv_pages.release(output.released_blocks)  # before the step, which may write them again
         self.state_pages.release(output.released_snapshot_rows)
         if not output.scheduled:  # an idle engine's last step: only memory to give back
-            self._settle()
+            self.backend.settle()  # what steps keep for the next one, every rank's own
             return LaunchedStep(StepTimings(), done=ModelOutput((), ()))
         reused = False
         pure_decode = self.decode_inputs is not None and _is_pure_decode(output)

@@ -85,15 +85,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None, kernel_level: str | None = DEFAULT_LEVEL):
+    def __init__(self, seed: int | None = None, kernel_level: str | None = DEFAULT_LEVEL, pinned: bool = False):
         """kernel_level: the CPU kernels' level its argmax and masks run at (None: torch's ops; by default the
-        process default, native.default_level(); the runner passes its engine's)."""
+        process default, native.default_level(); the runner passes its engine's). pinned: host buffers bound for
+        a device (grammar masks) are pinned (not Backend.host_memory)."""
         self._seed = seed
         self._level = native.default_level() if kernel_level == DEFAULT_LEVEL else kernel_level
         # Rows without a seed draw from here. One generator per device, made on first use because
         # the device is only known once logits arrive.
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._grammar_masks = GrammarMasks(self._level)
+        self._grammar_masks = GrammarMasks(self._level, pinned)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow], *, overwrite: bool = False) -> SamplerOutput:
         """overwrite: the logits are the caller's to lose (the runner's are), so per-row changes (bias, grammar

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pagellm.distributed import parallel_state
+from pagellm.runner import backend
 
 
 def _free_port() -> int:
@@ -87,18 +88,18 @@ def test_bf16_all_reduce_where_gloo_refuses_it_sums_in_fp32_on_every_rank():
 def test_each_rank_runs_on_its_own_gpu_and_a_cpu_model_on_the_cpu():
     """Tensor parallel on CUDA places rank r on GPU r of its host (as vLLM); one GPU named for several ranks is a
     clear error, not every rank on that GPU."""
-    assert parallel_state.rank_device("cpu", 1, 2) == torch.device("cpu")
-    assert [parallel_state.rank_device("cuda", r, 4, gpus=4) for r in range(4)] == [
+    assert backend.rank_device("cpu", 1, 2) == torch.device("cpu")
+    assert [backend.rank_device("cuda", r, 4, gpus=4) for r in range(4)] == [
         torch.device("cuda", r) for r in range(4)]
-    assert parallel_state.rank_device("cuda:1", 0, 1) == torch.device("cuda", 1)  # one rank: the GPU named
+    assert backend.rank_device("cuda:1", 0, 1) == torch.device("cuda", 1)  # one rank: the GPU named
     with pytest.raises(ValueError, match=r"^device: tensor parallel over 2 GPUs takes device 'cuda'"):
-        parallel_state.rank_device("cuda:1", 0, 2, gpus=2)
+        backend.rank_device("cuda:1", 0, 2, gpus=2)
 
 
 class _OnCuda(torch.Tensor):
     @property
-    def is_cuda(self):
-        return True
+    def device(self):
+        return torch.device("cuda", 0)
 
 
 def test_collectives_on_cuda_tensors_go_through_nccl(monkeypatch):
@@ -125,23 +126,23 @@ def test_collectives_on_cuda_tensors_go_through_nccl(monkeypatch):
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", RecordingNCCL, raising=False)
     state = parallel_state.ParallelState(0, 1, dist.HashStore(), timeout=12)
-    state.use_device(torch.device("cpu"))
+    state.use_device(torch.device("cpu"), "gloo")
     assert state.device_group is None and built == []
-    state.use_device(torch.device("cuda", 0))
+    state.use_device(torch.device("cuda", 0), "nccl")
     assert built == [(0, 1, timedelta(seconds=12))]
     state.close()  # the communicators released at shutdown
     assert state.device_group is None and built[-1] == "shutdown"
-    state.use_device(torch.device("cuda", 0))
+    state.use_device(torch.device("cuda", 0), "nccl")
     on_gpu = torch.Tensor._make_subclass(_OnCuda, torch.ones(3, dtype=torch.bfloat16))
     assert state.all_reduce_(on_gpu) is on_gpu and reduced == [on_gpu]  # bf16 as it is: NCCL sums it
     assert state.all_reduce_(torch.ones(2)).tolist() == [1.0, 1.0] and len(reduced) == 1  # Gloo, world of one
 
 
 def test_ranks_over_hosts_take_their_gpus_in_rank_order_and_spawned_ranks_need_one_each():
-    assert [parallel_state.rank_device("cuda", r, 4, gpus=2) for r in range(4)] == [
+    assert [backend.rank_device("cuda", r, 4, gpus=2) for r in range(4)] == [
         torch.device("cuda", r % 2) for r in range(4)]  # two hosts of two GPUs
     with pytest.raises(ValueError, match="this host sees no GPU"):
-        parallel_state.rank_device("cuda", 1, 2, gpus=0)
+        backend.rank_device("cuda", 1, 2, gpus=0)
     parallel_state.check_local_gpus("cuda", 2, gpus=2)
     parallel_state.check_local_gpus("cpu", 4, gpus=0)
     with pytest.raises(ValueError, match="tensor_parallel_size 2 on this host needs 2 GPUs, one per rank; it has 1"):

@@ -58,14 +58,15 @@ def test_a_worker_runner_fed_decoded_messages_reuses_steps_like_the_head(checkpo
     from pagellm.config import CacheConfig, EngineConfig, ModelConfig
     from pagellm.engine import LLMEngine
     from pagellm.loader.model_loader import load_model
-    from pagellm.runner.model_runner import ModelRunner
+    from pagellm.runner.model_runner import ModelRunner, RankLinks
     from pagellm.sampling_params import SamplingParams
 
     config = EngineConfig(model=ModelConfig(model=str(checkpoint("llama"))), cache=CacheConfig(kv_cache_memory=0.01))
     engine = LLMEngine(config, skip_tokenizer_init=True)
-    worker = ModelRunner(load_model(config.model.model, engine.dtype, engine.device, with_tokenizer=False).model,
-                         engine.kv_cache.pool.num_blocks, 16, config.scheduler.max_num_seqs, engine.kv_cache_dtype,
-                         engine.device, samples=False)
+    model = load_model(config.model.model, engine.dtype, engine.device, with_tokenizer=False).model
+    # a worker's runner: it samples nothing (a world of one: nothing to all-reduce, the LM head whole)
+    worker = ModelRunner(model, config, engine.backend, engine._runner_setup(),
+                         RankLinks(lambda t: t, None, samples=False))
     head_reused, worker_reused = [], []
     launch = engine.executor.launch
 

@@ -24,8 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from pagellm.config import KernelConfig
-from pagellm.eval.forward import (load_dense_reference, load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype,
-                                  pagellm_logits)
+from pagellm.eval.forward import load_dense_reference, load_mode, mode_backend, pagellm_logits
 from pagellm.eval.perplexity import score_positions, summarize
 from tests.loader.gguf_builders import TinyDims, write_tiny_gguf
 
@@ -44,10 +43,10 @@ def tiny_gguf(path: Path, arch: str, qtype: T, seed: int = 1) -> Path:
     return write_tiny_gguf(path, arch, DIMS, types={n: qtype for n in names}, vocab=VOCAB, seed=seed).path
 
 
-def default_mode(level: str | None) -> tuple:
-    """(compute, K/V, narrow) dtypes the engine runs a GGUF in with no flags at `level`."""
-    return (mode_dtype(None, level, gguf_blocks=True), mode_kv_cache_dtype(None, level, gguf_blocks=True),
-            mode_narrow_dtype(None, level, gguf_blocks=True))
+def default_mode(path: Path, level: str | None) -> tuple:
+    """(compute, K/V, narrow) dtypes the engine runs the GGUF `path` in with no flags at `level`."""
+    backend = mode_backend(path, kernels=KernelConfig(cpu_isa=level or "auto", native_kernels=level is not None))
+    return backend.compute_dtype, backend.kv_cache_dtype, backend.narrow_dtype
 
 
 def reference_logits(path: Path, tokens: list[int], kernels: KernelConfig) -> torch.Tensor:
@@ -105,7 +104,7 @@ def default_over_seeds(root: Path, tokens: list[int], kernels: KernelConfig, see
     ratio of the mean KLs; fp32 compute with fp32 K/V's mean ratio beside (what no bf16 site would give)."""
     from pagellm.kernels.selection import select_kernels
 
-    modes = {"default": default_mode(select_kernels(kernels, "cpu").level), "fp32": (F32, F32, None)}
+    level = select_kernels(kernels, "cpu").level
     print("| family | weights | default / llama.cpp KL per file | mean of ratios | ratio of mean KLs | "
           "fp32 compute and K/V: mean of ratios |\n|---|---|---|---|---|---|")
     for arch in ("llama", "qwen2"):
@@ -117,10 +116,11 @@ def default_over_seeds(root: Path, tokens: list[int], kernels: KernelConfig, see
                 peer = llama_cpp_kl(path, tokens, reference)
                 if isinstance(peer, str):
                     raise SystemExit(f"llama.cpp {peer}")
+                modes = {"default": default_mode(path, level), "fp32": (F32, F32, None)}
                 for name, kl in kl_of_modes(path, tokens, kernels, reference, modes).items():
                     kls[name].append(kl)
                 kls["llama.cpp"].append(peer)
-            ratios = {name: np.array(kls[name]) / np.array(kls["llama.cpp"]) for name in modes}
+            ratios = {name: np.array(kls[name]) / np.array(kls["llama.cpp"]) for name in ("default", "fp32")}
             print(f"| {arch} | {qtype.name} | {' '.join(f'{r:.2f}' for r in ratios['default'])} | "
                   f"{ratios['default'].mean():.3f} | {np.mean(kls['default']) / np.mean(kls['llama.cpp']):.3f} | "
                   f"{ratios['fp32'].mean():.3f} |", flush=True)

@@ -4,6 +4,7 @@ caching, chunked prefill and preemption."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -22,14 +23,15 @@ BUCKETS = (1, 2, 4)
 
 
 def _runner_with(**forced):
-    """ModelRunner with these arguments whatever the engine passes: on a CPU the config refuses graphs (there is
-    nothing to capture), so the runner's graph path is reached here directly."""
-    return lambda *args, **kwargs: ModelRunner(*args, **{**kwargs, **forced})
+    """ModelRunner on the engine's backend with these of its fields forced (decode_graphs, graph_sizes): on a CPU
+    the config refuses graphs (there is nothing to capture), so the runner's graph path is reached here directly."""
+    return lambda model, config, backend, *rest: ModelRunner(model, config, dataclasses.replace(backend, **forced),
+                                                              *rest)
 
 
 def _generate(path, buckets, monkeypatch, prompts, params, **engine_args):
     if buckets:
-        monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_buckets=buckets))
+        monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(graph_sizes=buckets))
     with LLM(str(path), skip_tokenizer_init=True, **engine_args) as llm:
         ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         inputs = llm.engine.runner.decode_inputs
@@ -134,7 +136,7 @@ def test_decode_steps_replayed_from_recorded_graphs_give_the_same_ids(tmp_path, 
 
 def test_graph_sizes_past_max_num_seqs_are_dropped(tmp_path, monkeypatch):
     write_tiny_checkpoint("llama", tmp_path)
-    monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True, decode_buckets=(1, 3, 16)))
+    monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True, graph_sizes=(1, 3, 16)))
     with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, max_num_seqs=8) as llm:
         assert llm.engine.runner.decode_inputs.buckets == (1, 3)
         assert llm.stats()["decode_graphs"] == "none captured"  # a CPU captures nothing

@@ -12,7 +12,9 @@ _PROBE = r"""
 import json, os, torch
 from transformers import LlamaConfig
 from pagellm.models.registry import build_model
-from pagellm.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagellm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagellm.runner.backend import choose_backend
+from pagellm.runner.model_runner import ModelRunner, RunnerSetup, kv_cache_bytes_per_block
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -24,7 +26,8 @@ model = build_model(config, torch.float32, "cpu")
 model.load_weights((n, torch.randn(p.shape) * 0.02) for n, p in model.named_parameters())
 num_blocks = (1 << 30) // kv_cache_bytes_per_block(model, 16, torch.float32)  # a 1 GiB pool
 before = rss()
-runner = ModelRunner(model, num_blocks, 16, max_num_seqs=4, kv_cache_dtype=torch.float32, device=torch.device("cpu"))
+engine_config = EngineConfig(cache=CacheConfig(kv_cache_dtype="float32"), scheduler=SchedulerConfig(max_num_seqs=4))
+runner = ModelRunner(model, engine_config, choose_backend(engine_config), RunnerSetup(num_blocks, 0, 0, 4096))
 reserved = rss() - before
 cache = model.attention_layers()[0].key_cache
 cache[: num_blocks // 2].fill_(1.0)  # write half of one layer's key blocks

@@ -145,14 +145,12 @@ def test_presence_and_frequency_penalties_choose_as_the_formula_says(http):
 def local_model():
     """The server's model in this process, as `pagellm serve` loads it: default kernel level, "auto" dtypes (for
     a GGUF's blocks: float32 with fp16 K/V) and GGUF quantization."""
-    from pagellm.config import KernelConfig
-    from pagellm.eval.forward import load_mode, mode_dtype, mode_kv_cache_dtype, mode_narrow_dtype
-    from pagellm.kernels.selection import select_kernels
+    from pagellm.eval.forward import load_mode, mode_backend
     from pagellm.loader.default_model import default_model_path
 
-    level = select_kernels(KernelConfig()).level  # "auto" dtypes follow the level
-    dtype, kv_dtype = mode_dtype(None, level, True), mode_kv_cache_dtype(None, level, gguf_blocks=True)
-    return load_mode(default_model_path(), "auto", dtype), dtype, kv_dtype, mode_narrow_dtype(None, level, True)
+    backend = mode_backend(default_model_path())  # as the engine's: "auto" dtypes follow the level and the file
+    dtype = backend.compute_dtype
+    return load_mode(default_model_path(), "auto", dtype), dtype, backend.kv_cache_dtype, backend.narrow_dtype
 
 
 def test_repetition_penalty_divides_the_logits_of_prompt_tokens(http, local_model):
