@@ -8,7 +8,7 @@ PROMPT ?= The capital of France is
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: install test generate serve clean chromium
+.PHONY: install test generate serve clean chromium peers
 
 # Without an NVIDIA GPU, torch comes from PyTorch's CPU-only index when that is reachable: the same library
 # without the CUDA libraries PyPI's x86-64 build links (~3 GB of nvidia-* wheels, ~240 MB resident in every
@@ -62,6 +62,11 @@ generate: install
 # OpenAI-compatible server on 127.0.0.1:8000 (embedded model unless SERVE_ARGS has --model).
 serve: install
 	$(BIN)/pagellm serve $(SERVE_ARGS)
+
+# The peers of `pagellm bench compare` / `bench accuracy` in .venv: llama-cpp-python (it compiles llama.cpp from
+# source: 10-20 minutes on 2 cores) and matplotlib. Without them those commands measure pagellm alone and say so.
+peers: install
+	$(BIN)/pip install -e '.[bench]'
 
 clean:
 	rm -rf $(VENV) build *.egg-info

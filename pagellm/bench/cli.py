@@ -7,20 +7,7 @@ import sys
 from pathlib import Path
 
 from pagellm.bench.arguments import add_collectives_arguments, add_output_arguments, int_list
-
-
-def add_model_mode_args(parser: argparse.ArgumentParser) -> None:
-    """The model and the mode it runs in (also `pagellm eval perplexity`'s)."""
-    parser.add_argument("--model", default=None,
-                        help="GGUF file or HF checkpoint directory (default: the embedded Gemma 3 270M Q4_K_M)")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                        help="pagellm compute dtype (default auto, as the engine: float32 for a GGUF as stored; "
-                             "else bfloat16 at avx512, float32 below)")
-    parser.add_argument("--quantization", default="auto", choices=["none", "int8", "int4", "auto"],
-                        help="pagellm weights kept quantized (see `pagellm serve --help`; default auto: GGUF as stored)")
-    parser.add_argument("--cpu-isa", default=None, choices=["auto", "avx512", "avx2", "generic"],
-                        help="pagellm's native kernel level (default: $PAGELLM_CPU_ISA or auto, the fastest here)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+from pagellm.eval.cli import add_model_mode_args, set_threads
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -185,13 +172,6 @@ def add_workload_arguments(serve: argparse.ArgumentParser, workload: str = "rand
     serve.add_argument("--chunk-timeout", type=float, default=300.0,
                        help="seconds a request waits for its next chunk before it counts as failed (default 300)")
     serve.add_argument("--seed", type=int, default=0)
-
-
-def set_threads(threads: int | None) -> None:
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
 
 
 def _run_accuracy(args: argparse.Namespace) -> int:

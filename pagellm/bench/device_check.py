@@ -116,7 +116,7 @@ def attention(device: str) -> dict:
     on_cuda = torch.device(device).type == "cuda"
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         return {"not_run": "the Triton kernel needs CUDA, or TRITON_INTERPRET=1 for its interpreter on a CPU"}
-    from pagellm.core.attention_metadata import AttentionMetadata
+    from pagellm.kernels.attention_metadata import AttentionMetadata
     from pagellm.kernels.attention import paged_attention_reference
     from pagellm.kernels.triton_attention import paged_attention_triton
 

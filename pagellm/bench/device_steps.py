@@ -47,7 +47,8 @@ def modes_for(device: str) -> list[str]:
 
 def same_ids(device: str, weights: Path) -> dict:
     """Each mode's greedy ids against eager's on the same weights, and what the mode did."""
-    from pagellm import LLM, SamplingParams
+    from pagellm.llm import LLM
+    from pagellm.sampling_params import SamplingParams
 
     script = {0: [[5, 6, 7], [8, 9], [10, 11, 12, 13]], 3: [[14] * 20, [5, 6, 7, 1]]}
     lengths = iter((9, 4, 12, 6, 7))
@@ -161,7 +162,7 @@ def gpu_idle_ms_per_step(engine, prompts: list[list[int]], tg: int, window: int 
     its kernels ran, over the steps), from torch's profiler; None elsewhere."""
     if engine.device.type != "cuda" or engine.has_unfinished_requests():
         return None
-    from pagellm import SamplingParams
+    from pagellm.sampling_params import SamplingParams
 
     window = min(window, tg // 2)
     params = SamplingParams(max_tokens=tg, temperature=0.0, ignore_eos=True)  # what the engine was sized for

@@ -20,7 +20,8 @@ def llama_cpp_available() -> str | None:
     try:
         import llama_cpp  # noqa: F401
     except Exception as exc:  # ImportError, or OSError from a broken shared library
-        return f"llama-cpp-python not importable ({type(exc).__name__}: {exc}); pip install 'pagellm[bench]'"
+        return (f"llama-cpp-python not importable ({type(exc).__name__}: {exc}); `make peers` installs it into "
+                ".venv (it compiles llama.cpp: 10-20 minutes)")
     return None
 
 

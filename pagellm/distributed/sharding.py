@@ -42,6 +42,17 @@ class ShardSpec:
     world_size: int
     expert_parallel: bool = False
 
+    # What the loader asks of a shard (loader/model_loader.WeightShard): it reads files and knows no ranks.
+    def model_config(self, hf_config):
+        return local_config(hf_config, self)
+
+    def install(self, model: nn.Module, hf_config) -> None:
+        if self.expert_parallel:
+            install_expert_parallel(model, hf_config, self)
+
+    def weights(self, weights: Iterable[tuple[str, Weight]], hf_config) -> Iterator[tuple[str, Weight]]:
+        return shard_weights(weights, hf_config, self)
+
 
 def local_config(hf_config, spec: ShardSpec):
     """A copy of the HF config with this rank's head counts and intermediate sizes; ValueError if indivisible."""

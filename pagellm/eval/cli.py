@@ -1,10 +1,30 @@
-"""`pagellm eval perplexity`: argument parsing; the method lives in eval/perplexity.py."""
+"""`pagellm eval perplexity`: argument parsing; the method lives in eval/perplexity.py. The model-and-mode
+arguments are `pagellm bench`'s too (bench sits above eval)."""
 
 from __future__ import annotations
 
 import argparse
 
-from pagellm.bench.cli import add_model_mode_args, set_threads
+
+def add_model_mode_args(parser: argparse.ArgumentParser) -> None:
+    """The model and the mode it runs in (`pagellm bench`'s too)."""
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or HF checkpoint directory (default: the embedded Gemma 3 270M Q4_K_M)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="pagellm compute dtype (default auto, as the engine: float32 for a GGUF as stored; "
+                             "else bfloat16 at avx512, float32 below)")
+    parser.add_argument("--quantization", default="auto", choices=["none", "int8", "int4", "auto"],
+                        help="pagellm weights kept quantized (see `pagellm serve --help`; default auto: GGUF as stored)")
+    parser.add_argument("--cpu-isa", default=None, choices=["auto", "avx512", "avx2", "generic"],
+                        help="pagellm's native kernel level (default: $PAGELLM_CPU_ISA or auto, the fastest here)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _positive_int(text: str) -> int:

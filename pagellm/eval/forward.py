@@ -16,7 +16,7 @@ from pagellm.runner.backend import Backend, choose_backend
 from pagellm.kernels import native
 from pagellm.models.bound_layers import PlanSettings, plan_model
 from pagellm.loader.tokenizer import load_tokenizer
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 
 _BLOCK = 16  # tokens per KV block of the sequence's private cache
 

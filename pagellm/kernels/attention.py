@@ -22,7 +22,7 @@ import torch
 
 from pagellm.kernels import cuda_ops, native
 from pagellm.kernels.binding import FLOATS, KV_CACHE_FLOATS, DtypeCode, Flag, Float, Function, Int, Tensor, kv_cache_pairs
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 
 
 def write_kv(

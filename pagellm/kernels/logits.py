@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.core.transfers import to_device
+from pagellm.kernels.transfers import to_device
 
 from pagellm.kernels import native
 from pagellm.kernels.binding import FLOATS, DtypeCode, Float, Function, Int, Tensor

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 
 TILE_N = 32  # keys per inner tile: >= 16 (tl.dot's smallest operand on GPUs)
 MAX_SPLITS = 16  # of one decode's keys (split-KV), as vLLM's 3D decode path bounds its segments

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagellm.kernels.attention import paged_attention, write_kv
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 from pagellm.layers.kernel_user import KernelUser
 
 

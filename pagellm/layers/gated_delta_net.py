@@ -41,8 +41,8 @@ from torch import nn
 from pagellm.kernels import gated_delta_native
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.kernels.gated_delta import chunked_gated_delta, gated_delta_step_, prepare_qk, recurrent_gated_delta_
-from pagellm.core.attention_metadata import AttentionMetadata
-from pagellm.core.transfers import to_device
+from pagellm.kernels.attention_metadata import AttentionMetadata
+from pagellm.kernels.transfers import to_device
 
 # Prefill runs the recurrent form below this many tokens and the chunked form
 # (64-token chunks, the remainder as one shorter chunk) from it on. The recurrent step

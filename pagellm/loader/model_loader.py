@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -12,7 +14,6 @@ from torch import nn
 from pagellm.config import KernelConfig
 from pagellm.loader.dummy import dummy_weights
 from pagellm.platform import release_freed_heap
-from pagellm.distributed.sharding import ShardSpec, install_expert_parallel, local_config, shard_weights
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
 from pagellm.loader.gguf_file import read_gguf_header
 from pagellm.loader.quantization import load_quantized, plan_quantization, weight_schemes
@@ -87,8 +88,24 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+class WeightShard(Protocol):
+    """One rank's part of a model (distributed/sharding.ShardSpec): the loader builds and fills what it says and
+    knows nothing of ranks."""
+
+    world_size: int
+
+    def model_config(self, hf_config):
+        """The config of this rank's part (its head counts and sizes)."""
+
+    def install(self, model: torch.nn.Module, hf_config) -> None:
+        """Changes to the built model before weights arrive (expert parallel: this rank's experts only)."""
+
+    def weights(self, weights: Iterable, hf_config) -> Iterator:
+        """This rank's slice of each (HF name, weight) streamed in."""
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               with_tokenizer: bool = True, quantization: str = "none", shard: ShardSpec | None = None,
+               with_tokenizer: bool = True, quantization: str = "none", shard: WeightShard | None = None,
                kernels: KernelConfig | None = None, load_format: str = "auto",
                cache_dir: str | None = None) -> LoadedModel:
     """quantization: none | int8 | int4 | auto (GGUF as stored; see loader/quantization.py), applied as weights
@@ -97,8 +114,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     load_format: auto (the file's weights) | dummy (random weights from the config: loader/dummy.py; "auto"
     quantization is then none, and the tokenizer is loaded only where there is one).
 
-    shard: tensor / expert parallel rank (distributed/sharding.py): the model is built with this
-    rank's shapes and only its slice of each weight is kept; `hf_config` stays the full model's.
+    shard: tensor / expert parallel rank (WeightShard: distributed/sharding.ShardSpec): the model is built with
+    this rank's shapes and only its slice of each weight is kept; `hf_config` stays the full model's.
     kernels: the switches that decide how layers run (int8 activations, bound layers; default: KernelConfig()).
     cache_dir: where what a load derives from the file is kept for the next: the converted tokenizer
     (loader/tokenizer_cache.py) and a GGUF's blocks in the kernels' layout (loader/repack_cache.py); None: not kept.
@@ -119,11 +136,11 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     release_freed_heap()  # the tokenizer's parsing temporaries: not resident under the weights
     hf_config = load_gguf_config(header) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None
-    net = build_model(local_config(hf_config, shard) if shard else hf_config, dtype, device)
+    net = build_model(shard.model_config(hf_config) if shard else hf_config, dtype, device)
     # HF's names, which a GGUF's tensors are matched to (a shard's are the same): read once, here
     parameters = tuple(net.state_dict()) if is_gguf else None
-    if shard and shard.expert_parallel:
-        install_expert_parallel(net, hf_config, shard)
+    if shard:
+        shard.install(net, hf_config)
     if quantization == "auto" and (torch.device(device).type != "cpu" or shard is not None or dummy):
         # the block kernels are CPU code, shards split float weights, random weights have no file types: the
         # default must not refuse any of them
@@ -146,7 +163,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     else:
         weights = iter_safetensors_weights(path)
     if shard and not dummy:
-        weights = shard_weights(weights, hf_config, shard)
+        weights = shard.weights(weights, hf_config)
     load_quantized(net, weights, plan, level)
     settle_activations(net, kernels, level)
     join_projections(net)  # the layers' plan is the runner's (models/bound_layers.plan_model)

@@ -25,7 +25,7 @@ from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagellm.models.bound_layers import BoundModel, PlannedBackbone
 from pagellm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, Pending, head_dim_of
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 
 
 def gemma3_attention_options(config) -> AttentionOptions:

@@ -27,7 +27,7 @@ from pagellm.kernels.logits import logits_to_f32
 from pagellm.layers.quantized import concat_linears, lm_head_logits
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagellm.models.bound_layers import BoundModel, PlannedBackbone
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 
 
 def head_dim_of(config) -> int:

@@ -35,7 +35,7 @@ from pagellm.layers.moe import SparseMoeBlock, stack_expert_weights
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of, sliding_window_of
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 
 MlpFactory = Callable[[object, int], nn.Module]  # (config, layer_idx) -> the layer's MLP
 

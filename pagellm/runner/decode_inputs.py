@@ -31,8 +31,8 @@ import dataclasses
 import torch
 
 from pagellm.core.types import ScheduledRequest
-from pagellm.core.attention_metadata import AttentionMetadata
-from pagellm.core.transfers import copy_to_device
+from pagellm.kernels.attention_metadata import AttentionMetadata
+from pagellm.kernels.transfers import copy_to_device
 from pagellm.runner.input_batch import SlotState
 
 

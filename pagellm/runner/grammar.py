@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -25,8 +25,6 @@ from pagellm.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:
     import llguidance
-
-    from pagellm.loader.tokenizer import Tokenizer
 
 
 class GrammarError(RuntimeError):
@@ -68,11 +66,20 @@ def _set_bit(words: torch.Tensor, token: int, value: bool) -> None:
     words[token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # back to int32's range
 
 
+class Vocabulary(Protocol):
+    """What grammars need of a tokenizer (loader/tokenizer.Tokenizer; a step reads no files)."""
+
+    eos_token_ids: Iterable[int]
+
+    def llguidance_source(self):
+        """What llguidance builds its tokenizer from (asked on the first grammar only)."""
+
+
 class Grammars:
     """Checks and builds grammars for one tokenizer; safe to call from several threads (the server checks off
     its event loop, the engine again at add_request, which is then a cache hit)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Vocabulary, vocab_size: int):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
@@ -169,7 +176,7 @@ class GrammarMasks:
             return
         words = (logits.shape[1] + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
-            # pinned for a device: its copy then waits for nothing (core/transfers.py); the next step refills it
+            # pinned for a device: its copy then waits for nothing (kernels/transfers.py); the next step refills it
             # only after this step's tokens were read back, when the copy has run
             self._bitmask = torch.empty(max(len(rows), logits.shape[0]), words, dtype=torch.int32,
                                         pin_memory=self._pinned)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 from pagellm.platform import GIB, available_memory_bytes
 from pagellm.runner.model_runner import kv_cache_bytes_per_block, state_bytes_per_slot
 

@@ -2,7 +2,7 @@
 
 The one blocking host read of a step is the sampled ids (and their logprobs
 when asked), copied back as a HostRead; everything before it is queued work,
-host values reaching the device through core/transfers.py without a sync.
+host values reaching the device through kernels/transfers.py without a sync.
 launch() queues a step and collect() waits for its tokens (runner/sampled_tokens.py):
 between the two the engine may launch the next step (async scheduling). A step
 with prompt_logprobs rows reads those back once more (runner/prompt_logprobs.py).
@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from pagellm.core.types import PLACEHOLDER, ModelOutput, SchedulerOutput, StepTimings
-from pagellm.core.attention_metadata import AttentionMetadata
-from pagellm.core.transfers import to_device
+from pagellm.kernels.attention_metadata import AttentionMetadata
+from pagellm.kernels.transfers import to_device
 from pagellm.config import EngineConfig
 from pagellm.models.bound_layers import LayerPlan, PlanSettings, plan_model
 from pagellm.runner.backend import Backend

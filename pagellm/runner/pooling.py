@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagellm.core.transfers import HostRead
+from pagellm.kernels.transfers import HostRead
 from pagellm.core.types import ScheduledRequest
 from pagellm.runner.input_batch import SlotState
 

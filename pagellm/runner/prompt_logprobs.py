@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from pagellm.core.transfers import HostRead, to_device
+from pagellm.kernels.transfers import HostRead, to_device
 
 from pagellm.core.types import PromptLogprobs, ScheduledRequest, TokenLogprobs
 from pagellm.runner.input_batch import SlotState

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.core.transfers import HostRead
+from pagellm.kernels.transfers import HostRead
 from pagellm.core.types import ModelOutput, PromptLogprobs, StepTimings, TokenLogprobs
 from pagellm.runner.grammar import GrammarError, accept_sampled
 from pagellm.runner.input_batch import SlotState

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from pagellm.core.transfers import to_device
+from pagellm.kernels.transfers import to_device
 from pagellm.kernels import native
 from pagellm.kernels.logits import argmax_rows
 from pagellm.kernels.native import DEFAULT_LEVEL

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextGatedDe
 from pagellm.kernels.gated_delta import chunked_gated_delta, prepare_qk, recurrent_gated_delta_
 from pagellm.layers.gated_delta_net import GatedDeltaNet
 from pagellm.models.llama import load_checkpoint_weights
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 
 HK, HV, DK, DV = 2, 4, 16, 12
 

@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen3NextConfig
 
 from pagellm.layers.gated_delta_net import GatedDeltaNet
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 
 NUM_ROWS = 16  # running slots 0-3, snapshot rows 4-15 (the runner's layout: slots first)
 

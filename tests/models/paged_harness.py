@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.core.attention_metadata import AttentionMetadata
+from pagellm.kernels.attention_metadata import AttentionMetadata
 from pagellm.kernels import native
 from pagellm.models.bound_layers import PlanSettings, activation_dtype, plan_model
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm.core.transfers import to_device
+from pagellm.kernels.transfers import to_device
 
 
 @dataclass(frozen=True)
