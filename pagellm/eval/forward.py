@@ -12,7 +12,7 @@ import torch
 
 from pagellm.loader.model_loader import load_model
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
-from pagellm.runner.backend import Backend, choose_backend
+from pagellm.runner.backend import Backend, backend_kind, choose_backend
 from pagellm.kernels import native
 from pagellm.models.bound_layers import PlanSettings, plan_model
 from pagellm.loader.tokenizer import load_tokenizer
@@ -77,9 +77,10 @@ def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype
         layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device),
                             torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device))
     kernels = kernels or KernelConfig()
-    level = native.level_of(kernels) if device.type == "cpu" else None
+    kind = backend_kind(device)  # the step kernels of the weights' device, as its backend would bind them
+    level = native.level_of(kernels) if kind.runs_cpu_kernels else None
     plan = plan_model(model, PlanSettings(level, dtype, kv_cache_dtype or dtype, kernels.bound_layers,
-                                          narrow=narrow)).bound
+                                          narrow=narrow, kernels=kind.kernels_at(level))).bound
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):

@@ -1,4 +1,4 @@
-"""The plan of a Llama-family backbone: chosen once per device, its decoder layers bound to the device's kernels.
+"""The plan of a Llama-family backbone (dense or MoE MLPs): chosen once per device, its decoder layers bound to the device's kernels.
 
 `plan_model` decides once per model and runner (the runner calls it when it binds the KV cache, with tensor
 parallel's all-reduce) which CPU kernel level every module calls (layers/kernel_user.py; the loader gave the
@@ -9,9 +9,9 @@ pointers, norm flavours and their kernel weights, eps, head counts, the cache ob
 time. Why: at decode a Gemma 3 270M layer spent more time in nn.Module dispatch and in the per-call checks of each
 kernel wrapper than in its kernels, and a GPU's eager step is bound by the same host work.
 
-The kernels are one set per device (`kernels_for`): the native CPU kernels, or on CUDA the Triton ones with
-cuBLAS matmuls. Bound applies when every linear layer is dense, in GGUF blocks, or int4 with int8 activations
-(one kernel at every M, so no dispatch by batch size), the set takes the dtype, head size and norms, and no
+The kernels are one set per device, chosen by its backend (runner/backend.py: `native_step_kernels` at the CPU's
+level, or on CUDA `triton_step_kernels`, with cuBLAS matmuls). Bound applies when every linear layer is dense, in
+GGUF blocks, or int4 with int8 activations (one kernel at every M, so no dispatch by batch size), the set takes the dtype, head size and norms, and no
 module has a forward hook the plan does not know; otherwise, or with KernelConfig.bound_layers off, the modules
 run (they are the reference: tests/models/test_bound_layers.py checks the two bit for bit on the CPU,
 tests/gpu/test_cuda_plan.py the Triton set under Triton's interpreter). A change to the layers after planning
@@ -34,6 +34,7 @@ from pagellm.kernels.gguf_blocks import BoundMatmul, BoundMLP
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.mlp import FUSED_ACTIVATIONS
+from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.quantized import Int4Linear
 
 _DTYPE_CODES = native.DTYPE_CODES
@@ -41,7 +42,7 @@ _DTYPE_CODES = native.DTYPE_CODES
 
 @dataclass(frozen=True)
 class StepKernels:
-    """The kernels a bound layer calls, one set per device, chosen once by the plan (kernels_for)."""
+    """The kernels a bound layer calls, one set per device, chosen once by its backend."""
     name: str  # as the plan's description says it
     add_rms_norm: Callable  # (h, x, post weight | None, weight, eps, unit_offset) -> (h + post(x), its norm)
     qkv_prepare: Callable  # (qkv, H, K, q_w, k_w, eps, unit_offset, cos, sin, k cache, v cache, slots) -> q
@@ -51,19 +52,23 @@ class StepKernels:
     dtypes: tuple  # of the activations
     pairs: Callable[[torch.dtype, torch.dtype], bool]  # (activations, KV cache) dtypes taken together
     head_dim_ok: Callable[[int], bool]
+    # MoE blocks planned between the bound parts (their own step): on the CPU; on CUDA not until a device run has
+    # checked their decode graphs (MoE models keep their modules there, as measured)
+    plans_moe: bool = True
 
 
-def kernels_for(device: torch.device, level: str | None) -> tuple[StepKernels | None, str]:
-    """The bound layers' kernels on `device`, or (None, why not): the native CPU kernels at `level`, the Triton
-    ones on CUDA (kernels/triton_layer_ops.py, triton_attention.py, imported here, once)."""
-    if device.type == "cuda":
-        ops, triton_attention = cuda_ops.layer_ops(), cuda_ops.triton_module("triton_attention")
-        return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare,
-                           triton_attention.paged_attention_triton, ops.act_mul, False, cuda_ops.FLOATS,
-                           lambda act, kv: act in cuda_ops.FLOATS and kv in cuda_ops.FLOATS,
-                           lambda head_dim: head_dim % 2 == 0), ""
-    if device.type != "cpu":
-        return None, f"no bound kernels on {device.type}"
+def triton_step_kernels() -> StepKernels:
+    """The bound layers' kernels on CUDA: the Triton ones (kernels/triton_layer_ops.py, triton_attention.py,
+    imported here, once), cuBLAS matmuls. The CUDA backend's (runner/backend.py)."""
+    ops, triton_attention = cuda_ops.layer_ops(), cuda_ops.triton_module("triton_attention")
+    floats = cuda_ops.FLOATS
+    return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare, triton_attention.paged_attention_triton,
+                       ops.act_mul, False, floats, lambda act, kv: act in floats and kv in floats,
+                       lambda head_dim: head_dim % 2 == 0, plans_moe=False)
+
+
+def native_step_kernels(level: str | None) -> tuple[StepKernels | None, str]:
+    """The bound layers' kernels on a CPU: the native ones at `level`, or (None, why not). The CPU backend's."""
     if not (layer_ops.native_available(level) and attention.native_available(level)):
         return None, "native kernels unavailable (no compiler, or switched off)"
     bind = functools.partial  # the level given once: the step calls them with their inputs alone
@@ -99,12 +104,17 @@ class BoundLayer:
         # the norms' weights as the kernels take them (fp32 copies for the unit-offset flavour), made once
         self.weights = tuple(None if n is None else n.flavour_weight() for n in norms)
         self.all_reduce = all_reduce  # tensor parallel: sums each block's partial output over ranks, in place
-        self.qkv, self.o, self.gate_up, self.down = (_linear(getattr(attn, "qkv_proj", None)), _linear(attn.o_proj),
-                                                     _linear(getattr(mlp, "gate_up_proj", None)), _linear(mlp.down_proj))
+        self.qkv, self.o = _linear(getattr(attn, "qkv_proj", None)), _linear(attn.o_proj)
+        # A MoE block's step is its own (routing, then its experts' grouped matmuls at the plan's level): no hooks,
+        # its partial sum all-reduced here as a dense MLP's. A dense MLP: its two matmuls and the activation.
+        self.moe = mlp.forward if isinstance(mlp, SparseMoeBlock) else None
+        dense = self.moe is None
+        self.gate_up, self.down = ((_linear(getattr(mlp, "gate_up_proj", None)), _linear(mlp.down_proj)) if dense
+                                   else (None, None))
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.qk_args = attn.qk_norm_args()
         self.paged = attn.attn
-        self.activation = FUSED_ACTIVATIONS[mlp.activation]
+        self.activation = FUSED_ACTIVATIONS[mlp.activation] if dense else None
         # narrow (PlanSettings.narrow, the activations' dtype): attention in the first where narrow_attention (the
         # K/V cache pairs with it), the o projection taking its output and writing the second; only where the
         # projection writes any output dtype (a GGUF's blocks)
@@ -114,7 +124,7 @@ class BoundLayer:
             self.narrow_attention = narrow[0]
             self.o = functools.partial(self.o, out_dtype=narrow[1])
         # a GGUF MLP (gate/up of one format) in one call: the same bits, no intermediate stored (csrc/quant_gguf.cpp)
-        code = layer_ops.ACTIVATIONS.get(self.activation)
+        code = layer_ops.ACTIVATIONS.get(self.activation) if dense else None
         self.fused_mlp = None
         if (code is not None and kernels.fuses_gguf
                 and all(isinstance(linear, BoundMatmul) for linear in (self.gate_up, self.down))
@@ -129,12 +139,15 @@ class BoundLayer:
                              else None)
         self.next_norm = None  # (the norm after this layer, its flavour weight): BoundModel's to set
         # each fused residual call applies one eps and flavour to two norms
-        self.ok = (None not in (self.qkv, self.o, self.gate_up, self.down)
+        self.ok = (None not in (self.qkv, self.o)
+                   and (None not in (self.gate_up, self.down) if dense else kernels.plans_moe)
                    and kernels.head_dim_ok(attn.head_dim)  # known here, not mid-step
                    and all(self.norm_in.same_kind(n) for n in norms if n is not None) and attn.qk_norms_fuse())
 
     def hooked(self) -> bool:
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+        """Whether a forward hook sits on the attention or MLP block or anything inside them: the bound step calls
+        no module's forward (a MoE block's submodules aside), so such a hook would silently not run."""
+        return any(m._forward_hooks or m._forward_pre_hooks for block in self.modules for m in block.modules())
 
     def residual(self, h, x, post, norm, weight):
         """(h + post(x), norm of it) in one call (post: a flavour weight or None; weight: the norm's flavour
@@ -168,6 +181,8 @@ class BoundLayer:
             return self.mlp_add_norm(x, h, w_post_mlp, weight, norm.eps, norm.unit_offset)
         if self.fused_mlp is not None:
             mlp_out = self.fused_mlp(x)  # [T, E]
+        elif self.moe is not None:
+            mlp_out = self.moe(x)  # [T, E]: routed experts (and the shared one)
         else:
             mlp_out = self.down(kernels.act_mul(self.gate_up(x), self.activation))  # [T, 2I] -> [T, I] -> [T, E]
         if self.all_reduce is not None:
@@ -210,18 +225,19 @@ class PlanSettings:
     bound_layers: bool = True
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     narrow: torch.dtype | None = None  # attention's dtype over a cache of it, narrower than `dtype` (narrow_dtype)
+    # The device's kernel set, as its backend chose it (Backend.step_kernels); None: the CPU's at `level`.
+    kernels: tuple[StepKernels | None, str] | None = None
 
 
 def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
                   kernels: StepKernels | None = None) -> tuple[BoundModel | None, str]:
     """(the bound plan, "") if every layer of `backbone` can run bound under `settings`, else (None, why not).
-    `kernels`: those of the weights' device unless given (tests run the Triton set on a CPU under its
-    interpreter)."""
+    `kernels`: settings.kernels' unless given (tests run the Triton set on a CPU under its interpreter)."""
     if not settings.bound_layers:
         return None, "bound layers switched off (KernelConfig.bound_layers)"
     why, dtype, all_reduce = "", settings.dtype, settings.all_reduce
     if kernels is None:
-        kernels, why = kernels_for(backbone.norm.weight.device, settings.level)
+        kernels, why = settings.kernels or native_step_kernels(settings.level)
     why = (why or ("" if dtype in kernels.dtypes else f"{kernels.name} take {kernels.dtypes}, not {dtype}")
            or ("" if len(backbone.layers) else "no layers"))
     layers = []
@@ -236,7 +252,10 @@ def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
         except (AttributeError, KeyError) as e:  # not joined, an activation without a native kernel, ...
             why = f"layer {index} cannot be bound ({type(e).__name__}: {e})"
             break
-        why = (("" if bound.ok else f"layer {index} has a linear, head size or norm the kernels do not take")
+        moe_elsewhere = bound.moe is not None and not kernels.plans_moe
+        why = ((f"layer {index}'s MoE block is planned on CPUs only (its decode graphs not yet run on a GPU)"
+                if moe_elsewhere else "")
+               or ("" if bound.ok else f"layer {index} has a linear, head size or norm the kernels do not take")
                or ("" if all_reduce is not None or not bound.hooked() else f"layer {index} has forward hooks"))
         layers.append(bound)
     if not why and not layers[-1].norm_in.same_kind(backbone.norm):  # the final add + norm is fused too

@@ -26,6 +26,7 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.kernels.selection import (compute_dtype, kv_cache_dtype, narrow_dtype, narrow_sites,
                                        release_thread_scratch, select_kernels)
+from pagellm.models.bound_layers import StepKernels, native_step_kernels, triton_step_kernels
 from pagellm.platform import DTYPES, release_freed_heap
 
 
@@ -48,6 +49,7 @@ class Backend:
     host_memory: ClassVar[bool] = True  # memory is the host's: released pages and freed heap go back to the OS
     captures_graphs: ClassVar[bool] = False  # decode graphs are captured (else their buffers replay eagerly)
     collective: ClassVar[str] = "gloo"  # tensor parallel's collectives on this device's tensors
+    runs_cpu_kernels: ClassVar[bool] = True  # the native CPU kernels (at `level`) apply
 
     def dtype_description(self) -> str:
         """The activations' dtype, and attention's where narrower ("float32, bfloat16 attention")."""
@@ -56,6 +58,15 @@ class Backend:
     def ops_description(self) -> str:
         """The kernels this device runs, in words, for the backend line."""
         return f"native kernels at {self.level}" if self.level is not None else "torch reference ops"
+
+    def step_kernels(self) -> tuple[StepKernels | None, str]:
+        """The kernels the layers' plan binds (models/bound_layers.py), or (None, why not)."""
+        return self.kernels_at(self.level)
+
+    @staticmethod
+    def kernels_at(level: str | None) -> tuple[StepKernels | None, str]:
+        """This kind's step kernels at a CPU kernel level: the native ones."""
+        return native_step_kernels(level)
 
     def settle(self) -> None:
         """Nothing runs until the next request: give back what steps keep for the next one. On a CPU the
@@ -75,12 +86,22 @@ class CudaBackend(Backend):
     host_memory: ClassVar[bool] = False
     captures_graphs: ClassVar[bool] = True
     collective: ClassVar[str] = "nccl"
+    runs_cpu_kernels: ClassVar[bool] = False
 
     def ops_description(self) -> str:
         return "Triton paged attention and layer ops, cuBLAS matmuls"
 
+    @staticmethod
+    def kernels_at(level: str | None) -> tuple[StepKernels | None, str]:
+        return triton_step_kernels(), ""  # no CPU level applies
+
     def settle(self) -> None:
         pass  # the caching allocator keeps its blocks for the next step; the KV pool is reserved anyway
+
+
+def backend_kind(device: torch.device) -> type[Backend]:
+    """The backend class of `device`: the one device test (what a model already on a device runs with)."""
+    return CudaBackend if device.type == "cuda" else CpuBackend
 
 
 def keeps_gguf_blocks(model: str | None, quantization: str, load_format: str, device: str,
@@ -117,7 +138,7 @@ def choose_backend(config: EngineConfig, rank: int = 0) -> Backend:
     blocks = keeps_gguf_blocks(mc.model, mc.quantization, mc.load_format, device.type, world)
     level, kv = kernels.level, config.cache.kv_cache_dtype
     narrow = narrow_dtype(mc.dtype, device.type, level, blocks, kv)
-    kind = CudaBackend if device.type == "cuda" else CpuBackend
+    kind = backend_kind(device)
     return kind(device, level, kernels.description, blocks, DTYPES[compute_dtype(mc.dtype, device.type, level, blocks)],
                 DTYPES[kv_cache_dtype(kv, mc.dtype, device.type, level, blocks)], DTYPES[narrow] if narrow else None,
                 mc.decode_graphs, mc.cuda_graph_sizes, mc.enforce_eager is False)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pagellm.loader.model_loader import load_model
-from pagellm.models.bound_layers import PlanSettings, kernels_for, plan_model
+from pagellm.models.bound_layers import PlanSettings, plan_model, triton_step_kernels
 from tests.gpu import interpreter
 from tests.models.paged_harness import PagedHarness
-from tests.models.tiny_checkpoints import write_tiny_checkpoint
+from tests.models.tiny_checkpoints import write_hybrid_checkpoint, write_tiny_checkpoint
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -31,7 +31,7 @@ def _interpreted():
 
 def _triton_kernels():
     with interpreter(not ON_GPU):  # the kernel modules are decorated under the interpreter when first imported
-        return kernels_for(torch.device("cuda"), None)[0]
+        return triton_step_kernels()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3-yarn", "gemma3"])
@@ -51,11 +51,10 @@ def test_the_triton_plan_equals_the_modules(tmp_path, family):
 
 def test_the_triton_set_takes_what_the_gpu_kernels_take():
     """Any float activations and K/V pair and any even head size (the CPU set: fp32 / bf16 pairs, multiples of
-    16); a device with no set plans the modules and says so."""
+    16)."""
     kernels = _triton_kernels()
     assert kernels.pairs(torch.float16, torch.float16) and kernels.pairs(torch.bfloat16, torch.float32)
     assert kernels.head_dim_ok(80) and kernels.head_dim_ok(72) and not kernels.head_dim_ok(81)
-    assert kernels_for(torch.device("meta"), None) == (None, "no bound kernels on meta")
 
 
 def test_the_device_family_check_runs_here(capsys):
@@ -64,3 +63,11 @@ def test_the_device_family_check_runs_here(capsys):
 
     assert check("llama", "cpu")
     assert "llama | float32: 3/3 identical" in capsys.readouterr().out
+
+
+def test_a_moe_model_keeps_its_modules_under_the_triton_set(tmp_path):
+    """Planned on CPUs; on CUDA its modules run until a device run has checked its decode graphs."""
+    write_hybrid_checkpoint("qwen3-moe", tmp_path)
+    model = load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
+    plan = plan_model(model, PlanSettings(None, torch.float32, torch.float32), kernels=_triton_kernels())
+    assert plan.bound is None and "MoE block is planned on CPUs only" in plan.description

@@ -14,7 +14,7 @@ from pagellm.kernels import native
 from pagellm.models.bound_layers import PlanSettings, PlannedBackbone, plan_model
 from tests.loader.gguf_builders import T, write_tiny_gguf
 from tests.models.paged_harness import PagedHarness
-from tests.models.tiny_checkpoints import write_tiny_checkpoint
+from tests.models.tiny_checkpoints import write_hybrid_checkpoint, write_tiny_checkpoint
 
 FAMILIES = ["llama", "qwen2", "qwen3-yarn", "gemma3"]  # plain, q/k/v bias, q/k norm, Gemma's sandwich norms
 
@@ -52,6 +52,20 @@ def test_bound_layers_equal_the_modules(tmp_path, family, quantization, dtype, k
     prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(3)).tolist()
     bound, modules = _prefill_both_ways(model, prompt, kv_cache_dtype)
     assert torch.equal(bound, modules)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPE_PAIRS, ids=PAIR_IDS)
+def test_a_moe_backbone_is_planned_and_equals_the_modules(tmp_path, quantization, dtype, kv_cache_dtype):
+    """Qwen3-MoE: attention, norms and the dense layer bound, each MoE block's own step between them (its
+    routing and grouped experts); bit-identical to the modules, the prefill long enough for the grouped path."""
+    write_hybrid_checkpoint("qwen3-moe", tmp_path)
+    model = load_model(str(tmp_path), dtype, torch.device("cpu"), False, quantization).model
+    prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    bound, modules = _prefill_both_ways(model, prompt, kv_cache_dtype)
+    assert torch.equal(bound, modules)
+    plan = PagedHarness(model, kv_cache_dtype=kv_cache_dtype).plan
+    assert [layer.moe is not None for layer in plan.bound.layers] == [True, False, True]  # layer 1: mlp_only
 
 
 @pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPE_PAIRS, ids=PAIR_IDS)
@@ -118,6 +132,9 @@ def test_plan_says_why_layers_run_as_modules(tmp_path):
     handle = layers[1].mlp.register_forward_hook(lambda module, args, out: out)
     assert plan().description == "modules: layer 1 has forward hooks" and plan().bound is None
     assert plan(all_reduce=lambda t: t).description.startswith("bound")
+    handle.remove()
+    handle = layers[0].self_attn.o_proj.register_forward_hook(lambda module, args, out: out)  # inside a block
+    assert plan().description == "modules: layer 0 has forward hooks"
     handle.remove()
     layers[0].self_attn.o_proj.dense_from_rows = 1  # dense tiles from one row: batch-size dependent
     assert plan().description.startswith("modules: layer 0 has a linear") and plan().bound is None

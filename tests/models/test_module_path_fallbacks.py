@@ -48,3 +48,27 @@ def test_every_module_kernel_call_runs_the_kernel(tmp_path, monkeypatch, family)
     harness.step({"a": [5]})
     assert not [key for key in calls if key[1] == "declined"], dict(calls)
     assert calls["rms_norm", "kernel"] and calls["act_mul", "kernel"] and calls["logits_to_f32", "kernel"]
+
+
+@pytest.mark.skipif(native.default_level() is None, reason="native kernels are off in this run: nothing to bind")
+def test_a_planned_moe_step_runs_kernels_only(tmp_path, monkeypatch):
+    """Qwen3-MoE through its plan: the bound layers call the kernels directly; each MoE block's experts call the
+    fused activation, which never declines to the torch reference."""
+    write_hybrid_checkpoint("qwen3-moe", tmp_path)
+    dtype = torch.bfloat16 if native.default_level() == "avx512" else torch.float32
+    model = load_model(str(tmp_path), dtype, torch.device("cpu"), with_tokenizer=False).model
+    calls = collections.Counter()
+    real = mlp.act_mul
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["declined" if out is None else "kernel"] += 1
+        return out
+    monkeypatch.setattr(mlp, "act_mul", counted)
+    monkeypatch.setattr(attention, "paged_attention_reference",
+                        lambda *args, **kwargs: pytest.fail("the attention's torch reference ran"))
+    harness = PagedHarness(model)  # planned as the runner plans
+    assert harness.plan.bound is not None
+    harness.prefill("a", list(range(3, 40)))
+    harness.step({"a": [5]})
+    assert calls["kernel"] > 0 and not calls["declined"], dict(calls)

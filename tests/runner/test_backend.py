@@ -54,6 +54,9 @@ def test_device_kinds_answer_for_themselves():
     cpu = choose_backend(EngineConfig(kernels=KernelConfig(native_kernels=False)))
     assert (cpu.host_memory, cpu.captures_graphs, cpu.collective) == (True, False, "gloo")
     assert cpu.level is None and cpu.ops_description() == "torch reference ops"
+    assert cpu.step_kernels()[0] is None  # the layers plan their modules, and say why
+    native = choose_backend(EngineConfig())
+    assert native.step_kernels()[0].name == f"the kernels at {native.level}"
     cuda = CudaBackend(torch.device("cuda", 0), None, "", False, torch.bfloat16, torch.bfloat16, None, True)
     assert (cuda.host_memory, cuda.captures_graphs, cuda.collective) == (False, True, "nccl")
     cuda.settle()  # nothing to give back: device memory is reserved whole
