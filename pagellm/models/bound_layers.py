@@ -52,9 +52,9 @@ class StepKernels:
     dtypes: tuple  # of the activations
     pairs: Callable[[torch.dtype, torch.dtype], bool]  # (activations, KV cache) dtypes taken together
     head_dim_ok: Callable[[int], bool]
-    # MoE blocks planned between the bound parts (their own step): on the CPU; on CUDA not until a device run has
-    # checked their decode graphs (MoE models keep their modules there, as measured)
-    plans_moe: bool = True
+    # Blocks planned as their own steps between the bound parts (a MoE block; a hybrid layer's token mixer): on the
+    # CPU; on CUDA not until a device run has checked them (those models keep their modules there, as measured)
+    plans_module_steps: bool = True
 
 
 def triton_step_kernels() -> StepKernels:
@@ -64,7 +64,7 @@ def triton_step_kernels() -> StepKernels:
     floats = cuda_ops.FLOATS
     return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare, triton_attention.paged_attention_triton,
                        ops.act_mul, False, floats, lambda act, kv: act in floats and kv in floats,
-                       lambda head_dim: head_dim % 2 == 0, plans_moe=False)
+                       lambda head_dim: head_dim % 2 == 0, plans_module_steps=False)
 
 
 def native_step_kernels(level: str | None) -> tuple[StepKernels | None, str]:
@@ -79,7 +79,7 @@ def native_step_kernels(level: str | None) -> tuple[StepKernels | None, str]:
                        lambda head_dim: head_dim % 16 == 0 and head_dim <= layer_ops.MAX_HEAD_DIM), ""
 
 
-def _linear(module: nn.Module):
+def bound_linear(module: nn.Module):
     """x -> module(x) without module dispatch, or None if the module's path depends on the batch size."""
     if type(module) is nn.Linear:
         weight, bias = module.weight, module.bias
@@ -89,6 +89,12 @@ def _linear(module: nn.Module):
     if type(module) is GGUFLinear:
         return module.bound()
     return None
+
+
+def blocks_hooked(blocks) -> bool:
+    """Whether a forward hook sits on one of a layer's blocks or anything inside them: a bound step calls no
+    module's forward (a module step's submodules aside), so such a hook would silently not run."""
+    return any(m._forward_hooks or m._forward_pre_hooks for block in blocks for m in block.modules())
 
 
 class BoundLayer:
@@ -104,13 +110,13 @@ class BoundLayer:
         # the norms' weights as the kernels take them (fp32 copies for the unit-offset flavour), made once
         self.weights = tuple(None if n is None else n.flavour_weight() for n in norms)
         self.all_reduce = all_reduce  # tensor parallel: sums each block's partial output over ranks, in place
-        self.qkv, self.o = _linear(getattr(attn, "qkv_proj", None)), _linear(attn.o_proj)
+        self.qkv, self.o = bound_linear(getattr(attn, "qkv_proj", None)), bound_linear(attn.o_proj)
         # A MoE block's step is its own (routing, then its experts' grouped matmuls at the plan's level): no hooks,
         # its partial sum all-reduced here as a dense MLP's. A dense MLP: its two matmuls and the activation.
         self.moe = mlp.forward if isinstance(mlp, SparseMoeBlock) else None
         dense = self.moe is None
-        self.gate_up, self.down = ((_linear(getattr(mlp, "gate_up_proj", None)), _linear(mlp.down_proj)) if dense
-                                   else (None, None))
+        self.gate_up, self.down = ((bound_linear(getattr(mlp, "gate_up_proj", None)), bound_linear(mlp.down_proj))
+                                   if dense else (None, None))
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.qk_args = attn.qk_norm_args()
         self.paged = attn.attn
@@ -140,14 +146,16 @@ class BoundLayer:
         self.next_norm = None  # (the norm after this layer, its flavour weight): BoundModel's to set
         # each fused residual call applies one eps and flavour to two norms
         self.ok = (None not in (self.qkv, self.o)
-                   and (None not in (self.gate_up, self.down) if dense else kernels.plans_moe)
+                   and (None not in (self.gate_up, self.down) if dense else kernels.plans_module_steps)
                    and kernels.head_dim_ok(attn.head_dim)  # known here, not mid-step
                    and all(self.norm_in.same_kind(n) for n in norms if n is not None) and attn.qk_norms_fuse())
 
     def hooked(self) -> bool:
-        """Whether a forward hook sits on the attention or MLP block or anything inside them: the bound step calls
-        no module's forward (a MoE block's submodules aside), so such a hook would silently not run."""
-        return any(m._forward_hooks or m._forward_pre_hooks for block in self.modules for m in block.modules())
+        return blocks_hooked(self.modules)
+
+    def module_steps(self) -> str:
+        """What of the layer runs as its module's own step ("" if nothing), for the plan's reasons."""
+        return "MoE block is" if self.moe is not None else ""
 
     def residual(self, h, x, post, norm, weight):
         """(h + post(x), norm of it) in one call (post: a flavour weight or None; weight: the norm's flavour
@@ -202,7 +210,7 @@ class BoundModel:
 
     def __call__(self, h: torch.Tensor, ropes: list, meta) -> torch.Tensor:
         """ropes: (cos, sin) [T, D/2] per layer, in the model dtype."""
-        caches = self.layers[0].paged.key_cache
+        caches = next(layer.paged.key_cache for layer in self.layers if layer.paged is not None)
         # the runner's invariants
         if h.dtype != self.dtype or caches is None or not self.kernels.pairs(self.dtype, caches.dtype):
             raise RuntimeError(f"the bound layers were planned for {self.dtype} activations and a KV cache paired "
@@ -238,6 +246,7 @@ def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
     why, dtype, all_reduce = "", settings.dtype, settings.all_reduce
     if kernels is None:
         kernels, why = settings.kernels or native_step_kernels(settings.level)
+    layer_class = type(backbone).bound_layer or BoundLayer
     why = (why or ("" if dtype in kernels.dtypes else f"{kernels.name} take {kernels.dtypes}, not {dtype}")
            or ("" if len(backbone.layers) else "no layers"))
     layers = []
@@ -248,13 +257,13 @@ def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
             narrow = (settings.narrow, dtype) if settings.narrow is not None else None
             # checked once here, not in every step: attention narrows only over a cache of a pairing dtype
             narrow_attention = narrow is not None and kernels.pairs(settings.narrow, settings.kv_cache_dtype)
-            bound = BoundLayer(layer, norms_of(layer), kernels, all_reduce, narrow, narrow_attention)
+            bound = layer_class(layer, norms_of(layer), kernels, all_reduce, narrow, narrow_attention)
         except (AttributeError, KeyError) as e:  # not joined, an activation without a native kernel, ...
             why = f"layer {index} cannot be bound ({type(e).__name__}: {e})"
             break
-        moe_elsewhere = bound.moe is not None and not kernels.plans_moe
-        why = ((f"layer {index}'s MoE block is planned on CPUs only (its decode graphs not yet run on a GPU)"
-                if moe_elsewhere else "")
+        elsewhere = bound.module_steps() and not kernels.plans_module_steps
+        why = ((f"layer {index}'s {bound.module_steps()} planned on CPUs only (not yet run so on a GPU)"
+                if elsewhere else "")
                or ("" if bound.ok else f"layer {index} has a linear, head size or norm the kernels do not take")
                or ("" if all_reduce is not None or not bound.hooked() else f"layer {index} has forward hooks"))
         layers.append(bound)
@@ -265,9 +274,11 @@ def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
 
 class PlannedBackbone:
     """Marker of a backbone whose layers a plan can bind: its forward takes the runner's plan (`plan`, a
-    BoundModel) or runs the modules. `norms_of(layer)`: the layer's norms in BoundLayer's order."""
+    BoundModel) or runs the modules. `norms_of(layer)`: the layer's norms in BoundLayer's order; `bound_layer`:
+    the class that binds one of its layers (None: BoundLayer)."""
 
     norms_of = None
+    bound_layer = None
 
 
 @dataclass(frozen=True)

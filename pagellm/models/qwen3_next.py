@@ -34,7 +34,9 @@ from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.moe import SparseMoeBlock, stack_expert_weights
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagellm.models.llama import LlamaForCausalLM, head_dim_of, sliding_window_of
+from pagellm.models.bound_hybrid import BoundHybridLayer
+from pagellm.models.bound_layers import BoundModel, PlannedBackbone
+from pagellm.models.llama import LlamaForCausalLM, Pending, head_dim_of, sliding_window_of
 from pagellm.kernels.attention_metadata import AttentionMetadata
 
 MlpFactory = Callable[[object, int], nn.Module]  # (config, layer_idx) -> the layer's MLP
@@ -98,16 +100,28 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.input_layernorm(h)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                pending: Pending = (None, None)) -> tuple[torch.Tensor, Pending]:
+        """h [T, E]: the residual stream; `pending`: the previous layer's MLP output, not yet added. Returns h and
+        this layer's own pending output: each add is fused with the norm that follows it (as Llama's layers)."""
+        h, x = self.input_layernorm.residual(h, *pending)
         if self.layer_type == "linear_attention":
-            h = h + self.linear_attn(x, meta)
+            mixed = self.linear_attn(x, meta)  # [T, E]
         else:
-            h = h + self.self_attn(x, cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, E]
+            mixed = self.self_attn(x, cos, sin, meta)  # [T, E]
+        h, x = self.post_attention_layernorm.residual(h, mixed)
+        return h, (self.mlp(x), None)  # [T, E] each
 
 
-class HybridModel(nn.Module):
+def hybrid_norms(layer: HybridDecoderLayer) -> tuple:
+    """(before the token mixer, before the MLP, after the mixer, after the MLP): bound_layers' order."""
+    return layer.input_layernorm, layer.post_attention_layernorm, None, None
+
+
+class HybridModel(PlannedBackbone, nn.Module):
+    norms_of = staticmethod(hybrid_norms)  # for the plan (models/bound_hybrid.py)
+    bound_layer = BoundHybridLayer
+
     def __init__(self, config, fused_projections: bool, mlp_factory: MlpFactory):
         super().__init__()
         self.embed_tokens = empty_embedding(config.vocab_size, config.hidden_size)
@@ -117,12 +131,17 @@ class HybridModel(nn.Module):
         rotary_dim, params = partial_rotary(config)
         self.rotary_emb = RotaryEmbedding(rotary_dim, params, config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                plan: BoundModel | None = None) -> torch.Tensor:
+        """plan: the runner's, chosen once (models/bound_hybrid.py); None runs the modules."""
         h = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary_emb(positions, h.dtype)  # [T, R/2] each
+        if plan is not None:
+            return plan(h, [(cos, sin)] * len(self.layers), meta)  # the same kernels as the modules, bound
+        pending = (None, None)
         for layer in self.layers:
-            h = layer(h, cos, sin, meta)
-        return self.norm(h)  # [T, E]
+            h, pending = layer(h, cos, sin, meta, pending)
+        return self.norm.residual(h, *pending)[1]  # [T, E]
 
     def materialize_buffers(self, device: torch.device) -> None:
         self.rotary_emb.materialize(device)

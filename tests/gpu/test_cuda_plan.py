@@ -65,9 +65,11 @@ def test_the_device_family_check_runs_here(capsys):
     assert "llama | float32: 3/3 identical" in capsys.readouterr().out
 
 
-def test_a_moe_model_keeps_its_modules_under_the_triton_set(tmp_path):
-    """Planned on CPUs; on CUDA its modules run until a device run has checked its decode graphs."""
-    write_hybrid_checkpoint("qwen3-moe", tmp_path)
+@pytest.mark.parametrize("family,what", [("qwen3-moe", "MoE block is"), ("qwen3.5", "token mixer is"),
+                                         ("qwen3-next", "token mixer and MoE block are")])
+def test_moe_and_hybrid_models_keep_their_modules_under_the_triton_set(tmp_path, family, what):
+    """Planned on CPUs; on CUDA their modules run until a device run has checked the plan there."""
+    write_hybrid_checkpoint(family, tmp_path)
     model = load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
     plan = plan_model(model, PlanSettings(None, torch.float32, torch.float32), kernels=_triton_kernels())
-    assert plan.bound is None and "MoE block is planned on CPUs only" in plan.description
+    assert plan.bound is None and f"{what} planned on CPUs only" in plan.description

@@ -68,6 +68,24 @@ def test_a_moe_backbone_is_planned_and_equals_the_modules(tmp_path, quantization
     assert [layer.moe is not None for layer in plan.bound.layers] == [True, False, True]  # layer 1: mlp_only
 
 
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5", "qwen3.5-moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_hybrid_backbone_is_planned_and_equals_the_modules(tmp_path, family, dtype):
+    """Gated DeltaNet and gated attention layers, dense and MoE MLPs: the adds, norms and dense MLPs bound, the
+    token mixers and MoE blocks their own steps; bit-identical to the modules over a prefill in two chunks and a
+    decode (the recurrent state carried in its slot)."""
+    write_hybrid_checkpoint(family, tmp_path)
+    model = load_model(str(tmp_path), dtype, torch.device("cpu"), False, "none").model
+    prompt = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+    results = []
+    for bound in (True, False):
+        harness = PagedHarness(model, bound_layers=bound)
+        assert (harness.plan.bound is not None) is bound, harness.plan.description
+        results.append([harness.step({"a": piece})["a"] for piece in (prompt[:15], prompt[15:], [9])])
+    for bound_logits, module_logits in zip(*results):
+        assert torch.equal(bound_logits, module_logits)
+
+
 @pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPE_PAIRS, ids=PAIR_IDS)
 def test_bound_layers_equal_the_modules_on_gguf_blocks(tmp_path, dtype, kv_cache_dtype):
     """A Gemma 3 GGUF as Q4_K_M files mix formats: q/k Q5_0 with v Q8_0 (one joined layer of two formats)."""

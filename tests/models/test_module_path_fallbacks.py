@@ -23,12 +23,8 @@ WRAPPERS = [(norm, "rms_norm"), (norm, "add_rms_norm"), (rotary, "rotary"), (mlp
             (llama, "qkv_prepare"), (llama, "logits_to_f32")]
 
 
-@pytest.mark.skipif(native.default_level() is None, reason="native kernels are off in this run: nothing to bind")
-@pytest.mark.parametrize("family", ["gemma3", "qwen3-moe", "qwen3-next"])
-def test_every_module_kernel_call_runs_the_kernel(tmp_path, monkeypatch, family):
-    (write_hybrid_checkpoint if family.startswith("qwen3-") else write_tiny_checkpoint)(family, tmp_path)
-    dtype = torch.bfloat16 if native.default_level() == "avx512" else torch.float32  # the level's auto dtype
-    model = load_model(str(tmp_path), dtype, torch.device("cpu"), with_tokenizer=False).model
+def counted_wrappers(monkeypatch) -> collections.Counter:
+    """Every wrapper of WRAPPERS counted: {(name, "kernel" | "declined"): calls}."""
     calls = collections.Counter()
 
     def counted(module, name):
@@ -41,6 +37,16 @@ def test_every_module_kernel_call_runs_the_kernel(tmp_path, monkeypatch, family)
         monkeypatch.setattr(module, name, call)
     for module, name in WRAPPERS:
         counted(module, name)
+    return calls
+
+
+@pytest.mark.skipif(native.default_level() is None, reason="native kernels are off in this run: nothing to bind")
+@pytest.mark.parametrize("family", ["gemma3", "qwen3-moe", "qwen3-next"])
+def test_every_module_kernel_call_runs_the_kernel(tmp_path, monkeypatch, family):
+    (write_hybrid_checkpoint if family.startswith("qwen3-") else write_tiny_checkpoint)(family, tmp_path)
+    dtype = torch.bfloat16 if native.default_level() == "avx512" else torch.float32  # the level's auto dtype
+    model = load_model(str(tmp_path), dtype, torch.device("cpu"), with_tokenizer=False).model
+    calls = counted_wrappers(monkeypatch)
     monkeypatch.setattr(attention, "paged_attention_reference", lambda *args, **kwargs: calls.update(
         [("paged_attention", "declined")]) or pytest.fail("the attention's torch reference ran"))
     harness = PagedHarness(model, bound_layers=False)  # the modules, bound to this process's level
@@ -51,24 +57,19 @@ def test_every_module_kernel_call_runs_the_kernel(tmp_path, monkeypatch, family)
 
 
 @pytest.mark.skipif(native.default_level() is None, reason="native kernels are off in this run: nothing to bind")
-def test_a_planned_moe_step_runs_kernels_only(tmp_path, monkeypatch):
-    """Qwen3-MoE through its plan: the bound layers call the kernels directly; each MoE block's experts call the
-    fused activation, which never declines to the torch reference."""
-    write_hybrid_checkpoint("qwen3-moe", tmp_path)
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3-next", "qwen3.5-moe"])
+def test_a_planned_step_runs_kernels_only(tmp_path, monkeypatch, family):
+    """MoE and hybrid families through their plan: the bound parts call the kernels directly; what runs as its
+    module's step (a MoE block, a Gated DeltaNet or gated attention mixer) calls wrappers that never decline to
+    the torch reference."""
+    write_hybrid_checkpoint(family, tmp_path)
     dtype = torch.bfloat16 if native.default_level() == "avx512" else torch.float32
     model = load_model(str(tmp_path), dtype, torch.device("cpu"), with_tokenizer=False).model
-    calls = collections.Counter()
-    real = mlp.act_mul
-
-    def counted(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls["declined" if out is None else "kernel"] += 1
-        return out
-    monkeypatch.setattr(mlp, "act_mul", counted)
+    calls = counted_wrappers(monkeypatch)
     monkeypatch.setattr(attention, "paged_attention_reference",
                         lambda *args, **kwargs: pytest.fail("the attention's torch reference ran"))
     harness = PagedHarness(model)  # planned as the runner plans
-    assert harness.plan.bound is not None
+    assert harness.plan.bound is not None, harness.plan.description
     harness.prefill("a", list(range(3, 40)))
     harness.step({"a": [5]})
-    assert calls["kernel"] > 0 and not calls["declined"], dict(calls)
+    assert calls["act_mul", "kernel"] > 0 and not [key for key in calls if key[1] == "declined"], dict(calls)
