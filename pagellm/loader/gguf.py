@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from pagellm.kernels import gguf_blocks
+from pagellm.loader import gguf_repack
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, header_of, read_gguf_header
 from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_config_fields, hybrid_recipes,
@@ -163,10 +164,10 @@ def _blocks_of(tensor: GGUFTensor, permuted_in: TextModelConfig | None) -> gguf_
     if permuted_in is not None:
         n_heads = (permuted_in.num_attention_heads if "attn_q" in tensor.name else permuted_in.num_key_value_heads)
         rows = unpermute_qk_rows(torch.from_numpy(rows.copy()), n_heads).numpy()  # the map is read-only
-        return gguf_blocks.repack(rows, tensor.ggml_type, tuple(tensor.shape))
+        return gguf_repack.repack(rows, tensor.ggml_type, tuple(tensor.shape))
     # the file's pages leave the resident set chunk by chunk as they are repacked: a big tensor (a vocab-sized
     # embedding) is then never resident twice, as file pages and as blocks
-    return gguf_blocks.repack(rows, tensor.ggml_type, tuple(tensor.shape), consumed=tensor.release)
+    return gguf_repack.repack(rows, tensor.ggml_type, tuple(tensor.shape), consumed=tensor.release)
 
 
 def _weights_only(header: GGUFHeader) -> GGUFHeader:

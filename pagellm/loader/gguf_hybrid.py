@@ -51,7 +51,7 @@ import gguf
 import numpy as np
 import torch
 
-from pagellm.kernels import gguf_blocks
+from pagellm.loader import gguf_repack
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import GGUFHeader, GGUFTensor, dequantize
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
@@ -190,7 +190,7 @@ def read_recipe(recipe: TensorRecipe, scheme: str | None) -> torch.Tensor | Grou
         stacked = np.concatenate([np.asarray(s.data).reshape(s.shape[0], -1) for s in sources])  # rows of blocks
         if rows is not None:
             stacked = stacked[rows.numpy()]
-        return gguf_blocks.repack(stacked, sources[0].ggml_type, (stacked.shape[0], sources[0].shape[1]))
+        return gguf_repack.repack(stacked, sources[0].ggml_type, (stacked.shape[0], sources[0].shape[1]))
     if scheme == "int4" and recipe.finish is None and all(s.ggml_type in EXACT_INT4_TYPES for s in sources):
         parts = [group_affine_of(s.data, s.ggml_type, s.shape) for s in sources]
         codes = parts[0] if len(parts) == 1 else GroupAffine(

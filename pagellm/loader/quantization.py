@@ -35,6 +35,7 @@ from torch import nn
 
 from pagellm.config import QUANTIZATION_SCHEMES
 from pagellm.kernels import gguf_blocks
+from pagellm.loader import gguf_repack
 from pagellm.layers.gguf_moe import GGUFMoeExperts
 from pagellm.layers.moe import EXPERT_KEY, MoeExperts, SparseMoeBlock
 from pagellm.layers.gguf_linear import GGUFLinear
@@ -115,7 +116,7 @@ def weight_schemes(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
 
 
 def _block_scheme(ggml_type: gguf.GGMLQuantizationType | None, rows: int, cols: int) -> str | None:
-    return "gguf" if ggml_type is not None and gguf_blocks.supports(ggml_type, rows, cols) else None
+    return "gguf" if ggml_type is not None and gguf_repack.supports(ggml_type, rows, cols) else None
 
 
 def router_paths(model: nn.Module) -> set[str]:

@@ -1,12 +1,13 @@
 """A GGUF file's weights in the CPU kernels' block layout, kept on disk after the first load.
 
-Why: repacking a file's blocks into kernels/gguf_blocks.py's layout is the largest part of a start (numpy over
-every quantized byte: ~1.6 s of the embedded model's 3.4 s load on a 2-core Zen 4). The layout depends only on
-the file and on gguf_blocks.py, so a later start maps the stored blocks instead (the pages are read as the
-kernels first touch them), as llama.cpp and vLLM keep what they derive from a file.
+Why: repacking a file's blocks into the kernels' layout (loader/gguf_repack.py) is the largest part of a start
+(numpy over every quantized byte: ~1.6 s of the embedded model's 3.4 s load on a 2-core Zen 4). The layout depends
+only on the file and on the code that lays it out, so a later start maps the stored blocks instead (the pages are
+read as the kernels first touch them), as llama.cpp and vLLM keep what they derive from a file.
 
     <cache_dir>/gguf-blocks/<key>/blocks.bin, manifest.json
-    key       sha256 of this format's version, gguf_blocks.py's source (the layout), the file's header bytes,
+    key       sha256 of this format's version, gguf_repack.py's and gguf_blocks.py's sources (the layout), the
+              file's header bytes,
               its size and its modification time: the weights' bytes are not hashed, which would read the whole
               file at every start (Python checks its .pyc files against their source the same way)
     manifest  per tensor: ggml type, rows, cols, and the offset and shape of its three arrays; blocks.bin's
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from pagellm.kernels import gguf_blocks
+from pagellm.loader import gguf_repack
 from pagellm.loader.gguf_file import GGUFHeader, drop_pages
 
 logger = logging.getLogger("pagellm.loader")
@@ -75,7 +77,8 @@ class RepackCache:
     @classmethod
     def for_file(cls, cache_dir: Path, path: Path, header: GGUFHeader) -> RepackCache:
         digest = hashlib.sha256(str(FORMAT).encode())
-        digest.update(Path(gguf_blocks.__file__).read_bytes())  # the layout, as the code lays it out now
+        for source in (gguf_repack.__file__, gguf_blocks.__file__):  # the layout, as the code lays it out now
+            digest.update(Path(source).read_bytes())
         stat = path.stat()
         digest.update(f"{stat.st_size} {stat.st_mtime_ns}".encode())
         with open(path, "rb") as f:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagellm.kernels import gguf_blocks, layer_ops, native
+from pagellm.loader import gguf_repack
 from tests.kernels.gguf_blocks_builders import KERNEL_TYPES, T, gguf_tensor
 from tests.kernels import requires_compiler
 
@@ -29,7 +30,7 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_rows_are_the_files_weights(ggml_type, cpu_isa):
     data = gguf_tensor(ggml_type, 48, 512)
-    weight = gguf_blocks.repack(data, ggml_type, (48, 512))
+    weight = gguf_repack.repack(data, ggml_type, (48, 512))
     ids = torch.tensor([0, 47, 16, 5, 5])
     reference = dequantized(data, ggml_type, (48, 512))
     assert torch.equal(gguf_blocks.rows(weight, ids, cpu_isa), reference[ids])
@@ -40,7 +41,7 @@ def test_rows_are_the_files_weights(ggml_type, cpu_isa):
 @pytest.mark.parametrize("rows", [1, 3, 13, 40])
 def test_matmul_is_the_exact_product_with_int8_activations(ggml_type, rows, cpu_isa):
     data = gguf_tensor(ggml_type, 64, 768, seed=rows)
-    weight = gguf_blocks.repack(data, ggml_type, (64, 768))
+    weight = gguf_repack.repack(data, ggml_type, (64, 768))
     x, bias = torch.randn(rows, 768), torch.randn(64)
     exact = int8_activations(x) @ dequantized(data, ggml_type, (64, 768)).double().T + bias.double()
     y = gguf_blocks.matmul(x, weight, bias, cpu_isa)
@@ -53,7 +54,7 @@ def test_matmul_is_the_exact_product_with_int8_activations(ggml_type, rows, cpu_
 
 def test_activation_rounding_costs_little_against_the_dense_product(cpu_isa):
     data = gguf_tensor(T.Q8_0, 256, 1024)
-    weight = gguf_blocks.repack(data, T.Q8_0, (256, 1024))
+    weight = gguf_repack.repack(data, T.Q8_0, (256, 1024))
     x = torch.randn(4, 1024)
     dense = x @ dequantized(data, T.Q8_0, (256, 1024)).T
     assert ((gguf_blocks.matmul(x, weight, None, cpu_isa) - dense).norm() / dense.norm()).item() < 0.01
@@ -63,7 +64,7 @@ def test_activation_rounding_costs_little_against_the_dense_product(cpu_isa):
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_levels_bit_identical(ggml_type):
     data = gguf_tensor(ggml_type, 32, 512, seed=3)
-    weight = gguf_blocks.repack(data, ggml_type, (32, 512))
+    weight = gguf_repack.repack(data, ggml_type, (32, 512))
     x = torch.randn(7, 512)
     results = native.each_level(lambda at: gguf_blocks.matmul(x, weight, None, at))
     first = next(iter(results.values()))
@@ -76,7 +77,7 @@ def test_avx_vnni_build_equals_the_plain_avx2_build(ggml_type):
     if "avx2" not in native.host_levels() or "avx_vnni" not in native.cpu_flags():
         pytest.skip("needs a CPU with AVX2 and AVX-VNNI")
     data = gguf_tensor(ggml_type, 32, 512, seed=4)
-    weight = gguf_blocks.repack(data, ggml_type, (32, 512))
+    weight = gguf_repack.repack(data, ggml_type, (32, 512))
     x = torch.randn(9, 512)
     outs = []
     for extensions in (("avx_vnni",), ()):
@@ -104,7 +105,7 @@ def test_extreme_codes_keep_the_int16_sums_exact(ggml_type, code_byte):
     scales = blocks[:, _SCALE_BYTES[ggml_type]].copy()
     blocks[:] = code_byte
     blocks[:, _SCALE_BYTES[ggml_type]] = scales
-    weight = gguf_blocks.repack(data, ggml_type, (32, 512))
+    weight = gguf_repack.repack(data, ggml_type, (32, 512))
     x = torch.ones(4, 512)
     x[1], x[2, ::2] = -1.0, -1.0  # rows of +127, of -127, and alternating
     outs = {}
@@ -121,25 +122,25 @@ def test_extreme_codes_keep_the_int16_sums_exact(ggml_type, code_byte):
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_resident_bytes_stay_near_the_files(ggml_type):
     data = gguf_tensor(ggml_type, 32, 1024)
-    weight = gguf_blocks.repack(data, ggml_type, (32, 1024))
+    weight = gguf_repack.repack(data, ggml_type, (32, 1024))
     resident = sum(t.numel() * t.element_size() for t in weight.tensors())
     assert data.nbytes <= resident <= 1.03 * data.nbytes
 
 
 def test_bad_input_is_refused(cpu_isa):
-    weight = gguf_blocks.repack(gguf_tensor(T.Q4_0, 16, 64), T.Q4_0, (16, 64))
+    weight = gguf_repack.repack(gguf_tensor(T.Q4_0, 16, 64), T.Q4_0, (16, 64))
     with pytest.raises(IndexError, match="out of range"):
         gguf_blocks.rows(weight, torch.tensor([16]), cpu_isa)
     with pytest.raises(ValueError, match="64 features"):
         gguf_blocks.matmul(torch.randn(2, 32), weight, None, cpu_isa)
     with pytest.raises(ValueError, match="cannot be kept in its blocks"):
-        gguf_blocks.repack(gguf_tensor(T.Q4_0, 8, 64), T.Q4_0, (8, 64))
+        gguf_repack.repack(gguf_tensor(T.Q4_0, 8, 64), T.Q4_0, (8, 64))
 
 
 def test_weights_side_by_side_write_one_output(cpu_isa):
     parts = [(T.Q5_0, 32), (T.Q8_0, 16), (T.Q4_K, 48)]
     data = [gguf_tensor(t, n, 512, seed=n) for t, n in parts]
-    weights = [gguf_blocks.repack(d, t, (n, 512)) for d, (t, n) in zip(data, parts)]
+    weights = [gguf_repack.repack(d, t, (n, 512)) for d, (t, n) in zip(data, parts)]
     x, bias = torch.randn(6, 512), torch.randn(96)
     joined = gguf_blocks.BoundMatmul(weights, bias, cpu_isa)(x)
     separate = torch.cat([gguf_blocks.matmul(x, w, None, cpu_isa) for w in weights], dim=1) + bias
@@ -149,7 +150,7 @@ def test_weights_side_by_side_write_one_output(cpu_isa):
 def test_repacking_in_chunks_keeps_every_row(cpu_isa):
     """repack works 1024 rows at a time: a tensor of more than one chunk, not a whole number of them."""
     data = gguf_tensor(T.Q6_K, 2064, 256)
-    weight = gguf_blocks.repack(data, T.Q6_K, (2064, 256))
+    weight = gguf_repack.repack(data, T.Q6_K, (2064, 256))
     assert torch.equal(gguf_blocks.rows(weight, torch.arange(2064), cpu_isa), dequantized(data, T.Q6_K, (2064, 256)))
 
 
@@ -157,7 +158,7 @@ def test_layer_rebinds_when_a_buffer_is_replaced(cpu_isa):
     from pagellm.layers.gguf_linear import GGUFLinear
     from pagellm.layers.kernel_user import bind_kernel_level
 
-    first, second = (gguf_blocks.repack(gguf_tensor(T.Q8_0, 32, 256, seed=s), T.Q8_0, (32, 256)) for s in (1, 2))
+    first, second = (gguf_repack.repack(gguf_tensor(T.Q8_0, 32, 256, seed=s), T.Q8_0, (32, 256)) for s in (1, 2))
     layer, x = GGUFLinear([first]), torch.randn(2, 256)
     bind_kernel_level(layer, cpu_isa)
     assert torch.equal(layer(x), gguf_blocks.matmul(x, first, None, cpu_isa))
@@ -174,7 +175,7 @@ def test_an_fp32_output_of_bf16_activations_is_the_bf16_output_unrounded(ggml_ty
     """What an LM head asks for: the same fp32 sums, not rounded to bf16 (bias included)."""
     data = gguf_tensor(ggml_type, 32, 512, seed=5)
     bias = torch.randn(32).to(torch.bfloat16).float()  # the same in either output dtype
-    bound = gguf_blocks.BoundMatmul([gguf_blocks.repack(data, ggml_type, (32, 512))], bias, cpu_isa)
+    bound = gguf_blocks.BoundMatmul([gguf_repack.repack(data, ggml_type, (32, 512))], bias, cpu_isa)
     x = torch.randn(5, 512).to(torch.bfloat16)
     wide, narrow = bound(x, torch.float32), bound(x)
     assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
@@ -184,9 +185,9 @@ def test_an_fp32_output_of_bf16_activations_is_the_bf16_output_unrounded(ggml_ty
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_the_fused_mlp_is_the_three_calls_bit_for_bit(ggml_type, cpu_isa):
-    gate_up = gguf_blocks.repack(gguf_tensor(ggml_type, 512, 512, seed=3), ggml_type, (512, 512))  # I = 256
+    gate_up = gguf_repack.repack(gguf_tensor(ggml_type, 512, 512, seed=3), ggml_type, (512, 512))  # I = 256
     down_type = T.Q6_K if ggml_type != T.Q6_K else T.Q4_0  # the two formats differ, as in a Q4_K_M file
-    down = gguf_blocks.repack(gguf_tensor(down_type, 48, 256, seed=4), down_type, (48, 256))
+    down = gguf_repack.repack(gguf_tensor(down_type, 48, 256, seed=4), down_type, (48, 256))
     for biases in ((None, None), (torch.randn(gate_up.rows), torch.randn(48))):
         first, second = gguf_blocks.BoundMatmul([gate_up], biases[0], cpu_isa), gguf_blocks.BoundMatmul(
             [down], biases[1], cpu_isa)
@@ -202,8 +203,8 @@ def test_the_fused_mlp_is_the_three_calls_bit_for_bit(ggml_type, cpu_isa):
 
 def test_the_fused_mlp_over_wide_blocks_keeps_each_group_in_one_chunk(cpu_isa):
     """K = 8192: a chunk of gate/up block pairs under ~256 KB is one pair, rounded from one block to two."""
-    gate_up = gguf_blocks.repack(gguf_tensor(T.Q8_0, 448, 8192, seed=5), T.Q8_0, (448, 8192))  # I = 224: 7 groups
-    down = gguf_blocks.repack(gguf_tensor(T.Q4_0, 32, 224, seed=6), T.Q4_0, (32, 224))
+    gate_up = gguf_repack.repack(gguf_tensor(T.Q8_0, 448, 8192, seed=5), T.Q8_0, (448, 8192))  # I = 224: 7 groups
+    down = gguf_repack.repack(gguf_tensor(T.Q4_0, 32, 224, seed=6), T.Q4_0, (32, 224))
     first = gguf_blocks.BoundMatmul([gate_up], torch.randn(448), cpu_isa)
     second = gguf_blocks.BoundMatmul([down], None, cpu_isa)
     for x in (torch.randn(5, 8192), torch.randn(5, 8192).bfloat16()):
@@ -212,10 +213,10 @@ def test_the_fused_mlp_over_wide_blocks_keeps_each_group_in_one_chunk(cpu_isa):
 
 
 def test_the_fused_mlp_refuses_what_it_cannot_fuse():
-    q8 = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(T.Q8_0, 64, 64), T.Q8_0, (64, 64))], None, "generic")
-    two = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(t, 32, 64), t, (32, 64)) for t in (T.Q8_0, T.Q4_0)],
+    q8 = gguf_blocks.BoundMatmul([gguf_repack.repack(gguf_tensor(T.Q8_0, 64, 64), T.Q8_0, (64, 64))], None, "generic")
+    two = gguf_blocks.BoundMatmul([gguf_repack.repack(gguf_tensor(t, 32, 64), t, (32, 64)) for t in (T.Q8_0, T.Q4_0)],
                                   None, "generic")
-    down = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(T.Q8_0, 16, 32), T.Q8_0, (16, 32))], None,
+    down = gguf_blocks.BoundMatmul([gguf_repack.repack(gguf_tensor(T.Q8_0, 16, 32), T.Q8_0, (16, 32))], None,
                                    "generic")
     assert gguf_blocks.BoundMLP.fuses(q8, down) and not gguf_blocks.BoundMLP.fuses(two, down)
     assert not gguf_blocks.BoundMLP.fuses(q8, q8)  # down must take I = 32 columns
@@ -244,7 +245,7 @@ def _assert_one_call_is_the_two(fused, product, residual, cpu_isa):
 def test_the_matmul_with_its_add_and_norm_is_the_two_calls_bit_for_bit(ggml_type, cpu_isa):
     """An o projection and the residual add + norm after it in one call (BoundMatmul.add_norm), x in another dtype
     than the residual too (narrow attention)."""
-    weight = gguf_blocks.repack(gguf_tensor(ggml_type, 96, 256, seed=7), ggml_type, (96, 256))
+    weight = gguf_repack.repack(gguf_tensor(ggml_type, 96, 256, seed=7), ggml_type, (96, 256))
     for bias in (None, torch.randn(96)):
         matmul = gguf_blocks.BoundMatmul([weight], bias, cpu_isa)
         for rows in (1, 7, 160):
@@ -259,8 +260,8 @@ def test_the_matmul_with_its_add_and_norm_is_the_two_calls_bit_for_bit(ggml_type
 
 def test_the_fused_mlp_with_its_add_and_norm_is_the_two_calls_bit_for_bit(cpu_isa):
     """A layer's MLP and the next layer's input norm in one call (BoundMLP.add_norm)."""
-    gate_up = gguf_blocks.repack(gguf_tensor(T.Q5_0, 512, 256, seed=8), T.Q5_0, (512, 256))  # I = 256
-    down = gguf_blocks.repack(gguf_tensor(T.Q4_K, 256, 256, seed=9), T.Q4_K, (256, 256))
+    gate_up = gguf_repack.repack(gguf_tensor(T.Q5_0, 512, 256, seed=8), T.Q5_0, (512, 256))  # I = 256
+    down = gguf_repack.repack(gguf_tensor(T.Q4_K, 256, 256, seed=9), T.Q4_K, (256, 256))
     for biases in ((None, None), (torch.randn(512), torch.randn(256))):
         mlp = gguf_blocks.BoundMLP(gguf_blocks.BoundMatmul([gate_up], biases[0], cpu_isa),
                                    gguf_blocks.BoundMatmul([down], biases[1], cpu_isa), 1)
@@ -274,9 +275,9 @@ def test_the_fused_mlp_with_its_add_and_norm_is_the_two_calls_bit_for_bit(cpu_is
 
 
 def test_the_matmul_with_its_add_and_norm_refuses_what_it_cannot_take():
-    two = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(t, 32, 64), t, (32, 64)) for t in (T.Q8_0, T.Q4_0)],
+    two = gguf_blocks.BoundMatmul([gguf_repack.repack(gguf_tensor(t, 32, 64), t, (32, 64)) for t in (T.Q8_0, T.Q4_0)],
                                   None, "generic")
-    one = gguf_blocks.BoundMatmul([gguf_blocks.repack(gguf_tensor(T.Q8_0, 32, 64), T.Q8_0, (32, 64))], None, "generic")
+    one = gguf_blocks.BoundMatmul([gguf_repack.repack(gguf_tensor(T.Q8_0, 32, 64), T.Q8_0, (32, 64))], None, "generic")
     assert one.fuses_add_norm() and not two.fuses_add_norm()
     w = torch.ones(64)
     with pytest.raises(ValueError, match="expected one weight"):

@@ -10,6 +10,7 @@ _PROBE = r"""
 import json, os, sys
 import torch
 from pagellm.kernels import gguf_blocks
+from pagellm.loader import gguf_repack
 from pagellm.kernels.selection import release_thread_scratch
 from pagellm.platform import release_freed_heap
 from tests.kernels.gguf_blocks_builders import T, gguf_tensor
@@ -19,7 +20,7 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 at = sys.argv[1]
-weight = gguf_blocks.repack(gguf_tensor(T.Q8_0, 32, 4096), T.Q8_0, (32, 4096))
+weight = gguf_repack.repack(gguf_tensor(T.Q8_0, 32, 4096), T.Q8_0, (32, 4096))
 x = torch.randn(4096, 4096)  # int8 activations of it: 16 MiB of scratch
 first = gguf_blocks.matmul(x, weight, None, at)
 release_freed_heap()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from pagellm.kernels import gguf_blocks
+from pagellm.loader import gguf_repack
 from pagellm.loader.gguf import read_gguf_header
 from tests.kernels.gguf_blocks_builders import gguf_tensor
 from tests.loader.gguf_builders import write_tiny_gguf
@@ -65,8 +65,8 @@ def test_repack_reports_every_row_consumed_once_in_order_and_builds_the_same_wei
     rows, cols = 2 * 1024 + 48, 256  # two whole chunks and a partial one
     data = gguf_tensor(T.Q4_K, rows, cols)
     seen = []
-    reported = gguf_blocks.repack(data, T.Q4_K, (rows, cols), consumed=lambda a, b: seen.append((a, b)))
-    plain = gguf_blocks.repack(data, T.Q4_K, (rows, cols))
+    reported = gguf_repack.repack(data, T.Q4_K, (rows, cols), consumed=lambda a, b: seen.append((a, b)))
+    plain = gguf_repack.repack(data, T.Q4_K, (rows, cols))
     assert seen[0][0] == 0 and seen[-1][1] == rows
     assert all(prev[1] == nxt[0] for prev, nxt in zip(seen, seen[1:]))
     for got, want in zip((reported.qs, reported.gp, reported.sp), (plain.qs, plain.gp, plain.sp)):

@@ -13,7 +13,7 @@ import gguf
 import pytest
 import torch
 
-from pagellm.kernels import gguf_blocks
+from pagellm.loader import gguf_repack
 from pagellm.loader.model_loader import load_model
 from tests.loader.gguf_builders import write_tiny_gguf
 
@@ -40,8 +40,8 @@ def _logits(model):
 
 
 def _counting_repacks(monkeypatch) -> list:
-    calls, repack = [], gguf_blocks.repack
-    monkeypatch.setattr(gguf_blocks, "repack", lambda *a, **k: calls.append(1) or repack(*a, **k))
+    calls, repack = [], gguf_repack.repack
+    monkeypatch.setattr(gguf_repack, "repack", lambda *a, **k: calls.append(1) or repack(*a, **k))
     return calls
 
 
@@ -124,7 +124,7 @@ def test_a_commit_removes_partial_entries_a_killed_load_left(tiny, tmp_path):
 
 
 def test_a_load_that_stops_early_leaves_no_entry(tiny, tmp_path, monkeypatch):
-    repack = gguf_blocks.repack
+    repack = gguf_repack.repack
     calls = []
 
     def failing(*args, **kwargs):
@@ -133,7 +133,7 @@ def test_a_load_that_stops_early_leaves_no_entry(tiny, tmp_path, monkeypatch):
             raise MemoryError("out of memory")
         return repack(*args, **kwargs)
 
-    monkeypatch.setattr(gguf_blocks, "repack", failing)
+    monkeypatch.setattr(gguf_repack, "repack", failing)
     with pytest.raises(MemoryError):
         _load(tiny.path, tmp_path / "cache")
     assert not list((tmp_path / "cache" / "gguf-blocks").iterdir())
