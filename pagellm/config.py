@@ -40,7 +40,7 @@ class ModelConfig(_FromDict):
         "Compute dtype: float32, bfloat16, float16 or auto (the default): on CUDA bfloat16 (float16 on a GPU "
         "without bf16); on CPU float32 for a GGUF run as stored (attention in bfloat16 at avx512 only over a "
         "bfloat16 --kv-cache-dtype), else bfloat16 where the kernel level has a native bf16 dot product (avx512) and "
-        "float32 elsewhere; float32 on other devices.", default=None)
+        "float32 elsewhere.", default=None)
     max_model_len: int | None = _help("Longest sequence served (default: the model's context length).", default=None)
     device: str = _help("torch device to run on.", default="cpu")
     quantization: str = _help(
@@ -77,6 +77,8 @@ class ModelConfig(_FromDict):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {self.quantization!r}")
         if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):  # runner/backend.DEVICE_KINDS
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         sizes = tuple(sorted(set(self.cuda_graph_sizes)))
@@ -231,7 +233,7 @@ class KernelConfig(_FromDict):
         "Use the C++ CPU kernels (off: torch's reference ops everywhere). Default: on unless PAGELLM_NATIVE=0.",
         default_factory=lambda: _env_switch("PAGELLM_NATIVE"))
     bound_layers: bool = _help(
-        "Run Llama-family decoder layers bound once to their kernels (off: the torch modules, same results). "
+        "Run decoder layers bound once to their kernels (off: the torch modules, same results). "
         "Default: on unless PAGELLM_BOUND_LAYERS=0.", default_factory=lambda: _env_switch("PAGELLM_BOUND_LAYERS"))
     int8_activations: bool = _help(
         "int4 layers quantize their activations to int8 per 32-column group (llama.cpp's Q8_0) for integer dot "

@@ -266,7 +266,7 @@ class LLMEngine:
     def _settle_when_idle(self) -> None:
         """With nothing left to run, memory goes back to what idles, now (one step with no model work), not with
         the next request's first step: the free KV blocks past the prefix cache's budget, warm ones included
-        (kept for reuse while steps run); on a CPU also the step buffers every rank keeps (ModelRunner._settle)."""
+        (kept for reuse while steps run); on a CPU also the step buffers every rank keeps (Backend.settle)."""
         if self._in_flight is not None or self.scheduler.has_unfinished():
             return
         self.kv_cache.release_warm()

@@ -49,9 +49,9 @@ class RMSNorm(KernelUser, nn.Module):
 
     def flavour_weight(self) -> torch.Tensor:
         """The weight as the kernels take it: fp32 for the unit-offset flavour (Gemma adds 1 in fp32), else the
-        parameter. The fp32 copy is one of the module's bindings (the hybrid families run only modules: a copy per
-        call would add an allocation and a cast to every norm), made again when the weight is replaced; a bound
-        plan takes its copy once."""
+        parameter. The fp32 copy is one of the module's bindings (where a model runs its modules, a copy per call
+        would add an allocation and a cast to every norm), made again when the weight is replaced; a bound plan
+        takes its copy once."""
         if not self.unit_offset:
             return self.weight
         source = self.weight.data_ptr()

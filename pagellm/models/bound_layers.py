@@ -204,14 +204,15 @@ class BoundModel:
     def __init__(self, layers: list[BoundLayer], final_norm: nn.Module, dtype: torch.dtype, kernels: StepKernels):
         self.layers, self.final_norm, self.dtype, self.kernels = layers, final_norm, dtype, kernels
         self.final_weight = final_norm.flavour_weight()
+        self.first_attention = next((layer.paged for layer in layers if layer.paged is not None), None)
         for layer, following in zip(layers, layers[1:]):  # each layer's MLP ends with the next one's input norm
             layer.next_norm = (following.norm_in, following.weights[0])
         layers[-1].next_norm = (final_norm, self.final_weight)
 
     def __call__(self, h: torch.Tensor, ropes: list, meta) -> torch.Tensor:
         """ropes: (cos, sin) [T, D/2] per layer, in the model dtype."""
-        caches = next(layer.paged.key_cache for layer in self.layers if layer.paged is not None)
-        # the runner's invariants
+        # the runner's invariants (a backbone without attention layers has no cache to pair)
+        caches = self.first_attention.key_cache if self.first_attention is not None else h
         if h.dtype != self.dtype or caches is None or not self.kernels.pairs(self.dtype, caches.dtype):
             raise RuntimeError(f"the bound layers were planned for {self.dtype} activations and a KV cache paired "
                                f"with them; got {h.dtype} and {None if caches is None else caches.dtype}")

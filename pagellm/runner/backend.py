@@ -7,8 +7,8 @@ same frozen config, so they cannot disagree (a worker that re-derived the dtypes
 rule). What differs by device kind is answered by the two classes, never by a device test at the call site:
 
     CpuBackend    host memory: the KV pool reserved and its released pages handed back (MADV_DONTNEED), a
-                  prefix-cache budget by default, the kernels' scratch and the heap given back at idle; decode
-                  graphs replay their buffers eagerly; collectives over Gloo
+                  prefix-cache budget by default, the kernels' scratch and the heap given back at idle; no graph
+                  capture (padded decode buffers run eagerly where a test forces them); collectives over Gloo
     CudaBackend   device memory reserved up front (gpu_memory_utilization); decode graphs captured; collectives
                   over NCCL; async scheduling where graphs replay
 
@@ -99,8 +99,14 @@ class CudaBackend(Backend):
         pass  # the caching allocator keeps its blocks for the next step; the KV pool is reserved anyway
 
 
+DEVICE_KINDS = ("cpu", "cuda")
+
+
 def backend_kind(device: torch.device) -> type[Backend]:
-    """The backend class of `device`: the one device test (what a model already on a device runs with)."""
+    """The backend class of `device`: the one device test (what a model already on a device runs with). Other
+    devices are refused: nothing allocates or computes on them (ModelConfig refuses them first)."""
+    if device.type not in DEVICE_KINDS:
+        raise ValueError(f"device: pagellm runs on {' or '.join(DEVICE_KINDS)}, not {device.type!r}")
     return CudaBackend if device.type == "cuda" else CpuBackend
 
 

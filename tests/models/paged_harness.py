@@ -15,6 +15,7 @@ import torch
 from pagellm.kernels.attention_metadata import AttentionMetadata
 from pagellm.kernels import native
 from pagellm.models.bound_layers import PlanSettings, activation_dtype, plan_model
+from pagellm.runner.backend import backend_kind
 
 
 class PagedHarness:
@@ -36,9 +37,10 @@ class PagedHarness:
                            device=self.device),
                 torch.full((num_state_slots, *shapes.recurrent_state), float("nan"), dtype=shapes.recurrent_dtype,
                            device=self.device))
-        level = native.default_level() if self.device.type == "cpu" else None  # as the runner's, for this process
+        kind = backend_kind(self.device)  # as the runner's backend, for this process
+        level = native.default_level() if kind.runs_cpu_kernels else None
         self.plan = plan_model(model, PlanSettings(level, activation_dtype(model), kv_cache_dtype or self.dtype,
-                                                   bound_layers))
+                                                   bound_layers, kernels=kind.kernels_at(level)))
         generator = torch.Generator().manual_seed(seed)
         self.free_blocks: list[int] = torch.randperm(num_blocks, generator=generator).tolist()
         self.free_slots: list[int] = torch.randperm(num_state_slots, generator=generator).tolist()

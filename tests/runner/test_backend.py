@@ -10,7 +10,7 @@ from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig,
 from pagellm.eval.forward import mode_backend
 from pagellm.kernels import native
 from pagellm.loader.default_model import default_model_path
-from pagellm.runner.backend import CpuBackend, CudaBackend, choose_backend, rank_device
+from pagellm.runner.backend import CpuBackend, CudaBackend, backend_kind, choose_backend, rank_device
 from tests.models.tiny_checkpoints import write_tiny_checkpoint
 
 
@@ -61,3 +61,10 @@ def test_device_kinds_answer_for_themselves():
     assert (cuda.host_memory, cuda.captures_graphs, cuda.collective) == (False, True, "nccl")
     cuda.settle()  # nothing to give back: device memory is reserved whole
     assert rank_device("cuda", 3, 4, gpus=2) == torch.device("cuda", 1)
+
+
+def test_a_device_without_a_backend_is_refused_by_name():
+    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N, got 'mps'"):
+        ModelConfig(device="mps")
+    with pytest.raises(ValueError, match="pagellm runs on cpu or cuda, not 'meta'"):
+        backend_kind(torch.device("meta"))
