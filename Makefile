@@ -28,7 +28,7 @@ $(BIN)/python:
 # an edited kernel is rebuilt on its first use.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
-	$(BIN)/python -m pagellm.kernels
+	$(BIN)/python -m pagellm.kernels pagellm/loader/csrc/sentencepiece_vocab.cpp
 	touch $(STAMP)
 
 # Bytecode for pagellm's own modules, refreshed when a source changes: an editable install gets none from pip,

@@ -49,9 +49,6 @@ from pagellm.kernels.errors import KernelBuildError
 from pagellm.kernels import binding
 
 CSRC = Path(__file__).with_name("csrc")
-# The GGUF vocabulary's library (csrc/sentencepiece_vocab.cpp): the tokenizer's, not a kernel; no vector code, so
-# one build, at the generic level, serves every CPU.
-VOCABULARY = ("sentencepiece_vocab", "generic")
 DTYPE_CODES = binding.DTYPE_CODES  # the kernels' dtype argument (is_bf16)
 # Declared by every library whose source includes csrc/thread_scratch.h: its kept per-thread scratch given back.
 RELEASE_SCRATCH = binding.Function("pagellm_release_thread_scratch", ())
@@ -160,14 +157,20 @@ def _compiler_version(cxx: str) -> str:
     return subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, text=True).stdout
 
 
+def source_of(name: str) -> Path:
+    """The C++ source a library `name` is built from: csrc/<name>.cpp, or `name` itself where it is the path of a
+    .cpp file elsewhere (the loader's GGUF vocabulary code: built and cached the same way, not a kernel)."""
+    return Path(name) if name.endswith(".cpp") else CSRC / f"{name}.cpp"
+
+
 def library_path(name: str, flags: tuple[str, ...], cxx: str) -> Path:
-    """Where `cxx`'s build of csrc/<name>.cpp with `flags` is cached: keyed by the sources, the flags and the
+    """Where `cxx`'s build of `name`'s source with `flags` is cached: keyed by the sources, the flags and the
     compiler's version, so an edit, another level or another compiler is a new file."""
-    source = CSRC / f"{name}.cpp"
+    source = source_of(name)
     version = _compiler_version(cxx)
     headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # shared includes (bf16.h)
     key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version]).encode()).hexdigest()[:16]
-    return cache_dir() / f"{name}-{key}.so"
+    return cache_dir() / f"{source.stem}-{key}.so"
 
 
 def _build(name: str, cxx: str, flags: tuple[str, ...]) -> Path:
@@ -183,10 +186,10 @@ def _build(name: str, cxx: str, flags: tuple[str, ...]) -> Path:
                                "PAGELLM_KERNEL_CACHE to a writable directory") from None
     try:
         out = tmp / target.name
-        result = subprocess.run([*shlex.split(cxx), *flags, str(CSRC / f"{name}.cpp"), "-o", str(out)],
+        result = subprocess.run([*shlex.split(cxx), *flags, str(source_of(name)), "-o", str(out)],
                                 capture_output=True, text=True)
         if result.returncode != 0:
-            raise KernelBuildError(f"{cxx} failed on {name}.cpp (exit {result.returncode}, flags "
+            raise KernelBuildError(f"{cxx} failed on {source_of(name).name} (exit {result.returncode}, flags "
                                    f"{' '.join(flags)}):\n{(result.stderr or result.stdout)[-4000:]}")
         os.replace(out, target)
     finally:

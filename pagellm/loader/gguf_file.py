@@ -28,6 +28,11 @@ import torch
 from pagellm.kernels import native
 from pagellm.kernels.errors import KernelBuildError
 
+# The GGUF vocabulary's library (csrc/sentencepiece_vocab.cpp beside this file): the tokenizer's, not a kernel,
+# built and cached as the kernels are (kernels/native.py); no vector code, so one build, at the generic level,
+# serves every CPU.
+VOCABULARY = (str(Path(__file__).with_name("csrc") / "sentencepiece_vocab.cpp"), "generic")
+
 _GGUF_VERSIONS = (2, 3)  # v1 counted with 32-bit integers and is long gone
 _DEFAULT_ALIGNMENT = 32
 # metadata value types: fixed-size scalars by struct format; 8 = string, 9 = array
@@ -223,7 +228,7 @@ def _strings_end(blob: np.ndarray, pos: int, count: int, key: str) -> int:
 def _compiled_walk():
     """gguf_strings_end of the vocabulary's library (csrc/sentencepiece_vocab.cpp), typed; None without it."""
     try:
-        lib = native.load(*native.VOCABULARY)
+        lib = native.load(*VOCABULARY)
     except KernelBuildError:
         return None  # the reader needs no compiled code: the tokenizer reports a broken build where it needs one
     if lib is None:

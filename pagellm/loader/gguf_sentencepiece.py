@@ -1,5 +1,5 @@
 """A GGUF SentencePiece-style vocabulary (tokenizer.ggml.model "llama": Gemma, Llama 2, Mistral's older files)
-tokenized in C++ exactly as llama.cpp tokenizes it: kernels/csrc/sentencepiece_vocab.cpp.
+tokenized in C++ exactly as llama.cpp tokenizes it: loader/csrc/sentencepiece_vocab.cpp.
 
 Why not the `tokenizers` form of loader/gguf_tokenizer.py: it needs a merge for every two-piece split of every
 piece (the file has scores, not merges), 515k for the embedded Gemma 3, which cost ~3.5 s to build on a first
@@ -19,7 +19,7 @@ import re
 import numpy as np
 
 from pagellm.kernels import native
-from pagellm.loader.gguf_file import GGUFHeader
+from pagellm.loader.gguf_file import VOCABULARY, GGUFHeader
 from pagellm.loader.gguf_tokenizer import (adds_space_prefix, bos_eos, info_fields, special_token_ids,
                                           token_scores, token_types)
 
@@ -43,7 +43,7 @@ _FUNCTIONS = {  # symbol: (argtypes, restype)
 
 def library() -> ctypes.CDLL | None:
     """The compiled vocabulary code (one build for every CPU: no vector code in it), None without a compiler."""
-    lib = native.load(*native.VOCABULARY)
+    lib = native.load(*VOCABULARY)
     if lib is not None and lib.sentencepiece_new.restype is not ctypes.c_void_p:
         for symbol, (argtypes, restype) in _FUNCTIONS.items():
             getattr(lib, symbol).argtypes, getattr(lib, symbol).restype = argtypes, restype
