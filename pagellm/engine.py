@@ -49,11 +49,8 @@ logger = logging.getLogger("pagellm.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False):
         self.config = config
-        mc = config.model
         # What this device runs, decided once (every worker derives the same from the same config).
         self.backend = backend = choose_backend(config, rank=0)
-        self.device, self.dtype, self.kv_cache_dtype = backend.device, backend.compute_dtype, backend.kv_cache_dtype
-        self.narrow_dtype, self.kernels, self.kernel_level = backend.narrow_dtype, backend.kernels, backend.level
         if backend.captures_graphs and self.device.index is not None:  # Triton launches on the current device,
             torch.cuda.set_device(self.device)                          # not the tensors': make it this one
         limit_threads_to_cores()
@@ -84,6 +81,14 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         freeze_loaded_objects()
         keep_step_buffers_in_heap(config.kernels.heap_tuning)
+
+    # What the backend chose, under the names the engine's users read.
+    device = property(lambda self: self.backend.device)
+    dtype = property(lambda self: self.backend.compute_dtype)
+    kv_cache_dtype = property(lambda self: self.backend.kv_cache_dtype)
+    narrow_dtype = property(lambda self: self.backend.narrow_dtype)
+    kernels = property(lambda self: self.backend.kernels)  # every CPU kernel and where it runs, in words
+    kernel_level = property(lambda self: self.backend.level)
 
     def _build(self, config: EngineConfig, skip_tokenizer_init: bool, shard: ShardSpec | None,
                parallel: ParallelState | None) -> None:

@@ -12,8 +12,7 @@ import torch
 
 from pagellm.loader.model_loader import load_model
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
-from pagellm.runner.backend import Backend, backend_kind, choose_backend
-from pagellm.kernels import native
+from pagellm.runner.backend import Backend, choose_backend, device_kernels
 from pagellm.models.bound_layers import PlanSettings, plan_model
 from pagellm.loader.tokenizer import load_tokenizer
 from pagellm.kernels.attention_metadata import AttentionMetadata
@@ -77,10 +76,9 @@ def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype
         layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device),
                             torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device))
     kernels = kernels or KernelConfig()
-    kind = backend_kind(device)  # the step kernels of the weights' device, as its backend would bind them
-    level = native.level_of(kernels) if kind.runs_cpu_kernels else None
+    level, step_kernels = device_kernels(device, kernels)  # as the weights' device's backend binds them
     plan = plan_model(model, PlanSettings(level, dtype, kv_cache_dtype or dtype, kernels.bound_layers,
-                                          narrow=narrow, kernels=kind.kernels_at(level))).bound
+                                          narrow=narrow, kernels=step_kernels)).bound
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):

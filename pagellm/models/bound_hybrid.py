@@ -21,7 +21,8 @@ from pagellm.models.bound_layers import StepKernels, blocks_hooked, bound_linear
 
 class BoundHybridLayer:
     """One hybrid decoder layer's step: (h, x) -> (h, x), x the normed input of this layer, then of the next
-    (`next_norm`, set by BoundModel). BoundLayer's interface, for BoundModel and plan_backbone."""
+    (`next_norm`, set by BoundModel). BoundLayer's interface, for BoundModel and plan_backbone; `narrow` is taken
+    and not applied (neither this step nor the modules narrow the gated attention)."""
 
     def __init__(self, layer: nn.Module, norms: tuple, kernels: StepKernels, all_reduce=None,
                  narrow: tuple[torch.dtype, torch.dtype] | None = None, narrow_attention: bool = True):
@@ -39,7 +40,6 @@ class BoundHybridLayer:
         self.gate_up = bound_linear(mlp.gate_up_proj) if dense and hasattr(mlp, "gate_up_proj") else None
         self.down = bound_linear(mlp.down_proj) if dense else None
         self.activation = FUSED_ACTIVATIONS.get(mlp.activation) if dense else None
-        self.fused_mlp = None  # (BoundLayer's GGUF MLP kernel: not here, the modules do not call it)
         self.next_norm = None  # (the norm after this layer, its flavour weight): BoundModel's to set
         self.ok = ((not dense or None not in (self.gate_up, self.down, self.activation))
                    and kernels.plans_module_steps and self.norm_in.same_kind(self.norm_mid))

@@ -1,4 +1,5 @@
-"""The plan of a Llama-family backbone (dense or MoE MLPs): chosen once per device, its decoder layers bound to the device's kernels.
+"""The plan of a Llama-family backbone (dense or MoE MLPs): chosen once per device, its decoder layers bound to
+the device's kernels.
 
 `plan_model` decides once per model and runner (the runner calls it when it binds the KV cache, with tensor
 parallel's all-reduce) which CPU kernel level every module calls (layers/kernel_user.py; the loader gave the
@@ -11,11 +12,11 @@ kernel wrapper than in its kernels, and a GPU's eager step is bound by the same 
 
 The kernels are one set per device, chosen by its backend (runner/backend.py: `native_step_kernels` at the CPU's
 level, or on CUDA `triton_step_kernels`, with cuBLAS matmuls). Bound applies when every linear layer is dense, in
-GGUF blocks, or int4 with int8 activations (one kernel at every M, so no dispatch by batch size), the set takes the dtype, head size and norms, and no
-module has a forward hook the plan does not know; otherwise, or with KernelConfig.bound_layers off, the modules
-run (they are the reference: tests/models/test_bound_layers.py checks the two bit for bit on the CPU,
-tests/gpu/test_cuda_plan.py the Triton set under Triton's interpreter). A change to the layers after planning
-(a linear replaced, a hook added) takes effect at the next plan_model.
+GGUF blocks, or int4 with int8 activations (one kernel at every M, so no dispatch by batch size), the set takes the
+dtype, head size and norms, and no module has a forward hook the plan does not know; otherwise, or with
+KernelConfig.bound_layers off, the modules run (they are the reference: tests/models/test_bound_layers.py checks
+the two bit for bit on the CPU, tests/gpu/test_cuda_plan.py the Triton set under Triton's interpreter). A change to
+the layers after planning (a linear replaced, a hook added) takes effect at the next plan_model.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, KernelConfig
+from pagellm.kernels import native
 from pagellm.kernels.selection import (compute_dtype, kv_cache_dtype, narrow_dtype, narrow_sites,
                                        release_thread_scratch, select_kernels)
 from pagellm.models.bound_layers import StepKernels, native_step_kernels, triton_step_kernels
@@ -108,6 +109,14 @@ def backend_kind(device: torch.device) -> type[Backend]:
     if device.type not in DEVICE_KINDS:
         raise ValueError(f"device: pagellm runs on {' or '.join(DEVICE_KINDS)}, not {device.type!r}")
     return CudaBackend if device.type == "cuda" else CpuBackend
+
+
+def device_kernels(device: torch.device, kernels: KernelConfig) -> tuple[str | None, tuple[StepKernels | None, str]]:
+    """(the CPU kernels' level, the step kernels) a model already on `device` is planned with, as its backend
+    would plan it: for code that plans a model outside an engine (eval's forward, the tests' harness)."""
+    kind = backend_kind(device)
+    level = native.level_of(kernels) if kind.runs_cpu_kernels else None
+    return level, kind.kernels_at(level)
 
 
 def keeps_gguf_blocks(model: str | None, quantization: str, load_format: str, device: str,

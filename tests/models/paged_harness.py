@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from pagellm.kernels.attention_metadata import AttentionMetadata
-from pagellm.kernels import native
+from pagellm.config import KernelConfig
 from pagellm.models.bound_layers import PlanSettings, activation_dtype, plan_model
-from pagellm.runner.backend import backend_kind
+from pagellm.runner.backend import device_kernels
 
 
 class PagedHarness:
@@ -37,10 +37,9 @@ class PagedHarness:
                            device=self.device),
                 torch.full((num_state_slots, *shapes.recurrent_state), float("nan"), dtype=shapes.recurrent_dtype,
                            device=self.device))
-        kind = backend_kind(self.device)  # as the runner's backend, for this process
-        level = native.default_level() if kind.runs_cpu_kernels else None
+        level, step_kernels = device_kernels(self.device, KernelConfig())  # as the runner's, for this process
         self.plan = plan_model(model, PlanSettings(level, activation_dtype(model), kv_cache_dtype or self.dtype,
-                                                   bound_layers, kernels=kind.kernels_at(level)))
+                                                   bound_layers, kernels=step_kernels))
         generator = torch.Generator().manual_seed(seed)
         self.free_blocks: list[int] = torch.randperm(num_blocks, generator=generator).tolist()
         self.free_slots: list[int] = torch.randperm(num_state_slots, generator=generator).tolist()
