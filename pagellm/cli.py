@@ -12,7 +12,7 @@ import typing
 
 from pagellm.collector import collector_paused
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pagellm.kernels.errors import KernelBuildError
+from pagellm.kernels.build.errors import KernelBuildError
 from pagellm.server.tool_calls import PARSERS
 
 _ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),

@@ -5,7 +5,7 @@ against HF and the exactness paths included. tests/kernels is not repeated: it c
 
 Then the HF-parity and engine tests once more with native kernels off (KernelConfig.native_kernels = False,
 its default set through PAGELLM_NATIVE=0): the torch reference ops everywhere, which is what a machine without
-a C++ compiler runs, and on CUDA every layer but attention (kernels/triton_attention.py).
+a C++ compiler runs, and on CUDA every layer but attention (kernels/gpu/attention.py).
 
     python tests/lower_levels.py [pytest args]      (make test runs it after the main pass)
 """
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 
 SUITES = ["tests/models", "tests/layers", "tests/test_llm.py", "tests/runner"]
 # Engine tests whose subject is host logic alone (tokenization, stop conditions, sampling fields, seeded

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pagellm.kernels import native, selection
+from pagellm.kernels.build import native
+from pagellm.kernels import selection
 from tests.kernels import requires_compiler
 
 pytestmark = requires_compiler
@@ -85,7 +86,7 @@ def start_under_refusing_compiler(tmp_path: Path, scenario: str) -> list[subproc
 def runs_under_refusing_compilers(tmp_path_factory):
     """{scenario: its two runs}, every process of every scenario started at once: each is mostly its own start-up
     (Python, torch, collection), so side by side they take about half the time one after another did, and the
-    refused builds fail alike in each (kernels/native.py builds beside its target, then renames). Each test waits
+    refused builds fail alike in each (kernels/build/native.py builds beside its target, then renames). Each test waits
     for its own."""
     runs = {scenario: start_under_refusing_compiler(tmp_path_factory.mktemp(scenario), scenario)
             for scenario, (refuse, *_) in SCENARIOS.items() if refuse is not None}

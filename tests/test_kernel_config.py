@@ -11,8 +11,9 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.cli import build_parser, engine_config_from_args
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
-from pagellm.kernels import native, selection
-from pagellm.kernels.errors import KernelBuildError
+from pagellm.kernels.build import native
+from pagellm.kernels import selection
+from pagellm.kernels.build.errors import KernelBuildError
 from pagellm.layers.kernel_user import KernelUser
 from tests.kernels import EVERY_KERNEL, kernels_at, requires_compiler
 

@@ -117,8 +117,8 @@ def attention(device: str) -> dict:
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         return {"not_run": "the Triton kernel needs CUDA, or TRITON_INTERPRET=1 for its interpreter on a CPU"}
     from pagellm.kernels.attention_metadata import AttentionMetadata
-    from pagellm.kernels.attention import paged_attention_reference
-    from pagellm.kernels.triton_attention import paged_attention_triton
+    from pagellm.kernels.reference.attention import paged_attention_reference
+    from pagellm.kernels.gpu.attention import paged_attention_triton
 
     results, generator = {}, torch.Generator().manual_seed(0)
     query_lens, seq_lens, block = [1, 37, 1, 128], [700, 37, 3001, 300], 16  # decodes, a prefill, a chunk
@@ -154,9 +154,9 @@ def layer_ops(device: str) -> dict:
         return {"not_run": "bf16 Triton layer ops need CUDA (tests/gpu checks them in fp32 and fp16 on a CPU)"}
     import torch.nn.functional as F
 
-    from pagellm.kernels import triton_layer_ops as ops
+    from pagellm.kernels.gpu import layer_ops as ops
     from pagellm.layers.norm import RMSNorm
-    from pagellm.layers.rotary import apply_rotary_reference
+    from pagellm.kernels.reference.layer_ops import rotary as apply_rotary_reference
 
     generator, bf16 = torch.Generator(device=device).manual_seed(3), torch.bfloat16
     rand = lambda *shape: torch.randn(*shape, device=device, generator=generator).to(bf16)  # noqa: E731

@@ -126,7 +126,7 @@ def machine_info(dtype: str, kernels: str) -> dict[str, Any]:
     """The machine, and `kernels`: the engine's description of its CPU kernels (LLM.stats()["kernels"])."""
     import torch
 
-    from pagellm.kernels import native
+    from pagellm.kernels.build import native
 
     simd = ("avx512f", "avx512_bf16", "avx512_vnni", "avx2", "fma", "avx_vnni", "asimd", "sve")
     return {

@@ -76,9 +76,9 @@ def pagellm_logits(model: torch.nn.Module, tokens: list[int], dtype: torch.dtype
         layer.bind_kv_cache(torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device),
                             torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device))
     kernels = kernels or KernelConfig()
-    level, step_kernels = device_kernels(device, kernels)  # as the weights' device's backend binds them
+    level, step_kernels, ops = device_kernels(device, kernels, dtype)  # as the weights' device's backend binds them
     plan = plan_model(model, PlanSettings(level, dtype, kv_cache_dtype or dtype, kernels.bound_layers,
-                                          narrow=narrow, kernels=step_kernels)).bound
+                                          narrow=narrow, kernels=step_kernels, ops=ops)).bound
     table, out = list(range(blocks)), []
     with torch.inference_mode():
         for start in range(0, len(tokens), chunk):

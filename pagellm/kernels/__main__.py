@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 from pagellm.kernels.selection import LIBRARIES
 
 

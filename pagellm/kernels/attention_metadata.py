@@ -39,7 +39,7 @@ class AttentionMetadata:
     # tokens (a block boundary inside this step's chunk) into state row `row` (a snapshot row).
     snapshot_writes: tuple[tuple[int, int, int], ...] = ()
     # Built for a CUDA graph's capture: its replays run the kernels' launch choices for other contexts, so the
-    # kernels make them from shapes alone (kernels/triton_attention.py), not from the host values above.
+    # kernels make them from shapes alone (kernels/gpu/attention.py), not from the host values above.
     for_graph: bool = False
 
     @property

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.config import KernelConfig
-from pagellm.kernels.errors import KernelBuildError
-from pagellm.kernels import (attention, elementwise, gated_delta_native, gguf_blocks, layer_ops, logits, native,
-                             quant_gemv)
+from pagellm.kernels.build.errors import KernelBuildError
+from pagellm.kernels.cpu import attention, elementwise, gated_delta_decode, gguf_blocks, layer_ops, logits, quant_gemv
+from pagellm.kernels.build import native
 
 logger = logging.getLogger("pagellm.kernels")
 
 # Every native kernel, in the order start-up names them.
 LIBRARIES: tuple[native.Library, ...] = (
     *gguf_blocks.LIBRARIES, *quant_gemv.LIBRARIES, *attention.LIBRARIES, *layer_ops.LIBRARIES, *logits.LIBRARIES,
-    *gated_delta_native.LIBRARIES, *elementwise.LIBRARIES)
+    *gated_delta_decode.LIBRARIES, *elementwise.LIBRARIES)
 
 
 @dataclass(frozen=True)

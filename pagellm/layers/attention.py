@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.kernels.attention import paged_attention, write_kv
 from pagellm.kernels.attention_metadata import AttentionMetadata
+from pagellm.kernels.reference.attention import write_kv
 from pagellm.layers.kernel_user import KernelUser
 
 
@@ -48,7 +48,10 @@ class PagedAttention(KernelUser, nn.Module):
         return self.attend(query, meta)
 
     def attend(self, query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, H_q, D] -> [T, H_q * D]
-        """Attention over the cache alone: this step's K/V must already be in it."""
-        out = paged_attention(query, self.key_cache, self.value_cache, meta, self.scale,
-                              self.sliding_window, self.logits_soft_cap, at=self.kernel_level)
+        """Attention over the cache alone: this step's K/V must already be in it. The device's kernel where it
+        takes this layer's head size and dtypes (chosen once per dtype pair), else the torch reference."""
+        dtypes = (query.dtype, self.key_cache.dtype)
+        attend = self.bound(dtypes, lambda: self.ops.attention_for(self.head_dim, *dtypes))
+        out = attend(query, self.key_cache, self.value_cache, meta, self.scale, self.sliding_window,
+                     self.logits_soft_cap)
         return out.flatten(1)  # [T, H_q * D]

@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import gated_delta_native
+from pagellm.kernels.cpu import gated_delta_decode
 from pagellm.layers.kernel_user import KernelUser
-from pagellm.kernels.gated_delta import chunked_gated_delta, gated_delta_step_, prepare_qk, recurrent_gated_delta_
+from pagellm.kernels.reference.gated_delta import chunked_gated_delta, gated_delta_step_, prepare_qk, recurrent_gated_delta_
 from pagellm.kernels.attention_metadata import AttentionMetadata
 from pagellm.kernels.transfers import to_device
 
@@ -230,41 +230,35 @@ class GatedDeltaNet(KernelUser, nn.Module):
         The native kernel (CPU, fp32/bf16) reads and writes each request's slot in place by
         index, for any slots; otherwise the torch reference below.
         """
-        out = self._decode_native(x, g, beta, slots, slot_index)
-        return out if out is not None else self._decode_torch(x, g, beta, slots, slot_index)
+        kernels = self.ops.gated_delta_decode
+        if kernels is None:  # the device has none (chosen by its backend): the torch reference
+            return self._decode_torch(x, g, beta, slots, slot_index)
+        return self._decode_native(x, g, beta, slots, slot_index, kernels)
 
     def _decode_native(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: list[int],
-                       slot_index: torch.Tensor | None) -> torch.Tensor | None:
-        """_decode through kernels/csrc/gated_delta_decode.cpp: no gather, no write-back. None: not handled.
-
-        The conv kernel is only called once the rule kernel is known to take the step too:
-        a conv update followed by a torch fallback would shift the conv state twice.
-        """
+                       slot_index: torch.Tensor | None, kernels: tuple) -> torch.Tensor:
+        """_decode through the device's decode kernels (`kernels`: (conv, rule), on a CPU
+        kernels/cpu/csrc/gated_delta_decode.cpp): no gather, no write-back. The step is checked before either
+        kernel touches a state: a conv update with no rule update after it would shift the conv state alone."""
         weight = self.conv1d.weight[:, 0]  # [C, K], contiguous (a view of [C, 1, K])
-        level = self.kernel_level
-        if not gated_delta_native.decode_handled(self.conv_state, self.recurrent_state, x, weight, slots, level):
-            return None
-        index = slot_index if gated_delta_native.slot_index_usable(slot_index, len(slots)) else \
+        gated_delta_decode.check_decode(self.conv_state, self.recurrent_state, x, weight, slots)
+        index = slot_index if gated_delta_decode.slot_index_usable(slot_index, len(slots)) else \
             torch.tensor(slots, dtype=torch.int64)
-        conv_out = gated_delta_native.conv_decode_(self.conv_state, index, x.contiguous(), weight, level)
-        if conv_out is None:
-            return None
+        conv_decode_, rule_decode_ = kernels
+        conv_out = conv_decode_(self.conv_state, index, x.contiguous(), weight)
         n = conv_out.shape[0]
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # One q, k per key head: the kernel maps value head h to key head h // r itself.
         q, k = prepare_qk(q.view(n, self.num_k_heads, self.head_k_dim), k.view(n, self.num_k_heads, self.head_k_dim),
                           self.num_k_heads)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim).float()
-        out = gated_delta_native.rule_decode_(self.recurrent_state, index, q.contiguous(), k.contiguous(),
-                                              v.contiguous(), g.float().contiguous(), beta.float().contiguous(),
-                                              level)
-        if out is None:  # unreachable after decode_handled; the conv state has already moved on
-            raise RuntimeError("gated delta decode kernel refused a step its conv half took")
+        out = rule_decode_(self.recurrent_state, index, q.contiguous(), k.contiguous(), v.contiguous(),
+                           g.float().contiguous(), beta.float().contiguous())
         return out.to(x.dtype)
 
     def _decode_torch(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: list[int],
                       slot_index: torch.Tensor | None = None) -> torch.Tensor:
-        """The torch reference of _decode (and the path off CPU or without a compiler).
+        """The torch reference of _decode (and the path of a device without decode kernels).
 
         Copies: when the slots are consecutive (e.g. 3, 4, 5) the states are a view of
         the bound tensors and every update below is in place: nothing is copied. Otherwise

@@ -1,4 +1,4 @@
-"""A linear layer whose weight stays in its GGUF file's block formats (kernels/gguf_blocks.py).
+"""A linear layer whose weight stays in its GGUF file's block formats (kernels/cpu/gguf_blocks.py).
 
     GGUFLinear      y = x W^T + b; W one or more row segments side by side, each in its own format (a joined
                     q/k/v whose parts the file stores as Q5_0, Q5_0 and Q8_0 is one layer, one output)
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.kernels import gguf_blocks
-from pagellm.kernels.gguf_blocks import GGUFWeight
+from pagellm.kernels.cpu import gguf_blocks
+from pagellm.kernels.cpu.gguf_blocks import GGUFWeight
 from pagellm.layers.kernel_user import KernelUser
 
 

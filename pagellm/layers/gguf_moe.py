@@ -1,14 +1,13 @@
-"""A MoE layer's experts kept in their GGUF file's block formats (kernels/gguf_blocks.py)."""
+"""A MoE layer's experts kept in their GGUF file's block formats (kernels/cpu/gguf_blocks.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from pagellm.kernels import gguf_blocks
-from pagellm.kernels.gguf_blocks import GGUFWeight
+from pagellm.kernels.cpu import gguf_blocks
+from pagellm.kernels.cpu.gguf_blocks import GGUFWeight
 from pagellm.layers.gguf_linear import merged_segments
 from pagellm.layers.kernel_user import KernelUser
-from pagellm.layers.mlp import gated_act
 from pagellm.layers.moe import PER_TOKEN_MAX_TOKENS, MoeExperts
 
 
@@ -75,7 +74,7 @@ class GGUFMoeExperts(MoeExperts):
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [n, E] -> [n, E] through expert e
         gate_up, down = self._kernels(e)
-        return down(gated_act(gate_up(x), self.activation, self.kernel_level).contiguous())
+        return down(self.act_mul()(gate_up(x)).contiguous())
 
     def dispatch(self, x: torch.Tensor) -> str:
         return "per_token" if x.shape[0] <= PER_TOKEN_MAX_TOKENS else "grouped_loop"  # no grouped_mm on blocks

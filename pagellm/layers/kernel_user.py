@@ -1,26 +1,30 @@
-"""What modules that call the native CPU kernels share: the level they call them at, and what they bind from it."""
+"""What modules that call the kernels share: the device's op table they call, the CPU level they call its native
+kernels at, and what they bind from those."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from pagellm.kernels import native
+from pagellm.kernels.build import native
+from pagellm.kernels.ops import LayerOps, native_ops
 
 
 class KernelUser:
-    """Mixin of a module that calls the native CPU kernels (before nn.Module in its bases).
+    """Mixin of a module that calls the kernels (before nn.Module in its bases).
 
-    `kernel_level`: the instruction-set level it calls them at (None: torch's reference ops). From construction
-    it is the process default (native.default_level(), what the environment's KernelConfig says); the loader
-    gives the quantized layers it builds the engine's level (their layout is chosen for it), and the runner's
-    plan binds every module to it (`bind_kernel_level`), so the modules never ask a process-wide switch per
-    call. `bindings`: what the module binds from that level (kernels
-    holding raw pointers into its own tensors), made on first use, dropped when the level changes, and left
-    behind by a copy (deepcopy, pickle), which makes its own."""
+    `ops`: the device's layer ops (kernels/ops.py), each the kernel or the torch reference as its backend chose;
+    `kernel_level`: the instruction-set level of the native CPU kernels (None: torch's reference ops, or another
+    device). From construction they are the process default's (native.default_level(), what the environment's
+    KernelConfig says); the loader gives the quantized layers it builds the engine's level (their layout is chosen
+    for it), and the runner's plan binds every module to its backend's (`bind_kernel_level`), so the modules never
+    ask a process-wide switch or test a device per call. `bindings`: what the module binds from them (kernels
+    holding raw pointers into its own tensors, a layer's choice of op for its shape), made on first use, dropped
+    when the level or the ops change, and left behind by a copy (deepcopy, pickle), which makes its own."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kernel_level: str | None = native.default_level()
+        self.ops: LayerOps = native_ops(self.kernel_level)
         self.bindings: dict = {}
 
     def use_kernel_level(self, level: str | None) -> None:
@@ -29,14 +33,29 @@ class KernelUser:
         if level != self.kernel_level:
             self.kernel_level, self.bindings = level, {}
 
+    def use_ops(self, ops: LayerOps) -> None:
+        """Call `ops` from now on; bindings made from others are dropped."""
+        if ops is not self.ops:
+            self.ops, self.bindings = ops, {}
+
+    def bound(self, key, make):
+        """bindings[key], made by make() on first use (after a change of level or ops, again)."""
+        value = self.bindings.get(key)
+        if value is None:
+            value = self.bindings[key] = make()
+        return value
+
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["bindings"] = {}
         return state
 
 
-def bind_kernel_level(model: nn.Module, level: str | None) -> None:
-    """Every KernelUser module of `model` calls the native kernels at `level` from now on."""
+def bind_kernel_level(model: nn.Module, level: str | None, ops: LayerOps | None = None) -> None:
+    """Every KernelUser module of `model` calls the native kernels at `level` and the layer ops `ops` (None: the
+    CPU's at that level) from now on."""
+    ops = native_ops(level) if ops is None else ops
     for module in model.modules():
         if isinstance(module, KernelUser):
             module.use_kernel_level(level)
+            module.use_ops(ops)

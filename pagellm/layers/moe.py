@@ -24,17 +24,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels.ops import PER_TOKEN_MAX_TOKENS
+from pagellm.kernels.reference.layer_ops import ACTIVATION_FUNCTIONS
 from pagellm.layers.kernel_user import KernelUser
-from pagellm.layers.mlp import ACTIVATION_FUNCTIONS, GatedMLP, gated_act
+from pagellm.layers.mlp import GatedMLP
 
-# Dispatch: per-token for a single token, grouped otherwise. Everything is bound by reading expert
-# weights. At one token the paths read the same k experts and tie (per-token skips the sort); with
-# more, per-token re-reads an expert for every token routed to it and loses badly, while the grouped
-# forms read each active expert once. torch._grouped_mm (one call, no host sync for counts) matches
-# or beats the Python loop, clearly in bf16, so it is used when present (it is a private API: the loop
-# stays as the fallback). measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md. On CUDA
-# the grouped call serves one token too (see dispatch); that path has not run on a GPU yet.
-PER_TOKEN_MAX_TOKENS = 1
+# Dispatch (the device's, kernels/ops.py moe_path): on a CPU per-token for a single token
+# (PER_TOKEN_MAX_TOKENS), grouped otherwise. Everything is bound by reading expert weights. At one token
+# the paths read the same k experts and tie (per-token skips the sort); with more, per-token re-reads an
+# expert for every token routed to it and loses badly, while the grouped forms read each active expert
+# once. torch._grouped_mm (one call, no host sync for counts) matches or beats the Python loop, clearly
+# in bf16, so it is used when present (it is a private API: the loop stays as the fallback). measured:
+# docs/benchmarks/2026-11-24-quantized-layer-crossovers.md. On CUDA the grouped call serves one token
+# too; that path has not run on a GPU yet.
 
 
 EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -62,20 +64,15 @@ class MoeExperts(KernelUser, nn.Module):
         self.activation = activation
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [n, E] -> [n, E] through expert e
-        return F.linear(gated_act(F.linear(x, self.gate_up_proj[e]), self.activation, self.kernel_level),
-                        self.down_proj[e])
+        return F.linear(self.act_mul()(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
+
+    def act_mul(self):
+        """gate_up -> act(gate) * up, as this device runs it for the experts' activation."""
+        return self.bound("act_mul", lambda: self.ops.gated_act(self.activation))
 
     def dispatch(self, x: torch.Tensor) -> str:
-        """Which path runs this batch (see the measurements above). On CUDA in bf16 always the grouped call: no
-        host sync and no Python loop whatever the batch (torch's CUTLASS kernel on Hopper; torch loops over the
-        groups itself on older GPUs), its rows 16-byte aligned as that kernel wants; the loop otherwise."""
-        if x.device.type == "cuda":
-            aligned = self.hidden_size % 8 == 0 and self.intermediate_size % 8 == 0
-            return ("grouped_mm" if x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm")
-                    else "grouped_loop")
-        if x.shape[0] <= PER_TOKEN_MAX_TOKENS:
-            return "per_token"
-        return "grouped_mm" if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") else "grouped_loop"
+        """Which path runs this batch: the device's choice (see the measurements above)."""
+        return self.ops.moe_path(x.shape[0], x.dtype, self.hidden_size, self.intermediate_size)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 first_expert: int | None = None) -> torch.Tensor:
@@ -127,7 +124,7 @@ class MoeExperts(KernelUser, nn.Module):
         """All groups in one call: group e is rows offs[e-1]:offs[e] times expert e's weights."""
         offs = counts.cumsum(0).to(torch.int32)  # [X] end row of each group
         gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs)  # [n, 2I]
-        return torch._grouped_mm(gated_act(gate_up, self.activation, self.kernel_level).contiguous(),
+        return torch._grouped_mm(self.act_mul()(gate_up).contiguous(),
                                  self.down_proj.transpose(1, 2), offs=offs)
 
     def _per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

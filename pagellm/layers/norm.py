@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.kernels.elementwise import rms_norm
-from pagellm.kernels.layer_ops import add_rms_norm
+from pagellm.kernels.reference import layer_ops as reference
 from pagellm.layers.kernel_user import KernelUser
 
 
@@ -26,21 +25,18 @@ class RMSNorm(KernelUser, nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        out = rms_norm(x, self.flavour_weight(), self.eps, self.unit_offset, self.kernel_level)
-        return out if out is not None else self.reference(x)
+        return self.ops.rms_norm(x, self.flavour_weight(), self.eps, self.unit_offset)
 
     def residual(self, h: torch.Tensor, x: torch.Tensor | None,
                  post: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream's step between blocks: h + post(x) (post None: x; x None: h unchanged), and this
-        norm of it. One fused kernel call where it applies: at decode that is 1 call instead of 3."""
+        norm of it. One fused call where both norms are of a kind: at decode that is 1 kernel call instead of 3."""
         if x is None:
             return h, self(h)
         if post is None or self.same_kind(post):
-            fused = add_rms_norm(h, x, None if post is None else post.flavour_weight(), self.flavour_weight(),
-                                 self.eps, self.unit_offset, self.kernel_level)
-            if fused is not None:
-                return fused
-        h = h + (x if post is None else post(x))
+            return self.ops.add_rms_norm(h, x, None if post is None else post.flavour_weight(), self.flavour_weight(),
+                                         self.eps, self.unit_offset)
+        h = h + post(x)
         return h, self(h)
 
     def same_kind(self, other: RMSNorm) -> bool:
@@ -61,11 +57,8 @@ class RMSNorm(KernelUser, nn.Module):
         return kept[1]
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * normed.to(x.dtype)
+        """The torch ops the kernels are tested against."""
+        return reference.rms_norm(x, self.weight, self.eps, self.unit_offset)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"

@@ -3,7 +3,7 @@
     quantize_int8            per-output-row symmetric int8: w[n, k] = q[n, k] * scale[n]
     group_affine_from_float  per-(row, 32-column group) int4: w = q * scale + offset, q in 0..15 (GroupAffine)
     pack_int4                a GroupAffine in one of two int4 layouts (Int4Layout): torch's int4pack, for
-                             aten._weight_int4pack_mm_for_cpu, or the native kernel's (kernels/quant_gemv.py)
+                             aten._weight_int4pack_mm_for_cpu, or the native kernel's (kernels/cpu/quant_gemv.py)
 
 Legend: N = out features (rows of W), K = in features, G = K / 32.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm.kernels import quant_gemv
+from pagellm.kernels.cpu import quant_gemv
 
 GROUP_SIZE = quant_gemv.GROUP_SIZE  # columns per int4 group
 KERNEL_DTYPE = torch.bfloat16  # scales are stored in the kernels' dtype
@@ -124,7 +124,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int4Layout:
     """How [N, K] int4 codes sit in their [N, K/2] bytes, and the scales beside them.
 
-    native: the native kernel's layout (kernels/quant_gemv.py): blocks of 16 rows, scales and zeros
+    native: the native kernel's layout (kernels/cpu/quant_gemv.py): blocks of 16 rows, scales and zeros
     [N/16, G, 2, 16] bf16.
 
     Otherwise aten._convert_weight_to_int4pack_for_cpu's, with scales and zeros [G, N, 2] bf16: rows go in

@@ -9,7 +9,7 @@ Legend: M = activation rows (tokens), N = out features (rows of W), K = in featu
 How codes are fitted and laid out: layers/quant_codes.py.
 
 Paths, by M (measured crossovers: NATIVE_BELOW_ROWS, DENSE_FROM_ROWS):
-- the native kernel (kernels/quant_gemv.py, where it builds: AVX-512 BF16), below NATIVE_BELOW_ROWS: int4 in
+- the native kernel (kernels/cpu/quant_gemv.py, where it builds: AVX-512 BF16), below NATIVE_BELOW_ROWS: int4 in
   its own layout, int8 in [N, K]; activations fp32 or bf16 as given, rounded to bf16 inside, the result in the
   activation dtype. It reads weights near memory bandwidth, which is what decode needs.
 - torch's kernel (2.15 CPU), the reference, below DENSE_FROM_ROWS: for layers without the native kernel, and
@@ -17,7 +17,7 @@ Paths, by M (measured crossovers: NATIVE_BELOW_ROWS, DENSE_FROM_ROWS):
   or bf16 activations with scales of the same dtype, but only their bf16 path is vectorized. So activations
   pass through them in bf16 (cast back to the model dtype after) and the scales are stored in bf16.
   measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
-- int4 x int8 activations (kernels/quant_gemv.py int4_matmul_q8): native int4 layers at every M where AVX-512
+- int4 x int8 activations (kernels/cpu/quant_gemv.py int4_matmul_q8): native int4 layers at every M where AVX-512
   the kernel builds (every level) and int8_activations is on (the default); the other paths then serve int8
   weights, torch's int4 layout and KernelConfig.int8_activations off.
 - dense tiles above: `forward` dequantizes TILE_ROWS weight rows at a time into one scratch buffer and runs a
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import quant_gemv
-from pagellm.kernels.gguf_blocks import GGUFWeight
-from pagellm.kernels.native import default_level
+from pagellm.kernels.cpu import quant_gemv
+from pagellm.kernels.cpu.gguf_blocks import GGUFWeight
+from pagellm.kernels.build.native import default_level
 from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.gguf_linear import GGUFLinear, concat_gguf_linears
 from pagellm.layers.kernel_user import KernelUser
@@ -91,7 +91,7 @@ class QuantizedLinear(KernelUser, nn.Module):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, False)
-        self.native = native  # kernels/quant_gemv.py below the crossover, else torch's kernel
+        self.native = native  # kernels/cpu/quant_gemv.py below the crossover, else torch's kernel
         self.dense_from_rows = dense_from_rows  # None: the measured crossover for the activation dtype
 
     def use_kernel_level(self, level: str | None) -> None:
@@ -196,7 +196,7 @@ class Int4Linear(QuantizedLinear):
                  int8_activations: bool | None = None):
         super().__init__(packed.shape[0], packed.shape[1] * 2, bias, layout.native, dense_from_rows)
         self.layout = layout
-        # int4 x int8 products (kernels/quant_gemv.py int4_matmul_q8), as llama.cpp's Q4 x Q8 dot products, at
+        # int4 x int8 products (kernels/cpu/quant_gemv.py int4_matmul_q8), as llama.cpp's Q4 x Q8 dot products, at
         # every M, the vocab head's too even where it is a little slower: a request's logits must not depend on
         # how many others sample in the step (the two kernels' results differ).
         # measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md

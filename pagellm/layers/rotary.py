@@ -20,8 +20,6 @@ import math
 import torch
 from torch import nn
 
-from pagellm.kernels.elementwise import rotary
-
 # Types whose frequencies do not depend on the sequence length ("dynamic" and
 # "longrope" change with it: not supported yet).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -140,16 +138,3 @@ class RotaryEmbedding(nn.Module):
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: str | None) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, D/2]: the fused kernel (at level `at`) where it applies, else the
-    reference."""
-    out = rotary(x, cos, sin, at)
-    return out if out is not None else apply_rotary_reference(x, cos, sin)
-
-
-def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, D/2]; same arithmetic as HF's rotate_half form."""
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pagellm.kernels import gguf_blocks
+from pagellm.kernels.cpu import gguf_blocks
 from pagellm.loader import gguf_repack
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, header_of, read_gguf_header

@@ -25,11 +25,11 @@ import gguf
 import numpy as np
 import torch
 
-from pagellm.kernels import native
-from pagellm.kernels.errors import KernelBuildError
+from pagellm.kernels.build import native
+from pagellm.kernels.build.errors import KernelBuildError
 
 # The GGUF vocabulary's library (csrc/sentencepiece_vocab.cpp beside this file): the tokenizer's, not a kernel,
-# built and cached as the kernels are (kernels/native.py); no vector code, so one build, at the generic level,
+# built and cached as the kernels are (kernels/build/native.py); no vector code, so one build, at the generic level,
 # serves every CPU.
 VOCABULARY = (str(Path(__file__).with_name("csrc") / "sentencepiece_vocab.cpp"), "generic")
 

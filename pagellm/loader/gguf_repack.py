@@ -1,4 +1,4 @@
-"""GGUF tensors from their file's blocks to the kernels' layout, at load (kernels/gguf_blocks.py computes on it).
+"""GGUF tensors from their file's blocks to the kernels' layout, at load (kernels/cpu/gguf_blocks.py computes on it).
 
 Each format is, per row and 32-column group, integer codes and fp32 factors: w = scale * (q - zero) (+ min).
 `repack` reads a tensor's raw blocks and lays those same codes and factors out for the kernel (the layout:
@@ -28,7 +28,7 @@ import gguf
 import numpy as np
 import torch
 
-from pagellm.kernels.gguf_blocks import BLOCK_ROWS, FORMAT_IDS, GROUP_SIZE, GGUFWeight, T
+from pagellm.kernels.cpu.gguf_blocks import BLOCK_ROWS, FORMAT_IDS, GROUP_SIZE, GGUFWeight, T
 
 _BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 _SUPER = frozenset({T.Q4_K, T.Q5_K, T.Q6_K})  # 256-column blocks with per-block factors

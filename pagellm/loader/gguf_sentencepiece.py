@@ -18,7 +18,7 @@ import re
 
 import numpy as np
 
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 from pagellm.loader.gguf_file import VOCABULARY, GGUFHeader
 from pagellm.loader.gguf_tokenizer import (adds_space_prefix, bos_eos, info_fields, special_token_ids,
                                           token_scores, token_types)

@@ -19,7 +19,8 @@ from pagellm.loader.gguf_file import read_gguf_header
 from pagellm.loader.quantization import load_quantized, plan_quantization, weight_schemes
 from pagellm.loader.repack_cache import RepackCache
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
-from pagellm.kernels import native, quant_gemv
+from pagellm.kernels.build import native
+from pagellm.kernels.cpu import quant_gemv
 from pagellm.layers.quantized import Int4Linear
 from pagellm.loader.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from pagellm.models.registry import build_model

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pagellm.config import QUANTIZATION_SCHEMES
-from pagellm.kernels import gguf_blocks
+from pagellm.kernels.cpu import gguf_blocks
 from pagellm.loader import gguf_repack
 from pagellm.layers.gguf_moe import GGUFMoeExperts
 from pagellm.layers.moe import EXPERT_KEY, MoeExperts, SparseMoeBlock

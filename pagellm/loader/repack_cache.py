@@ -40,7 +40,7 @@ import gguf
 import numpy as np
 import torch
 
-from pagellm.kernels import gguf_blocks
+from pagellm.kernels.cpu import gguf_blocks
 from pagellm.loader import gguf_repack
 from pagellm.loader.gguf_file import GGUFHeader, drop_pages
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.layers.mlp import FUSED_ACTIVATIONS
+from pagellm.kernels.ops import FUSED_ACTIVATIONS
 from pagellm.layers.moe import SparseMoeBlock
 from pagellm.models.bound_layers import StepKernels, blocks_hooked, bound_linear
 

@@ -29,12 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import attention, cuda_ops, layer_ops, native
-from pagellm.kernels.binding import kv_cache_pairs
-from pagellm.kernels.gguf_blocks import BoundMatmul, BoundMLP
+from pagellm.kernels.build import native
+from pagellm.kernels.build.binding import kv_cache_pairs
+from pagellm.kernels.cpu import attention, layer_ops
+from pagellm.kernels.cpu.gguf_blocks import BoundMatmul, BoundMLP
+from pagellm.kernels.ops import FUSED_ACTIVATIONS, LayerOps, native_ops
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.kernel_user import bind_kernel_level
-from pagellm.layers.mlp import FUSED_ACTIVATIONS
 from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.quantized import Int4Linear
 
@@ -59,11 +60,13 @@ class StepKernels:
 
 
 def triton_step_kernels() -> StepKernels:
-    """The bound layers' kernels on CUDA: the Triton ones (kernels/triton_layer_ops.py, triton_attention.py,
-    imported here, once), cuBLAS matmuls. The CUDA backend's (runner/backend.py)."""
-    ops, triton_attention = cuda_ops.layer_ops(), cuda_ops.triton_module("triton_attention")
-    floats = cuda_ops.FLOATS
-    return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare, triton_attention.paged_attention_triton,
+    """The bound layers' kernels on CUDA: the Triton ones (kernels/gpu/, imported here as kernels/ops.triton_ops
+    says why), cuBLAS matmuls. The CUDA backend's (runner/backend.py)."""
+    from pagellm.kernels.gpu import attention as gpu_attention
+    from pagellm.kernels.gpu import layer_ops as ops
+
+    floats = ops.FLOATS
+    return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare, gpu_attention.paged_attention_triton,
                        ops.act_mul, False, floats, lambda act, kv: act in floats and kv in floats,
                        lambda head_dim: head_dim % 2 == 0, plans_module_steps=False)
 
@@ -237,6 +240,8 @@ class PlanSettings:
     narrow: torch.dtype | None = None  # attention's dtype over a cache of it, narrower than `dtype` (narrow_dtype)
     # The device's kernel set, as its backend chose it (Backend.step_kernels); None: the CPU's at `level`.
     kernels: tuple[StepKernels | None, str] | None = None
+    # The device's layer ops the modules call (Backend.layer_ops); None: the CPU's at `level` for `dtype`.
+    ops: LayerOps | None = None
 
 
 def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
@@ -292,9 +297,9 @@ class LayerPlan:
 
 
 def plan_model(model: nn.Module, settings: PlanSettings, kernels: StepKernels | None = None) -> LayerPlan:
-    """The plan of `model` under `settings`: every module's CPU kernels at settings.level, and its backbone's
-    layers bound where they can be, else the modules and why."""
-    bind_kernel_level(model, settings.level)
+    """The plan of `model` under `settings`: every module's layer ops and CPU kernels at settings.level, and its
+    backbone's layers bound where they can be, else the modules and why."""
+    bind_kernel_level(model, settings.level, settings.ops or native_ops(settings.level, settings.dtype))
     backbones = planned_backbones(model)
     if not backbones:
         return LayerPlan(None, "modules")

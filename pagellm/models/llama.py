@@ -22,10 +22,8 @@ from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.norm import RMSNorm
-from pagellm.kernels.layer_ops import qkv_prepare
-from pagellm.kernels.logits import logits_to_f32
 from pagellm.layers.quantized import concat_linears, lm_head_logits
-from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagellm.models.bound_layers import BoundModel, PlannedBackbone
 from pagellm.kernels.attention_metadata import AttentionMetadata
 
@@ -99,17 +97,22 @@ class LlamaAttention(KernelUser, nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin, self.kernel_level), apply_rotary(k, cos, sin, self.kernel_level)
+        q, k = self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, meta))  # [T, H * D] -> [T, E]
 
     def _prepare_in_place(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           meta: AttentionMetadata) -> torch.Tensor | None:
-        """q [T, H, D] normed and rotated, with k and v written to the cache, in one kernel call; None: not
-        handled (nothing written)."""
-        if self.attn.key_cache is None or not self.qk_norms_fuse():
+        """q [T, H, D] normed and rotated, with k and v written to the cache, in one kernel call where the device
+        has one for this layer (chosen once per dtype pair); None where it has not (nothing written)."""
+        cache = self.attn.key_cache
+        if cache is None or not self.qk_norms_fuse():
             return None
-        return qkv_prepare(qkv, self.num_heads, self.num_kv_heads, *self.qk_norm_args(), cos, sin,
-                           self.attn.key_cache, self.attn.value_cache, meta.slot_mapping, self.kernel_level)
+        dtypes = (qkv.dtype, cache.dtype)
+        prepare = self.bound(dtypes, lambda: self.ops.qkv_prepare_for(self.head_dim, *dtypes) or False)
+        if not prepare:
+            return None
+        return prepare(qkv, self.num_heads, self.num_kv_heads, *self.qk_norm_args(), cos, sin, cache,
+                       self.attn.value_cache, meta.slot_mapping)
 
     def qk_norms_fuse(self) -> bool:
         """Whether q_norm and k_norm can run as one fused call (which applies one eps and flavour)."""
@@ -245,13 +248,8 @@ class LlamaForCausalLM(KernelUser, nn.Module):
             logits = lm_head_logits(head, hidden)  # [N, V]; dense, or quantized (layers/quantized.py)
         # One native pass: soft-cap with HF's roundings in the logits' dtype (fp32 already for a GGUF head, capped
         # in place: every head returns a fresh tensor), and the conversion to fp32.
-        fast = logits_to_f32(logits, self.final_logit_softcap, self.kernel_level,
-                             out=logits if logits.dtype == torch.float32 else None)
-        if fast is not None:
-            return fast
-        if self.final_logit_softcap is not None:  # Gemma; in the logits' dtype, as HF does in the model's
-            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
-        return logits.float()
+        return self.ops.logits_to_f32(logits, self.final_logit_softcap,
+                                      out=logits if logits.dtype == torch.float32 else None)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

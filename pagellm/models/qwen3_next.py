@@ -33,7 +33,7 @@ from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.moe import SparseMoeBlock, stack_expert_weights
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagellm.models.bound_hybrid import BoundHybridLayer
 from pagellm.models.bound_layers import BoundModel, PlannedBackbone
 from pagellm.models.llama import LlamaForCausalLM, Pending, head_dim_of, sliding_window_of
@@ -49,12 +49,13 @@ def partial_rotary(config) -> tuple[int, dict]:
     return int(head_dim_of(config) * factor), params
 
 
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: str | None) -> torch.Tensor:
-    """x [T, H, D] with cos/sin [T, R/2]: rotate the first R dims (rotate-half layout), keep the rest."""
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate) -> torch.Tensor:
+    """x [T, H, D] with cos/sin [T, R/2]: rotate the first R dims (rotate-half layout, `rotate`: the device's
+    rotary op), keep the rest."""
     rotary = 2 * cos.shape[-1]
     if rotary == x.shape[-1]:
-        return apply_rotary(x, cos, sin, at)
-    return torch.cat([apply_rotary(x[..., :rotary], cos, sin, at), x[..., rotary:]], dim=-1)
+        return rotate(x, cos, sin)
+    return torch.cat([rotate(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
 
 
 class GatedAttention(KernelUser, nn.Module):
@@ -80,8 +81,8 @@ class GatedAttention(KernelUser, nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, K, D]
         v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
-        level = self.kernel_level
-        q, k = apply_partial_rotary(q, cos, sin, level), apply_partial_rotary(k, cos, sin, level)
+        rotate = self.ops.rotary
+        q, k = apply_partial_rotary(q, cos, sin, rotate), apply_partial_rotary(k, cos, sin, rotate)
         out = self.attn(q, k, v, meta) * torch.sigmoid(gate.reshape(num_tokens, -1))  # [T, H * D]
         return self.o_proj(out)  # [T, E]
 

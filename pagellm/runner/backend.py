@@ -24,7 +24,8 @@ from typing import ClassVar
 import torch
 
 from pagellm.config import EngineConfig, KernelConfig
-from pagellm.kernels import native
+from pagellm.kernels.build import native
+from pagellm.kernels.ops import LayerOps, native_ops, triton_ops
 from pagellm.kernels.selection import (compute_dtype, kv_cache_dtype, narrow_dtype, narrow_sites,
                                        release_thread_scratch, select_kernels)
 from pagellm.models.bound_layers import StepKernels, native_step_kernels, triton_step_kernels
@@ -69,6 +70,15 @@ class Backend:
         """This kind's step kernels at a CPU kernel level: the native ones."""
         return native_step_kernels(level)
 
+    def layer_ops(self) -> LayerOps:
+        """The layer ops the modules call (kernels/ops.py), bound by the plan."""
+        return self.ops_at(self.level, self.compute_dtype)
+
+    @staticmethod
+    def ops_at(level: str | None, dtype: torch.dtype) -> LayerOps:
+        """This kind's layer ops at a CPU kernel level, for `dtype` activations: the native kernels it takes."""
+        return native_ops(level, dtype)
+
     def settle(self) -> None:
         """Nothing runs until the next request: give back what steps keep for the next one. On a CPU the
         kernels' per-thread scratch, then the heap's freed step buffers (platform.keep_step_buffers_in_heap):
@@ -96,6 +106,10 @@ class CudaBackend(Backend):
     def kernels_at(level: str | None) -> tuple[StepKernels | None, str]:
         return triton_step_kernels(), ""  # no CPU level applies
 
+    @staticmethod
+    def ops_at(level: str | None, dtype: torch.dtype) -> LayerOps:
+        return triton_ops()
+
     def settle(self) -> None:
         pass  # the caching allocator keeps its blocks for the next step; the KV pool is reserved anyway
 
@@ -111,12 +125,14 @@ def backend_kind(device: torch.device) -> type[Backend]:
     return CudaBackend if device.type == "cuda" else CpuBackend
 
 
-def device_kernels(device: torch.device, kernels: KernelConfig) -> tuple[str | None, tuple[StepKernels | None, str]]:
-    """(the CPU kernels' level, the step kernels) a model already on `device` is planned with, as its backend
-    would plan it: for code that plans a model outside an engine (eval's forward, the tests' harness)."""
+def device_kernels(device: torch.device, kernels: KernelConfig,
+                   dtype: torch.dtype) -> tuple[str | None, tuple[StepKernels | None, str], LayerOps]:
+    """(the CPU kernels' level, the step kernels, the layer ops) a model already on `device`, its activations in
+    `dtype`, is planned with, as its backend would plan it: for code that plans a model outside an engine (eval's
+    forward, the tests' harness)."""
     kind = backend_kind(device)
     level = native.level_of(kernels) if kind.runs_cpu_kernels else None
-    return level, kind.kernels_at(level)
+    return level, kind.kernels_at(level), kind.ops_at(level, dtype)
 
 
 def keeps_gguf_blocks(model: str | None, quantization: str, load_format: str, device: str,

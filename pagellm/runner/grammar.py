@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pagellm.kernels.logits import mask_rows
+from pagellm.kernels.cpu.logits import mask_rows
 from pagellm.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:

@@ -116,7 +116,7 @@ class ModelRunner:
         # modules (models/bound_layers.py); tensor parallel's all-reduce goes into a bound plan.
         self.plan_settings = PlanSettings(self.kernel_level, backend.compute_dtype, backend.kv_cache_dtype,
                                           config.kernels.bound_layers, links.all_reduce if links else None,
-                                          backend.narrow_dtype, backend.step_kernels())
+                                          backend.narrow_dtype, backend.step_kernels(), backend.layer_ops())
         self.plan: LayerPlan = self.replan()
         self.state_layers = state_layers_of(model)
         self.state_pages = self._bind_states(setup.num_state_slots + setup.num_snapshot_slots)

@@ -29,9 +29,9 @@ from typing import Protocol
 import torch
 
 from pagellm.kernels.transfers import to_device
-from pagellm.kernels import native
-from pagellm.kernels.logits import argmax_rows
-from pagellm.kernels.native import DEFAULT_LEVEL
+from pagellm.kernels.build import native
+from pagellm.kernels.cpu.logits import argmax_rows
+from pagellm.kernels.build.native import DEFAULT_LEVEL
 from pagellm.runner.grammar import GrammarMasks
 from pagellm.sampling_params import SamplingParams
 

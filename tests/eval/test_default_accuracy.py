@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from pagellm.config import KernelConfig
 from pagellm.eval.forward import load_mode, mode_backend
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 from pagellm.models.bound_layers import PlanSettings, plan_model
 from tests.eval.tiny_gguf_accuracy import BF16, F32, VOCAB, default_mode, kl_of_modes, reference_logits, tiny_gguf
 

@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagellm.kernels import triton_attention, triton_layer_ops
+from pagellm.kernels.gpu import attention as triton_attention, layer_ops as triton_layer_ops
 
 POINTERS = {"out_ptr": "q", "q_ptr": "q", "k_cache_ptr": "kv", "v_cache_ptr": "kv", "block_tables_ptr": "*i64",
             "seq_lens_ptr": "*i64", "query_start_loc_ptr": "*i64", "partial_ptr": "*fp32", "max_sum_ptr": "*fp32"}

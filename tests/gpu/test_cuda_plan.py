@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagellm.kernels.ops import REFERENCE, triton_ops
+from pagellm.layers.kernel_user import KernelUser, bind_kernel_level
 from pagellm.loader.model_loader import load_model
 from pagellm.models.bound_layers import PlanSettings, plan_model, triton_step_kernels
 from tests.gpu import interpreter
@@ -73,3 +75,43 @@ def test_moe_and_hybrid_models_keep_their_modules_under_the_triton_set(tmp_path,
     model = load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
     plan = plan_model(model, PlanSettings(None, torch.float32, torch.float32), kernels=_triton_kernels())
     assert plan.bound is None and f"{what} planned on CPUs only" in plan.description
+
+
+def test_the_cuda_backend_binds_the_triton_ops_into_every_module(tmp_path):
+    """CudaBackend.layer_ops is the Triton table: the modules' norms, q/k/v preparation, act * up and attention
+    are the kernels of kernels/gpu/, bound by the plan (no device test at a call)."""
+    from pagellm.kernels.gpu import attention, layer_ops
+    from pagellm.runner.backend import CudaBackend
+
+    with interpreter(not ON_GPU):
+        ops = CudaBackend.ops_at(None, torch.bfloat16)
+    assert (ops.add_rms_norm, ops.rms_norm, ops.act_mul, ops.qkv_prepare, ops.attention) == (
+        layer_ops.add_rms_norm, layer_ops.rms_norm, layer_ops.act_mul, layer_ops.qkv_prepare,
+        attention.paged_attention_triton)
+    assert ops.attention_for(72, torch.bfloat16, torch.float16) is attention.paged_attention_triton
+    write_tiny_checkpoint("llama", tmp_path)
+    model = load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
+    plan_model(model, PlanSettings(None, torch.float32, torch.float32, ops=ops), kernels=_triton_kernels())
+    assert {id(m.ops) for m in model.modules() if isinstance(m, KernelUser)} == {id(ops)}
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3-moe", "qwen3-next"])
+def test_the_modules_on_the_triton_ops_equal_the_torch_reference(tmp_path, family):
+    """What MoE and hybrid models run on CUDA today (their modules), on the Triton table, against the same
+    modules on torch's reference ops: norms, partial rotary, gated attention, the experts' act * up, the
+    Gated DeltaNet (torch on both), a prefill in two chunks then decodes."""
+    (write_hybrid_checkpoint if family.startswith("qwen3-") else write_tiny_checkpoint)(family, tmp_path)
+    reference, model = (load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
+                        for _ in range(2))
+    harnesses = PagedHarness(reference, bound_layers=False), PagedHarness(model, bound_layers=False)
+    bind_kernel_level(reference, None, REFERENCE)
+    bind_kernel_level(model, None, _triton_ops())
+    prompt = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+    for feed in (prompt[:9], prompt[9:], [7], [9]):
+        want, got = (harness.step({"a": feed})["a"] for harness in harnesses)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _triton_ops():
+    with interpreter(not ON_GPU):
+        return triton_ops()

@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernel (kernels/triton_attention.py) against the torch reference.
+"""The Triton paged-attention kernel (kernels/gpu/attention.py) against the torch reference.
 
 On a machine without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, read by `triton.jit`
 when the module is imported): numpy, one program at a time, so shapes stay tiny and dtypes fp32 / fp16 (the
@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagellm.kernels import attention
+from pagellm.kernels.cpu import attention
+from pagellm.kernels.reference import attention as reference_attention
 from tests.gpu import interpreter
 from tests.kernels.attention_cases import make_case
 
@@ -27,7 +28,7 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 pytest.importorskip("triton", reason="triton is not installed (PyTorch's CPU-only wheel does not bring it)")
 with interpreter(not ON_GPU):  # tests/conftest.py imported triton itself under it
-    from pagellm.kernels import triton_attention
+    from pagellm.kernels.gpu import attention as triton_attention
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +57,7 @@ def run_both(case, window, cap):
     moved = [t.to(DEVICE) for t in (case.query, case.key_cache, case.value_cache)]
     meta = case.meta if DEVICE == "cpu" else _meta_on(case.meta, DEVICE)
     got = triton_attention.paged_attention_triton(*moved, meta, *args[1:])
-    exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
+    exact = reference_attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
                                                 case.value_cache.double(), *args)
     return got.cpu(), exact
 
@@ -113,7 +114,7 @@ def test_split_kv_decode_matches_the_reference(config, splits):
     got = triton_attention.paged_attention_triton(case.query.to(DEVICE), case.key_cache.to(DEVICE),
                                                   case.value_cache.to(DEVICE), _meta_on(case.meta, DEVICE), *args,
                                                   num_splits=splits).cpu()
-    exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
+    exact = reference_attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
                                                 case.value_cache.double(), case.meta, *args)
     torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
 
@@ -139,7 +140,7 @@ def test_eager_decodes_split_only_long_contexts_and_graph_captures_always(monkey
         meta = dataclasses.replace(_meta_on(case.meta, DEVICE), for_graph=for_graph)
         got = triton_attention.paged_attention_triton(case.query.to(DEVICE), case.key_cache.to(DEVICE),
                                                       case.value_cache.to(DEVICE), meta, case.scale).cpu()
-        exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
+        exact = reference_attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
                                                     case.value_cache.double(), case.meta, case.scale)
         torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
         assert len(launches) == splits
@@ -183,25 +184,6 @@ def test_the_launch_is_a_torch_custom_op():
         op(*args[:9], 8, *args[10:])  # the op's callers skip the eager wrapper: it checks what it is given
     with pytest.raises(ValueError, match="num_splits must be a power of two"):
         op(*args[:13], 3)
-
-
-def test_tensors_on_cuda_go_to_the_triton_kernel(monkeypatch):
-    """kernels/attention.paged_attention's dispatch, seen from a CPU: a query that says it is on CUDA goes to
-    the Triton kernel with every argument; one on the CPU does not."""
-    class OnCuda(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda")
-
-    case = make_case([1, 3], [9, 3], 4, 2, 64, 16, torch.float32)
-    calls = []
-    monkeypatch.setattr(attention.cuda_ops, "triton_module", lambda name: SimpleNamespace(
-        paged_attention_triton=lambda *args: calls.append((name, *args)) or "triton"))
-    query = torch.Tensor._make_subclass(OnCuda, case.query)
-    args = (case.key_cache, case.value_cache, case.meta, case.scale, 7, 30.0)
-    # on a GPU the runner's CPU kernel level is None: CUDA tensors go to Triton whatever it is
-    assert attention.paged_attention(query, *args, at=None) == "triton" and calls == [("triton_attention", query, *args)]
-    assert isinstance(attention.paged_attention(case.query, *args, at=None), torch.Tensor) and len(calls) == 1
 
 
 def test_the_kernels_compile_for_hopper_and_ampere_gpus():

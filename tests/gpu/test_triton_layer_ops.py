@@ -1,4 +1,4 @@
-"""The fused layer ops for CUDA (kernels/triton_layer_ops.py) against the torch modules they replace.
+"""The fused layer ops for CUDA (kernels/gpu/layer_ops.py) against the torch modules they replace.
 
 Without CUDA they run under Triton's interpreter (tests/gpu/__init__.py), in fp32 and fp16 (no bf16 there): what
 is proved is each kernel's logic (rows, heads, halves, padding slots, both norm flavours, both activations) and,
@@ -13,16 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import attention, cuda_ops, elementwise, layer_ops, native
+from pagellm.kernels.cpu import attention, elementwise, layer_ops
+from pagellm.kernels.reference import attention as reference_attention
+from pagellm.kernels.build import native
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.rotary import apply_rotary_reference
+from pagellm.kernels.reference.layer_ops import rotary as apply_rotary_reference
 from tests.gpu import interpreter
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 pytest.importorskip("triton", reason="triton is not installed (PyTorch's CPU-only wheel does not bring it)")
 with interpreter(not ON_GPU):
-    from pagellm.kernels import triton_layer_ops as ops
+    from pagellm.kernels.gpu import layer_ops as ops
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -103,7 +105,7 @@ def test_qkv_prepare_is_norm_rotary_and_write_kv(heads, kv_heads, head_dim, norm
     _close(got, apply_rotary_reference(q, cos, sin))
     expected = [torch.full_like(caches[0], float("nan")) for _ in range(2)]
     kept = slots >= 0
-    attention.write_kv(apply_rotary_reference(k, cos, sin)[kept], v[kept], *expected, slots[kept])
+    reference_attention.write_kv(apply_rotary_reference(k, cos, sin)[kept], v[kept], *expected, slots[kept])
     _close(caches[0], expected[0])
     assert torch.equal(caches[1].nan_to_num(7.0), expected[1].nan_to_num(7.0))  # v is copied, not computed
 
@@ -116,34 +118,3 @@ def test_act_mul_is_the_activation_times_up(activation, width, dtype):
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     _close(ops.act_mul(gate_up, activation), act * up)
-
-
-class _OnCuda(torch.Tensor):
-    """A CPU tensor that says it is on CUDA: the dispatch seen from a CPU."""
-
-    @property
-    def is_cuda(self):
-        return True
-
-
-def test_cuda_tensors_go_to_the_triton_ops(monkeypatch):
-    """kernels/layer_ops and kernels/elementwise send CUDA tensors to triton_layer_ops with every argument; CPU
-    tensors stay on the native kernels or the reference."""
-    calls = []
-    fake = SimpleNamespace(**{name: (lambda name: lambda *args: calls.append(name) or (name, name))(name)
-                              for name in ("add_rms_norm", "qkv_prepare", "act_mul")})
-    monkeypatch.setattr(cuda_ops, "layer_ops", lambda: fake)
-    cuda = lambda t: torch.Tensor._make_subclass(_OnCuda, t)  # noqa: E731
-    x, weight = cuda(torch.randn(2, 8)), cuda(torch.ones(8))
-    # on a GPU the runner's CPU kernel level is None: CUDA tensors go to Triton whatever it is
-    assert layer_ops.add_rms_norm(x, x, None, weight, 1e-6, False, None) == ("add_rms_norm", "add_rms_norm")
-    assert elementwise.rms_norm(x, weight, 1e-6, False, None) == "add_rms_norm"
-    assert layer_ops.act_mul(x, "silu", None) == ("act_mul", "act_mul")
-    cache = cuda(torch.zeros(2, 4, 1, 8))
-    cos = cuda(torch.ones(2, 4))
-    assert layer_ops.qkv_prepare(cuda(torch.randn(2, 24)), 1, 1, None, None, 1e-6, False, cos, cos, cache, cache,
-                                 cuda(torch.tensor([0, 1])), None) == ("qkv_prepare", "qkv_prepare")
-    assert calls == ["add_rms_norm", "add_rms_norm", "act_mul", "qkv_prepare"]
-    layer_ops.act_mul(torch.randn(2, 8), "silu", native.default_level())  # CPU: native or None, not Triton
-    assert layer_ops.act_mul(x, "relu", None) is None  # what the kernel has no activation for: the caller's torch ops
-    assert len(calls) == 4

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 
 # The one honest reason to skip a kernel test: no C++ compiler at all, where the engine runs the torch reference
 # ops and says so. A kernel that fails to build where a compiler exists raises KernelBuildError and fails here.

@@ -6,7 +6,7 @@ A test marked `across_levels` runs once and compares the levels itself (native.e
 
 import pytest
 
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 
 
 def pytest_configure(config):

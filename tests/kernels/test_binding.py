@@ -1,4 +1,4 @@
-"""Callers generated from a kernel's declared signature (kernels/binding.py): what the checked one refuses, by
+"""Callers generated from a kernel's declared signature (kernels/build/binding.py): what the checked one refuses, by
 name, and that both call the same kernel."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import ctypes
 import pytest
 import torch
 
-from pagellm.kernels import elementwise, layer_ops
-from pagellm.kernels.binding import FLOATS, DtypeCode, Float, Function, Int, KernelArgumentError, Tensor
+from pagellm.kernels.cpu import elementwise, layer_ops
+from pagellm.kernels.build.binding import FLOATS, DtypeCode, Float, Function, Int, KernelArgumentError, Tensor
 from tests.kernels import requires_compiler
 
 RMS_NORM = elementwise._RMS_NORM

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.kernels import elementwise as native_norm
-from pagellm.kernels import native
+from pagellm.kernels.cpu import elementwise as native_norm
+from pagellm.kernels.build import native
+from pagellm.kernels.ops import REFERENCE, native_ops
+from pagellm.kernels.reference import layer_ops as reference
 from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.norm import RMSNorm
 from tests.kernels import requires_compiler
@@ -34,9 +36,9 @@ def test_native_matches_reference(dtype, unit_offset, shape, cpu_isa):
 
 
 @requires_compiler
-def test_takes_any_layout_and_declines_only_what_planning_knows(cpu_isa):
-    """A view is copied contiguous and normed by the kernel (bit for bit what the contiguous input gives); only a
-    dtype the kernel does not take (fp16) or a level with no kernel (None) is declined."""
+def test_takes_any_layout_and_refuses_only_what_planning_knows(cpu_isa):
+    """A view is copied contiguous and normed by the kernel (bit for bit what the contiguous input gives); a dtype
+    the kernel does not take (fp16) is refused, and a plan binds the reference for it (or for no level)."""
     layer = RMSNorm(16, 1e-6)
     bind_kernel_level(layer, cpu_isa)
     x = torch.randn(4, 32)[:, ::2]  # not contiguous
@@ -48,8 +50,10 @@ def test_takes_any_layout_and_declines_only_what_planning_knows(cpu_isa):
     assert torch.equal(native_norm.rotary(rope, cos, sin, cpu_isa), native_norm.rotary(rope.contiguous(), cos, sin,
                                                                                           cpu_isa))
     half = torch.randn(4, 16, dtype=torch.float16)
-    assert native_norm.rms_norm(half, layer.weight.half(), 1e-6, False, cpu_isa) is None
-    assert native_norm.rms_norm(x, layer.weight, 1e-6, False, None) is None
+    with pytest.raises(ValueError, match="rms_norm: x torch.float16"):
+        native_norm.rms_norm(half, layer.weight.half(), 1e-6, False, cpu_isa)
+    assert native_ops(cpu_isa, torch.float16).rms_norm is reference.rms_norm
+    assert native_ops(None) is REFERENCE and native_ops(cpu_isa).rms_norm.func is native_norm.rms_norm
 
 
 def test_refreshes_the_fp32_weight_copy_when_the_weight_is_replaced(cpu_isa):
@@ -67,16 +71,13 @@ def test_refreshes_the_fp32_weight_copy_when_the_weight_is_replaced(cpu_isa):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 4, 256), (9, 2, 64), (200, 8, 128)])
 def test_native_rotary_matches_reference_exactly(dtype, shape, cpu_isa):
-    from pagellm.layers.rotary import apply_rotary, apply_rotary_reference
-
     torch.manual_seed(1)
     tokens, _, dim = shape
     x = (torch.randn(shape) * 2).to(dtype)
     angles = torch.rand(tokens, dim // 2) * 6.3
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    assert native_norm.rotary(x, cos, sin, cpu_isa) is not None  # the native path runs here
     # The same per-op rounding as torch: bit-identical results in fp32 and bf16.
-    assert torch.equal(apply_rotary(x, cos, sin, cpu_isa), apply_rotary_reference(x, cos, sin))
+    assert torch.equal(native_norm.rotary(x, cos, sin, cpu_isa), reference.rotary(x, cos, sin))
 
 
 @pytest.mark.across_levels

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pagellm.kernels import gated_delta_native, native
-from pagellm.kernels.gated_delta import gated_delta_step_, prepare_qk
+from pagellm.kernels.cpu import gated_delta_decode
+from pagellm.kernels.build import native
+from pagellm.kernels.reference.gated_delta import gated_delta_step_, prepare_qk
 from pagellm.layers.gated_delta_net import GatedDeltaNet
 from pagellm.layers.kernel_user import bind_kernel_level
 from tests.kernels import requires_compiler
@@ -54,7 +55,7 @@ def test_rule_kernel_matches_step_in_place(slots, hk, hv, dk, dv, cpu_isa):
     index = torch.tensor(slots)
     for step in range(4):
         q, k, v, g, beta = _rule_inputs(len(slots), hk, hv, dk, dv, seed=step)
-        out = gated_delta_native.rule_decode_(state, index, q, k, v, g, beta, cpu_isa)
+        out = gated_delta_decode.rule_decode_(state, index, q, k, v, g, beta, cpu_isa)
         qr, kr = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
         for b, slot in enumerate(slots):  # the reference, one request at a time on its slot's view
             expected = gated_delta_step_(reference[slot], qr[b], kr[b], v[b], g[b], beta[b])
@@ -136,7 +137,7 @@ def test_layer_native_decode_matches_torch_decode(slots, hk, hv, dtype, cpu_isa)
             x, g, beta = _step_inputs(native, len(slots), dtype, seed=10 + step)
             recorder = _StateOps(native.conv_state, native.recurrent_state)
             with recorder:
-                out = native._decode_native(x, g, beta, slots, torch.tensor(slots))
+                out = native._decode_native(x, g, beta, slots, torch.tensor(slots), native.ops.gated_delta_decode)
             expected = reference._decode_torch(x, g, beta, slots)
             assert out is not None and out.dtype == dtype
             torch.testing.assert_close(out, expected, **tol)
@@ -154,19 +155,20 @@ def test_layer_native_decode_matches_torch_decode(slots, hk, hv, dtype, cpu_isa)
     assert (native.conv_state.data_ptr(), native.recurrent_state.data_ptr()) == addresses
 
 
-def test_unsupported_inputs_fall_back_without_touching_state(cpu_isa):
-    """A conv state in another dtype than the step's inputs is not handled: None, and no slot moved."""
+def test_unsupported_inputs_are_refused_without_touching_state(cpu_isa):
+    """A conv state in another dtype than the step's inputs, or a slot outside the states, is refused before
+    either kernel moves a slot: an error, not a silent switch to the torch path (a plan binds the kernels only
+    for the model's own dtype, kernels/ops.py)."""
     layer = _layer(2, 2, torch.float32, cpu_isa)
     _fill_slots(layer, [1, 3])
     before = (layer.conv_state.clone(), layer.recurrent_state.clone())
     x, g, beta = _step_inputs(layer, 2, torch.bfloat16, seed=0)
-    assert layer._decode_native(x, g, beta, [1, 3], None) is None
-    assert layer._decode(x, g, beta, [1, 3]).shape == (2, layer.num_v_heads, layer.head_v_dim)  # torch path
-    assert torch.equal(_bits(layer.conv_state[[0, 2]]), _bits(before[0][[0, 2]]))
-    assert not gated_delta_native.decode_handled(layer.conv_state, layer.recurrent_state, x,
-                                                 layer.conv1d.weight[:, 0], [1, 3], cpu_isa)
-    assert not gated_delta_native.decode_handled(layer.conv_state, layer.recurrent_state,
-                                                 x.float(), layer.conv1d.weight[:, 0], [1, NUM_SLOTS], cpu_isa)
+    with pytest.raises(ValueError, match="gated delta decode: conv state torch.float32, x torch.bfloat16"):
+        layer._decode(x, g, beta, [1, 3])
+    with pytest.raises(IndexError, match="outside the"):
+        layer._decode(x.float(), g, beta, [1, NUM_SLOTS])
+    assert torch.equal(_bits(layer.conv_state), _bits(before[0]))
+    assert torch.equal(_bits(layer.recurrent_state), _bits(before[1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -182,7 +184,7 @@ def test_conv_kernel_matches_torch_over_extreme_inputs(dtype, cpu_isa):
     window = torch.cat([state[slots], x[:, :, None]], dim=-1)
     expected = torch.nn.functional.silu((window.float() * weight.float()).sum(-1).to(dtype))
     expected_state[slots] = window[:, :, 1:]
-    out = gated_delta_native.conv_decode_(state, torch.tensor(slots), x, weight, cpu_isa)
+    out = gated_delta_decode.conv_decode_(state, torch.tensor(slots), x, weight, cpu_isa)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out, expected, **tol)
     assert torch.equal(_bits(state), _bits(expected_state))  # the shift moves values, no arithmetic
@@ -213,7 +215,7 @@ def test_rule_kernel_is_the_same_bits_at_every_level(dk, dv):
         state, outs = state0.clone(), []
         for step in range(3):
             q, k, v, g, beta = _rule_inputs(len(slots), hk, hv, dk, dv, seed=step)
-            outs.append(gated_delta_native.rule_decode_(state, torch.tensor(slots), q, k, v, g, beta, at))
+            outs.append(gated_delta_decode.rule_decode_(state, torch.tensor(slots), q, k, v, g, beta, at))
         return (state, *outs)
 
     _assert_levels_agree(native.each_level(run))
@@ -233,7 +235,7 @@ def test_conv_kernel_is_the_same_bits_at_every_level(dtype, channels):
 
     def run(at):
         state = state0.clone()
-        return state, gated_delta_native.conv_decode_(state, torch.tensor(slots), x, weight, at)
+        return state, gated_delta_decode.conv_decode_(state, torch.tensor(slots), x, weight, at)
 
     results = native.each_level(run)
     nan = torch.isnan(results[native.host_levels()[0]][1])

@@ -1,4 +1,4 @@
-"""The fused decoder-layer ops (kernels/layer_ops.py) against the torch ops they replace.
+"""The fused decoder-layer ops (kernels/cpu/layer_ops.py) against the torch ops they replace.
 
 qkv_prepare and add_rms_norm do the arithmetic of the unfused native kernels (the same norm.h / rope.h row
 code), so they must be bit-identical to those; act_mul's exp differs from torch's in the last fp32 ulp, so
@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import layer_ops, native
-from pagellm.kernels.attention import write_kv
+from pagellm.kernels.cpu import layer_ops
+from pagellm.kernels.build import native
+from pagellm.kernels.ops import native_ops
+from pagellm.kernels.reference.attention import write_kv
 from pagellm.layers.kernel_user import bind_kernel_level
-from pagellm.layers.mlp import gated_act
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.rotary import apply_rotary
 from tests.kernels import requires_compiler
 
 pytestmark = requires_compiler
@@ -64,7 +64,7 @@ def test_qkv_prepare_equals_norm_rotary_and_cache_write(dtype, cache_dtype, qk_n
         rq, rk, rv = (t.reshape(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
         if norms:
             rq, rk = norms[0](rq.contiguous()), norms[1](rk.contiguous())
-        rq, rk = (apply_rotary(t.contiguous(), cos, sin, cpu_isa) for t in (rq, rk))
+        rq, rk = (native_ops(cpu_isa).rotary(t.contiguous(), cos, sin) for t in (rq, rk))
         write_kv(rk, rv, caches[2], caches[3], slots)
     assert q is not None and q.shape == (tokens, heads, dim)
     assert torch.equal(q, rq)
@@ -86,24 +86,32 @@ def test_an_fp16_cache_holds_v_rounded_exactly_as_torch_rounds_it(cpu_isa):
     assert torch.equal(caches[1][0, 5, 0].view(torch.int16), v.to(torch.float16).view(torch.int16))
 
 
-def test_qkv_prepare_declines_what_it_cannot_do(cpu_isa):
+def test_qkv_prepare_refuses_what_it_cannot_do(cpu_isa):
+    """A plan binds it only where it applies (kernels/ops.py): anything else is an error, never a silent torch path."""
     qkv, cos, sin = torch.randn(2, 4 * 32), *_rope(2, 32, torch.float32)
     cache = torch.zeros(4, 16, 1, 32)
     slots = torch.tensor([0, 1])
-    assert layer_ops.qkv_prepare(qkv.bfloat16(), 2, 1, None, None, 0.0, False, cos.bfloat16(), sin.bfloat16(),
-                                 cache, cache, slots, cpu_isa) is None  # an fp32 cache under bf16: not a pair it takes
-    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache.bfloat16(),
-                                 slots, cpu_isa) is None  # K and V differ
-    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots.int(),
-                                 cpu_isa) is None
-    assert layer_ops.qkv_prepare(qkv[:, ::2], 1, 0, None, None, 0.0, False, cos, sin, cache, cache, slots,
-                                 cpu_isa) is None
-    assert layer_ops.qkv_prepare(qkv, 3, 1, None, None, 0.0, False, cos, sin, cache, cache, slots, cpu_isa) is None
-    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots[:1],
-                                 cpu_isa) is None
-    assert layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos[:1], sin[:1], cache, cache, slots,
-                                 cpu_isa) is None
-    assert not cache.any()  # nothing written when declined
+    with pytest.raises(ValueError, match="qkv_prepare"):
+        layer_ops.qkv_prepare(qkv.bfloat16(), 2, 1, None, None, 0.0, False, cos.bfloat16(), sin.bfloat16(),
+                              cache, cache, slots, cpu_isa)  # an fp32 cache under bf16: not a pair it takes
+    with pytest.raises(ValueError, match="qkv_prepare"):
+        layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache.bfloat16(),
+                              slots, cpu_isa)  # K and V differ
+    with pytest.raises(ValueError, match="qkv_prepare"):
+        layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots.int(),
+                              cpu_isa)
+    with pytest.raises(ValueError, match="qkv_prepare"):
+        layer_ops.qkv_prepare(qkv[:, ::2], 1, 0, None, None, 0.0, False, cos, sin, cache, cache, slots,
+                              cpu_isa)
+    with pytest.raises(ValueError, match="qkv_prepare"):
+        layer_ops.qkv_prepare(qkv, 3, 1, None, None, 0.0, False, cos, sin, cache, cache, slots, cpu_isa)
+    with pytest.raises(ValueError, match="qkv_prepare"):
+        layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos, sin, cache, cache, slots[:1],
+                              cpu_isa)
+    with pytest.raises(ValueError, match="qkv_prepare"):
+        layer_ops.qkv_prepare(qkv, 2, 1, None, None, 0.0, False, cos[:1], sin[:1], cache, cache, slots,
+                              cpu_isa)
+    assert not cache.any()  # nothing written when refused
 
 
 def test_qkv_prepare_refuses_slots_outside_the_cache(cpu_isa):
@@ -138,7 +146,7 @@ def test_residual_norm_equals_add_then_norm(dtype, unit_offset, with_post, rows,
     assert norm.residual(h, None)[0] is h and torch.equal(norm.residual(h, None)[1], norm(h))
 
 
-def test_residual_norm_falls_back_for_mismatched_norms(cpu_isa):
+def test_residual_norm_runs_two_norms_for_mismatched_ones(cpu_isa):
     h, x = torch.randn(2, 32), torch.randn(2, 32)
     norm, post = RMSNorm(32, 1e-6), RMSNorm(32, 1e-5)
     bind_kernel_level(norm, cpu_isa)
@@ -147,7 +155,8 @@ def test_residual_norm_falls_back_for_mismatched_norms(cpu_isa):
     got = norm.residual(h, x, post)  # different eps: two calls of the torch path
     summed = h + post(x)
     assert torch.equal(got[0], summed) and torch.equal(got[1], norm(summed))
-    assert layer_ops.add_rms_norm(h, x.double(), None, norm.weight, 1e-6, False, cpu_isa) is None
+    with pytest.raises(ValueError, match=r"add_rms_norm: .*\(the plan binds this kernel only where it applies\)"):
+        layer_ops.add_rms_norm(h, x.double(), None, norm.weight, 1e-6, False, cpu_isa)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -160,7 +169,7 @@ def test_gated_act_matches_torch(dtype, activation, shape, cpu_isa):
     act = F.silu if activation == "silu" else (lambda v: F.gelu(v, approximate="tanh"))
     gate, up = gate_up.chunk(2, dim=-1)
     with torch.inference_mode():
-        got, reference = gated_act(gate_up, activation, cpu_isa), act(gate) * up
+        got, reference = native_ops(cpu_isa).gated_act(activation)(gate_up), act(gate) * up
         native_out = layer_ops.act_mul(gate_up, NATIVE_NAMES[activation], cpu_isa)
     assert native_out is not None and torch.equal(got, native_out)  # the kernel, at every level
     assert got.dtype == dtype and got.shape == reference.shape and torch.isfinite(got).all()
@@ -176,8 +185,9 @@ def test_gated_act_matches_torch(dtype, activation, shape, cpu_isa):
 def test_gated_act_keeps_torch_for_erf_gelu(cpu_isa):
     gate_up = torch.randn(3, 16)
     gate, up = gate_up.chunk(2, dim=-1)
-    assert torch.equal(gated_act(gate_up, "gelu", cpu_isa), F.gelu(gate) * up)
-    assert layer_ops.act_mul(gate_up, "gelu", cpu_isa) is None
+    assert torch.equal(native_ops(cpu_isa).gated_act("gelu")(gate_up), F.gelu(gate) * up)
+    with pytest.raises(ValueError, match="act_mul: 'gelu'"):
+        layer_ops.act_mul(gate_up, "gelu", cpu_isa)
 
 
 def _act_inputs(rows: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

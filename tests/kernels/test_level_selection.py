@@ -7,7 +7,8 @@ import os
 import pytest
 
 from pagellm.config import KernelConfig
-from pagellm.kernels import elementwise, native
+from pagellm.kernels.cpu import elementwise
+from pagellm.kernels.build import native
 
 
 def test_each_run_selects_its_level(cpu_isa):

@@ -1,4 +1,4 @@
-"""The C++ logits kernels (pagellm/kernels/logits.py) against the torch expressions they replace."""
+"""The C++ logits kernels (pagellm/kernels/cpu/logits.py) against the torch expressions they replace."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import ctypes
 import pytest
 import torch
 
-from pagellm.kernels import logits as native_logits
-from pagellm.kernels import native
-from pagellm.kernels.binding import Flag, Function, Int, Tensor
+from pagellm.kernels.cpu import logits as native_logits
+from pagellm.kernels.build import native
+from pagellm.kernels.build.binding import Flag, Function, Int, Tensor
 from tests.kernels import requires_compiler
 
 pytestmark = requires_compiler
@@ -114,13 +114,20 @@ def test_rejects_a_wrong_buffer(cpu_isa):
             native_logits.logits_to_f32(x, 30.0, cpu_isa, out=bad)
 
 
-def test_logits_to_f32_declines_what_it_does_not_handle(cpu_isa):
-    assert native_logits.logits_to_f32(torch.randn(4, 32)[:, ::2], 30.0, cpu_isa) is None  # not contiguous
-    assert native_logits.logits_to_f32(torch.randn(4, 16, dtype=torch.float16), 30.0, cpu_isa) is None
-    assert native_logits.logits_to_f32(torch.randn(4, 16, dtype=torch.float64), None, cpu_isa) is None
-    assert native_logits.logits_to_f32(torch.randn(4, 0), 30.0, cpu_isa) is None
-    assert native_logits.logits_to_f32(torch.tensor(1.0), 30.0, cpu_isa) is None  # 0-d
-    assert native_logits.logits_to_f32(torch.randn(4, 16, device="meta"), 30.0, cpu_isa) is None
+def test_logits_to_f32_refuses_what_it_does_not_handle(cpu_isa):
+    """Bound by a plan only for the model's own fp32/bf16 logits (kernels/ops.py): anything else is an error."""
+    with pytest.raises(ValueError, match="logits_to_f32: takes"):  # not contiguous
+        native_logits.logits_to_f32(torch.randn(4, 32)[:, ::2], 30.0, cpu_isa)
+    with pytest.raises(ValueError, match="logits_to_f32: takes"):
+        native_logits.logits_to_f32(torch.randn(4, 16, dtype=torch.float16), 30.0, cpu_isa)
+    with pytest.raises(ValueError, match="logits_to_f32: takes"):
+        native_logits.logits_to_f32(torch.randn(4, 16, dtype=torch.float64), None, cpu_isa)
+    with pytest.raises(ValueError, match="logits_to_f32: takes"):
+        native_logits.logits_to_f32(torch.randn(4, 0), 30.0, cpu_isa)
+    with pytest.raises(ValueError, match="logits_to_f32: takes"):  # 0-d
+        native_logits.logits_to_f32(torch.tensor(1.0), 30.0, cpu_isa)
+    with pytest.raises(ValueError, match="logits_to_f32: takes"):
+        native_logits.logits_to_f32(torch.randn(4, 16, device="meta"), 30.0, cpu_isa)
 
 
 # ---- argmax_rows ---------------------------------------------------------------------------

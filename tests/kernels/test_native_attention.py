@@ -16,7 +16,10 @@ import dataclasses
 import pytest
 import torch
 
-from pagellm.kernels import attention, native
+from pagellm.kernels.cpu import attention
+from pagellm.kernels.reference import attention as reference_attention
+from pagellm.kernels.build import native
+from pagellm.kernels.ops import native_ops
 from tests.kernels import requires_compiler
 from tests.kernels.attention_cases import Case, make_case
 
@@ -25,7 +28,7 @@ def run_both(case: Case, at: str, window=None, cap=None):
     """The kernel's output at level `at`, and the reference's in fp64 from the same (already rounded) inputs: the
     exact result, to far better than the bounds below need."""
     args = (case.meta, case.scale, window, cap)
-    exact = attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
+    exact = reference_attention.paged_attention_reference(case.query.double(), case.key_cache.double(),
                                                 case.value_cache.double(), *args)
     return attention.paged_attention_native(case.query, case.key_cache, case.value_cache, *args, at=at), exact
 
@@ -215,31 +218,17 @@ def test_lower_levels_agree_with_the_hosts_own(threads):
         torch.set_num_threads(saved)
 
 
-def test_dispatch_uses_native_kernel_and_falls_back(monkeypatch, cpu_isa):
-    case = make_case([1, 3], [5, 3], 4, 2, 64, 16, torch.float32)
-    calls = []
-    reference, native_path = attention.paged_attention_reference, attention.paged_attention_native
-    monkeypatch.setattr(attention, "paged_attention_reference",
-                        lambda *a: calls.append("reference") or reference(*a))
-    monkeypatch.setattr(attention, "paged_attention_native",
-                        lambda *a, **kw: calls.append("native") or native_path(*a, **kw))
-
-    def dispatched(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache, at=cpu_isa):
-        calls.clear()
-        attention.paged_attention(query, key_cache, value_cache, case.meta, case.scale, at=at)
-        return calls[0]
-
-    bf16_k, bf16_v = case.key_cache.to(torch.bfloat16), case.value_cache.to(torch.bfloat16)
-    if native.compiler() is not None:  # with one, the kernel builds (or this raises KernelBuildError)
-        assert dispatched() == "native"
-        assert dispatched(case.query.to(torch.bfloat16), bf16_k, bf16_v) == "native"
-        assert dispatched(case.query, bf16_k, bf16_v) == "native"  # fp32 queries over a bf16 cache
-    # not covered by the kernel: float16, a head size that is not a multiple of 16, other mixed dtypes
-    assert dispatched(case.query.half(), case.key_cache.half(), case.value_cache.half()) == "reference"
-    assert dispatched(case.query[..., :24], case.key_cache[..., :24].contiguous(),
-                      case.value_cache[..., :24].contiguous()) == "reference"
-    assert dispatched(case.query.to(torch.bfloat16)) == "reference"
-    assert dispatched(case.query, bf16_k) == "reference"  # K and V in different dtypes
-    assert dispatched(at=None) == "reference"  # native kernels off
-    monkeypatch.setattr(attention, "_native_kernel", lambda at: None)  # no compiler: nothing was built
-    assert dispatched() == "reference"
+def test_a_layer_is_bound_to_the_kernel_only_where_it_takes_it(cpu_isa):
+    """The choice made once per layer (kernels/ops.LayerOps.attention_for): the kernel for fp32/bf16 queries with
+    heads of a multiple of 16 over a cache it pairs with; the torch reference elsewhere and with no level."""
+    native_kernel, torch_reference = attention.paged_attention_native, reference_attention.paged_attention_reference
+    ops = native_ops(cpu_isa)
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert ops.attention_for(64, f32, f32).func is native_kernel and ops.attention_for(64, bf16, bf16).func is native_kernel
+    assert ops.attention_for(64, f32, bf16).func is native_kernel  # fp32 queries over a bf16 cache
+    assert ops.attention_for(64, f32, f16).func is native_kernel  # and over the fp16 one a GGUF's blocks keep
+    # not covered by the kernel: float16 activations, a head size that is not a multiple of 16, other mixed dtypes
+    assert native_ops(cpu_isa, f16).attention_for(64, f16, f16) is torch_reference
+    assert ops.attention_for(24, f32, f32) is torch_reference
+    assert ops.attention_for(64, bf16, f32) is torch_reference and ops.attention_for(64, bf16, f16) is torch_reference
+    assert native_ops(None).attention_for(64, f32, f32) is torch_reference  # native kernels off

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from pagellm.kernels import __main__ as build_all
-from pagellm.kernels import native, selection
+from pagellm.kernels.build import native
+from pagellm.kernels import selection
 from pagellm.loader.gguf_file import VOCABULARY
 from tests.kernels import requires_compiler
 

@@ -1,4 +1,4 @@
-"""The native int4 / int8 matmuls (kernels/quant_gemv.py) against float64 references and torch's kernels.
+"""The native int4 / int8 matmuls (kernels/cpu/quant_gemv.py) against float64 references and torch's kernels.
 
 Reference: x rounded to bf16 (what every int kernel takes) times the exact dequantized weight, in float64. The
 kernels sum in fp32, so they may differ from it by fp32 rounding (bounded relative to sum |x| |w|) plus, for
@@ -13,7 +13,8 @@ import pickle
 import pytest
 import torch
 
-from pagellm.kernels import native, quant_gemv
+from pagellm.kernels.build import native
+from pagellm.kernels.cpu import quant_gemv
 from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.quant_codes import group_affine_from_float, pack_int4
 from pagellm.layers.quantized import Int4Linear, Int8Linear, QuantizedEmbedding, quantized_module

@@ -1,4 +1,4 @@
-"""GGUF block formats kept as stored (kernels/gguf_blocks.py, csrc/quant_gguf.cpp): the repacked weights are the
+"""GGUF block formats kept as stored (kernels/cpu/gguf_blocks.py, csrc/quant_gguf.cpp): the repacked weights are the
 file's, bit for bit; the matmul is the exact product of those weights with the int8-quantized activations up to
 fp32 summation; every level gives the same bits."""
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.kernels import gguf_blocks, layer_ops, native
+from pagellm.kernels.cpu import gguf_blocks, layer_ops
+from pagellm.kernels.build import native
 from pagellm.loader import gguf_repack
 from tests.kernels.gguf_blocks_builders import KERNEL_TYPES, T, gguf_tensor
 from tests.kernels import requires_compiler

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.kernels import quant_gemv
+from pagellm.kernels.cpu import quant_gemv
 from pagellm.layers.quantized import Int4Linear
 from tests.kernels import requires_compiler
 
@@ -170,7 +170,7 @@ def test_wrong_width_is_rejected(cpu_isa):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_levels_bit_identical(dtype):
     """The avx512, avx2 and generic builds do the same integer sums and the same fp32 steps in the same order."""
-    from pagellm.kernels import native
+    from pagellm.kernels.build import native
 
     g = torch.Generator().manual_seed(5)
     layer = Int4Linear.from_float(torch.randn(96, 640, generator=g) * 0.05, (torch.randn(96, generator=g) * 0.1).to(dtype))
@@ -186,7 +186,7 @@ def test_levels_bit_identical(dtype):
 def test_avx_vnni_build_equals_the_plain_avx2_build():
     """Where the CPU has AVX-VNNI the avx2 build uses vpdpbusd; the build without it must give the same bits
     (integer sums either way). On CPUs without AVX-VNNI only the plain build exists: nothing to compare."""
-    from pagellm.kernels import native
+    from pagellm.kernels.build import native
 
     if "avx2" not in native.host_levels() or "avx_vnni" not in native.cpu_flags():
         pytest.skip("this CPU has no AVX-VNNI: the avx2 level has one build")

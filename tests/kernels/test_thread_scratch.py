@@ -9,7 +9,7 @@ import sys
 _PROBE = r"""
 import json, os, sys
 import torch
-from pagellm.kernels import gguf_blocks
+from pagellm.kernels.cpu import gguf_blocks
 from pagellm.loader import gguf_repack
 from pagellm.kernels.selection import release_thread_scratch
 from pagellm.platform import release_freed_heap

@@ -1,4 +1,4 @@
-"""The gated delta rule (kernels/gated_delta.py) and the Gated DeltaNet layer with slot-bound state.
+"""The gated delta rule (kernels/reference/gated_delta.py) and the Gated DeltaNet layer with slot-bound state.
 
 The math is checked against HF's torch reference functions; the layer against HF's
 Qwen3-Next / Qwen3.5 modules; the slot handling (fresh / continuation, chunked
@@ -15,7 +15,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextGatedDeltaNet, torch_chunk_gated_delta_rule,
                                                                 torch_recurrent_gated_delta_rule)
 
-from pagellm.kernels.gated_delta import chunked_gated_delta, prepare_qk, recurrent_gated_delta_
+from pagellm.kernels.reference.gated_delta import chunked_gated_delta, prepare_qk, recurrent_gated_delta_
 from pagellm.layers.gated_delta_net import GatedDeltaNet
 from pagellm.models.llama import load_checkpoint_weights
 from pagellm.kernels.attention_metadata import AttentionMetadata

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 from torch import nn
@@ -9,7 +10,8 @@ from transformers import Qwen3MoeConfig, Qwen3NextConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
-from pagellm.layers.moe import PER_TOKEN_MAX_TOKENS, MoeExperts, SparseMoeBlock, route, stack_expert_weights
+from pagellm.kernels.ops import PER_TOKEN_MAX_TOKENS, REFERENCE, cuda_moe_path
+from pagellm.layers.moe import MoeExperts, SparseMoeBlock, route, stack_expert_weights
 from pagellm.models.llama import load_checkpoint_weights
 
 HIDDEN, EXPERTS, INTER = 32, 8, 16
@@ -85,20 +87,15 @@ def test_dispatch_paths_agree(dtype):
     assert experts.dispatch(x).startswith("grouped")
 
 
-class _OnCuda(torch.Tensor):
-    @property
-    def device(self):
-        return torch.device("cuda")
-
-
 @pytest.mark.parametrize("dtype,path", [(torch.bfloat16, "grouped_mm"), (torch.float32, "grouped_loop")])
 def test_cuda_batches_of_any_size_take_the_grouped_path(dtype, path):
     """On CUDA no batch takes the per-token loop (a host sync per token): bf16 runs the grouped call (the path
-    test_dispatch_paths_agree checks on the CPU), other dtypes the loop over experts."""
+    test_dispatch_paths_agree checks on the CPU), other dtypes the loop over experts. The CUDA backend's choice
+    (kernels/ops.cuda_moe_path), bound into the module as a plan binds it."""
     experts = MoeExperts(EXPERTS, HIDDEN, INTER, "silu")
+    experts.use_ops(dataclasses.replace(REFERENCE, moe_path=cuda_moe_path))
     for tokens in (1, 9):
-        x = torch.Tensor._make_subclass(_OnCuda, torch.zeros(tokens, HIDDEN, dtype=dtype))
-        assert experts.dispatch(x) == path
+        assert experts.dispatch(torch.zeros(tokens, HIDDEN, dtype=dtype)) == path
 
 
 def _per_expert_checkpoint(num_experts: int, generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import ModelConfig
-from pagellm.kernels import native, quant_gemv
+from pagellm.kernels.build import native
+from pagellm.kernels.cpu import quant_gemv
 from pagellm.layers.quant_codes import detect_int4_layout, int4_row_codes, int4_scale_zero
 from pagellm.layers.quantized import (
     DENSE_FROM_ROWS, NATIVE_BELOW_ROWS, Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear, concat_linears,
@@ -41,7 +42,7 @@ T = gguf.GGMLQuantizationType
 LEVEL = native.default_level()  # what the layers here run at (tests/lower_levels.py repeats them at the others)
 KERNEL, DENSE = 10**9, 1  # dense_from_rows forcing the int-kernel path / the dense-tile path
 CLASSES = {"int8": Int8Linear, "int4": Int4Linear}
-# torch's kernels and layouts always; the native ones (kernels/quant_gemv.py) at the level they exist at (avx512),
+# torch's kernels and layouts always; the native ones (kernels/cpu/quant_gemv.py) at the level they exist at (avx512),
 # where a failed build fails these cases rather than dropping them
 NATIVE = [False] + ([True] if quant_gemv.promised(LEVEL) and native.compiler() is not None else [])
 

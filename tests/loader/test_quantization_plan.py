@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import plan_quantization, quantize_model, router_paths
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config

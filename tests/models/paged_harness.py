@@ -37,9 +37,10 @@ class PagedHarness:
                            device=self.device),
                 torch.full((num_state_slots, *shapes.recurrent_state), float("nan"), dtype=shapes.recurrent_dtype,
                            device=self.device))
-        level, step_kernels = device_kernels(self.device, KernelConfig())  # as the runner's, for this process
-        self.plan = plan_model(model, PlanSettings(level, activation_dtype(model), kv_cache_dtype or self.dtype,
-                                                   bound_layers, kernels=step_kernels))
+        dtype = activation_dtype(model)
+        level, step_kernels, ops = device_kernels(self.device, KernelConfig(), dtype)  # as the runner's
+        self.plan = plan_model(model, PlanSettings(level, dtype, kv_cache_dtype or self.dtype, bound_layers,
+                                                   kernels=step_kernels, ops=ops))
         generator = torch.Generator().manual_seed(seed)
         self.free_blocks: list[int] = torch.randperm(num_blocks, generator=generator).tolist()
         self.free_slots: list[int] = torch.randperm(num_state_slots, generator=generator).tolist()

@@ -10,7 +10,7 @@ from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
 from pagellm.engine import LLMEngine
 from pagellm.loader.model_loader import load_model
 from pagellm.layers.norm import RMSNorm
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 from pagellm.models.bound_layers import PlanSettings, PlannedBackbone, plan_model
 from tests.loader.gguf_builders import T, write_tiny_gguf
 from tests.models.paged_harness import PagedHarness

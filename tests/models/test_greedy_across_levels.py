@@ -1,5 +1,5 @@
 """Greedy tokens do not depend on the CPU: the same engine at every instruction-set level this host executes
-(kernels/native.py) gives the same ids, dense, int4 (int8 activations) and GGUF blocks, fp32 and bf16."""
+(kernels/build/native.py) gives the same ids, dense, int4 (int8 activations) and GGUF blocks, fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.kernels import native, selection
+from pagellm.kernels.build import native
+from pagellm.kernels import selection
 from tests.kernels import kernels_at
 from tests.loader.gguf_builders import T, write_tiny_gguf
 from tests.models.tiny_checkpoints import write_tiny_checkpoint

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from pagellm.config import KernelConfig
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 
 
 def test_the_run_selects_the_kernels_it_was_started_for():

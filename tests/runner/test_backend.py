@@ -8,7 +8,7 @@ import torch
 
 from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig
 from pagellm.eval.forward import mode_backend
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 from pagellm.loader.default_model import default_model_path
 from pagellm.runner.backend import CpuBackend, CudaBackend, backend_kind, choose_backend, rank_device
 from tests.models.tiny_checkpoints import write_tiny_checkpoint

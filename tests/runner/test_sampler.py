@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pagellm.kernels import native
+from pagellm.kernels.build import native
 from pagellm.runner.sampler import Sampler, SamplerOutput, apply_penalties
 from pagellm.sampling_params import SamplingParams
 
@@ -73,7 +73,7 @@ class _RecordOps(TorchFunctionMode):
 
 
 # The torch ops each greedy path runs ("__get__", attribute access, left out): torch's is one "argmax"; the native
-# argmax (kernels/logits.py) only reads the tensor's layout and allocates its output.
+# argmax (kernels/cpu/logits.py) only reads the tensor's layout and allocates its output.
 GREEDY_OPS = {"torch": {"argmax"}, "native": {"dim", "is_contiguous", "numel", "empty", "data_ptr"}}
 
 

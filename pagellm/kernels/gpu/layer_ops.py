@@ -5,14 +5,14 @@ Why: on a GPU an eager step is bound by the host, and the torch reference of the
 each (measured on an H200: docs/benchmarks/2026-11-26-gpu-h200.md). Fused, a Llama layer is nine launches: two
 norms, one q/k/v preparation, one act * up, four matmuls, one attention (and its reduce in a split decode).
 
-Each kernel rounds where the torch reference (layers/norm.py, layers/rotary.py, layers/mlp.py) rounds, in the
+Each kernel rounds where the torch reference (kernels/reference/layer_ops.py) rounds, in the
 activations' dtype, so bf16 results follow HF's order of operations; the arithmetic between roundings is fp32,
 compiled without FP fusion (a fused multiply-add skips the rounding of its product, which torch's separate ops
 keep; these kernels are bound by memory, not by arithmetic).
 The torch ops stay the oracle (tests/gpu/test_triton_layer_ops.py, under TRITON_INTERPRET=1 on a CPU).
 
 Import this module only where Triton kernels are wanted: `triton.jit` reads TRITON_INTERPRET when the module is
-imported (kernels/layer_ops.py imports it on the first CUDA call).
+imported (kernels/ops.triton_ops imports it when a CUDA backend plans its first model).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # the activations and K/V caches these kernels take
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def _add_rms_norm_kernel(res_ptr, x_ptr, post_w_ptr, w_ptr, res_out_ptr, out_ptr
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor | None, post_weight: torch.Tensor | None,
                  weight: torch.Tensor, eps: float, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + post_norm(x), RMSNorm of that sum), each [..., dim]; x None: (residual, its norm). The same
-    contract as kernels/layer_ops.add_rms_norm; rows of unit stride (the caller checks)."""
+    contract as kernels/cpu/layer_ops.add_rms_norm; rows of unit stride (the caller checks)."""
     dim = residual.shape[-1]
     rows = residual.reshape(-1, dim)
     xs = rows if x is None else x.reshape(-1, dim)
@@ -127,11 +128,22 @@ def _qkv_prepare_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, k_cache_ptr
             tl.store(dst + half + cols, o2.to(k_cache_ptr.dtype.element_ty), mask=ok)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """x [..., dim] -> its RMSNorm: the fused add + norm's kernel, with nothing to add."""
+    return add_rms_norm(x.contiguous(), None, None, weight.contiguous(), eps, unit_offset)[1]
+
+
+def takes(head_dim: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> bool:
+    """Whether qkv_prepare and paged attention take a layer of `head_dim` with `dtype` activations over a
+    `kv_cache_dtype` cache (any float cache: stored as it converts)."""
+    return head_dim % 2 == 0 and dtype in FLOATS and kv_cache_dtype in FLOATS
+
+
 def qkv_prepare(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor | None,
                 k_weight: torch.Tensor | None, eps: float, unit_offset: bool, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """qkv [T, (H + 2 K) D] -> q [T, H, D]; k and v written at `slots` [T] int64 of the contiguous caches
-    [blocks, block_size, K, D]. The contract of kernels/layer_ops.qkv_prepare (the caller checks shapes)."""
+    [blocks, block_size, K, D]. The contract of kernels/cpu/layer_ops.qkv_prepare (the caller checks shapes)."""
     tokens, head_dim = qkv.shape[0], cos.shape[-1] * 2
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if tokens:

@@ -10,7 +10,7 @@ The design of vLLM's unified Triton attention (../shared/notes/gpu.md), written 
                                        (GQA packed: one K/V load serves all G), tiles of TILE_N keys at a time,
                                        each key's row found through block_tables, online softmax in fp32
 
-Causal mask, sliding window and logit soft-cap as the torch reference (kernels/attention.py), which stays the
+Causal mask, sliding window and logit soft-cap as the torch reference (kernels/reference/attention.py), which stays the
 oracle. Written against Triton 3.6 and 3.9 alike; tested on CPU under TRITON_INTERPRET=1 (fp32 only: the
 interpreter has no bf16), and on an H200 by `pagellm bench device-check`. Split-KV (vLLM's 3D decode): a decode
 step with fewer (request, kv head) pairs than the GPU has multiprocessors, and a context of SPLIT_MIN_CONTEXT keys

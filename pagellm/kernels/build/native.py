@@ -1,4 +1,4 @@
-"""Build-on-first-use loader for the C++ CPU kernels in `pagellm/kernels/csrc/`, one build per instruction set.
+"""Build-on-first-use loader for the C++ CPU kernels in `pagellm/kernels/cpu/csrc/`, one build per instruction set.
 
 Each `csrc/<name>.cpp` is a plain C++ file exporting `extern "C"` functions; it is compiled into its own shared
 library for an explicit target level and called through ctypes with tensor data pointers. Why not
@@ -45,10 +45,10 @@ from types import MappingProxyType
 import torch  # noqa: F401  -- imported first so torch's libgomp is the one our libraries bind to
 
 from pagellm.config import KernelConfig
-from pagellm.kernels.errors import KernelBuildError
-from pagellm.kernels import binding
+from pagellm.kernels.build.errors import KernelBuildError
+from pagellm.kernels.build import binding
 
-CSRC = Path(__file__).with_name("csrc")
+CSRC = Path(__file__).parents[1] / "cpu" / "csrc"  # the CPU kernels' C++ sources
 DTYPE_CODES = binding.DTYPE_CODES  # the kernels' dtype argument (is_bf16)
 # Declared by every library whose source includes csrc/thread_scratch.h: its kept per-thread scratch given back.
 RELEASE_SCRATCH = binding.Function("pagellm_release_thread_scratch", ())

@@ -14,8 +14,8 @@ import gguf
 import numpy as np
 import torch
 
-from pagellm.kernels import native
-from pagellm.kernels.binding import FLOATS, Address, DtypeCode, Flag, Float, Function, Int, Tensor
+from pagellm.kernels.build import native
+from pagellm.kernels.build.binding import FLOATS, Address, DtypeCode, Flag, Float, Function, Int, Tensor
 
 T = gguf.GGMLQuantizationType
 BLOCK_ROWS = 16

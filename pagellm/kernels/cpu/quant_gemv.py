@@ -33,8 +33,8 @@ import ctypes
 
 import torch
 
-from pagellm.kernels import native
-from pagellm.kernels.binding import FLOATS, DtypeCode, Function, Int, Tensor
+from pagellm.kernels.build import native
+from pagellm.kernels.build.binding import FLOATS, DtypeCode, Function, Int, Tensor
 
 BLOCK_ROWS = 16  # int4 rows per block of the layout
 GROUP_SIZE = 32

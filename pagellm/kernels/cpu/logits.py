@@ -14,8 +14,8 @@ import torch
 
 from pagellm.kernels.transfers import to_device
 
-from pagellm.kernels import native
-from pagellm.kernels.binding import FLOATS, DtypeCode, Float, Function, Int, Tensor
+from pagellm.kernels.build import native
+from pagellm.kernels.build.binding import FLOATS, DtypeCode, Float, Function, Int, Tensor
 
 _TO_F32 = Function("pagellm_logits_to_f32", (
     Tensor("logits", FLOATS), DtypeCode("logits"), Int("rows"), Int("V"), Float("cap"),
@@ -34,6 +34,11 @@ def _kernel(name: str, at: str | None):
     return _LIBRARY.unchecked(_SYMBOLS[name], at)
 
 
+def available(name: str, at: str | None) -> bool:
+    """Whether csrc/logits.cpp's `name` (logits_to_f32, argmax_rows, mask_rows) runs at level `at`."""
+    return _kernel(name, at) is not None
+
+
 def _handled(function: Function, x: torch.Tensor) -> bool:
     return x.dim() >= 1 and x.shape[-1] > 0 and function.accepts(**{function.params[0]: x})
 
@@ -46,27 +51,26 @@ def _check_out(out: torch.Tensor, logits: torch.Tensor) -> None:
                          f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})")
 
 
-def logits_to_f32(logits: torch.Tensor, cap: float | None, at: str | None,
-                  out: torch.Tensor | None = None) -> torch.Tensor | None:
+def logits_to_f32(logits: torch.Tensor, cap: float | None, at: str,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """`(torch.tanh(logits / cap) * cap).float()` (or `logits.float()` when cap is None or <= 0).
 
     The soft-capping rounds as torch does in logits' dtype: bit-identical for bf16, within a
     few ulp for fp32. `out` (fp32, logits' shape, contiguous): written and returned, so a
     buffer reused across steps spares the page faults of a fresh [B, V] tensor; it may be
     `logits` itself when that is fp32 (in place), but must not otherwise overlap it.
-    Without `out`, fp32 logits with no cap are returned as they are (as `.float()` does).
-    None: not handled here; use torch.
+    Without `out`, fp32 logits with no cap are returned as they are (as `.float()` does). A plan binds it where
+    the level has it and the model's dtype is one it takes (kernels/ops.py): other logits are a ValueError.
     """
     if not _handled(_TO_F32, logits):
-        return None
+        raise ValueError(f"logits_to_f32: takes contiguous CPU fp32/bf16 logits of at least one column, not "
+                         f"{logits.dtype} {tuple(logits.shape)} on {logits.device}")
     if out is not None:
         _check_out(out, logits)
     capped = cap is not None and cap > 0
     if out is None and logits.dtype == torch.float32 and not capped:
         return logits
     fn = _kernel("logits_to_f32", at)
-    if fn is None:
-        return None
     if out is None:
         out = torch.empty(logits.shape, dtype=torch.float32)
     if out.data_ptr() == logits.data_ptr() and not capped:

@@ -6,4 +6,4 @@ from __future__ import annotations
 
 class KernelBuildError(RuntimeError):
     """A native kernel did not build (or load) at a level it is promised at; the message names the kernel and the
-    level, then gives the compiler's own words (kernels/native.py)."""
+    level, then gives the compiler's own words (kernels/build/native.py)."""
