@@ -91,11 +91,6 @@ class ModelConfig(_FromDict):
             raise ValueError("cuda_graph_sizes are the decode graphs' sizes: they need a CUDA device and no "
                              "enforce_eager")
 
-    @property
-    def decode_graphs(self) -> bool:
-        """Capture the decode graphs: asked for, or unset on CUDA."""
-        return self.enforce_eager is False or (self.enforce_eager is None and self.device.split(":")[0] == "cuda")
-
 
 @dataclass(frozen=True)
 class CacheConfig(_FromDict):

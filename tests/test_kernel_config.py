@@ -15,6 +15,7 @@ from pagellm.kernels.build import native
 from pagellm.kernels import selection
 from pagellm.kernels.build.errors import KernelBuildError
 from pagellm.layers.kernel_user import KernelUser
+from pagellm.runner.backend import backend_kind, wants_decode_graphs
 from tests.kernels import EVERY_KERNEL, kernels_at, requires_compiler
 
 
@@ -98,7 +99,9 @@ def test_llm_runs_the_level_asked_and_reports_every_kernel():
     assert (llm.stats()["dtype"], llm.stats()["kv_cache_dtype"]) == ("float32", "float16")  # a GGUF's auto there
     levels = {m.kernel_level for m in engine.model.modules() if isinstance(m, KernelUser)}
     assert levels == {"generic"}  # every module that calls a CPU kernel, bound by the plan
-    assert engine.runner.sampler._level == "generic"
+    ops = {m.ops.name for m in engine.model.modules() if isinstance(m, KernelUser)}
+    assert ops == {"the kernels at generic"}  # and every module's table of layer ops
+    assert engine.runner.sampler._argmax.keywords == {"at": "generic"}  # the sampler's argmax, chosen once
     params = SamplingParams(max_tokens=2)  # that it runs: a generic step of this model is slow
     out = llm.generate([[2, 818, 5279, 529, 7001, 563]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(out) == 2
@@ -171,10 +174,12 @@ def test_decode_graph_flags_reach_the_config_and_are_checked():
     assert model.enforce_eager is False and model.cuda_graph_sizes == (1, 4, 8)  # ascending, once each
     assert engine_config_from_args(build_parser().parse_args(["serve"])).model.enforce_eager is None
     # unset: graphs on CUDA (measured on an H200), none elsewhere; --enforce-eager turns them off
-    assert ModelConfig(device="cuda").decode_graphs and ModelConfig(device="cuda:1").decode_graphs
-    assert not ModelConfig().decode_graphs and not ModelConfig(device="cuda", enforce_eager=True).decode_graphs
-    assert engine_config_from_args(build_parser().parse_args(["serve", "--device", "cuda", "--enforce-eager"])
-                                   ).model.decode_graphs is False
+    def graphs(model: ModelConfig) -> bool:  # as the backend decides them
+        return wants_decode_graphs(model.enforce_eager, backend_kind(torch.device(model.device)))
+    assert graphs(ModelConfig(device="cuda")) and graphs(ModelConfig(device="cuda:1"))
+    assert not graphs(ModelConfig()) and not graphs(ModelConfig(device="cuda", enforce_eager=True))
+    assert graphs(engine_config_from_args(build_parser().parse_args(["serve", "--device", "cuda", "--enforce-eager"])
+                                          ).model) is False
     assert ModelConfig(device="cuda", cuda_graph_sizes=(2, 1)).cuda_graph_sizes == (1, 2)
     with pytest.raises(ValueError, match="device 'cpu' has none"):
         ModelConfig(enforce_eager=False)

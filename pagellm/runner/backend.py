@@ -160,6 +160,11 @@ def rank_device(device: str, rank: int, world_size: int, gpus: int | None = None
     return torch.device("cuda", rank % gpus)
 
 
+def wants_decode_graphs(enforce_eager: bool | None, kind: type[Backend]) -> bool:
+    """Decode graphs for a backend of `kind`: asked for (enforce_eager False), or unset where it captures them."""
+    return enforce_eager is False or (enforce_eager is None and kind.captures_graphs)
+
+
 def choose_backend(config: EngineConfig, rank: int = 0) -> Backend:
     """Rank `rank`'s backend for `config` (every kernel its level promises built now: a failure raises
     KernelBuildError). "auto" dtypes follow the level and the weights (a GGUF's blocks: fp32 with fp16 K/V)."""
@@ -172,4 +177,4 @@ def choose_backend(config: EngineConfig, rank: int = 0) -> Backend:
     kind = backend_kind(device)
     return kind(device, level, kernels.description, blocks, DTYPES[compute_dtype(mc.dtype, device.type, level, blocks)],
                 DTYPES[kv_cache_dtype(kv, mc.dtype, device.type, level, blocks)], DTYPES[narrow] if narrow else None,
-                mc.decode_graphs, mc.cuda_graph_sizes, mc.enforce_eager is False)
+                wants_decode_graphs(mc.enforce_eager, kind), mc.cuda_graph_sizes, mc.enforce_eager is False)

@@ -13,6 +13,7 @@ measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Iterable, Sequence
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pagellm.kernels.cpu.logits import mask_rows
+from pagellm.kernels.cpu import logits as logits_kernels
 from pagellm.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -160,7 +161,9 @@ class GrammarMasks:
     """The sampler's reusable bitmask buffer, grown to the most grammar rows seen: [rows, ceil(V / 32)] int32."""
 
     def __init__(self, kernel_level: str | None, pinned: bool = False):
-        self._level = kernel_level  # of the CPU kernel applying the masks (None: torch's ops)
+        # the CPU kernel applying the masks where the level has it, else torch's ops: chosen once
+        self._mask_rows = (functools.partial(logits_kernels.mask_rows, at=kernel_level)
+                           if logits_kernels.available("mask_rows", kernel_level) else logits_kernels.mask_rows_torch)
         self._pinned = pinned  # the masks are copied to a device
         self._bitmask: torch.Tensor | None = None
         self._executor = None
@@ -187,7 +190,7 @@ class GrammarMasks:
                                                                       for j, i in enumerate(rows)], bitmask)
         for j, i in enumerate(rows):
             grammars[i].patch_stop_bits(bitmask[j])
-        mask_rows(logits, bitmask.to(logits.device, non_blocking=True), rows, self._level)
+        self._mask_rows(logits, bitmask.to(logits.device, non_blocking=True), rows)
 
 
 def accept_sampled(request_id: str, grammar: RowGrammar, token: int) -> None:

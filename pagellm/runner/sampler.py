@@ -22,6 +22,7 @@ B = batch rows, V = vocabulary, K = most top logprobs any row asked for, N = row
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,7 +31,7 @@ import torch
 
 from pagellm.kernels.transfers import to_device
 from pagellm.kernels.build import native
-from pagellm.kernels.cpu.logits import argmax_rows
+from pagellm.kernels.cpu import logits as logits_kernels
 from pagellm.kernels.build.native import DEFAULT_LEVEL
 from pagellm.runner.grammar import GrammarMasks
 from pagellm.sampling_params import SamplingParams
@@ -90,11 +91,12 @@ class Sampler:
         process default, native.default_level(); the runner passes its engine's). pinned: host buffers bound for
         a device (grammar masks) are pinned (not Backend.host_memory)."""
         self._seed = seed
-        self._level = native.default_level() if kernel_level == DEFAULT_LEVEL else kernel_level
+        level = native.default_level() if kernel_level == DEFAULT_LEVEL else kernel_level
+        self._argmax = greedy_argmax(level)
         # Rows without a seed draw from here. One generator per device, made on first use because
         # the device is only known once logits arrive.
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._grammar_masks = GrammarMasks(self._level, pinned)
+        self._grammar_masks = GrammarMasks(level, pinned)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow], *, overwrite: bool = False) -> SamplerOutput:
         """overwrite: the logits are the caller's to lose (the runner's are), so per-row changes (bias, grammar
@@ -104,7 +106,7 @@ class Sampler:
         needs_penalties = any(p.needs_penalties for p in params)
         processed = any(p.needs_logit_processing for p in params)
         if not wants_logprobs and not needs_penalties and not processed and all(p.is_greedy for p in params):
-            return SamplerOutput(token_ids=greedy_ids(logits, self._level), logprobs=None)
+            return SamplerOutput(token_ids=self._argmax(logits), logprobs=None)
 
         given = logits
         logits = logits.float()  # sampling maths in fp32 whatever the model's dtype; no copy if already fp32
@@ -128,12 +130,12 @@ class Sampler:
     def _pick_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy = [row.sampling_params.is_greedy for row in rows]
         if all(greedy):
-            return greedy_ids(logits, self._level)
+            return self._argmax(logits)
         sampled = self._sample(logits, rows)
         if not any(greedy):
             return sampled
         is_greedy = to_device(greedy, torch.bool, logits.device)
-        return torch.where(is_greedy, greedy_ids(logits, self._level), sampled)
+        return torch.where(is_greedy, self._argmax(logits), sampled)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Sample every row (greedy rows too; the caller discards those) from its filtered distribution."""
@@ -146,7 +148,7 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0.0 for p in params):
             probs = _apply_min_p(probs, _column([p.min_p for p in params], probs.dtype, device))
-        return sample_exponential_race_no_sync(probs, self._exponential_noise(probs, rows), self._level)
+        return sample_exponential_race_no_sync(probs, self._exponential_noise(probs, rows), self._argmax)
 
     def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """q ~ Exp(1), [B, V]. A seeded row's noise comes only from its own generator, so its tokens do
@@ -171,20 +173,22 @@ class Sampler:
         return generator
 
 
-def greedy_ids(logits: torch.Tensor, at: str | None) -> torch.Tensor:
-    """logits.argmax(dim=-1), natively (at level `at`) where it applies: torch's CPU argmax is slow on a batch
-    of vocab-sized rows (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md)."""
-    ids = argmax_rows(logits, at)
-    return ids if ids is not None else logits.argmax(dim=-1)
+def greedy_argmax(level: str | None):
+    """logits [B, V] fp32 -> logits.argmax(dim=-1), natively where the CPU kernels' `level` has the kernel, else
+    torch's (another device, no level), chosen once: torch's CPU argmax is slow on a batch of vocab-sized rows
+    (measured: docs/benchmarks/2026-11-24-quantized-layer-crossovers.md)."""
+    if logits_kernels.available("argmax_rows", level):
+        return functools.partial(logits_kernels.argmax_rows, at=level)
+    return functools.partial(torch.argmax, dim=-1)
 
 
-def sample_exponential_race_no_sync(probs: torch.Tensor, noise: torch.Tensor, at: str | None) -> torch.Tensor:
+def sample_exponential_race_no_sync(probs: torch.Tensor, noise: torch.Tensor, argmax) -> torch.Tensor:
     """argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i] / sum(probs), like
     torch.multinomial but without its host sync; probs need not be normalised. Overwrites both inputs."""
     # exponential_ can return exactly 0; then a filtered token (prob 0) would become 0/0 = NaN, and
     # argmax picks NaN. Flooring q keeps filtered tokens at 0 and only makes a kept token win outright.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return greedy_ids(probs.div_(noise), at)
+    return argmax(probs.div_(noise))
 
 
 def apply_logit_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -192,11 +192,17 @@ def test_argmax_keeps_leading_dims(cpu_isa):
     assert ids.shape == () and int(ids) == int(one_d.argmax())
 
 
-def test_argmax_declines_what_it_does_not_handle(cpu_isa):
-    assert native_logits.argmax_rows(torch.randn(4, 32)[:, ::2], cpu_isa) is None  # not contiguous
-    assert native_logits.argmax_rows(torch.randn(4, 16, dtype=torch.bfloat16), cpu_isa) is None  # fp32 only
-    assert native_logits.argmax_rows(torch.randn(4, 0), cpu_isa) is None  # torch raises on an empty reduction
-    assert native_logits.argmax_rows(torch.randn(4, 16, device="meta"), cpu_isa) is None
+def test_argmax_refuses_what_it_does_not_handle(cpu_isa):
+    """The sampler binds it once for its level's fp32 logits (runner/sampler.greedy_argmax): a view is copied,
+    anything else is an error."""
+    view = torch.randn(4, 32)[:, ::2]
+    assert torch.equal(native_logits.argmax_rows(view, cpu_isa), view.argmax(dim=-1))
+    with pytest.raises(ValueError, match="argmax_rows: takes"):  # fp32 only
+        native_logits.argmax_rows(torch.randn(4, 16, dtype=torch.bfloat16), cpu_isa)
+    with pytest.raises(ValueError, match="argmax_rows: takes"):  # torch raises on an empty reduction
+        native_logits.argmax_rows(torch.randn(4, 0), cpu_isa)
+    with pytest.raises(ValueError, match="argmax_rows: takes"):
+        native_logits.argmax_rows(torch.randn(4, 16, device="meta"), cpu_isa)
 
 
 # ---- one result at every level ---------------------------------------------------------------
@@ -381,7 +387,7 @@ def test_mask_rows_matches_the_torch_unpacking(vocab, cpu_isa):
     rows = [4, 0, 2]
     got, want = logits.clone(), logits.clone()
     native_logits.mask_rows(got, bitmask, rows, cpu_isa)
-    native_logits._mask_rows_torch(want, bitmask, rows)
+    native_logits.mask_rows_torch(want, bitmask, rows)
     assert torch.equal(got, want)
     assert torch.equal(got[[1, 3]], logits[[1, 3]])
     bits = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :vocab].bool()

@@ -74,7 +74,7 @@ class _RecordOps(TorchFunctionMode):
 
 # The torch ops each greedy path runs ("__get__", attribute access, left out): torch's is one "argmax"; the native
 # argmax (kernels/cpu/logits.py) only reads the tensor's layout and allocates its output.
-GREEDY_OPS = {"torch": {"argmax"}, "native": {"dim", "is_contiguous", "numel", "empty", "data_ptr"}}
+GREEDY_OPS = {"torch": {"argmax"}, "native": {"contiguous", "dim", "is_contiguous", "numel", "empty", "data_ptr"}}
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])

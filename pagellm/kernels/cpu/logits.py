@@ -2,9 +2,9 @@
 
 Why: at V = 262144 the torch chain after the LM head of a batched decode step
 (`tanh(logits / cap) * cap` in bf16, `.float()` into a fresh tensor, `argmax(dim=-1)`)
-costs tens of ms on CPU. Each function returns None when the inputs are not ones the
-kernel handles (not on CPU, unsupported dtype, not contiguous, native kernels
-unavailable); the caller then runs the torch expression, which stays the oracle the
+costs tens of ms on CPU. The caller chooses once, from its level, between these and the torch
+expressions (kernels/ops.py for the model's logits, runner/sampler.py for argmax and the grammar
+masks); given inputs they do not take they raise. The torch expressions stay the oracle the
 kernels are tested against (tests/kernels/test_logits_kernels.py).
 """
 
@@ -80,14 +80,15 @@ def logits_to_f32(logits: torch.Tensor, cap: float | None, at: str,
     return out
 
 
-def argmax_rows(x: torch.Tensor, at: str | None) -> torch.Tensor | None:
+def argmax_rows(x: torch.Tensor, at: str) -> torch.Tensor:
     """`x.argmax(dim=-1)` for fp32 x: the first index of each row's maximum, a NaN counting as
     the maximum (the first NaN wins), as torch's CPU argmax. int64, shape x.shape[:-1].
-    None: not handled here (not fp32, empty last dim, ...); use torch.
     """
+    x = x.contiguous()
+    if not _handled(_ARGMAX, x):  # torch raises on an empty reduction too
+        raise ValueError(f"argmax_rows: takes CPU fp32 rows of at least one column, not {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
     fn = _kernel("argmax_rows", at)
-    if fn is None or not _handled(_ARGMAX, x):  # the kernel first: with none, torch's argmax is all that runs
-        return None
     V = x.shape[-1]
     out = torch.empty(x.shape[:-1], dtype=torch.int64)
     if out.numel():
@@ -95,21 +96,24 @@ def argmax_rows(x: torch.Tensor, at: str | None) -> torch.Tensor | None:
     return out
 
 
-def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], at: str | None) -> None:
+def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], at: str) -> None:
     """In place: logits[rows[j], t] = -inf wherever bit t % 32 of bitmask[j, t // 32] is 0 (a grammar's packed
     allowed-token mask, xgrammar's layout). logits [B, V] fp32, bitmask [len(rows), ceil(V / 32)] int32."""
-    fn = _kernel("mask_rows", at) if logits.dim() == 2 and _handled(_MASK, logits) else None
+    if not (logits.dim() == 2 and _handled(_MASK, logits) and _MASK.accepts(bitmask=bitmask)):
+        raise ValueError(f"mask_rows: takes contiguous CPU fp32 logits [B, V] and an int32 bitmask, not "
+                         f"{logits.dtype} {tuple(logits.shape)}, {bitmask.dtype} on {logits.device}")
     if not rows:
         return
-    if fn is None or not _MASK.accepts(bitmask=bitmask):
-        _mask_rows_torch(logits, bitmask, rows)
-        return
+    fn = _kernel("mask_rows", at)
     V = logits.shape[-1]
     fn(logits, V, bitmask, bitmask.shape[1], torch.tensor(rows, dtype=torch.int64), len(rows))
 
 
-def _mask_rows_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """The oracle, and the path off the CPU: unpack the bits into a [len(rows), V] bool tensor."""
+def mask_rows_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The oracle, and the path without the kernel (another device, no level): unpack the bits into a
+    [len(rows), V] bool tensor."""
+    if not rows:
+        return
     V = logits.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :V].bool().to(logits.device)
