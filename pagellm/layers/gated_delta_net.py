@@ -40,7 +40,8 @@ from torch import nn
 
 from pagellm.kernels.cpu import gated_delta_decode
 from pagellm.layers.kernel_user import KernelUser
-from pagellm.kernels.reference.gated_delta import chunked_gated_delta, gated_delta_step_, prepare_qk, recurrent_gated_delta_
+from pagellm.kernels.reference.gated_delta import (chunked_gated_delta, gated_delta_step_, prepare_qk,
+                                                   recurrent_gated_delta_)
 from pagellm.kernels.attention_metadata import AttentionMetadata
 from pagellm.kernels.transfers import to_device
 

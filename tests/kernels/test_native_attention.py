@@ -224,7 +224,8 @@ def test_a_layer_is_bound_to_the_kernel_only_where_it_takes_it(cpu_isa):
     native_kernel, torch_reference = attention.paged_attention_native, reference_attention.paged_attention_reference
     ops = native_ops(cpu_isa)
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    assert ops.attention_for(64, f32, f32).func is native_kernel and ops.attention_for(64, bf16, bf16).func is native_kernel
+    assert ops.attention_for(64, f32, f32).func is native_kernel
+    assert ops.attention_for(64, bf16, bf16).func is native_kernel
     assert ops.attention_for(64, f32, bf16).func is native_kernel  # fp32 queries over a bf16 cache
     assert ops.attention_for(64, f32, f16).func is native_kernel  # and over the fp16 one a GGUF's blocks keep
     # not covered by the kernel: float16 activations, a head size that is not a multiple of 16, other mixed dtypes
