@@ -6,9 +6,10 @@ import torch
 
 from pagellm.kernels.cpu import gguf_blocks
 from pagellm.kernels.cpu.gguf_blocks import GGUFWeight
+from pagellm.kernels.ops import PER_TOKEN_MAX_TOKENS
 from pagellm.layers.gguf_linear import merged_segments
 from pagellm.layers.kernel_user import KernelUser
-from pagellm.layers.moe import PER_TOKEN_MAX_TOKENS, MoeExperts
+from pagellm.layers.moe import MoeExperts
 
 
 class GGUFMoeExperts(MoeExperts):

@@ -39,11 +39,11 @@ class KernelUser:
             self.ops, self.bindings = ops, {}
 
     def bound(self, key, make):
-        """bindings[key], made by make() on first use (after a change of level or ops, again)."""
-        value = self.bindings.get(key)
-        if value is None:
-            value = self.bindings[key] = make()
-        return value
+        """bindings[key], made by make() on first use (after a change of level or ops, again); None is an answer
+        too (no kernel for this layer)."""
+        if key not in self.bindings:
+            self.bindings[key] = make()
+        return self.bindings[key]
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels.ops import PER_TOKEN_MAX_TOKENS
 from pagellm.kernels.reference.layer_ops import ACTIVATION_FUNCTIONS
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.mlp import GatedMLP

@@ -65,10 +65,8 @@ def triton_step_kernels() -> StepKernels:
     from pagellm.kernels.gpu import attention as gpu_attention
     from pagellm.kernels.gpu import layer_ops as ops
 
-    floats = ops.FLOATS
     return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare, gpu_attention.paged_attention_triton,
-                       ops.act_mul, False, floats, lambda act, kv: act in floats and kv in floats,
-                       lambda head_dim: head_dim % 2 == 0, plans_module_steps=False)
+                       ops.act_mul, False, ops.FLOATS, ops.pairs, ops.head_dim_ok, plans_module_steps=False)
 
 
 def native_step_kernels(level: str | None) -> tuple[StepKernels | None, str]:

@@ -108,8 +108,8 @@ class LlamaAttention(KernelUser, nn.Module):
         if cache is None or not self.qk_norms_fuse():
             return None
         dtypes = (qkv.dtype, cache.dtype)
-        prepare = self.bound(dtypes, lambda: self.ops.qkv_prepare_for(self.head_dim, *dtypes) or False)
-        if not prepare:
+        prepare = self.bound(dtypes, lambda: self.ops.qkv_prepare_for(self.head_dim, *dtypes))
+        if prepare is None:
             return None
         return prepare(qkv, self.num_heads, self.num_kv_heads, *self.qk_norm_args(), cos, sin, cache,
                        self.attn.value_cache, meta.slot_mapping)

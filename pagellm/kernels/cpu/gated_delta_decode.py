@@ -51,7 +51,9 @@ def check_decode(conv_state: torch.Tensor, recurrent_state: torch.Tensor, x: tor
             and conv_state.dtype == weight.dtype == x.dtype and slots):
         raise refuse("gated delta decode", f"conv state {conv_state.dtype}, x {x.dtype}, weight {weight.dtype}, "
                                            f"state {recurrent_state.dtype}, {len(slots)} slots")
-    _check_slots(torch.tensor(slots), min(conv_state.shape[0], recurrent_state.shape[0]))
+    num_slots = min(conv_state.shape[0], recurrent_state.shape[0])
+    if min(slots) < 0 or max(slots) >= num_slots:
+        raise IndexError(f"a state slot of {slots} is outside the {num_slots} slots")
 
 
 def slot_index_usable(index: torch.Tensor | None, count: int) -> bool:

@@ -133,10 +133,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return add_rms_norm(x.contiguous(), None, None, weight.contiguous(), eps, unit_offset)[1]
 
 
+def pairs(dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> bool:
+    """Whether qkv_prepare and paged attention take `dtype` activations over a `kv_cache_dtype` cache (any float
+    cache: stored as it converts)."""
+    return dtype in FLOATS and kv_cache_dtype in FLOATS
+
+
+def head_dim_ok(head_dim: int) -> bool:
+    """Whether they take heads of `head_dim` (rotated in halves)."""
+    return head_dim % 2 == 0
+
+
 def takes(head_dim: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> bool:
-    """Whether qkv_prepare and paged attention take a layer of `head_dim` with `dtype` activations over a
-    `kv_cache_dtype` cache (any float cache: stored as it converts)."""
-    return head_dim % 2 == 0 and dtype in FLOATS and kv_cache_dtype in FLOATS
+    """Whether they take a layer of `head_dim` with `dtype` activations over a `kv_cache_dtype` cache."""
+    return head_dim_ok(head_dim) and pairs(dtype, kv_cache_dtype)
 
 
 def qkv_prepare(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor | None,
