@@ -24,6 +24,7 @@ from pagellm.kernels.build.binding import FLOATS
 from pagellm.kernels.cpu import attention as cpu_attention
 from pagellm.kernels.cpu import elementwise, gated_delta_decode, layer_ops, logits
 from pagellm.kernels.reference import attention as reference_attention
+from pagellm.kernels.reference import gguf_planes as reference_planes
 from pagellm.kernels.reference import layer_ops as reference
 
 # HF `hidden_act` names -> the activation the fused act * up kernels compute (CPU and Triton alike).
@@ -68,6 +69,10 @@ class LayerOps:
     gated_delta_decode: tuple[Callable, Callable] | None
     moe_path: Callable[[int, torch.dtype, int, int], str]  # (tokens, dtype, E, I) -> an experts' dispatch
     logits_to_f32: Callable  # (logits [N, V], soft cap | None, out [N, V] fp32 | None) -> fp32 logits
+    # GGUF weights in planes (kernels/reference/gguf_planes.py): (segments, bias) -> (x, out dtype | None) -> y,
+    # and (planes, ids, dtype) -> rows; a GPU's Triton kernels, elsewhere the torch reference (a test's CPU)
+    gguf_planes_matmul: Callable = reference_planes.ReferencePlanesMatmul
+    gguf_planes_rows: Callable = reference_planes.rows
 
     def gated_act(self, activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """gate_up [..., 2I] -> act(gate) * up [..., I] for an HF activation name: the fused kernel where this
@@ -130,9 +135,10 @@ def triton_ops() -> LayerOps:
     CPU-only process start-up time for nothing, and `triton.jit` reads TRITON_INTERPRET when a kernel module is
     imported (the tests run them under the interpreter)."""
     from pagellm.kernels.gpu import attention as gpu_attention
+    from pagellm.kernels.gpu import gguf_matmul as gpu_gguf
     from pagellm.kernels.gpu import layer_ops as gpu_layer_ops
 
     ops = gpu_layer_ops
     return LayerOps("the Triton kernels", ops.rms_norm, ops.add_rms_norm, reference.rotary, ops.act_mul,
                     gpu_attention.paged_attention_triton, ops.takes, ops.qkv_prepare, ops.takes, None, cuda_moe_path,
-                    reference.logits_to_f32)
+                    reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows)

@@ -1,4 +1,5 @@
-"""A MoE layer's experts kept in their GGUF file's block formats (kernels/cpu/gguf_blocks.py)."""
+"""A MoE layer's experts kept in their GGUF file's block formats: repacked for the CPU's kernels
+(kernels/cpu/gguf_blocks.py), or in planes for a GPU's (kernels/reference/gguf_planes.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 from pagellm.kernels.cpu import gguf_blocks
 from pagellm.kernels.cpu.gguf_blocks import GGUFWeight
 from pagellm.kernels.ops import PER_TOKEN_MAX_TOKENS
+from pagellm.kernels.reference import gguf_planes
+from pagellm.kernels.reference.gguf_planes import PLANES, GGUFPlanes
 from pagellm.layers.gguf_linear import merged_segments
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.moe import MoeExperts
@@ -17,6 +20,8 @@ class GGUFMoeExperts(MoeExperts):
     per projection one stacked buffer [X, ...] of the experts' repacked blocks (within a layer every expert
     shares its tensor's format). The routing, grouping and summation are MoeExperts'; each active expert runs
     the block kernels over its rows, gate and up as one call when they share a format."""
+
+    PARTS = ("qs", "gp", "sp")  # a weight's tensors, as GGUFWeight.tensors() gives them
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
         KernelUser.__init__(self)  # no dense parameters: experts arrive as blocks (put), then `finish`
@@ -41,15 +46,19 @@ class GGUFMoeExperts(MoeExperts):
         arriving, self._arriving = self._arriving, {}
         gate, up = arriving["gate_proj"], arriving["up_proj"]
         joined = all(gate[e].ggml_type == up[e].ggml_type == gate[0].ggml_type for e in range(self.num_experts))
-        groups = {"gate_up": [merged_segments([gate[e], up[e]])[0] for e in range(self.num_experts)]} if joined else {
+        groups = {"gate_up": [self._joined([gate[e], up[e]]) for e in range(self.num_experts)]} if joined else {
             "gate": [gate[e] for e in range(self.num_experts)], "up": [up[e] for e in range(self.num_experts)]}
         groups["down"] = [arriving["down_proj"][e] for e in range(self.num_experts)]
         for name, weights in groups.items():
             if len({w.ggml_type for w in weights}) != 1:
                 raise ValueError(f"experts of one layer stored in several formats: {sorted({w.ggml_type.name for w in weights})}")
             self.formats[name] = weights[0].ggml_type
-            for part, tensors in zip(("qs", "gp", "sp"), zip(*(w.tensors() for w in weights))):
+            for part, tensors in zip(self.PARTS, zip(*(w.tensors() for w in weights))):
                 self.register_buffer(f"{name}_{part}", torch.stack(tensors))  # [X, ...]
+
+    @staticmethod
+    def _joined(parts: list[GGUFWeight]) -> GGUFWeight:
+        return merged_segments(parts)[0]
 
     def use_kernel_level(self, level: str | None) -> None:
         if not gguf_blocks.available(level):  # known when planning: the blocks have no other path
@@ -62,16 +71,20 @@ class GGUFMoeExperts(MoeExperts):
         return GGUFWeight(self.formats[name], qs.shape[0] * gguf_blocks.BLOCK_ROWS, self.hidden_size if name != "down"
                           else self.intermediate_size, qs, self._buffers[f"{name}_gp"][e], self._buffers[f"{name}_sp"][e])
 
-    def _kernels(self, e: int) -> tuple[gguf_blocks.BoundMatmul, gguf_blocks.BoundMatmul]:
+    def _kernels(self, e: int) -> tuple:
         """Expert e's (gate_up, down) kernels, bound once (views into the stacked buffers)."""
-        bound, level = self.bindings, self.kernel_level
+        bound = self.bindings
         if e not in bound:
             first = [self._weight("gate_up", e)] if "gate_up" in self.formats else [self._weight("gate", e),
                                                                                     self._weight("up", e)]
-            bound[e] = (gguf_blocks.BoundMatmul(first, None, level),
-                        gguf_blocks.BoundMatmul([self._weight("down", e)], None, level))
+            bound[e] = (self._matmul(first), self._matmul([self._weight("down", e)]))
         return bound[e]
 
+    def _matmul(self, weights: list[GGUFWeight]):
+        return gguf_blocks.BoundMatmul(weights, None, self.kernel_level)
+
+    def _rows(self, weight: GGUFWeight) -> torch.Tensor:
+        return gguf_blocks.rows(weight, torch.arange(weight.rows), self.kernel_level)
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [n, E] -> [n, E] through expert e
         gate_up, down = self._kernels(e)
@@ -82,9 +95,42 @@ class GGUFMoeExperts(MoeExperts):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [X, 2I, E], down [X, E, I]) float32, as MoeExperts holds them (tests and references only)."""
-        def rows(name, e):
-            w = self._weight(name, e)
-            return gguf_blocks.rows(w, torch.arange(w.rows), self.kernel_level)
         names = ["gate_up"] if "gate_up" in self.formats else ["gate", "up"]
-        gate_up = torch.stack([torch.cat([rows(n, e) for n in names]) for e in range(self.num_experts)])
-        return gate_up, torch.stack([rows("down", e) for e in range(self.num_experts)])
+        gate_up = torch.stack([torch.cat([self._rows(self._weight(n, e)) for n in names])
+                               for e in range(self.num_experts)])
+        return gate_up, torch.stack([self._rows(self._weight("down", e)) for e in range(self.num_experts)])
+
+
+class GGUFPlanesExperts(GGUFMoeExperts):
+    """GGUFMoeExperts in planes: each projection's planes stacked over the experts [X, N, ...]; an active
+    expert's matmuls run on views of them through the device's kernels."""
+
+    PARTS = PLANES
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
+                 device: torch.device | str = "cpu"):
+        super().__init__(num_experts, hidden_size, intermediate_size, activation)
+        self.device = torch.device(device)
+
+    def _stack(self) -> None:
+        super()._stack()  # on the host, as the planes arrive: then each stacked plane moves once
+        for name, tensor in self._buffers.items():
+            self._buffers[name] = tensor.to(self.device)
+
+    @staticmethod
+    def _joined(parts: list[GGUFPlanes]) -> GGUFPlanes:
+        return gguf_planes.joined(parts)
+
+    def use_kernel_level(self, level: str | None) -> None:
+        KernelUser.use_kernel_level(self, level)  # planes need no CPU kernel
+
+    def _weight(self, name: str, e: int) -> GGUFPlanes:
+        planes = [self._buffers[f"{name}_{part}"][e] for part in PLANES]
+        return GGUFPlanes(self.formats[name], planes[0].shape[0],
+                          self.intermediate_size if name == "down" else self.hidden_size, *planes)
+
+    def _matmul(self, weights: list[GGUFPlanes]):
+        return self.ops.gguf_planes_matmul(weights, None)
+
+    def _rows(self, weight: GGUFPlanes) -> torch.Tensor:
+        return gguf_planes.dequantize(weight)

@@ -37,8 +37,10 @@ from torch import nn
 from pagellm.kernels.cpu import quant_gemv
 from pagellm.kernels.cpu.gguf_blocks import GGUFWeight
 from pagellm.kernels.build.native import default_level
+from pagellm.kernels.reference.gguf_planes import GGUFPlanes
 from pagellm.layers.embedding import empty_embedding
 from pagellm.layers.gguf_linear import GGUFLinear, concat_gguf_linears
+from pagellm.layers.gguf_planes import GGUFPlanesLinear, concat_planes_linears
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.quant_codes import (  # noqa: F401  -- GROUP_SIZE, GroupAffine, can_quantize: the loader's
     GROUP_SIZE, KERNEL_DTYPE, GroupAffine, Int4Layout, can_quantize, group_affine_from_float, int4_row_codes,
@@ -292,19 +294,23 @@ def lm_head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     head's logits come back in fp32 (its sums are fp32: rounding them to bf16 would only cost a pass)."""
     if isinstance(head, nn.Embedding):
         return F.linear(hidden, head.weight)
-    if isinstance(head, (QuantizedEmbedding, GGUFLinear)):
+    if isinstance(head, (QuantizedEmbedding, GGUFLinear, GGUFPlanesLinear)):
         return head.logits(hidden)  # a GGUF head returns fp32
     return head(hidden)
 
 
 def quantized_module(scheme: str, weight, level: str | None, *, bias: torch.Tensor | None = None,
-                     embedding: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
+                     embedding: bool = False, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu") -> nn.Module:
     """An Int8Linear / Int4Linear / GGUFLinear (or, for a token table, a QuantizedEmbedding holding one) of
     `weight`, in the layout the kernels of `level` compute with and bound to that level. Scheme "gguf" takes a
-    GGUFWeight; given a float tensor (a weight the loader had to transform) it builds the dense layer instead."""
-    if scheme == "gguf" and not isinstance(weight, GGUFWeight):
-        return _dense_module(weight, bias, embedding, dtype)
-    if scheme == "gguf":
+    GGUFWeight, "gguf_planes" GGUFPlanes (moved to `device`); given a float tensor (a weight the loader had to
+    transform) either builds the dense layer instead."""
+    if scheme in ("gguf", "gguf_planes") and not isinstance(weight, (GGUFWeight, GGUFPlanes)):
+        return _dense_module(weight.to(device), bias, embedding, dtype)
+    if scheme == "gguf_planes":
+        layer = GGUFPlanesLinear([weight.to(device)], None if embedding else bias)
+    elif scheme == "gguf":
         layer = GGUFLinear.from_blocks(weight, None if embedding else bias)
     elif scheme == "int8":
         layer = Int8Linear.from_float(weight, None if embedding else bias, native=quant_gemv.available(level))
@@ -346,6 +352,8 @@ def _concat_parts(parts: list[nn.Module]) -> nn.Module | None:
     first = parts[0]
     if all(type(p) is GGUFLinear for p in parts):
         return concat_gguf_linears(parts)
+    if all(type(p) is GGUFPlanesLinear for p in parts):
+        return concat_planes_linears(parts)
     if (any(type(p) is not type(first) or p.in_features != first.in_features for p in parts)
             or any((p.bias is None) != (first.bias is None) for p in parts)):
         return None

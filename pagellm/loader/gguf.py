@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from pagellm.kernels.cpu import gguf_blocks
 from pagellm.loader import gguf_repack
+from pagellm.loader.gguf_planes import planes_of
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, header_of, read_gguf_header
 from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_config_fields, hybrid_recipes,
@@ -126,6 +127,9 @@ def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelCon
                ) -> tuple[str, torch.Tensor | GroupAffine | LazyRows | gguf_blocks.GGUFWeight]:
     """(HF name, the weight as the layer taking it wants it) of one tensor of the file."""
     permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
+    if scheme == "gguf_planes":
+        return hf_name, planes_of(_block_rows(tensor, config if permuted else None), tensor.ggml_type,
+                                  tuple(tensor.shape))
     if scheme == "gguf":
         weight = blocks.get(tensor.name) if blocks is not None else None
         if weight is None:
@@ -158,12 +162,19 @@ def gguf_weight_types(path: str | Path | GGUFHeader, config: TextModelConfig,
     return {hf_names[t.name]: t.ggml_type for t in header.tensors}
 
 
-def _blocks_of(tensor: GGUFTensor, permuted_in: TextModelConfig | None) -> gguf_blocks.GGUFWeight:
-    """A 2-D tensor kept in its blocks; llama's q/k rows put back in HF's order (whole rows of blocks move)."""
+def _block_rows(tensor: GGUFTensor, permuted_in: TextModelConfig | None) -> np.ndarray:
+    """A 2-D tensor's blocks by row [rows, bytes]; llama's q/k rows put back in HF's order (whole rows move)."""
     rows = np.asarray(tensor.data).reshape(tensor.shape[0], -1)
+    if permuted_in is None:
+        return rows
+    n_heads = permuted_in.num_attention_heads if "attn_q" in tensor.name else permuted_in.num_key_value_heads
+    return unpermute_qk_rows(torch.from_numpy(rows.copy()), n_heads).numpy()  # the map is read-only
+
+
+def _blocks_of(tensor: GGUFTensor, permuted_in: TextModelConfig | None) -> gguf_blocks.GGUFWeight:
+    """A 2-D tensor kept in its blocks, repacked for the CPU kernels."""
+    rows = _block_rows(tensor, permuted_in)
     if permuted_in is not None:
-        n_heads = (permuted_in.num_attention_heads if "attn_q" in tensor.name else permuted_in.num_key_value_heads)
-        rows = unpermute_qk_rows(torch.from_numpy(rows.copy()), n_heads).numpy()  # the map is read-only
         return gguf_repack.repack(rows, tensor.ggml_type, tuple(tensor.shape))
     # the file's pages leave the resident set chunk by chunk as they are repacked: a big tensor (a vocab-sized
     # embedding) is then never resident twice, as file pages and as blocks

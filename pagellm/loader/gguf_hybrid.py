@@ -54,6 +54,7 @@ import torch
 from pagellm.loader import gguf_repack
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import GGUFHeader, GGUFTensor, dequantize
+from pagellm.loader.gguf_planes import planes_of
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
 from pagellm.loader.model_configs import TextModelConfig
 
@@ -182,15 +183,18 @@ def hybrid_recipes(header: GGUFHeader, config: TextModelConfig) -> list[TensorRe
     return recipes
 
 
+_KEEPERS = {"gguf": gguf_repack.repack, "gguf_planes": planes_of}  # a scheme keeping blocks -> its layout
+
+
 def read_recipe(recipe: TensorRecipe, scheme: str | None) -> torch.Tensor | GroupAffine | LazyRows:
     """The HF tensor, float32; for a layer to be quantized (`scheme`), the int4 codes of an exact 4-bit
     format (rows rearranged as the recipe says) or rows read lazily, when no float transform is needed."""
     sources, rows = recipe.sources, recipe.rows
-    if scheme == "gguf" and recipe.finish is None and len({s.ggml_type for s in sources}) == 1:
+    if scheme in _KEEPERS and recipe.finish is None and len({s.ggml_type for s in sources}) == 1:
         stacked = np.concatenate([np.asarray(s.data).reshape(s.shape[0], -1) for s in sources])  # rows of blocks
         if rows is not None:
             stacked = stacked[rows.numpy()]
-        return gguf_repack.repack(stacked, sources[0].ggml_type, (stacked.shape[0], sources[0].shape[1]))
+        return _KEEPERS[scheme](stacked, sources[0].ggml_type, (stacked.shape[0], sources[0].shape[1]))
     if scheme == "int4" and recipe.finish is None and all(s.ggml_type in EXACT_INT4_TYPES for s in sources):
         parts = [group_affine_of(s.data, s.ggml_type, s.shape) for s in sources]
         codes = parts[0] if len(parts) == 1 else GroupAffine(

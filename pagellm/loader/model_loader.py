@@ -16,7 +16,7 @@ from pagellm.loader.dummy import dummy_weights
 from pagellm.platform import release_freed_heap
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
 from pagellm.loader.gguf_file import read_gguf_header
-from pagellm.loader.quantization import load_quantized, plan_quantization, weight_schemes
+from pagellm.loader.quantization import load_quantized, plan_quantization, weight_bytes, weight_schemes
 from pagellm.loader.repack_cache import RepackCache
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.kernels.build import native
@@ -76,6 +76,17 @@ def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def _log_gpu_weights(net: nn.Module, path: Path, plan: dict[str, str], dtype: torch.dtype) -> None:
+    """What a GGUF takes on a GPU beside its file (kept in planes, or dequantized with --quantization none)."""
+    held, size = weight_bytes(net) / 2**30, path.stat().st_size / 2**30
+    if plan:
+        logger.info("GGUF on the GPU: %d layers in their blocks (planes), weights %.2f GiB for a %.2f GiB file "
+                    "(%.3fx)", len(plan), held, size, held / size)
+    else:
+        logger.info("GGUF on the GPU: weights dequantized to %s at load, %.2f GiB for a %.2f GiB file (%.2fx)",
+                    str(dtype).removeprefix("torch."), held, size, held / size)
+
+
 def resolve_model_path(model: str | None) -> Path:
     if model is None or model == "":
         from pagellm.loader.default_model import default_model_path
@@ -108,7 +119,7 @@ class WeightShard(Protocol):
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                with_tokenizer: bool = True, quantization: str = "none", shard: WeightShard | None = None,
                kernels: KernelConfig | None = None, load_format: str = "auto",
-               cache_dir: str | None = None) -> LoadedModel:
+               cache_dir: str | None = None, gguf_layout: str | None = None) -> LoadedModel:
     """quantization: none | int8 | int4 | auto (GGUF as stored; see loader/quantization.py), applied as weights
     stream in.
 
@@ -120,6 +131,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     kernels: the switches that decide how layers run (int8 activations, bound layers; default: KernelConfig()).
     cache_dir: where what a load derives from the file is kept for the next: the converted tokenizer
     (loader/tokenizer_cache.py) and a GGUF's blocks in the kernels' layout (loader/repack_cache.py); None: not kept.
+    gguf_layout: which device's layout a GGUF's blocks are kept in, "cpu" (repacked for the CPU kernels) or "cuda"
+    (planes for a GPU's); None: the device's own (a test plans a GPU's layout on a CPU).
     """
     kernels = kernels or KernelConfig()
     # the CPU kernels' level the layouts are chosen for (the runner's plan binds the modules to the same)
@@ -142,16 +155,15 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     parameters = tuple(net.state_dict()) if is_gguf else None
     if shard:
         shard.install(net, hf_config)
-    if quantization == "auto" and (torch.device(device).type != "cpu" or shard is not None or dummy):
-        # the block kernels are CPU code, shards split float weights, random weights have no file types: the
-        # default must not refuse any of them
+    on = torch.device(device).type
+    layout = gguf_layout or on
+    if quantization == "auto" and (shard is not None or dummy or not is_gguf and on != "cpu"):
+        # shards split float weights, random weights have no file types: the default must refuse neither
         quantization = "none"
-        if is_gguf and torch.device(device).type != "cpu":
-            logger.info("GGUF on %s: weights dequantized to %s at load (no quantized GPU matmul yet)",
-                        torch.device(device).type, str(dtype).removeprefix("torch."))
     types = gguf_weight_types(header, hf_config, parameters) if is_gguf and quantization == "auto" else None
-    plan = plan_quantization(net, quantization, level, types)
-    if plan and torch.device(device).type != "cpu":
+    # a GPU keeps a GGUF's blocks as planes for its kernels (kernels/gpu/gguf_matmul.py); a CPU its repacked blocks
+    plan = plan_quantization(net, quantization, level, types, blocks_on=layout)
+    if on != "cpu" and any(scheme not in ("gguf_planes", "gguf_planes_experts") for scheme in plan.values()):
         raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8/int4 CPU kernels), "
                          f"not on device {str(device)!r}")
     schemes, blocks = weight_schemes(net, plan), None  # the repacked-blocks cache holds only "gguf" weights
@@ -166,6 +178,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if shard and not dummy:
         weights = shard.weights(weights, hf_config)
     load_quantized(net, weights, plan, level)
+    if on != "cpu" and is_gguf:
+        _log_gpu_weights(net, path, plan, dtype)
     settle_activations(net, kernels, level)
     join_projections(net)  # the layers' plan is the runner's (models/bound_layers.plan_model)
     if blocks is not None:

@@ -35,10 +35,12 @@ from torch import nn
 
 from pagellm.config import QUANTIZATION_SCHEMES
 from pagellm.kernels.cpu import gguf_blocks
+from pagellm.kernels.reference import gguf_planes
 from pagellm.loader import gguf_repack
-from pagellm.layers.gguf_moe import GGUFMoeExperts
+from pagellm.layers.gguf_moe import GGUFMoeExperts, GGUFPlanesExperts
 from pagellm.layers.moe import EXPERT_KEY, MoeExperts, SparseMoeBlock
 from pagellm.layers.gguf_linear import GGUFLinear
+from pagellm.layers.gguf_planes import GGUFPlanesLinear
 from pagellm.layers.quantized import GroupAffine, QuantizedLinear, can_quantize, quantized_module
 
 _FLOAT_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
@@ -56,20 +58,22 @@ def auto_scheme(ggml_type: gguf.GGMLQuantizationType | None) -> str | None:
 
 def plan_quantization(model: nn.Module, scheme: str, level: str | None,
                       weight_types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
-                      keep_blocks: bool = True) -> dict[str, str]:
-    """{module path: "int8" | "int4" | "gguf" | "gguf_experts" (a MoE layer's experts)}; `weight_types`
-    ({HF name: ggml type}) is what `auto` follows, keeping tensors in their GGUF blocks where `keep_blocks`
-    and the kernels run at the CPU kernels' `level`."""
+                      blocks_on: str | None = "cpu") -> dict[str, str]:
+    """{module path: "int8" | "int4" | "gguf" | "gguf_planes" | their "_experts" (a MoE layer's experts)};
+    `weight_types` ({HF name: ggml type}) is what `auto` follows, keeping tensors in their GGUF blocks where
+    `blocks_on` says: "cpu" (the CPU block kernels, where they run at `level`), "cuda" (planes: a GPU's
+    kernels), None (never)."""
     if scheme not in QUANTIZATION_SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {scheme!r}")
     if scheme == "none" or (scheme == "auto" and weight_types is None):
         return {}
-    blocks = scheme == "auto" and keep_blocks and gguf_blocks.available(level)
+    blocks = scheme == "auto" and (blocks_on == "cuda" or blocks_on == "cpu" and gguf_blocks.available(level))
+    kept = _BLOCK_SCHEMES[blocks_on] if blocks else None
     plan, routers, dequantized = {}, router_paths(model), {}
     for path, module in model.named_modules():
         if blocks and isinstance(module, MoeExperts):
-            if _experts_in_blocks(path, module, weight_types):
-                plan[path] = "gguf_experts"
+            if _experts_in_blocks(path, module, weight_types, kept):
+                plan[path] = f"{kept}_experts"
             else:  # dense experts: note the quantized types that had no kernel
                 for stored in {weight_types.get(name) for name in _expert_names(path, module)} - {None, *_FLOAT_TYPES}:
                     dequantized.setdefault(stored.name, []).append(path)
@@ -77,12 +81,12 @@ def plan_quantization(model: nn.Module, scheme: str, level: str | None,
             continue
         stored = weight_types.get(f"{path}.weight") if scheme == "auto" else None
         if blocks:
-            chosen = _block_scheme(stored, *module.weight.shape)
+            chosen = _block_scheme(stored, *module.weight.shape, kept)
             if chosen is None and stored is not None and stored not in _FLOAT_TYPES:
                 dequantized.setdefault(stored.name, []).append(path)
         else:
             chosen = scheme if scheme != "auto" else auto_scheme(stored)
-        if chosen is not None and (chosen == "gguf" or can_quantize(chosen, *module.weight.shape)):
+        if chosen is not None and (chosen == kept or can_quantize(chosen, *module.weight.shape)):
             plan[path] = chosen
     for name, paths in dequantized.items():
         warnings.warn(f"pagellm: {len(paths)} {name} tensor(s) (e.g. {paths[0]}) have no block kernel here and are "
@@ -97,26 +101,32 @@ def _expert_names(path: str, experts: MoeExperts) -> list[str]:
     return [f"{path}.{e}.{proj}.weight" for e in range(experts.num_experts) for proj in _EXPERT_PROJECTIONS]
 
 
-def _experts_in_blocks(path: str, experts: MoeExperts, weight_types: Mapping[str, gguf.GGMLQuantizationType]) -> bool:
+def _experts_in_blocks(path: str, experts: MoeExperts, weight_types: Mapping[str, gguf.GGMLQuantizationType],
+                       kept: str) -> bool:
     """Whether every expert of the layer is stored in a kernel format its shapes allow."""
     inter, hidden = experts.intermediate_size, experts.hidden_size
-    return all(_block_scheme(weight_types.get(name), *((hidden, inter) if ".down_proj." in name else (inter, hidden)))
-               for name in _expert_names(path, experts))
+    return all(_block_scheme(weight_types.get(name), *((hidden, inter) if ".down_proj." in name else (inter, hidden)),
+                             kept) for name in _expert_names(path, experts))
 
 
 def weight_schemes(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     """{weight name: scheme} of a plan, as the GGUF reader takes it (experts kept in blocks: each expert's)."""
     schemes = {}
     for path, scheme in plan.items():
-        if scheme == "gguf_experts":
-            schemes.update(dict.fromkeys(_expert_names(path, model.get_submodule(path)), "gguf"))
+        if scheme.endswith("_experts"):
+            each = scheme.removesuffix("_experts")
+            schemes.update(dict.fromkeys(_expert_names(path, model.get_submodule(path)), each))
         else:
             schemes[f"{path}.weight"] = scheme
     return schemes
 
 
-def _block_scheme(ggml_type: gguf.GGMLQuantizationType | None, rows: int, cols: int) -> str | None:
-    return "gguf" if ggml_type is not None and gguf_repack.supports(ggml_type, rows, cols) else None
+_BLOCK_SCHEMES = {"cpu": "gguf", "cuda": "gguf_planes"}  # where blocks are kept -> the scheme of their layers
+_SUPPORTS = {"gguf": gguf_repack.supports, "gguf_planes": gguf_planes.supports}
+
+
+def _block_scheme(ggml_type: gguf.GGMLQuantizationType | None, rows: int, cols: int, kept: str) -> str | None:
+    return kept if ggml_type is not None and _SUPPORTS[kept](ggml_type, rows, cols) else None
 
 
 def router_paths(model: nn.Module) -> set[str]:
@@ -128,15 +138,16 @@ def router_paths(model: nn.Module) -> set[str]:
 class _PendingWeight(nn.Module):
     """Stands in for a layer until its weight arrives: holds the bias parameter, no weight."""
 
-    def __init__(self, module: nn.Module, scheme: str, level: str | None):
+    def __init__(self, module: nn.Module, scheme: str, level: str | None, device: torch.device):
         super().__init__()
         self.scheme, self.embedding, self.level = scheme, isinstance(module, nn.Embedding), level
         self.shape, self.dtype = tuple(module.weight.shape), module.weight.dtype
+        self.device = device  # where the model's weights go (its modules wait on the meta device)
         self.bias = getattr(module, "bias", None)
 
     def build(self, weight: torch.Tensor | GroupAffine | gguf_blocks.GGUFWeight) -> nn.Module:
         return quantized_module(self.scheme, weight, self.level, bias=self.bias, embedding=self.embedding,
-                                dtype=self.dtype)
+                                dtype=self.dtype, device=self.device)
 
 
 def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | GroupAffine]],
@@ -144,15 +155,17 @@ def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor |
     """`model.load_weights(weights)`, quantizing the weight of each layer in `plan` as it arrives, in the layouts
     of the CPU kernels' `level`."""
     pending, experts = {}, {}
+    device = getattr(model, "load_device", torch.device("cpu"))
     for path, scheme in plan.items():
         module = model.get_submodule(path)
-        if scheme == "gguf_experts":
-            experts[path] = GGUFMoeExperts(module.num_experts, module.hidden_size, module.intermediate_size,
-                                           module.activation)
+        if scheme.endswith("_experts"):
+            sizes = (module.num_experts, module.hidden_size, module.intermediate_size, module.activation)
+            experts[path] = (GGUFPlanesExperts(*sizes, device=device)
+                             if scheme == "gguf_planes_experts" else GGUFMoeExperts(*sizes))
             experts[path].use_kernel_level(level)
             replace_module(model, path, experts[path])
             continue
-        pending[path] = _PendingWeight(module, scheme, level)
+        pending[path] = _PendingWeight(module, scheme, level, device)
         replace_module(model, path, pending[path])
     renames = getattr(model, "checkpoint_renames", None)
     if renames is not None:  # match names as load_weights will see them (it renames again: a no-op then)
@@ -212,7 +225,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Resident bytes of parameters and quantized-weight buffers, each storage counted once (tied tables)."""
     tensors = list(model.parameters())
     for module in model.modules():
-        if isinstance(module, (QuantizedLinear, GGUFLinear, GGUFMoeExperts)):
+        if isinstance(module, (QuantizedLinear, GGUFLinear, GGUFPlanesLinear, GGUFMoeExperts)):
             tensors += list(module.buffers(recurse=False))
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}
     return sum(storages.values())

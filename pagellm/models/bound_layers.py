@@ -35,6 +35,7 @@ from pagellm.kernels.cpu import attention, layer_ops
 from pagellm.kernels.cpu.gguf_blocks import BoundMatmul, BoundMLP
 from pagellm.kernels.ops import FUSED_ACTIVATIONS, LayerOps, native_ops
 from pagellm.layers.gguf_linear import GGUFLinear
+from pagellm.layers.gguf_planes import GGUFPlanesLinear
 from pagellm.layers.kernel_user import bind_kernel_level
 from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.quantized import Int4Linear
@@ -90,6 +91,8 @@ def bound_linear(module: nn.Module):
         return module.bound_matmul(True)
     if type(module) is GGUFLinear:
         return module.bound()
+    if type(module) is GGUFPlanesLinear:
+        return module.bound_matmul()
     return None
 
 

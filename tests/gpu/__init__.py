@@ -5,6 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"  # where these tests put tensors: a GPU's, else the interpreter's CPU
+
 
 @contextlib.contextmanager
 def interpreter(wanted: bool):
@@ -21,3 +26,10 @@ def interpreter(wanted: bool):
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+def under_interpreter(make):
+    """make(), under the interpreter without a GPU: Triton kernel modules imported for the first time inside
+    are decorated for it (`triton.jit` reads TRITON_INTERPRET then)."""
+    with interpreter(not ON_GPU):
+        return make()

@@ -16,19 +16,11 @@ from pagellm.kernels.ops import REFERENCE, triton_ops
 from pagellm.layers.kernel_user import KernelUser, bind_kernel_level
 from pagellm.loader.model_loader import load_model
 from pagellm.models.bound_layers import PlanSettings, plan_model, triton_step_kernels
-from tests.gpu import interpreter
+from tests.gpu import DEVICE, ON_GPU, interpreter
 from tests.models.paged_harness import PagedHarness
 from tests.models.tiny_checkpoints import write_hybrid_checkpoint, write_tiny_checkpoint
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 pytest.importorskip("triton", reason="triton is not installed (PyTorch's CPU-only wheel does not bring it)")
-
-
-@pytest.fixture(autouse=True)
-def _interpreted():
-    with interpreter(not ON_GPU):
-        yield
 
 
 def _triton_kernels():

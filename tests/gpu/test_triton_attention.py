@@ -20,21 +20,13 @@ import torch
 
 from pagellm.kernels.cpu import attention
 from pagellm.kernels.reference import attention as reference_attention
-from tests.gpu import interpreter
+from tests.gpu import DEVICE, ON_GPU, interpreter
 from tests.kernels.attention_cases import make_case
 
 ROOT = Path(__file__).parents[2]
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 pytest.importorskip("triton", reason="triton is not installed (PyTorch's CPU-only wheel does not bring it)")
 with interpreter(not ON_GPU):  # tests/conftest.py imported triton itself under it
     from pagellm.kernels.gpu import attention as triton_attention
-
-
-@pytest.fixture(autouse=True)
-def _interpreted():
-    with interpreter(not ON_GPU):
-        yield
 
 
 SCENARIOS = {  # name: (query_lens, seq_lens)

@@ -18,21 +18,13 @@ from pagellm.kernels.reference import attention as reference_attention
 from pagellm.kernels.build import native
 from pagellm.layers.norm import RMSNorm
 from pagellm.kernels.reference.layer_ops import rotary as apply_rotary_reference
-from tests.gpu import interpreter
+from tests.gpu import DEVICE, ON_GPU, interpreter
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 pytest.importorskip("triton", reason="triton is not installed (PyTorch's CPU-only wheel does not bring it)")
 with interpreter(not ON_GPU):
     from pagellm.kernels.gpu import layer_ops as ops
 
 DTYPES = [torch.float32, torch.float16]
-
-
-@pytest.fixture(autouse=True)
-def _interpreted():
-    with interpreter(not ON_GPU):
-        yield
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -257,12 +257,12 @@ def test_gguf_auto_load_keeps_every_tensor_as_stored(tmp_path):
 
 
 def test_gguf_auto_falls_back_to_int4_int8_without_block_kernels(tmp_path):
-    """Hosts without the block kernels (keep_blocks=False) follow the file's bits per weight."""
+    """Hosts without the block kernels (blocks_on=None) follow the file's bits per weight."""
     types = {"blk.0.attn_q.weight": T.Q4_0, "blk.0.attn_k.weight": T.Q8_0, "blk.0.ffn_up.weight": T.F16}
     tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", types=types)
     config = load_gguf_config(tiny.path)
     model = build_model(config, torch.float32, torch.device("meta"))
-    plan = plan_quantization(model, "auto", LEVEL, gguf_weight_types(tiny.path, config), keep_blocks=False)
+    plan = plan_quantization(model, "auto", LEVEL, gguf_weight_types(tiny.path, config), blocks_on=None)
     assert plan["model.layers.0.self_attn.q_proj"] == "int4" and plan["model.layers.0.self_attn.k_proj"] == "int8"
     assert "model.layers.0.mlp.up_proj" not in plan
 

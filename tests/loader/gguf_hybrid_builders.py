@@ -230,3 +230,14 @@ def _write_linear_attention_metadata(writer: gguf.GGUFWriter, arch: str, config,
     interval = config.layer_types.index("full_attention") + 1
     assert recurrent == [(i + 1) % interval != 0 for i in range(len(recurrent))], "not an interval pattern"
     writer.add_full_attention_interval(interval)
+
+
+def write_k_quant_moe_gguf(directory: Path) -> str:
+    """A Qwen3-MoE GGUF (three layers, eight experts of 256 x 256) whose experts are stored as a Q4_K_M file
+    stores them: gate and up Q4_K, down Q6_K; the path of the file."""
+    types = {f"blk.{i}.{name}.weight": kind for i in range(3) for name, kind in (
+        ("ffn_gate_exps", T.Q4_K), ("ffn_up_exps", T.Q4_K), ("ffn_down_exps", T.Q6_K))}
+    write_hf_checkpoint("qwen3-moe", directory / "hf", hidden_size=256, moe_intermediate_size=256,
+                        intermediate_size=256)
+    convert_to_gguf(directory / "hf", directory / "model.gguf", Conversion(types=types))
+    return str(directory / "model.gguf")

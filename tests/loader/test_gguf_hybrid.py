@@ -22,7 +22,7 @@ from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_h
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.models.registry import build_model
-from tests.loader.gguf_hybrid_builders import Conversion, convert_to_gguf, write_hf_checkpoint
+from tests.loader.gguf_hybrid_builders import Conversion, convert_to_gguf, write_hf_checkpoint, write_k_quant_moe_gguf
 from tests.models.paged_harness import PagedHarness, greedy_generate
 
 # case id -> (family, how the file is written): between them every converter variant the loader reads
@@ -162,12 +162,7 @@ def test_moe_experts_stay_in_their_k_quant_blocks(tmp_path):
     """A Qwen3-MoE GGUF with Q4_K gate/up and Q6_K down experts: every expert stays in its blocks (resident
     weights about the file's size, not 4-8x), holds exactly the file's weights, and the model's logits stay
     within the activations' int8 rounding of the dense model of the same file."""
-    types = {f"blk.{i}.{name}.weight": kind for i in range(3) for name, kind in (
-        ("ffn_gate_exps", T.Q4_K), ("ffn_up_exps", T.Q4_K), ("ffn_down_exps", T.Q6_K))}
-    write_hf_checkpoint("qwen3-moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=256,
-                        intermediate_size=256)
-    convert_to_gguf(tmp_path / "hf", tmp_path / "model.gguf", Conversion(types=types))
-    path = str(tmp_path / "model.gguf")
+    path = write_k_quant_moe_gguf(tmp_path)
     dense = load_model(path, torch.float32, torch.device("cpu"), with_tokenizer=False)
     blocks = load_model(path, torch.float32, torch.device("cpu"), with_tokenizer=False, quantization="auto")
     experts = [f"model.layers.{i}.mlp.experts" for i in range(3)]
