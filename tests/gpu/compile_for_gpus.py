@@ -1,4 +1,4 @@
-"""Compile the Triton kernels (paged attention, the fused layer ops) to GPU machine code without a GPU: Triton's
+"""Compile the Triton kernels (paged attention, the fused layer ops, the GGUF matmuls) to GPU machine code without a GPU: Triton's
 own code generator and the ptxas its wheel ships, for an NVIDIA architecture named on the command line. The
 interpreter (tests/gpu) checks what the kernels compute; this that their code generates for a GPU, with this
 venv's Triton and 64-bit strides (a GPU run may specialise other argument values, and the GPU image has an older
@@ -15,7 +15,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagellm.kernels.gpu import attention as triton_attention, layer_ops as triton_layer_ops
+from pagellm.kernels.gpu import attention as triton_attention, gguf_matmul, layer_ops as triton_layer_ops
+from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS, T
 
 POINTERS = {"out_ptr": "q", "q_ptr": "q", "k_cache_ptr": "kv", "v_cache_ptr": "kv", "block_tables_ptr": "*i64",
             "seq_lens_ptr": "*i64", "query_start_loc_ptr": "*i64", "partial_ptr": "*fp32", "max_sum_ptr": "*fp32"}
@@ -91,6 +92,43 @@ def compile_layer_op(name: str, constexprs: dict, arch: int) -> int:
     return _cubin_size(kernel, signature, constexprs, arch, {"enable_fp_fusion": False})  # as they launch
 
 
+# the GGUF matmuls on planes: every format's B=1 gemv; for the formats of Q4_K_M and Q8_0 files, the split gemv at
+# its largest M, the tile kernel and the dequantization (bf16 activations)
+GGUF_VARIANTS = [("_gemv_kernel", t, 1, True) for t in FORMATS] + [
+    (kernel, t, 8, False) for t in (T.Q4_K, T.Q6_K, T.Q8_0)
+    for kernel in ("_gemv_kernel", "_dot_kernel", "_dequant_kernel")]
+_PLANE_POINTERS = {"qs_ptr": "*u8", "qh_ptr": "*u8", "sc_ptr": "*u8", "mn_ptr": "*u8", "d_ptr": "*fp16",
+                   "dm_ptr": "*fp16", "part_ptr": "*fp32", "ids_ptr": "*i64"}
+
+
+def compile_gguf(name: str, ggml_type, block_m: int, direct: bool, arch: int) -> int:
+    """The cubin size of one GGUF kernel over `ggml_type`'s planes, as BoundPlanesMatmul launches it."""
+    kernel = getattr(gguf_matmul, name)
+    fmt = dict(FMT=FORMATS.index(ggml_type), RUN=RUNS[ggml_type])
+    if name == "_gemv_kernel":
+        constexprs = dict(HAS_BIAS=False, DIRECT=direct, BM=block_m, BN=gguf_matmul.GEMV_TILES[block_m][1],
+                          BH=gguf_matmul.GEMV_TILES[block_m][2], **fmt)
+    elif name == "_dot_kernel":
+        bm, bn, bh = gguf_matmul.DOT_TILE
+        constexprs = dict(HAS_BIAS=False, BM=bm, BN=bn, BH=bh, PRECISION="tf32", **fmt)
+    else:
+        constexprs = dict(HAS_IDS=False, BN=gguf_matmul.DEQUANT_TILE[0], BH=gguf_matmul.DEQUANT_TILE[1], **fmt)
+    pointers = dict(_PLANE_POINTERS, qs_ptr="*i8" if ggml_type == T.Q8_0 else "*u8",
+                    qh_ptr="*i32" if ggml_type in (T.Q5_0, T.Q5_1) else "*u8",
+                    sc_ptr="*i8" if ggml_type == T.Q6_K else "*u8")
+    signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "*bf16") if arg.endswith("_ptr")
+                 else "i32" for arg in kernel.arg_names}
+    return _cubin_size(kernel, signature, constexprs, arch)
+
+
+def compile_gguf_reduce(arch: int) -> int:
+    kernel = gguf_matmul._reduce_kernel
+    constexprs = dict(SPLITS=4, HAS_BIAS=True, BLOCK=gguf_matmul.REDUCE_BLOCK)
+    signature = {arg: "constexpr" if arg in constexprs else "*fp32" if arg == "part_ptr" else "*bf16"
+                 if arg.endswith("_ptr") else "i32" for arg in kernel.arg_names}
+    return _cubin_size(kernel, signature, constexprs, arch)
+
+
 if __name__ == "__main__":
     for arch in map(int, sys.argv[1:]):
         for variant in VARIANTS:
@@ -98,3 +136,6 @@ if __name__ == "__main__":
         print(arch, "_reduce_splits_kernel", compile_reduce(arch), flush=True)
         for name, constexprs in LAYER_OP_VARIANTS:
             print(arch, name, compile_layer_op(name, constexprs, arch), flush=True)
+        for name, ggml_type, block_m, direct in GGUF_VARIANTS:
+            print(arch, name, ggml_type.name, block_m, compile_gguf(name, ggml_type, block_m, direct, arch), flush=True)
+        print(arch, "_reduce_kernel", compile_gguf_reduce(arch), flush=True)
