@@ -98,6 +98,28 @@ def add_bench_parser(subparsers) -> None:
     add_output_arguments(check, "device-check", "write checks and rows to FILE.json")
     check.set_defaults(func=_run_device_check)
 
+    gguf = kinds.add_parser("device-gguf", help="GGUF blocks on a GPU: the Triton matmuls on real tensors, their "
+                            "crossovers, and rows of a Q4_K_M file in blocks, dequantized, and llama.cpp's")
+    gguf.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    gguf.add_argument("--shape", default="8b", help="Llama shape of the file written: tiny, 1b, 8b (default 8b)")
+    gguf.add_argument("--npl", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
+    gguf.add_argument("--pp", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    gguf.add_argument("--tg", type=int, default=64, help="generated tokens per sequence (default 64)")
+    gguf.add_argument("--repeats", type=int, default=1, help="measurements of each figure (median reported)")
+    gguf.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                      help="compute dtype (default auto: bfloat16 on CUDA)")
+    gguf.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    gguf.add_argument("--sample", default=None, help="a GGUF of real tensors for the numerics (--write-sample)")
+    gguf.add_argument("--write-sample", default=None, metavar="FILE",
+                      help="write a sample of a real GGUF's Q4_K, Q5_0 and Q6_K tensors to FILE, and stop")
+    gguf.add_argument("--write-sample-from", default=None, metavar="GGUF",
+                      help="the GGUF --write-sample reads (default: the embedded model's file)")
+    gguf.add_argument("--llama-batched-bench", default=None, metavar="BIN",
+                      help="llama.cpp's llama-batched-bench (a CUDA build) to run on the same file")
+    gguf.add_argument("--commit", default=None, help="the commit the rows name (default: git's HEAD)")
+    add_output_arguments(gguf, "device-gguf", "write checks and rows to FILE.json")
+    gguf.set_defaults(func=_run_device_gguf)
+
     accuracy = kinds.add_parser("accuracy", help="a mode's distance from the dense fp32 model of the same file "
                                 "(top-1 agreement, KL, perplexity), beside llama.cpp's on the same text")
     _add_common(accuracy)
@@ -185,6 +207,12 @@ def _run_device_check(args: argparse.Namespace) -> int:
     from pagellm.bench import device_check
 
     return device_check.main(args)
+
+
+def _run_device_gguf(args: argparse.Namespace) -> int:
+    from pagellm.bench import device_gguf
+
+    return device_gguf.main(args)
 
 
 def _run_batched(args: argparse.Namespace) -> int:

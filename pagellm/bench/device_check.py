@@ -223,7 +223,11 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
 
 def kv_gib(shape: str, args: argparse.Namespace) -> float:
     """The KV budget the largest batch needs at this shape, 10% spare (the host-RAM default is for CPUs)."""
-    config = SHAPES[shape]
+    return kv_gib_for(SHAPES[shape], args)
+
+
+def kv_gib_for(config: dict, args: argparse.Namespace) -> float:
+    """kv_gib of a Llama config (HF field names)."""
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4  # K and V, <= fp32
     return 1.1 * per_token * max(args.npl) * (args.pp + args.tg + 16) / 2**30
