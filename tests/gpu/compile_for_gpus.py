@@ -1,8 +1,8 @@
 """Compile the Triton kernels (paged attention, the fused layer ops, the GGUF matmuls) to GPU machine code
 without a GPU: Triton's own code generator and the ptxas its wheel ships, for an NVIDIA architecture named on the
-command line. The interpreter (tests/gpu) checks what the kernels compute; this that their code generates for a GPU, with this
-venv's Triton and 64-bit strides (a GPU run may specialise other argument values, and the GPU image has an older
-Triton).
+command line. The interpreter (tests/gpu) checks what the kernels compute; this that their code generates for a
+GPU, with this venv's Triton and 64-bit strides (a GPU run may specialise other argument values, and the GPU
+image has an older Triton).
 
     python -m tests.gpu.compile_for_gpus 90 80      (run in a process without TRITON_INTERPRET)
 """
