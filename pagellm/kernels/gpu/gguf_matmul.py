@@ -29,66 +29,85 @@ Q4_K, Q5_K, Q6_K = FORMATS.index(T.Q4_K), FORMATS.index(T.Q5_K), FORMATS.index(T
 
 
 @triton.jit
-def _scaled(q, c, r, ok, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, s_qh, s_sc, s_mn, s_d, s_dm, FMT: tl.constexpr):
-    """Codes q [BN, BH] int32 (their low 4 bits; Q8_0's whole) of columns c [BH] of rows r [BN, 1] -> weights fp32."""
-    if FMT == 2 or FMT == 3:  # Q5_0, Q5_1: a word per 32 columns
-        high = tl.load(qh_ptr + r * s_qh + (c // 32)[None, :], mask=ok, other=0)
-        q = q | (((high >> (c % 32)[None, :]) & 1) << 4)
-    if FMT == 6:  # Q5_K
-        high = tl.load(qh_ptr + r * s_qh + ((c // 256) * 32 + c % 32)[None, :], mask=ok, other=0).to(tl.int32)
-        q = q | (((high >> ((c % 256) // 32)[None, :]) & 1) << 4)
-    if FMT == 7:  # Q6_K: 2 bits
-        byte = (c // 256) * 64 + 32 * ((c % 256) // 128) + c % 32
-        high = tl.load(qh_ptr + r * s_qh + byte[None, :], mask=ok, other=0).to(tl.int32)
-        q = q | (((high >> (2 * ((c % 128) // 32))[None, :]) & 3) << 4)
-    qf = q.to(tl.float32)
-    if FMT == 5 or FMT == 6:  # Q4_K, Q5_K: (d sc) q - dmin mn
-        d = tl.load(d_ptr + r * s_d + (c // 256)[None, :], mask=ok, other=0.0).to(tl.float32)
-        dm = tl.load(dm_ptr + r * s_dm + (c // 256)[None, :], mask=ok, other=0.0).to(tl.float32)
-        sc = tl.load(sc_ptr + r * s_sc + (c // 32)[None, :], mask=ok, other=0).to(tl.float32)
-        mn = tl.load(mn_ptr + r * s_mn + (c // 32)[None, :], mask=ok, other=0).to(tl.float32)
-        return (d * sc) * qf - dm * mn
-    if FMT == 7:  # Q6_K: (d sc) (q - 32)
-        d = tl.load(d_ptr + r * s_d + (c // 256)[None, :], mask=ok, other=0.0).to(tl.float32)
-        sc = tl.load(sc_ptr + r * s_sc + (c // 16)[None, :], mask=ok, other=0).to(tl.float32)
-        return (d * sc) * (qf - 32.0)
-    d = tl.load(d_ptr + r * s_d + (c // 32)[None, :], mask=ok, other=0.0).to(tl.float32)
-    if FMT == 1 or FMT == 3:  # Q4_1, Q5_1: d q + m
-        m = tl.load(dm_ptr + r * s_dm + (c // 32)[None, :], mask=ok, other=0.0).to(tl.float32)
-        return d * qf + m
-    if FMT == 0:
-        return d * (qf - 8.0)
-    if FMT == 2:
-        return d * (qf - 16.0)
-    return d * qf  # Q8_0
+def _factors(cc, r, ok, d_ptr, dm_ptr, sc_ptr, mn_ptr, s_d, s_dm, s_sc, s_mn, FMT: tl.constexpr):
+    """(scale, offset) [BN, C, 1] of the 16-column chunks starting at columns cc [C, 1] of rows r [BN, 1, 1]: a
+    weight is scale (q - zero) + offset. One load per chunk, not per weight: a decode gemv runs short of
+    instructions before it runs short of arithmetic."""
+    if FMT == 5 or FMT == 6:  # Q4_K, Q5_K: d sc, -(dmin mn)
+        d = tl.load(d_ptr + r * s_d + (cc // 256)[None], mask=ok, other=0.0).to(tl.float32)
+        sc = tl.load(sc_ptr + r * s_sc + (cc // 32)[None], mask=ok, other=0).to(tl.float32)
+        dm = tl.load(dm_ptr + r * s_dm + (cc // 256)[None], mask=ok, other=0.0).to(tl.float32)
+        mn = tl.load(mn_ptr + r * s_mn + (cc // 32)[None], mask=ok, other=0).to(tl.float32)
+        return d * sc, -(dm * mn)
+    if FMT == 7:  # Q6_K: d sc per 16 columns
+        d = tl.load(d_ptr + r * s_d + (cc // 256)[None], mask=ok, other=0.0).to(tl.float32)
+        sc = tl.load(sc_ptr + r * s_sc + (cc // 16)[None], mask=ok, other=0).to(tl.float32)
+        return d * sc, tl.zeros_like(d)
+    d = tl.load(d_ptr + r * s_d + (cc // 32)[None], mask=ok, other=0.0).to(tl.float32)
+    if FMT == 1 or FMT == 3:  # Q4_1, Q5_1: d, m
+        return d, tl.load(dm_ptr + r * s_dm + (cc // 32)[None], mask=ok, other=0.0).to(tl.float32)
+    return d, tl.zeros_like(d)
+
+
+@triton.jit
+def _high_bits(q_lo, q_hi, c_lo, c_hi, cc_lo, r, ok, ok_chunks, qh_ptr, s_qh, FMT: tl.constexpr):
+    """The codes' bits above 4 added (a nibble pair's two columns share their high byte or word)."""
+    if FMT == 2 or FMT == 3:  # Q5_0, Q5_1: a word per 32 columns, bit c % 32
+        word = tl.load(qh_ptr + r * s_qh + (cc_lo // 32)[None], mask=ok_chunks, other=0)  # [BN, C, 1]
+        q_lo = q_lo | (((word >> (c_lo % 32)[None]) & 1) << 4)
+        q_hi = q_hi | (((word >> (c_hi % 32)[None]) & 1) << 4)
+    if FMT == 6:  # Q5_K: bit (c % 256) // 32 of byte 32 (c // 256) + c % 32
+        byte = tl.load(qh_ptr + r * s_qh + ((c_lo // 256) * 32 + c_lo % 32)[None], mask=ok, other=0).to(tl.int32)
+        q_lo = q_lo | (((byte >> ((c_lo % 256) // 32)[None]) & 1) << 4)
+        q_hi = q_hi | (((byte >> ((c_hi % 256) // 32)[None]) & 1) << 4)
+    if FMT == 7:  # Q6_K: 2 bits at 2 ((c % 128) // 32) of byte 64 (c // 256) + 32 ((c % 256) // 128) + c % 32
+        at = (c_lo // 256) * 64 + 32 * ((c_lo % 256) // 128) + c_lo % 32
+        byte = tl.load(qh_ptr + r * s_qh + at[None], mask=ok, other=0).to(tl.int32)
+        q_lo = q_lo | (((byte >> (2 * ((c_lo % 128) // 32))[None]) & 3) << 4)
+        q_hi = q_hi | (((byte >> (2 * ((c_hi % 128) // 32))[None]) & 3) << 4)
+    return q_lo, q_hi
 
 
 @triton.jit
 def _tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, n_ok, k0, K, s_qs, s_qh, s_sc, s_mn, s_d, s_dm,
           FMT: tl.constexpr, RUN: tl.constexpr, BH: tl.constexpr):
-    """Columns k0 .. k0 + 2 BH of rows `rows` [BN], as two halves: (w_lo, w_hi [BN, BH] fp32, c_lo, c_hi [BH]).
-    A nibble format's halves are the low and high nibbles of BH bytes (k0 a multiple of 2 RUN); Q8_0's, the first
-    and second BH columns."""
-    b = tl.arange(0, BH)
-    r = rows[:, None].to(tl.int64)
+    """Columns k0 .. k0 + 2 BH of rows `rows` [BN], as two halves in 16-column chunks, each chunk within one group
+    of factors: (w_lo, w_hi [BN, BH / 16, 16] fp32, their columns c_lo, c_hi [BH / 16, 16]). A nibble format's
+    halves are the low and high nibbles of BH bytes (k0 a multiple of 2 RUN); Q8_0's, the first and second BH
+    columns."""
+    first = 16 * tl.arange(0, BH // 16)[:, None]  # each chunk's first byte (Q8_0: column) in the tile, [C, 1]
+    at = first + tl.arange(0, 16)[None, :]  # [C, 16]
+    r = rows[:, None, None].to(tl.int64)
+    rows_ok = n_ok[:, None, None]
     if FMT == 4:
-        c_lo = k0 + b
-        c_hi = k0 + BH + b
-        ok_lo = n_ok[:, None] & (c_lo < K)[None, :]
-        ok_hi = n_ok[:, None] & (c_hi < K)[None, :]
-        q_lo = tl.load(qs_ptr + r * s_qs + c_lo[None, :], mask=ok_lo, other=0).to(tl.int32)
-        q_hi = tl.load(qs_ptr + r * s_qs + c_hi[None, :], mask=ok_hi, other=0).to(tl.int32)
+        c_lo = k0 + at
+        cc_lo = k0 + first
+        c_hi = c_lo + BH
+        cc_hi = cc_lo + BH
+        ok_lo = rows_ok & (c_lo < K)[None]
+        ok_hi = rows_ok & (c_hi < K)[None]
+        q_lo = tl.load(qs_ptr + r * s_qs + c_lo[None], mask=ok_lo, other=0).to(tl.int32)
+        q_hi = tl.load(qs_ptr + r * s_qs + c_hi[None], mask=ok_hi, other=0).to(tl.int32)
     else:
-        byte = k0 // 2 + b
+        byte = k0 // 2 + at
         c_lo = (byte // RUN) * (2 * RUN) + byte % RUN
+        chunk = k0 // 2 + first
+        cc_lo = (chunk // RUN) * (2 * RUN) + chunk % RUN
         c_hi = c_lo + RUN
-        ok_lo = n_ok[:, None] & (c_lo < K)[None, :]  # K is whole runs of 2 RUN columns: c_hi < K with c_lo
+        cc_hi = cc_lo + RUN
+        ok_lo = rows_ok & (c_lo < K)[None]  # K is whole runs of 2 RUN columns: c_hi < K with c_lo
         ok_hi = ok_lo
-        packed = tl.load(qs_ptr + r * s_qs + byte[None, :], mask=ok_lo, other=0).to(tl.int32)
+        packed = tl.load(qs_ptr + r * s_qs + byte[None], mask=ok_lo, other=0).to(tl.int32)
         q_lo = packed & 15
         q_hi = (packed >> 4) & 15
-    w_lo = _scaled(q_lo, c_lo, r, ok_lo, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, s_qh, s_sc, s_mn, s_d, s_dm, FMT)
-    w_hi = _scaled(q_hi, c_hi, r, ok_hi, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, s_qh, s_sc, s_mn, s_d, s_dm, FMT)
+    ok_chunks_lo = rows_ok & (cc_lo < K)[None]
+    ok_chunks_hi = rows_ok & (cc_hi < K)[None]
+    q_lo, q_hi = _high_bits(q_lo, q_hi, c_lo, c_hi, cc_lo, r, ok_lo, ok_chunks_lo, qh_ptr, s_qh, FMT)
+    zero = 8.0 if FMT == 0 else 16.0 if FMT == 2 else 32.0 if FMT == 7 else 0.0
+    scale, offset = _factors(cc_lo, r, ok_chunks_lo, d_ptr, dm_ptr, sc_ptr, mn_ptr, s_d, s_dm, s_sc, s_mn, FMT)
+    w_lo = scale * (q_lo.to(tl.float32) - zero) + offset
+    scale, offset = _factors(cc_hi, r, ok_chunks_hi, d_ptr, dm_ptr, sc_ptr, mn_ptr, s_d, s_dm, s_sc, s_mn, FMT)
+    w_hi = scale * (q_hi.to(tl.float32) - zero) + offset
     return w_lo, w_hi, c_lo, c_hi
 
 
@@ -97,29 +116,31 @@ def _gemv_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, bias_ptr,
                  M, N, K, k_per_split, s_x, s_qs, s_qh, s_sc, s_mn, s_d, s_dm, s_out,
                  HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, FMT: tl.constexpr, RUN: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr):
-    """out[m, n] (DIRECT: one split, bias added, in out's dtype) or the split's fp32 partial sums."""
+    """out[m, n] (DIRECT: one split, bias added, in out's dtype) or the split's fp32 partial sums. Products add up
+    elementwise across the K loop and are summed once at its end (a sum per step costs warp shuffles)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
     n_ok = rows < N
     m = tl.arange(0, BM)
     m_ok = m < M
-    x_rows = x_ptr + m[:, None].to(tl.int64) * s_x
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    x_rows = x_ptr + m[:, None, None, None].to(tl.int64) * s_x  # [BM, 1, 1, 1]
+    x_ok = m_ok[:, None, None, None]
+    acc = tl.zeros([BM, BN, BH // 16, 16], dtype=tl.float32)
     start = split * k_per_split
     for k0 in range(start, tl.minimum(start + k_per_split, K), 2 * BH):
         w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, n_ok, k0, K,
                                        s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
-        x_lo = tl.load(x_rows + c_lo[None, :], mask=m_ok[:, None] & (c_lo < K)[None, :], other=0.0).to(tl.float32)
-        x_hi = tl.load(x_rows + c_hi[None, :], mask=m_ok[:, None] & (c_hi < K)[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w_lo[None, :, :] * x_lo[:, None, :], axis=2)  # [BM, BN]
-        acc += tl.sum(w_hi[None, :, :] * x_hi[:, None, :], axis=2)
+        x_lo = tl.load(x_rows + c_lo[None, None], mask=x_ok & (c_lo < K)[None, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(x_rows + c_hi[None, None], mask=x_ok & (c_hi < K)[None, None], other=0.0).to(tl.float32)
+        acc += w_lo[None] * x_lo + w_hi[None] * x_hi  # [BM, BN, C, 16]
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BM, BN]
     ok = m_ok[:, None] & n_ok[None, :]
     if DIRECT:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None].to(tl.int64) * s_out + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+            out += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None].to(tl.int64) * s_out + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
     else:
-        tl.store(part_ptr + (split * M + m[:, None]).to(tl.int64) * N + rows[None, :], acc, mask=ok)
+        tl.store(part_ptr + (split * M + m[:, None]).to(tl.int64) * N + rows[None, :], out, mask=ok)
 
 
 @triton.jit
@@ -153,10 +174,12 @@ def _dot_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, bias_ptr, 
     for k0 in range(0, K, 2 * BH):
         w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, n_ok, k0, K,
                                        s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
+        c_lo, c_hi = tl.reshape(c_lo, (BH,)), tl.reshape(c_hi, (BH,))
         x_lo = tl.load(x_rows + c_lo[None, :], mask=m_ok[:, None] & (c_lo < K)[None, :], other=0.0)
         x_hi = tl.load(x_rows + c_hi[None, :], mask=m_ok[:, None] & (c_hi < K)[None, :], other=0.0)
-        acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc, input_precision=PRECISION)
-        acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc, input_precision=PRECISION)
+        w_lo, w_hi = tl.reshape(w_lo, (BN, BH)).to(x_lo.dtype), tl.reshape(w_hi, (BN, BH)).to(x_lo.dtype)
+        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
@@ -176,10 +199,10 @@ def _dequant_kernel(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, ids_ptr, out_
         rows = i
     w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, i_ok, tl.program_id(1) * 2 * BH,
                                    K, s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
-    out_rows = out_ptr + i[:, None].to(tl.int64) * s_out
+    out_rows = out_ptr + i[:, None, None].to(tl.int64) * s_out
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_rows + c_lo[None, :], w_lo.to(dtype), mask=i_ok[:, None] & (c_lo < K)[None, :])
-    tl.store(out_rows + c_hi[None, :], w_hi.to(dtype), mask=i_ok[:, None] & (c_hi < K)[None, :])
+    tl.store(out_rows + c_lo[None], w_lo.to(dtype), mask=i_ok[:, None, None] & (c_lo < K)[None])
+    tl.store(out_rows + c_hi[None], w_hi.to(dtype), mask=i_ok[:, None, None] & (c_hi < K)[None])
 
 
 @dataclass(frozen=True)
