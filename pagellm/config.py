@@ -45,8 +45,8 @@ class ModelConfig(_FromDict):
     device: str = _help("torch device to run on.", default="cpu")
     quantization: str = _help(
         "Weights kept quantized in memory: auto (the default; GGUF: every tensor as the file stores it, in its "
-        "own block format; HF checkpoint: none) | none | int8 (per-row) | int4 (group 32). Linear layers and the "
-        "token table / LM head; CPU only.",
+        "own block format, on a CPU or a GPU; HF checkpoint: none) | none (a GGUF dequantized to the compute "
+        "dtype) | int8 (per-row, CPU only) | int4 (group 32, CPU only). Linear layers and the token table / LM head.",
         default="auto",
     )
 
