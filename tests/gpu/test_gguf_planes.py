@@ -8,6 +8,7 @@ beside the file, and a model step on the Triton kernels against the dense model 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import gguf
@@ -28,7 +29,7 @@ from pagellm.models.bound_layers import PlanSettings, plan_model, triton_step_ke
 from tests.gpu import DEVICE, under_interpreter
 from tests.kernels.gguf_blocks_builders import gguf_tensor
 from tests.loader.gguf_builders import T, TinyDims, write_tiny_gguf
-from tests.loader.gguf_hybrid_builders import write_k_quant_moe_gguf
+from tests.loader.gguf_hybrid_builders import CASES, convert_to_gguf, write_hf_checkpoint, write_k_quant_moe_gguf
 from tests.models.paged_harness import PagedHarness
 
 pytest.importorskip("triton", reason="triton is not installed (PyTorch's CPU-only wheel does not bring it)")
@@ -179,3 +180,23 @@ def test_moe_experts_load_in_planes_and_match_the_dense_experts(tmp_path):
                                                                        (torch.arange(tokens) + 3) % 8], 1).to(DEVICE)
         got, expected = layer(x, weights, ids), reference(x, weights, ids)
         assert ((got - expected).norm() / expected.norm()).item() < 1e-5  # fp32 sums in another order
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-moe-mtp-fused", "qwen3-next"])
+def test_hybrid_and_moe_families_plan_their_blocks_for_a_gpu(tmp_path, name):
+    """Every 2-D weight and the experts stored Q8_0, loaded with the GPU's plan: the blocks become planes (the
+    experts too), and a paged prefill through the torch reference of the planes' matmul gives the dense model's
+    logits of the same file (the same fp32 weights, the same products)."""
+    family, conversion = CASES[name]
+    write_hf_checkpoint(family, tmp_path / "hf")
+    probe = convert_to_gguf(tmp_path / "hf", tmp_path / "probe.gguf", conversion)
+    types = {n: T.Q8_0 for n, v in probe.items() if v.ndim >= 2 and v.shape[-1] % 32 == 0}
+    convert_to_gguf(tmp_path / "hf", tmp_path / "model.gguf", dataclasses.replace(conversion, types=types))
+    path = str(tmp_path / "model.gguf")
+    dense = load_model(path, torch.float32, torch.device("cpu"), False, "none").model
+    planes = load_model(path, torch.float32, torch.device("cpu"), False, "auto", gguf_layout="cuda").model
+    assert any(isinstance(m, GGUFPlanesExperts) for m in planes.modules())
+    assert sum(isinstance(m, GGUFPlanesLinear) for m in planes.modules()) > 4
+    prompt = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    torch.testing.assert_close(PagedHarness(planes).prefill("a", prompt), PagedHarness(dense).prefill("a", prompt),
+                               rtol=1e-5, atol=1e-5)

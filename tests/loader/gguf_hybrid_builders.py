@@ -232,6 +232,16 @@ def _write_linear_attention_metadata(writer: gguf.GGUFWriter, arch: str, config,
     writer.add_full_attention_interval(interval)
 
 
+# case id -> (family, how the file is written): between them every converter variant the loader reads
+CASES = {
+    "qwen3-moe": ("qwen3-moe", Conversion()),
+    "qwen3-next": ("qwen3-next", Conversion(recurrent_layers_array=True)),
+    "qwen3-next-ssm_in-fused": ("qwen3-next", Conversion(legacy_qkvz=True, fused_experts=True)),
+    "qwen3.5-mtp": ("qwen3.5", Conversion(mtp_layers=1)),
+    "qwen3.5-moe-mtp-fused": ("qwen3.5-moe", Conversion(mtp_layers=1, fused_experts=True)),
+}
+
+
 def write_k_quant_moe_gguf(directory: Path) -> str:
     """A Qwen3-MoE GGUF (three layers, eight experts of 256 x 256) whose experts are stored as a Q4_K_M file
     stores them: gate and up Q4_K, down Q6_K; the path of the file."""

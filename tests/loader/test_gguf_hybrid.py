@@ -22,17 +22,10 @@ from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_h
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.models.registry import build_model
-from tests.loader.gguf_hybrid_builders import Conversion, convert_to_gguf, write_hf_checkpoint, write_k_quant_moe_gguf
+from tests.loader.gguf_hybrid_builders import (CASES, Conversion, convert_to_gguf, write_hf_checkpoint,
+                                               write_k_quant_moe_gguf)
 from tests.models.paged_harness import PagedHarness, greedy_generate
 
-# case id -> (family, how the file is written): between them every converter variant the loader reads
-CASES = {
-    "qwen3-moe": ("qwen3-moe", Conversion()),
-    "qwen3-next": ("qwen3-next", Conversion(recurrent_layers_array=True)),
-    "qwen3-next-ssm_in-fused": ("qwen3-next", Conversion(legacy_qkvz=True, fused_experts=True)),
-    "qwen3.5-mtp": ("qwen3.5", Conversion(mtp_layers=1)),
-    "qwen3.5-moe-mtp-fused": ("qwen3.5-moe", Conversion(mtp_layers=1, fused_experts=True)),
-}
 # (w + 1) - 1 and log(-(-exp(x))) in float32 are within an ulp or two of w; everything else is bit-exact
 ROUNDED = ("norm.weight", "A_log")
 LOGITS_TOL = dict(atol=1e-5, rtol=1e-5)
