@@ -80,8 +80,10 @@ def _log_gpu_weights(net: nn.Module, path: Path, plan: dict[str, str], dtype: to
     """What a GGUF takes on a GPU beside its file (kept in planes, or dequantized with --quantization none)."""
     held, size = weight_bytes(net) / 2**30, path.stat().st_size / 2**30
     if plan:
+        from pagellm.kernels.gpu.gguf_matmul import describe_crossovers  # Triton: imported where it runs
+
         logger.info("GGUF on the GPU: %d layers in their blocks (planes), weights %.2f GiB for a %.2f GiB file "
-                    "(%.3fx)", len(plan), held, size, held / size)
+                    "(%.3fx); matmuls by rows M: %s", len(plan), held, size, held / size, describe_crossovers())
     else:
         logger.info("GGUF on the GPU: weights dequantized to %s at load, %.2f GiB for a %.2f GiB file (%.2fx)",
                     str(dtype).removeprefix("torch."), held, size, held / size)

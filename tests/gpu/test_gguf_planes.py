@@ -23,6 +23,7 @@ from pagellm.layers.gguf_moe import GGUFPlanesExperts
 from pagellm.layers.gguf_planes import GGUFPlanesLinear
 from pagellm.loader.gguf_file import read_gguf_header
 from pagellm.loader.gguf_planes import planes_of
+from pagellm.loader import model_loader
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.quantization import weight_bytes
 from pagellm.models.bound_layers import PlanSettings, plan_model, triton_step_kernels
@@ -133,7 +134,7 @@ LLAMA_TYPES = {f"blk.{i}.{name}.weight": kind for i in range(2) for name, kind i
     ("ffn_up", T.Q4_K), ("ffn_down", T.Q6_K))} | {"token_embd.weight": T.Q8_0, "output.weight": T.Q6_K}
 
 
-def test_a_gguf_loads_in_planes_and_steps_on_the_triton_kernels(tmp_path):
+def test_a_gguf_loads_in_planes_and_steps_on_the_triton_kernels(tmp_path, monkeypatch):
     """The GPU's plan of a Q4_K_M-like Llama (Q4_K, Q6_K, a Q8_0 token table and a Q6_K head, K of 256): every
     quantized tensor kept in planes at the file's size, q/k/v and gate/up joined, and a paged prefill then a
     decode on the Triton kernels equal to the dense model of the same file (fp32)."""
@@ -149,6 +150,10 @@ def test_a_gguf_loads_in_planes_and_steps_on_the_triton_kernels(tmp_path):
     file_bytes = sum(t.data.nbytes for t in read_gguf_header(path).tensors if t.ggml_type != T.F32)
     norms = sum(p.numel() * 4 for n, p in planes.model.named_parameters() if "norm" in n)
     assert file_bytes <= weight_bytes(planes.model) - norms <= 1.03 * file_bytes
+    said = []  # what a GPU's start-up logs
+    monkeypatch.setattr(model_loader.logger, "info", lambda message, *args: said.append(message % args))
+    model_loader._log_gpu_weights(planes.model, tiny.path, planes.quantization, torch.bfloat16)
+    assert "GiB file (1.0" in said[0] and "Q6_K: gemv to M=8, tiles to 256, then dequantized + cuBLAS" in said[0]
     harness, reference = PagedHarness(planes.model), PagedHarness(dense.model)
     ops = under_interpreter(triton_ops)
     harness.plan = plan_model(planes.model, PlanSettings(None, torch.float32, torch.float32, ops=ops),

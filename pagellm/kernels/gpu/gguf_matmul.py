@@ -222,6 +222,15 @@ DEQUANT_TILE = (16, 128)  # BN, BH
 REDUCE_BLOCK = 256
 
 
+def describe_crossovers() -> str:
+    """The kernel each M takes, per format, in one line (logged once, when a GGUF loads on a GPU)."""
+    groups: dict[Crossovers, list[str]] = {}
+    for kind, crossovers in CROSSOVERS.items():
+        groups.setdefault(crossovers, []).append(kind.name)
+    return "; ".join(f"{'/'.join(names)}: gemv to M={c.gemv_max}, tiles to {c.dot_max}, then dequantized + cuBLAS"
+                     for c, names in groups.items())
+
+
 def _strides(planes: GGUFPlanes) -> tuple[int, ...]:
     return tuple(t.stride(0) if t.dim() == 2 else 0 for t in planes.tensors())
 
