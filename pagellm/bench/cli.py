@@ -98,6 +98,26 @@ def add_bench_parser(subparsers) -> None:
     add_output_arguments(check, "device-check", "write checks and rows to FILE.json")
     check.set_defaults(func=_run_device_check)
 
+    _add_device_gguf_parser(kinds)
+
+    accuracy = kinds.add_parser("accuracy", help="a mode's distance from the dense fp32 model of the same file "
+                                "(top-1 agreement, KL, perplexity), beside llama.cpp's on the same text")
+    _add_common(accuracy)
+    accuracy.add_argument("--text", required=True, help="a plain-text file (e.g. /usr/share/common-licenses/GPL-3)")
+    accuracy.add_argument("--positions", type=int, default=256, help="positions compared (default 256)")
+    accuracy.add_argument("--peers", default="llama.cpp", help="llama.cpp, or none (default llama.cpp)")
+    accuracy.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
+    accuracy.set_defaults(func=_run_accuracy)
+
+    collectives = kinds.add_parser("collectives", help="combining partial [N, E] outputs over ranks: "
+                                   "all-reduce vs all-to-all (the MoE expert-parallel choice)")
+    add_collectives_arguments(collectives)
+    collectives.set_defaults(func=_run_collectives)
+    _add_serve_parsers(kinds)
+
+
+def _add_device_gguf_parser(kinds) -> None:
+    """`bench device-gguf`: the GPU run for GGUF blocks (bench/device_gguf.py)."""
     gguf = kinds.add_parser("device-gguf", help="GGUF blocks on a GPU: the Triton matmuls on real tensors, their "
                             "crossovers, and rows of a Q4_K_M file in blocks, dequantized, and llama.cpp's")
     gguf.add_argument("--device", default="cuda", help="torch device (default cuda)")
@@ -119,21 +139,6 @@ def add_bench_parser(subparsers) -> None:
     gguf.add_argument("--commit", default=None, help="the commit the rows name (default: git's HEAD)")
     add_output_arguments(gguf, "device-gguf", "write checks and rows to FILE.json")
     gguf.set_defaults(func=_run_device_gguf)
-
-    accuracy = kinds.add_parser("accuracy", help="a mode's distance from the dense fp32 model of the same file "
-                                "(top-1 agreement, KL, perplexity), beside llama.cpp's on the same text")
-    _add_common(accuracy)
-    accuracy.add_argument("--text", required=True, help="a plain-text file (e.g. /usr/share/common-licenses/GPL-3)")
-    accuracy.add_argument("--positions", type=int, default=256, help="positions compared (default 256)")
-    accuracy.add_argument("--peers", default="llama.cpp", help="llama.cpp, or none (default llama.cpp)")
-    accuracy.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
-    accuracy.set_defaults(func=_run_accuracy)
-
-    collectives = kinds.add_parser("collectives", help="combining partial [N, E] outputs over ranks: "
-                                   "all-reduce vs all-to-all (the MoE expert-parallel choice)")
-    add_collectives_arguments(collectives)
-    collectives.set_defaults(func=_run_collectives)
-    _add_serve_parsers(kinds)
 
 
 def _add_serve_parsers(kinds) -> None:
