@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +52,14 @@ def cuda_moe_path(tokens: int, dtype: torch.dtype, hidden: int, intermediate: in
     return "grouped_mm" if dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm") else "grouped_loop"
 
 
+class DeltaDecode(NamedTuple):
+    """A device's Gated DeltaNet decode kernels (the contract: kernels/cpu/gated_delta_decode.py)."""
+
+    check: Callable  # (conv state, recurrent state, x, conv weight, slots: list) -> None; raises if not taken
+    conv_: Callable  # (conv state [S, C, K-1], slots [B], x [B, C], weight [C, K]) -> silu(conv) [B, C]
+    rule_: Callable  # (state [S, Hv, dk, dv], slots, q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv]) -> [B, Hv, dv]
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """Each layer op as one device runs it. The per-layer choices (`gated_act`, `attention_for`,
@@ -64,9 +73,9 @@ class LayerOps:
     takes_attention: Callable[[int, torch.dtype, torch.dtype], bool]  # (head_dim, dtype, K/V dtype)
     qkv_prepare: Callable | None  # (qkv, H, K, q_w, k_w, eps, unit_offset, cos, sin, caches, slots) -> q
     takes_qkv: Callable[[int, torch.dtype, torch.dtype], bool]
-    # A Gated DeltaNet decode step's two kernels, (conv_decode_, rule_decode_), in place on the state slots;
-    # None: the torch reference (layers/gated_delta_net.py)
-    gated_delta_decode: tuple[Callable, Callable] | None
+    # A Gated DeltaNet decode step's kernels, in place on the state slots; None: the torch reference
+    # (layers/gated_delta_net.py)
+    gated_delta_decode: DeltaDecode | None
     moe_path: Callable[[int, torch.dtype, int, int], str]  # (tokens, dtype, E, I) -> an experts' dispatch
     logits_to_f32: Callable  # (logits [N, V], soft cap | None, out [N, V] fp32 | None) -> fp32 logits
     # GGUF weights in planes (kernels/reference/gguf_planes.py): (segments, bias) -> (x, out dtype | None) -> y,
@@ -124,8 +133,8 @@ def native_ops(level: str | None, dtype: torch.dtype | None = None) -> LayerOps:
         cpu_attention.takes if attends else _never,
         kernel_or_reference(fused, layer_ops.qkv_prepare, None),
         layer_ops.takes_qkv if fused else _never,
-        (bind(gated_delta_decode.conv_decode_, at=level), bind(gated_delta_decode.rule_decode_, at=level))
-        if decode else None,
+        DeltaDecode(gated_delta_decode.check_decode, bind(gated_delta_decode.conv_decode_, at=level),
+                    bind(gated_delta_decode.rule_decode_, at=level)) if decode else None,
         cpu_moe_path,
         kernel_or_reference(logits.available("logits_to_f32", level), logits.logits_to_f32, reference.logits_to_f32))
 
@@ -135,10 +144,13 @@ def triton_ops() -> LayerOps:
     CPU-only process start-up time for nothing, and `triton.jit` reads TRITON_INTERPRET when a kernel module is
     imported (the tests run them under the interpreter)."""
     from pagellm.kernels.gpu import attention as gpu_attention
+    from pagellm.kernels.gpu import gated_delta as delta
     from pagellm.kernels.gpu import gguf_matmul as gpu_gguf
     from pagellm.kernels.gpu import layer_ops as gpu_layer_ops
 
     ops = gpu_layer_ops
     return LayerOps("the Triton kernels", ops.rms_norm, ops.add_rms_norm, reference.rotary, ops.act_mul,
-                    gpu_attention.paged_attention_triton, ops.takes, ops.qkv_prepare, ops.takes, None, cuda_moe_path,
+                    gpu_attention.paged_attention_triton, ops.takes, ops.qkv_prepare, ops.takes,
+                    DeltaDecode(delta.check_decode, delta.conv_decode_, delta.rule_decode_),
+                    cuda_moe_path,
                     reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows)

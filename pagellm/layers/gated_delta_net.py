@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels.cpu import gated_delta_decode
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.kernels.reference.gated_delta import (chunked_gated_delta, gated_delta_step_, prepare_qk,
                                                    recurrent_gated_delta_)
@@ -237,24 +236,25 @@ class GatedDeltaNet(KernelUser, nn.Module):
         return self._decode_native(x, g, beta, slots, slot_index, kernels)
 
     def _decode_native(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: list[int],
-                       slot_index: torch.Tensor | None, kernels: tuple) -> torch.Tensor:
-        """_decode through the device's decode kernels (`kernels`: (conv, rule), on a CPU
-        kernels/cpu/csrc/gated_delta_decode.cpp): no gather, no write-back. The step is checked before either
-        kernel touches a state: a conv update with no rule update after it would shift the conv state alone."""
+                       slot_index: torch.Tensor | None, kernels) -> torch.Tensor:
+        """_decode through the device's decode kernels (`kernels`: a DeltaDecode; on a CPU
+        kernels/cpu/csrc/gated_delta_decode.cpp, on CUDA kernels/gpu/gated_delta.py): no gather, no write-back.
+        The step is checked before either kernel touches a state: a conv update with no rule update after it would
+        shift the conv state alone."""
         weight = self.conv1d.weight[:, 0]  # [C, K], contiguous (a view of [C, 1, K])
-        gated_delta_decode.check_decode(self.conv_state, self.recurrent_state, x, weight, slots)
-        index = slot_index if gated_delta_decode.slot_index_usable(slot_index, len(slots)) else \
-            torch.tensor(slots, dtype=torch.int64)
-        conv_decode_, rule_decode_ = kernels
-        conv_out = conv_decode_(self.conv_state, index, x.contiguous(), weight)
+        kernels.check(self.conv_state, self.recurrent_state, x, weight, slots)
+        usable = (slot_index is not None and slot_index.numel() == len(slots) and slot_index.dtype == torch.int64
+                  and slot_index.device == x.device and slot_index.is_contiguous())
+        index = slot_index if usable else to_device(slots, torch.long, x.device)
+        conv_out = kernels.conv_(self.conv_state, index, x.contiguous(), weight)
         n = conv_out.shape[0]
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # One q, k per key head: the kernel maps value head h to key head h // r itself.
         q, k = prepare_qk(q.view(n, self.num_k_heads, self.head_k_dim), k.view(n, self.num_k_heads, self.head_k_dim),
                           self.num_k_heads)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim).float()
-        out = rule_decode_(self.recurrent_state, index, q.contiguous(), k.contiguous(), v.contiguous(),
-                           g.float().contiguous(), beta.float().contiguous())
+        out = kernels.rule_(self.recurrent_state, index, q.contiguous(), k.contiguous(), v.contiguous(),
+                            g.float().contiguous(), beta.float().contiguous())
         return out.to(x.dtype)
 
     def _decode_torch(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: list[int],

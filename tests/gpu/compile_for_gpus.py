@@ -1,8 +1,8 @@
-"""Compile the Triton kernels (paged attention, the fused layer ops, the GGUF matmuls) to GPU machine code
-without a GPU: Triton's own code generator and the ptxas its wheel ships, for an NVIDIA architecture named on the
-command line. The interpreter (tests/gpu) checks what the kernels compute; this that their code generates for a
-GPU, with this venv's Triton and 64-bit strides (a GPU run may specialise other argument values, and the GPU
-image has an older Triton).
+"""Compile the Triton kernels (paged attention, the fused layer ops, the GGUF matmuls, the Gated DeltaNet decode) to
+GPU machine code without a GPU: Triton's own code generator and the ptxas its wheel ships, for an NVIDIA
+architecture named on the command line. The interpreter (tests/gpu) checks what the kernels compute; this that their
+code generates for a GPU, with this venv's Triton and 64-bit strides (a GPU run may specialise other argument
+values, and the GPU image has an older Triton).
 
     python -m tests.gpu.compile_for_gpus 90 80      (run in a process without TRITON_INTERPRET)
 """
@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagellm.kernels.gpu import attention as triton_attention, gguf_matmul, layer_ops as triton_layer_ops
+from pagellm.kernels.gpu import attention as triton_attention, gated_delta, gguf_matmul, layer_ops as triton_layer_ops
 from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS, T
 
 POINTERS = {"out_ptr": "q", "q_ptr": "q", "k_cache_ptr": "kv", "v_cache_ptr": "kv", "block_tables_ptr": "*i64",
@@ -129,6 +129,20 @@ def compile_gguf_reduce(arch: int) -> int:
     return _cubin_size(kernel, signature, constexprs, arch)
 
 
+def compile_gated_delta(arch: int) -> list[tuple[str, int]]:
+    """The Gated DeltaNet decode kernels at Qwen3.5's shapes: a bf16 conv of 4 taps, the rule on 128 x 128 heads."""
+    conv = gated_delta._conv_decode_kernel
+    constexprs = dict(TAPS=4, BLOCK=gated_delta.CONV_BLOCK)
+    signature = {a: "constexpr" if a in constexprs else "*i64" if a == "slots_ptr" else "*bf16" if a.endswith("_ptr")
+                 else "i32" for a in conv.arg_names}
+    rule = gated_delta._rule_decode_kernel
+    rule_constexprs = dict(DK=128, DV=128, BLOCK_K=128, BLOCK_V=gated_delta.STATE_BLOCK_V)
+    rule_signature = {a: "constexpr" if a in rule_constexprs else "*i64" if a == "slots_ptr" else "*fp32"
+                      if a.endswith("_ptr") else "i32" for a in rule.arg_names}
+    return [("_conv_decode_kernel", _cubin_size(conv, signature, constexprs, arch)),
+            ("_rule_decode_kernel", _cubin_size(rule, rule_signature, rule_constexprs, arch))]
+
+
 if __name__ == "__main__":
     for arch in map(int, sys.argv[1:]):
         for variant in VARIANTS:
@@ -139,3 +153,5 @@ if __name__ == "__main__":
         for name, ggml_type, block_m, direct in GGUF_VARIANTS:
             print(arch, name, ggml_type.name, block_m, compile_gguf(name, ggml_type, block_m, direct, arch), flush=True)
         print(arch, "_reduce_kernel", compile_gguf_reduce(arch), flush=True)
+        for name, size in compile_gated_delta(arch):
+            print(arch, name, size, flush=True)

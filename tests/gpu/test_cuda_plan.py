@@ -91,13 +91,15 @@ def test_the_cuda_backend_binds_the_triton_ops_into_every_module(tmp_path):
 def test_the_modules_on_the_triton_ops_equal_the_torch_reference(tmp_path, family):
     """What MoE and hybrid models run on CUDA today (their modules), on the Triton table, against the same
     modules on torch's reference ops: norms, partial rotary, gated attention, the experts' act * up, the
-    Gated DeltaNet (torch on both), a prefill in two chunks then decodes."""
+    Gated DeltaNet's decode (Triton's conv update and delta rule against torch's; its prefill torch on both), a
+    prefill in two chunks then decodes."""
     (write_hybrid_checkpoint if family.startswith("qwen3-") else write_tiny_checkpoint)(family, tmp_path)
     reference, model = (load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
                         for _ in range(2))
     harnesses = PagedHarness(reference, bound_layers=False), PagedHarness(model, bound_layers=False)
     bind_kernel_level(reference, None, REFERENCE)
     bind_kernel_level(model, None, _triton_ops())
+    assert model.model.norm.ops.gated_delta_decode.rule_.__module__ == "pagellm.kernels.gpu.gated_delta"
     prompt = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(3)).tolist()
     for feed in (prompt[:9], prompt[9:], [7], [9]):
         want, got = (harness.step({"a": feed})["a"] for harness in harnesses)

@@ -180,13 +180,16 @@ def test_the_launch_is_a_torch_custom_op():
 
 def test_the_kernels_compile_for_hopper_and_ampere_gpus():
     """Triton's real code generator and ptxas (shipped in its wheel) need no GPU: every variant of the attention,
-    the layer ops and the GGUF matmuls the model families use compiles to a cubin for sm_90 (H100, H200) and sm_80
-    (A100). In a process of its own: this one imported triton under the interpreter (tests/conftest.py)."""
+    the layer ops, the GGUF matmuls and the Gated DeltaNet decode the model families use compiles to a cubin for
+    sm_90 (H100, H200) and sm_80 (A100). In a process of its own: this one imported triton under the interpreter
+    (tests/conftest.py)."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "tests.gpu.compile_for_gpus", "90", "80"], cwd=ROOT,
                             env=environment, capture_output=True, text=True, timeout=600)  # hang guard
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
     # two architectures x (the five attention variants, the split reduce, six layer ops, the GGUF matmuls: eight
-    # formats' gemv, three formats' split gemv, tile kernel and dequantization, the split reduce), each a real cubin
-    assert len(lines) == 2 * (5 + 1 + 6 + 8 + 9 + 1) and all(int(line[-1]) > 4_000 for line in lines), result.stdout
+    # formats' gemv, three formats' split gemv, tile kernel and dequantization, the split reduce; the Gated
+    # DeltaNet's conv update and delta rule), each a real cubin
+    assert len(lines) == 2 * (5 + 1 + 6 + 8 + 9 + 1 + 2) and all(int(line[-1]) > 4_000 for line in lines), \
+        result.stdout

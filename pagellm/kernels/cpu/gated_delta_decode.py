@@ -56,11 +56,6 @@ def check_decode(conv_state: torch.Tensor, recurrent_state: torch.Tensor, x: tor
         raise IndexError(f"a state slot of {slots} is outside the {num_slots} slots")
 
 
-def slot_index_usable(index: torch.Tensor | None, count: int) -> bool:
-    """Whether a given slot tensor can be passed to the kernels as is (else one is built from the list)."""
-    return index is not None and index.numel() == count and _CONV.accepts(slots=index)
-
-
 def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
                  weight: torch.Tensor, at: str) -> torch.Tensor:
     """conv_state [S, C, K-1] (in place), slots [B] int64, x [B, C], weight [C, K] -> silu(conv) [B, C].
