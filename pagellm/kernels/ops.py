@@ -82,6 +82,9 @@ class LayerOps:
     # and (planes, ids, dtype) -> rows; a GPU's Triton kernels, elsewhere the torch reference (a test's CPU)
     gguf_planes_matmul: Callable = reference_planes.ReferencePlanesMatmul
     gguf_planes_rows: Callable = reference_planes.rows
+    # a MoE layer's experts in planes in grouped launches: (x, weights, ids, gate_up, down, act_mul) -> [T, E];
+    # None: an expert at a time through gguf_planes_matmul
+    gguf_planes_moe: Callable | None = None
 
     def gated_act(self, activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """gate_up [..., 2I] -> act(gate) * up [..., I] for an HF activation name: the fused kernel where this
@@ -147,10 +150,11 @@ def triton_ops() -> LayerOps:
     from pagellm.kernels.gpu import gated_delta as delta
     from pagellm.kernels.gpu import gguf_matmul as gpu_gguf
     from pagellm.kernels.gpu import layer_ops as gpu_layer_ops
+    from pagellm.kernels.gpu import moe as gpu_moe
 
     ops = gpu_layer_ops
     return LayerOps("the Triton kernels", ops.rms_norm, ops.add_rms_norm, reference.rotary, ops.act_mul,
                     gpu_attention.paged_attention_triton, ops.takes, ops.qkv_prepare, ops.takes,
                     DeltaDecode(delta.check_decode, delta.conv_decode_, delta.rule_decode_),
                     cuda_moe_path,
-                    reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows)
+                    reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows, gpu_moe.planes_experts)

@@ -35,7 +35,8 @@ class GGUFMoeExperts(MoeExperts):
         expected = (self.hidden_size, self.intermediate_size) if proj == "down_proj" else (
             self.intermediate_size, self.hidden_size)
         if weight.shape != expected or not 0 <= expert < self.num_experts or expert in self._arriving[proj]:
-            raise ValueError(f"expert {expert} {proj}: shape {weight.shape} (model {expected}), out of range or repeated")
+            raise ValueError(f"expert {expert} {proj}: shape {weight.shape} (model {expected}), out of range or "
+                             "repeated")
         self._arriving[proj][expert] = weight
         if any(len(got) < self.num_experts for got in self._arriving.values()):
             return False
@@ -51,7 +52,8 @@ class GGUFMoeExperts(MoeExperts):
         groups["down"] = [arriving["down_proj"][e] for e in range(self.num_experts)]
         for name, weights in groups.items():
             if len({w.ggml_type for w in weights}) != 1:
-                raise ValueError(f"experts of one layer stored in several formats: {sorted({w.ggml_type.name for w in weights})}")
+                kinds = sorted({w.ggml_type.name for w in weights})
+                raise ValueError(f"experts of one layer stored in several formats: {kinds}")
             self.formats[name] = weights[0].ggml_type
             for part, tensors in zip(self.PARTS, zip(*(w.tensors() for w in weights))):
                 self.register_buffer(f"{name}_{part}", torch.stack(tensors))  # [X, ...]
@@ -68,8 +70,9 @@ class GGUFMoeExperts(MoeExperts):
 
     def _weight(self, name: str, e: int) -> GGUFWeight:
         qs = self._buffers[f"{name}_qs"][e]
-        return GGUFWeight(self.formats[name], qs.shape[0] * gguf_blocks.BLOCK_ROWS, self.hidden_size if name != "down"
-                          else self.intermediate_size, qs, self._buffers[f"{name}_gp"][e], self._buffers[f"{name}_sp"][e])
+        cols = self.hidden_size if name != "down" else self.intermediate_size
+        return GGUFWeight(self.formats[name], qs.shape[0] * gguf_blocks.BLOCK_ROWS, cols, qs,
+                          self._buffers[f"{name}_gp"][e], self._buffers[f"{name}_sp"][e])
 
     def _kernels(self, e: int) -> tuple:
         """Expert e's (gate_up, down) kernels, bound once (views into the stacked buffers)."""
@@ -123,6 +126,21 @@ class GGUFPlanesExperts(GGUFMoeExperts):
 
     def use_kernel_level(self, level: str | None) -> None:
         KernelUser.use_kernel_level(self, level)  # planes need no CPU kernel
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                first_expert: int | None = None) -> torch.Tensor:
+        """The device's grouped kernel over every expert at once where it has one (CUDA: kernels/gpu/moe.py),
+        else MoeExperts' dispatch, an expert at a time (expert parallel, and gate and up of two formats, too)."""
+        grouped = self.ops.gguf_planes_moe
+        if grouped is None or first_expert is not None or "gate_up" not in self.formats:
+            return super().forward(x, weights, ids, first_expert)
+        return grouped(x, weights, ids, self._stacked("gate_up"), self._stacked("down"), self.act_mul())
+
+    def _stacked(self, name: str) -> tuple:
+        """(planes [X, rows, ...] x6, format, rows, cols) of one projection, as kernels/gpu/moe.py takes them."""
+        planes = tuple(self._buffers[f"{name}_{part}"] for part in PLANES)
+        return (planes, self.formats[name], planes[0].shape[1],
+                self.intermediate_size if name == "down" else self.hidden_size)
 
     def _weight(self, name: str, e: int) -> GGUFPlanes:
         planes = [self._buffers[f"{name}_{part}"][e] for part in PLANES]

@@ -15,7 +15,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagellm.kernels.gpu import attention as triton_attention, gated_delta, gguf_matmul, layer_ops as triton_layer_ops
+from pagellm.kernels.gpu import attention as triton_attention, gated_delta, gguf_matmul, moe
+from pagellm.kernels.gpu import layer_ops as triton_layer_ops
 from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS, T
 
 POINTERS = {"out_ptr": "q", "q_ptr": "q", "k_cache_ptr": "kv", "v_cache_ptr": "kv", "block_tables_ptr": "*i64",
@@ -143,6 +144,20 @@ def compile_gated_delta(arch: int) -> list[tuple[str, int]]:
             ("_rule_decode_kernel", _cubin_size(rule, rule_signature, rule_constexprs, arch))]
 
 
+def compile_moe(arch: int) -> list[tuple[str, int]]:
+    """The grouped MoE launch over planes as a Q4_K_M MoE runs it: gate/up Q4_K by token, down Q6_K weighted."""
+    kernel, sizes = moe._moe_planes_kernel, []
+    for ggml_type, by_token in ((T.Q4_K, True), (T.Q6_K, False)):
+        constexprs = dict(BY_TOKEN=by_token, WEIGHTED=not by_token, FMT=FORMATS.index(ggml_type),
+                          RUN=RUNS[ggml_type], BM=moe.BLOCK_M, BN=moe.TILE[0], BH=moe.TILE[1], PRECISION="tf32")
+        pointers = dict(_PLANE_POINTERS, sc_ptr="*i8" if ggml_type == T.Q6_K else "*u8", pairs_ptr="*i64",
+                        experts_ptr="*i32")
+        signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16") if a.endswith("_ptr")
+                     else "i32" for a in kernel.arg_names}
+        sizes.append((f"_moe_planes_kernel {ggml_type.name}", _cubin_size(kernel, signature, constexprs, arch)))
+    return sizes
+
+
 if __name__ == "__main__":
     for arch in map(int, sys.argv[1:]):
         for variant in VARIANTS:
@@ -153,5 +168,5 @@ if __name__ == "__main__":
         for name, ggml_type, block_m, direct in GGUF_VARIANTS:
             print(arch, name, ggml_type.name, block_m, compile_gguf(name, ggml_type, block_m, direct, arch), flush=True)
         print(arch, "_reduce_kernel", compile_gguf_reduce(arch), flush=True)
-        for name, size in compile_gated_delta(arch):
+        for name, size in compile_gated_delta(arch) + compile_moe(arch):
             print(arch, name, size, flush=True)

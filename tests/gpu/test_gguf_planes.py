@@ -19,7 +19,7 @@ import torch
 from pagellm.kernels.ops import triton_ops
 from pagellm.kernels.reference import gguf_planes
 from pagellm.kernels.reference.gguf_planes import FORMATS, ReferencePlanesMatmul
-from pagellm.layers.gguf_moe import GGUFPlanesExperts
+from pagellm.layers.gguf_moe import GGUFMoeExperts, GGUFPlanesExperts
 from pagellm.layers.gguf_planes import GGUFPlanesLinear
 from pagellm.loader.gguf_file import read_gguf_header
 from pagellm.loader.gguf_planes import planes_of
@@ -166,7 +166,7 @@ def test_a_gguf_loads_in_planes_and_steps_on_the_triton_kernels(tmp_path, monkey
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_moe_experts_load_in_planes_and_match_the_dense_experts(tmp_path):
+def test_moe_experts_load_in_planes_and_match_the_dense_experts(tmp_path, monkeypatch):
     """A Qwen3-MoE GGUF's Q4_K / Q6_K experts in planes, stacked [X, ...] on the device: the file's weights,
     and the experts' output on the Triton kernels equal to the dense experts' (tokens one by one and grouped)."""
     path = write_k_quant_moe_gguf(tmp_path)
@@ -178,7 +178,8 @@ def test_moe_experts_load_in_planes_and_match_the_dense_experts(tmp_path):
     assert isinstance(layer, GGUFPlanesExperts) and layer.gate_up_qs.device.type == DEVICE
     gate_up, down = layer.dequantized()
     assert torch.equal(gate_up, reference.gate_up_proj) and torch.equal(down, reference.down_proj)
-    layer.use_ops(under_interpreter(triton_ops))
+    layer.use_ops(under_interpreter(triton_ops))  # every expert at once: kernels/gpu/moe.py
+    monkeypatch.setattr(GGUFMoeExperts, "dispatch", lambda *a, **k: pytest.fail("an expert at a time ran"))
     for tokens in (1, 24):
         x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
         weights, ids = torch.rand(tokens, 2).to(DEVICE), torch.stack([torch.arange(tokens) % 8,

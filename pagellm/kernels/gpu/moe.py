@@ -1,0 +1,114 @@
+"""A MoE layer's experts kept as GGUF planes (layers/gguf_moe.GGUFPlanesExperts), in two grouped launches on CUDA.
+
+vLLM's fused MoE, on GGUF blocks: the (token, expert) pairs are sorted by expert into blocks of BM rows (each
+expert's pairs padded to whole blocks), then one launch multiplies every block by its expert's gate/up planes
+(weights dequantized in tiles, as kernels/gpu/gguf_matmul.py's tile kernel does), act * up runs once over all
+pairs, and one launch multiplies by the experts' down planes with each pair's routing weight in the epilogue. No
+step reads the counts on the host, and every shape follows from (tokens, k, experts): a decode step that calls
+this can be captured. Each active expert's weights are read once per launch.
+
+Import only where Triton kernels are wanted (kernels/gpu/layer_ops.py says why).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagellm.kernels.gpu.gguf_matmul import _tile
+from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS
+
+BLOCK_M = 16  # pairs a block holds: tl.dot's smallest
+TILE = (64, 64)  # BN, BH
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (pairs [P + X (BM - 1)] int64: the pairs (t k + slot) grouped by expert, each expert's run
+    padded to whole blocks with P; experts [blocks] int32: each block's expert, -1 past the last). On the device,
+    in torch ops of static shapes (vLLM's moe_align_block_size, in one CUDA kernel there)."""
+    flat = ids.flatten()
+    pairs = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)  # [X]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = padded.cumsum(0)  # [X] end row of each expert's run
+    order = flat.argsort(stable=True)  # pairs by expert, token order kept within one
+    sorted_experts = flat[order]
+    first_of_expert = counts.cumsum(0) - counts  # [X] where each expert's pairs start in `order`
+    rank = torch.arange(pairs, device=ids.device) - first_of_expert[sorted_experts]
+    rows = ends[sorted_experts] - padded[sorted_experts] + rank
+    capacity = pairs + num_experts * (BLOCK_M - 1)
+    aligned = torch.full((capacity,), pairs, dtype=torch.int64, device=ids.device)
+    aligned[rows] = order
+    starts = torch.arange(0, capacity, BLOCK_M, device=ids.device)
+    experts = torch.searchsorted(ends, starts, right=True).to(torch.int32)  # [blocks]
+    experts = torch.where(experts < num_experts, experts, -1)
+    return aligned, experts
+
+
+@triton.jit
+def _moe_planes_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, e_qs, e_qh, e_sc, e_mn, e_d, e_dm,
+                       pairs_ptr, experts_ptr, weights_ptr, out_ptr, P, N, K, TOP_K,
+                       s_x, s_qs, s_qh, s_sc, s_mn, s_d, s_dm, s_out,
+                       BY_TOKEN: tl.constexpr, WEIGHTED: tl.constexpr, FMT: tl.constexpr, RUN: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of pairs (one expert) x BN output columns: out[pair] = x[row] W_e^T (x weight[pair])."""
+    block, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(experts_ptr + block).to(tl.int64)
+    if expert >= 0:
+        pair = tl.load(pairs_ptr + block * BM + tl.arange(0, BM))
+        live = pair < P
+        if BY_TOKEN:
+            row = pair // TOP_K  # gate/up read the pair's token
+        else:
+            row = pair  # down reads the pair's own act * up row
+        cols = pid_n * BN + tl.arange(0, BN)
+        n_ok = cols < N
+        x_rows = x_ptr + row[:, None] * s_x
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, 2 * BH):
+            w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr + expert * e_qs, qh_ptr + expert * e_qh, sc_ptr + expert * e_sc,
+                                           mn_ptr + expert * e_mn, d_ptr + expert * e_d, dm_ptr + expert * e_dm,
+                                           cols, n_ok, k0, K, s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
+            c_lo, c_hi = tl.reshape(c_lo, (BH,)), tl.reshape(c_hi, (BH,))
+            x_lo = tl.load(x_rows + c_lo[None, :], mask=live[:, None] & (c_lo < K)[None, :], other=0.0)
+            x_hi = tl.load(x_rows + c_hi[None, :], mask=live[:, None] & (c_hi < K)[None, :], other=0.0)
+            w_lo, w_hi = tl.reshape(w_lo, (BN, BH)).to(x_lo.dtype), tl.reshape(w_hi, (BN, BH)).to(x_lo.dtype)
+            acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+            acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+        dtype = out_ptr.dtype.element_ty
+        if WEIGHTED:  # rounded to the model dtype first, then scaled in it, as HF's expert loop
+            acc = acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + pair, mask=live, other=0.0).to(tl.float32)[
+                :, None]
+        tl.store(out_ptr + pair[:, None] * s_out + cols[None, :], acc.to(dtype), mask=live[:, None] & n_ok[None, :])
+
+
+def grouped_planes_matmul(x: torch.Tensor, planes: tuple[torch.Tensor, ...], ggml_type, n: int, k: int,
+                          aligned: torch.Tensor, experts: torch.Tensor, top_k: int,
+                          weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[P, n] = each pair's row of x (its token's when `weights` is None, else its own) times its expert's planes
+    [X, n, ...] (scaled by the pair's routing weight where `weights` [P] is given)."""
+    pairs = x.shape[0] * top_k if weights is None else x.shape[0]
+    out = torch.empty((pairs, n), dtype=x.dtype, device=x.device)
+    bn, bh = TILE
+    expert_strides = [t.stride(0) for t in planes]
+    row_strides = [t.stride(1) if t.dim() == 3 else 0 for t in planes]
+    _moe_planes_kernel[(experts.numel(), triton.cdiv(n, bn))](
+        x, *planes, *expert_strides, aligned, experts, out if weights is None else weights, out, pairs, n, k, top_k,
+        x.stride(0), *row_strides, out.stride(0), BY_TOKEN=weights is None, WEIGHTED=weights is not None,
+        FMT=FORMATS.index(ggml_type), RUN=RUNS[ggml_type], BM=BLOCK_M, BN=bn, BH=bh,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return out
+
+
+def planes_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down, act_mul) -> torch.Tensor:
+    """x [T, E], routing weights / ids [T, k] -> Σ_k w_k expert_k(x) [T, E]; gate_up, down: (planes [X, ...] x6,
+    format, rows, cols) of the stacked experts; act_mul: [P, 2I] -> [P, I]."""
+    tokens, top_k = ids.shape
+    if tokens == 0:
+        return torch.zeros_like(x)
+    aligned, experts = align_by_expert(ids, gate_up[0][0].shape[0])
+    rows = x.contiguous()
+    hidden = act_mul(grouped_planes_matmul(rows, *gate_up, aligned, experts, top_k)).contiguous()  # [P, I]
+    out = grouped_planes_matmul(hidden, *down, aligned, experts, top_k, weights.flatten().contiguous())  # [P, E]
+    return out.view(tokens, top_k, -1).sum(1)
