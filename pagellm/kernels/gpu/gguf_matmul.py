@@ -159,6 +159,19 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, s_out, SPLITS: tl.constexp
 
 
 @triton.jit
+def _dot_step(acc, x_rows, m_ok, w_lo, w_hi, c_lo, c_hi, K, BN: tl.constexpr, BH: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """acc [BM, BN] += the activation rows x_rows [BM, 1] (m_ok: live) times a tile's two halves, on tensor cores:
+    the weights rounded to the activations' dtype."""
+    c_lo, c_hi = tl.reshape(c_lo, (BH,)), tl.reshape(c_hi, (BH,))
+    x_lo = tl.load(x_rows + c_lo[None, :], mask=m_ok[:, None] & (c_lo < K)[None, :], other=0.0)
+    x_hi = tl.load(x_rows + c_hi[None, :], mask=m_ok[:, None] & (c_hi < K)[None, :], other=0.0)
+    w_lo, w_hi = tl.reshape(w_lo, (BN, BH)).to(x_lo.dtype), tl.reshape(w_hi, (BN, BH)).to(x_lo.dtype)
+    acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
+    return tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _dot_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, bias_ptr, out_ptr, M, N, K,
                 s_x, s_qs, s_qh, s_sc, s_mn, s_d, s_dm, s_out, HAS_BIAS: tl.constexpr, FMT: tl.constexpr,
                 RUN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
@@ -174,12 +187,7 @@ def _dot_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, bias_ptr, 
     for k0 in range(0, K, 2 * BH):
         w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, n_ok, k0, K,
                                        s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
-        c_lo, c_hi = tl.reshape(c_lo, (BH,)), tl.reshape(c_hi, (BH,))
-        x_lo = tl.load(x_rows + c_lo[None, :], mask=m_ok[:, None] & (c_lo < K)[None, :], other=0.0)
-        x_hi = tl.load(x_rows + c_hi[None, :], mask=m_ok[:, None] & (c_hi < K)[None, :], other=0.0)
-        w_lo, w_hi = tl.reshape(w_lo, (BN, BH)).to(x_lo.dtype), tl.reshape(w_hi, (BN, BH)).to(x_lo.dtype)
-        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
-        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+        acc = _dot_step(acc, x_rows, m_ok, w_lo, w_hi, c_lo, c_hi, K, BN, BH, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     ok = m_ok[:, None] & n_ok[None, :]

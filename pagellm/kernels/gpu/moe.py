@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.gpu.gguf_matmul import _tile
+from pagellm.kernels.gpu.gguf_matmul import _dot_step, _tile
 from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS
 
 BLOCK_M = 16  # pairs a block holds: tl.dot's smallest
@@ -70,12 +70,7 @@ def _moe_planes_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, e_q
             w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr + expert * e_qs, qh_ptr + expert * e_qh, sc_ptr + expert * e_sc,
                                            mn_ptr + expert * e_mn, d_ptr + expert * e_d, dm_ptr + expert * e_dm,
                                            cols, n_ok, k0, K, s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
-            c_lo, c_hi = tl.reshape(c_lo, (BH,)), tl.reshape(c_hi, (BH,))
-            x_lo = tl.load(x_rows + c_lo[None, :], mask=live[:, None] & (c_lo < K)[None, :], other=0.0)
-            x_hi = tl.load(x_rows + c_hi[None, :], mask=live[:, None] & (c_hi < K)[None, :], other=0.0)
-            w_lo, w_hi = tl.reshape(w_lo, (BN, BH)).to(x_lo.dtype), tl.reshape(w_hi, (BN, BH)).to(x_lo.dtype)
-            acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
-            acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
+            acc = _dot_step(acc, x_rows, live, w_lo, w_hi, c_lo, c_hi, K, BN, BH, PRECISION)
         dtype = out_ptr.dtype.element_ty
         if WEIGHTED:  # rounded to the model dtype first, then scaled in it, as HF's expert loop
             acc = acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + pair, mask=live, other=0.0).to(tl.float32)[
