@@ -58,6 +58,7 @@ class DeltaDecode(NamedTuple):
     check: Callable  # (conv state, recurrent state, x, conv weight, slots: list) -> None; raises if not taken
     conv_: Callable  # (conv state [S, C, K-1], slots [B], x [B, C], weight [C, K]) -> silu(conv) [B, C]
     rule_: Callable  # (state [S, Hv, dk, dv], slots, q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv]) -> [B, Hv, dv]
+    skips_padding: bool = False  # a negative slot (a padded row of a captured step) is read and written nowhere
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,6 @@ def triton_ops() -> LayerOps:
     ops = gpu_layer_ops
     return LayerOps("the Triton kernels", ops.rms_norm, ops.add_rms_norm, reference.rotary, ops.act_mul,
                     gpu_attention.paged_attention_triton, ops.takes, ops.qkv_prepare, ops.takes,
-                    DeltaDecode(delta.check_decode, delta.conv_decode_, delta.rule_decode_),
+                    DeltaDecode(delta.check_decode, delta.conv_decode_, delta.rule_decode_, skips_padding=True),
                     cuda_moe_path,
                     reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows, gpu_moe.planes_experts)

@@ -158,7 +158,9 @@ class GatedDeltaNet(KernelUser, nn.Module):
         starts, qlens, slots = meta.query_start_loc_host, meta.query_lens_host, meta.state_slots_host
         # Requests continuing with one token go through the batched, slot-indexed decode path;
         # everything else (fresh requests, prefill chunks) one request at a time.
-        decode = [i for i, (n, total) in enumerate(zip(qlens, meta.seq_lens_host)) if n == 1 and total > 1]
+        # (a padded row of a captured step, slot -1, is one too: the kernels that pad skip it)
+        decode = [i for i, (n, total) in enumerate(zip(qlens, meta.seq_lens_host))
+                  if n == 1 and (total > 1 or slots[i] < 0)]
         if len(decode) == h.shape[0]:  # pure decode: every row, slots straight from the metadata
             core[:] = self._decode(mixed, g, beta, list(slots), meta.state_slots)
         elif decode:

@@ -5,8 +5,8 @@ A hybrid layer is a token mixer (Gated DeltaNet, or gated attention), then an ML
 residual adds and the norms between the blocks are the fused add + norm kernel, a dense MLP its two matmuls and
 the fused activation; the token mixer and a MoE block run their own steps (`module.forward`: the same kernels the
 modules call, without their dispatch and hooks). The modules are the reference: bit-identical (the module path
-fuses the same adds, tests/models/test_bound_layers.py). Planned on CPUs; on CUDA these models keep their
-modules until a device run has checked the plan there (StepKernels.plans_module_steps).
+fuses the same adds, tests/models/test_bound_layers.py). Planned alike on CPUs and on CUDA (there checked under
+Triton's interpreter only: tests/gpu/test_cuda_plan.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class BoundHybridLayer:
         self.activation = FUSED_ACTIVATIONS.get(mlp.activation) if dense else None
         self.next_norm = None  # (the norm after this layer, its flavour weight): BoundModel's to set
         self.ok = ((not dense or None not in (self.gate_up, self.down, self.activation))
-                   and kernels.plans_module_steps and self.norm_in.same_kind(self.norm_mid))
+                   and self.norm_in.same_kind(self.norm_mid))
 
     def hooked(self) -> bool:
         return blocks_hooked(self.modules)

@@ -55,9 +55,6 @@ class StepKernels:
     dtypes: tuple  # of the activations
     pairs: Callable[[torch.dtype, torch.dtype], bool]  # (activations, KV cache) dtypes taken together
     head_dim_ok: Callable[[int], bool]
-    # Blocks planned as their own steps between the bound parts (a MoE block; a hybrid layer's token mixer): on the
-    # CPU; on CUDA not until a device run has checked them (those models keep their modules there, as measured)
-    plans_module_steps: bool = True
 
 
 def triton_step_kernels() -> StepKernels:
@@ -67,7 +64,7 @@ def triton_step_kernels() -> StepKernels:
     from pagellm.kernels.gpu import layer_ops as ops
 
     return StepKernels("the Triton kernels", ops.add_rms_norm, ops.qkv_prepare, gpu_attention.paged_attention_triton,
-                       ops.act_mul, False, ops.FLOATS, ops.pairs, ops.head_dim_ok, plans_module_steps=False)
+                       ops.act_mul, False, ops.FLOATS, ops.pairs, ops.head_dim_ok)
 
 
 def native_step_kernels(level: str | None) -> tuple[StepKernels | None, str]:
@@ -151,7 +148,7 @@ class BoundLayer:
         self.next_norm = None  # (the norm after this layer, its flavour weight): BoundModel's to set
         # each fused residual call applies one eps and flavour to two norms
         self.ok = (None not in (self.qkv, self.o)
-                   and (None not in (self.gate_up, self.down) if dense else kernels.plans_module_steps)
+                   and (not dense or None not in (self.gate_up, self.down))
                    and kernels.head_dim_ok(attn.head_dim)  # known here, not mid-step
                    and all(self.norm_in.same_kind(n) for n in norms if n is not None) and attn.qk_norms_fuse())
 
@@ -269,10 +266,7 @@ def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
         except (AttributeError, KeyError) as e:  # not joined, an activation without a native kernel, ...
             why = f"layer {index} cannot be bound ({type(e).__name__}: {e})"
             break
-        elsewhere = bound.module_steps() and not kernels.plans_module_steps
-        why = ((f"layer {index}'s {bound.module_steps()} planned on CPUs only (not yet run so on a GPU)"
-                if elsewhere else "")
-               or ("" if bound.ok else f"layer {index} has a linear, head size or norm the kernels do not take")
+        why = (("" if bound.ok else f"layer {index} has a linear, head size or norm the kernels do not take")
                or ("" if all_reduce is not None or not bound.hooked() else f"layer {index} has forward hooks"))
         layers.append(bound)
     if not why and not layers[-1].norm_in.same_kind(backbone.norm):  # the final add + norm is fused too

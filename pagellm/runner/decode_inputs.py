@@ -38,14 +38,16 @@ from pagellm.runner.input_batch import SlotState
 
 class DecodeInputs:
     def __init__(self, max_num_seqs: int, block_size: int, device: torch.device, buckets: tuple[int, ...] = (),
-                 scratch_block: int | None = None, max_blocks: int | None = None):
+                 scratch_block: int | None = None, max_blocks: int | None = None, pad_state_slots: bool = False):
         """buckets: the batch sizes steps are padded to (ascending; empty: none), with `scratch_block` the padded
-        rows' KV block and `max_blocks` the fixed table width (a request's most blocks)."""
+        rows' KV block and `max_blocks` the fixed table width (a request's most blocks). pad_state_slots: a model
+        with recurrent state whose decode kernels skip a negative slot: its steps are padded too, their padded
+        rows at slot -1 (else such a model's steps run unpadded)."""
         if buckets and (scratch_block is None or max_blocks is None or list(buckets) != sorted(set(buckets))
                         or buckets[0] < 1):
             raise ValueError(f"buckets {buckets} must ascend from 1 or more, with a scratch block and a table width")
         self.block_size, self.device = block_size, device
-        self.buckets, self.scratch_block = tuple(buckets), scratch_block
+        self.buckets, self.scratch_block, self.pad_state_slots = tuple(buckets), scratch_block, pad_state_slots
         rows = max(max_num_seqs, *self.buckets) if buckets else max_num_seqs
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -64,8 +66,8 @@ class DecodeInputs:
 
     def rows_for(self, num_seqs: int, stateful: bool) -> int:
         """The rows a step of `num_seqs` requests runs: its bucket, or itself (no bucket fits, no buckets, or a
-        model with recurrent state, whose padded rows would need a scratch state slot too)."""
-        if not stateful:
+        model with recurrent state whose kernels would read a padded row's slot)."""
+        if not stateful or self.pad_state_slots:
             for bucket in self.buckets:
                 if bucket >= num_seqs:
                     return bucket
@@ -97,6 +99,8 @@ class DecodeInputs:
             self._pad(num_seqs, rows_run)  # a reused step's padded rows are as this wrote them
             self.misses += 1
         copy_to_device(self.input_ids[:num_seqs], [item.token_ids[0] for item in items])
+        if state_slots_host is not None:
+            state_slots_host += (-1,) * (rows_run - num_seqs)  # padded rows: no slot (the kernels skip them)
         meta = self._step_meta(rows_run, seq_lens_host + (1,) * (rows_run - num_seqs), state_slots_host)
         logits_rows = self.query_start_loc[:num_seqs]  # every request's row samples; padded rows never do
         return self.input_ids[:rows_run], self.positions[:rows_run], meta, logits_rows, reused
@@ -106,7 +110,8 @@ class DecodeInputs:
         over (the buffers' addresses, as every later step of that bucket fills them). The next step rebuilds."""
         self.invalidate()
         self._pad(0, bucket)
-        meta = dataclasses.replace(self._step_meta(bucket, (1,) * bucket, None), for_graph=True)
+        slots = (-1,) * bucket if self.pad_state_slots else None
+        meta = dataclasses.replace(self._step_meta(bucket, (1,) * bucket, slots), for_graph=True)
         return self.input_ids[:bucket], self.positions[:bucket], meta
 
     def _step_meta(self, rows_run: int, seq_lens_host: tuple[int, ...], state_slots_host) -> AttentionMetadata:
@@ -141,6 +146,7 @@ class DecodeInputs:
             self.seq_lens[pad] = 1
             self.block_tables[pad] = 0
             self.block_tables[pad, 0] = self.scratch_block
+            self.state_slots[pad] = -1
 
     def _ensure_width(self, num_blocks: int) -> None:
         width = self.block_tables.shape[1]

@@ -87,8 +87,9 @@ class ModelRunner:
         for the backend's level and dtypes, and sets up the padded decode steps (runner/decode_inputs.py) and
         their graphs (runner/decode_graphs.py): backend.decode_graphs replays the bound forward of pure-decode
         steps at backend.graph_sizes (default_buckets unless given), captured on CUDA, run eagerly from the same
-        buffers on a CPU; a model without a bound plan, with recurrent state, or tensor parallel runs every step
-        eagerly; a capture that fails raises if backend.graphs_required, else warns and runs eagerly."""
+        buffers on a CPU; a model without a bound plan, with recurrent state its decode kernels cannot pad (the
+        CPU's), or tensor parallel runs every step eagerly; a capture that fails raises if
+        backend.graphs_required, else warns and runs eagerly."""
         self.model, self.backend, self.device = model, backend, backend.device
         self.vocab_parallel = links is not None and links.logits is not None
         self.compute_logits = links.logits if self.vocab_parallel else model.compute_logits
@@ -96,7 +97,10 @@ class ModelRunner:
         self.block_size = block_size = config.cache.block_size
         max_num_seqs = config.scheduler.max_num_seqs
         self.input_batch = InputBatch(max_num_seqs, self.device, grammars if self.samples else None)
-        graphs = backend.decode_graphs and links is None and not state_layers_of(model)
+        # a model with recurrent state pads its steps only where its decode kernels skip a padded row's slot
+        delta = backend.layer_ops().gated_delta_decode
+        pads_state = bool(state_layers_of(model)) and delta is not None and delta.skips_padding
+        graphs = backend.decode_graphs and links is None and (not state_layers_of(model) or pads_state)
         decode_buckets = backend.graph_sizes
         if backend.decode_graphs and not graphs:  # no graph to replay: padding would cost rows and gain nothing
             decode_buckets = ()
@@ -105,7 +109,7 @@ class ModelRunner:
         padded_blocks = setup.num_blocks if decode_buckets else None
         table_width = -(-setup.max_model_len // block_size) if decode_buckets else None
         self.decode_inputs: DecodeInputs | None = DecodeInputs(  # None: no reuse
-            max_num_seqs, block_size, self.device, decode_buckets, padded_blocks, table_width)
+            max_num_seqs, block_size, self.device, decode_buckets, padded_blocks, table_width, pads_state)
         self.decode_graphs: DecodeGraphs | None = None
         self.kernel_level = backend.level  # every module's, bound by the plan
         self.sampler = Sampler(kernel_level=self.kernel_level, pinned=not backend.host_memory)

@@ -59,14 +59,24 @@ def test_the_device_family_check_runs_here(capsys):
     assert "llama | float32: 3/3 identical" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("family,what", [("qwen3-moe", "MoE block is"), ("qwen3.5", "token mixer is"),
-                                         ("qwen3-next", "token mixer and MoE block are")])
-def test_moe_and_hybrid_models_keep_their_modules_under_the_triton_set(tmp_path, family, what):
-    """Planned on CPUs; on CUDA their modules run until a device run has checked the plan there."""
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen3.5", "qwen3-next"])
+def test_moe_and_hybrid_models_are_bound_to_the_triton_set_and_equal_their_modules(tmp_path, family):
+    """A MoE block and a Gated DeltaNet mixer run as their modules' own steps inside the bound plan, as on CPUs:
+    a prefill in two chunks then decodes equal the modules' (the mixer's decode on the Triton kernels both ways,
+    its slots read and written in place)."""
     write_hybrid_checkpoint(family, tmp_path)
-    model = load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
-    plan = plan_model(model, PlanSettings(None, torch.float32, torch.float32), kernels=_triton_kernels())
-    assert plan.bound is None and f"{what} planned on CPUs only" in plan.description
+    reference, model = (load_model(str(tmp_path), torch.float32, torch.device(DEVICE), False, "none").model
+                        for _ in range(2))
+    modules, bound = PagedHarness(reference, bound_layers=False), PagedHarness(model, bound_layers=False)
+    ops = _triton_ops()  # bound into every module by the plan (after the harnesses planned theirs)
+    bound.plan = plan_model(model, PlanSettings(None, torch.float32, torch.float32, ops=ops), kernels=_triton_kernels())
+    assert bound.plan.bound is not None and bound.plan.description.startswith("bound to the Triton kernels")
+    bind_kernel_level(reference, None, ops)
+    assert model.model.norm.ops is ops
+    prompt = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(2)).tolist()
+    for feed in (prompt[:9], prompt[9:], [7], [9]):
+        torch.testing.assert_close(bound.step({"a": feed})["a"], modules.step({"a": feed})["a"], atol=1e-4,
+                                   rtol=1e-4)
 
 
 def test_the_cuda_backend_binds_the_triton_ops_into_every_module(tmp_path):

@@ -108,10 +108,12 @@ class ReplayingRecorder:
         return (lambda: out.copy_(fn())), out
 
 
-def test_decode_steps_replayed_from_recorded_graphs_give_the_same_ids(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
+def test_decode_steps_replayed_from_recorded_graphs_give_the_same_ids(tmp_path, monkeypatch, family):
     """The runner's graph path (runner/decode_graphs.py) with a replaying stand-in for CUDA graphs: every bucket
-    recorded once, largest first; the steady decode steps replayed; greedy ids as the eager engine's."""
-    write_tiny_checkpoint("llama", tmp_path)
+    recorded once, largest first; the steady decode steps replayed; greedy ids as the eager engine's. A MoE
+    model's bound plan (its MoE blocks as their own steps) is recorded alike."""
+    (write_tiny_checkpoint if family == "llama" else write_hybrid_checkpoint)(family, tmp_path)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 7, 10, 13, 16)]
     eager, _, _ = _generate(tmp_path, (), monkeypatch, prompts, params, kv_cache_memory=0.01)
@@ -169,3 +171,30 @@ def test_a_failed_capture_runs_eagerly_unless_graphs_were_asked_for(tmp_path, mo
         with pytest.raises(RuntimeError, match="--enforce-eager runs without them"):
             capture_or_run_eagerly(graphs, FailingRecorder(), required=True)
         assert graphs.graphs == {}
+
+
+def test_a_hybrid_model_s_decode_steps_pad_and_replay_where_its_kernels_skip_padded_slots(tmp_path, monkeypatch):
+    """Qwen3-Next on the CUDA table's Gated DeltaNet decode (Triton under its interpreter, on CPU tensors), whose
+    kernels skip slot -1: its decode steps pad to the buckets (padded rows at slot -1, reading and writing no
+    request's state) and replay recorded graphs, with the ids of the eager engine on the CPU's own kernels."""
+    from pagellm.kernels.ops import triton_ops
+    from pagellm.runner.backend import CpuBackend
+    from tests.gpu import interpreter
+
+    write_hybrid_checkpoint("qwen3-next", tmp_path)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 7, 10, 13)]
+    eager, _, _ = _generate(tmp_path, (), monkeypatch, prompts, params, kv_cache_memory=0.01, dtype="float32")
+    with interpreter(True):
+        ops = triton_ops()
+        monkeypatch.setattr(CpuBackend, "layer_ops", lambda self: ops)
+        monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True))
+        with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, max_num_seqs=4,
+                 dtype="float32") as llm:
+            runner = llm.engine.runner
+            assert runner.decode_inputs.buckets == (1, 2, 4) and runner.decode_inputs.pad_state_slots
+            recorder = ReplayingRecorder()
+            runner.decode_graphs.capture(recorder)
+            ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            replays, padded = runner.decode_graphs.replays, runner.decode_inputs.padded
+    assert ids == eager and recorder.recorded == 3 and replays >= 8 and padded > 0
