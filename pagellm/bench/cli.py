@@ -81,12 +81,14 @@ def add_bench_parser(subparsers) -> None:
                              "at real shapes with random weights (rehearse with --device cpu --shapes tiny)")
     check.add_argument("--device", default="cuda", help="torch device (default cuda)")
     check.add_argument("--shapes", type=lambda text: [s.strip() for s in text.split(",") if s.strip()],
-                       default=["1b", "8b"], help="Llama shapes: tiny, 1b, 8b (default 1b,8b)")
+                       default=["1b", "8b"], help="Llama shapes tiny, 1b, 8b; the hybrid ones tiny-hybrid, "
+                       "qwen3.5-35b-a3b, qwen3.5-27b (default 1b,8b)")
     check.add_argument("--npl", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
     check.add_argument("--pp", type=int, default=512, help="prompt tokens per sequence (default 512)")
     check.add_argument("--tg", type=int, default=64, help="generated tokens per sequence (default 64)")
     check.add_argument("--repeats", type=int, default=1, help="measurements of each figure (median reported)")
-    check.add_argument("--peers", default="hf,hf-static", help="hf (dynamic cache), hf-static (default both)")
+    check.add_argument("--peers", default="hf,hf-static",
+                       help="hf (dynamic cache), hf-static, or none (default both)")
     check.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="compute dtype (default auto: bfloat16 on CUDA)")
     check.add_argument("--kv-cache-memory", type=float, default=None, help="pagellm KV budget in GiB")

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from pagellm.bench import batched, device_steps, peers, report
+from pagellm.bench.hybrid_shapes import HYBRID_SHAPES, kv_fields, write_hybrid_shape
 from pagellm.bench.report import Column
 from pagellm.config import KernelConfig
 from pagellm.kernels.selection import select_kernels
@@ -56,6 +57,9 @@ COLUMNS = [Column("shape", "shape"), Column("B", "B"), Column("engine", "engine"
 def write_shape(name: str, directory: Path) -> Path:
     """A config.json of shape `name` in `directory` (a --load-format dummy model)."""
     from transformers import LlamaConfig
+
+    if name in HYBRID_SHAPES:
+        return write_hybrid_shape(name, directory)
 
     LlamaConfig(**SHAPES[name], max_position_embeddings=4096, architectures=["LlamaForCausalLM"],
                 tie_word_embeddings=False).save_pretrained(directory)
@@ -200,7 +204,7 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
         for peer in args.peers:
             hf = peers.HFTransformersPeer(engine, static=peer == "hf-static", model=model)
             runners[hf.name], model = hf.run, hf.model  # one HF model on pagellm's tensors serves both peers
-        rng, vocab, figures = random.Random(args.seed), SHAPES[shape]["vocab_size"], {}
+        rng, vocab, figures = random.Random(args.seed), engine.hf_config.vocab_size, {}
         for b in args.npl:  # warm-up at every measured shape: compilations (Triton's, transformers') stay out
             for run in runners.values():
                 run(batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)
@@ -223,7 +227,7 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
 
 def kv_gib(shape: str, args: argparse.Namespace) -> float:
     """The KV budget the largest batch needs at this shape, 10% spare (the host-RAM default is for CPUs)."""
-    return kv_gib_for(SHAPES[shape], args)
+    return kv_gib_for(kv_fields(shape) if shape in HYBRID_SHAPES else SHAPES[shape], args)
 
 
 def kv_gib_for(config: dict, args: argparse.Namespace) -> float:
@@ -234,10 +238,10 @@ def kv_gib_for(config: dict, args: argparse.Namespace) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    unknown = [s for s in args.shapes if s not in SHAPES]
+    unknown = [s for s in args.shapes if s not in SHAPES and s not in HYBRID_SHAPES]
     if unknown:
-        raise ValueError(f"--shapes: unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
-    args.peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+        raise ValueError(f"--shapes: unknown shape(s) {unknown}; known: {', '.join([*SHAPES, *HYBRID_SHAPES])}")
+    args.peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
     if set(args.peers) - {"hf", "hf-static"}:
         raise ValueError(f"--peers: unknown peer(s) {sorted(set(args.peers) - {'hf', 'hf-static'})}; "
                          "known: hf, hf-static")
@@ -271,7 +275,8 @@ def main(args: argparse.Namespace) -> int:
         serve_prompts = args.serve_prompts if args.serve_prompts is not None else 32 * ("cuda" in args.device)
         if serve_prompts:
             args.serve_prompts = serve_prompts
-            model = device_steps.serving_model(Path(tmp) / "serve", SHAPES[args.shapes[0]])
+            llama = next((s for s in args.shapes if s in SHAPES), "1b")  # the serving run's model is a Llama
+            model = device_steps.serving_model(Path(tmp) / "serve", SHAPES[llama])
             result["serving"] = device_steps.serving(args, model)
             if args.out:
                 report.write_json(args.out, result)

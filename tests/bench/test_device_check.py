@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from pagellm.cli import main
 from tests.bench.cli_runner import run_cli
 
@@ -29,7 +31,7 @@ def test_the_cpu_rehearsal_checks_parity_and_measures_both_engines(tmp_path, cap
 
 def test_an_unknown_shape_or_peer_is_named(capsys):
     assert main(["bench", "device-check", "--device", "cpu", "--shapes", "2b"]) == 2
-    assert "--shapes: unknown shape(s) ['2b']; known: tiny, 1b, 8b" in capsys.readouterr().err
+    assert "--shapes: unknown shape(s) ['2b']; known: tiny, 1b, 8b, tiny-hybrid" in capsys.readouterr().err
     assert main(["bench", "device-check", "--device", "cpu", "--shapes", "tiny", "--peers", "vllm"]) == 2
     assert "--peers: unknown peer(s) ['vllm']; known: hf, hf-static" in capsys.readouterr().err
 
@@ -67,3 +69,25 @@ def test_the_attention_check_runs_the_kernel_under_the_interpreter_on_a_cpu():
         result = device_check.attention("cpu")
     assert list(result) == ["float32", "float32 split"] and all(r["ok"] for r in result.values()), result
     assert all(0 < r["worst_error_over_bound"] <= 1 for r in result.values())
+
+
+def test_the_hybrid_shapes_are_the_published_models(tmp_path):
+    """The dummy configs of the original documents' models build (on the meta device: no memory) to their
+    published sizes: Qwen3.5-35B-A3B's 35B parameters, Qwen3.5-27B's 27B (the text models, no vision tower)."""
+    from pagellm.bench.hybrid_shapes import write_hybrid_shape
+    from pagellm.loader.safetensors import load_hf_config
+    from pagellm.models.registry import build_model
+
+    for name, billions in (("qwen3.5-35b-a3b", 35), ("qwen3.5-27b", 27)):
+        model = build_model(load_hf_config(write_hybrid_shape(name, tmp_path / name)), torch.bfloat16, "meta")
+        assert abs(sum(p.numel() for p in model.parameters()) / 1e9 - billions) < 0.5, name
+
+
+def test_a_hybrid_shape_rehearses_beside_hf(tmp_path, capsys):
+    """The hybrid MoE shape on the CPU: pagellm and HF transformers' own implementation of the same weights, no
+    async mode (a model with recurrent state runs none)."""
+    out = tmp_path / "check.json"
+    run_cli(capsys, "device-check", "--device", "cpu", "--shapes", "tiny-hybrid", "--npl", "1", "--pp", "8",
+            "--tg", "2", "--peers", "hf", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert {r["engine"] for r in result["rows"]} == {"pagellm-eager", "hf-transformers"} and not result["errors"]
