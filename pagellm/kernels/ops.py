@@ -86,6 +86,8 @@ class LayerOps:
     # a MoE layer's experts in planes in grouped launches: (x, weights, ids, gate_up, down, act_mul) -> [T, E];
     # None: an expert at a time through gguf_planes_matmul
     gguf_planes_moe: Callable | None = None
+    # the Gated DeltaNet's output norm: (x, gate, weight, eps) -> (w * rms_norm(x)) * silu(gate); None: torch's
+    gated_rms_norm: Callable | None = None
 
     def gated_act(self, activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """gate_up [..., 2I] -> act(gate) * up [..., I] for an HF activation name: the fused kernel where this
@@ -158,4 +160,5 @@ def triton_ops() -> LayerOps:
                     gpu_attention.paged_attention_triton, ops.takes, ops.qkv_prepare, ops.takes,
                     DeltaDecode(delta.check_decode, delta.conv_decode_, delta.rule_decode_, skips_padding=True),
                     cuda_moe_path,
-                    reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows, gpu_moe.planes_experts)
+                    reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows, gpu_moe.planes_experts,
+                    ops.gated_rms_norm)

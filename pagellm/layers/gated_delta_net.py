@@ -61,8 +61,9 @@ class StateShapes(NamedTuple):
     recurrent_dtype: torch.dtype  # always float32
 
 
-class GatedRMSNorm(nn.Module):
-    """y = (w * x / rms(x)) * silu(z) per value head, as HF's Qwen3NextRMSNormGated (norm before gate)."""
+class GatedRMSNorm(KernelUser, nn.Module):
+    """y = (w * x / rms(x)) * silu(z) per value head, as HF's Qwen3NextRMSNormGated (norm before gate); one
+    launch where the device's table has the fused kernel (CUDA) and the dtypes agree, else the torch below."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -70,6 +71,12 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [..., dv] each
+        fused = self.ops.gated_rms_norm
+        if fused is not None and x.dtype == gate.dtype == self.weight.dtype:
+            return fused(x, gate, self.weight, self.eps)
+        return self.reference(x, gate)
+
+    def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)

@@ -76,6 +76,7 @@ LAYER_OP_VARIANTS = [
     ("_qkv_prepare_kernel", dict(H=16, K=8, HEAD_DIM=128, HALF_BLOCK=64, HAS_NORM=True, UNIT_OFFSET=False)),
     ("_act_mul_kernel", dict(ACT=0, BLOCK=1024)),
     ("_act_mul_kernel", dict(ACT=1, BLOCK=1024)),
+    ("_gated_rms_norm_kernel", dict(BLOCK=128)),  # the Gated DeltaNet's output norm, value heads of 128
 ]
 
 

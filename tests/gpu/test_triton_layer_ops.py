@@ -110,3 +110,18 @@ def test_act_mul_is_the_activation_times_up(activation, width, dtype):
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     _close(ops.act_mul(gate_up, activation), act * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_gated_rms_norm_rounds_as_the_torch_module(dtype):
+    """The Gated DeltaNet's output norm, rows of a value head of 100 (a partial block), weight around 1: one launch
+    against GatedRMSNorm's five torch ops; a dtype mismatch is refused, not silently cast."""
+    from pagellm.layers.gated_delta_net import GatedRMSNorm
+
+    generator = torch.Generator().manual_seed(7)
+    norm = GatedRMSNorm(100, 1e-6)
+    norm.weight.data = (1 + 0.2 * torch.randn(100, generator=generator)).to(DEVICE, dtype)
+    x, gate = (torch.randn(6, 4, 100, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    _close(ops.gated_rms_norm(x, gate, norm.weight, norm.eps), norm.reference(x, gate))
+    with pytest.raises(ValueError, match="must agree"):
+        ops.gated_rms_norm(x, gate.float() if dtype != torch.float32 else gate.half(), norm.weight, norm.eps)

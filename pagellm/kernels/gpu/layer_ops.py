@@ -193,3 +193,32 @@ def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
             rows, out, half, rows.stride(0), out.stride(0), ACT=ACTIVATIONS[activation], BLOCK=block,
             enable_fp_fusion=False)
     return out.view(*gate_up.shape[:-1], half)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.constexpr):
+    """One row (a token's value head): (w * rms_norm(x)) * silu(gate), rounded where the torch module rounds."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dim
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)).to(dtype).to(tl.float32)
+    scaled = (tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * normed).to(dtype).to(tl.float32)
+    gate = tl.load(gate_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * dim + cols, (scaled * (gate / (1.0 + tl.exp(-gate)))).to(dtype), mask=ok)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [..., dim] -> (weight * rms_norm(x)) * silu(gate) in x's dtype: the Gated DeltaNet's output norm in
+    one launch (its torch module takes five), the contract of layers/gated_delta_net.GatedRMSNorm."""
+    if not (x.dtype == gate.dtype == weight.dtype and x.shape == gate.shape):
+        raise ValueError(f"gated_rms_norm: x {x.dtype} {list(x.shape)}, gate {gate.dtype} {list(gate.shape)} and "
+                         f"weight {weight.dtype} must agree")
+    dim = x.shape[-1]
+    rows, gates = x.reshape(-1, dim).contiguous(), gate.reshape(-1, dim).contiguous()
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        _gated_rms_norm_kernel[(rows.shape[0],)](rows, gates, weight, out, dim, eps,
+                                                 BLOCK=triton.next_power_of_2(dim), enable_fp_fusion=False)
+    return out.view(x.shape)
