@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 53 and 54 in one run, each step under its own time limit so one that hangs leaves the
+# others their time: GGUF blocks on the GPU (bench device-gguf) and the hybrid models (bench device-check).
+#
+#   tools/device-checks.sh cuda OUT_DIR      on a device machine (rows as JSON under OUT_DIR)
+#   tools/device-checks.sh cpu OUT_DIR       the rehearsal here, at tiny shapes
+#
+# Before a device run, on the host: the wheels its image lacks and a sample of real GGUF tensors, both carried
+# (ignored paths):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl gguf llguidance
+#   .venv/bin/python -m pagellm bench device-gguf --write-sample .whl/sample.gguf
+set -uo pipefail
+DEVICE=${1:?cuda or cpu}
+OUT=${2:?an output folder}
+mkdir -p "$OUT"
+PY=python3
+if [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
+if [ -d .whl ] && ! $PY -c "import gguf" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+SAMPLE=()
+if [ -f .whl/sample.gguf ]; then SAMPLE=(--sample .whl/sample.gguf); fi
+status=0
+run() {  # run LIMIT_SECONDS NAME COMMAND...: one step, its output kept
+  local limit=$1 name=$2
+  shift 2
+  echo "== $name ($(date +%T), limit ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 || { echo "   $name failed: rc=$?"; status=1; }
+  tail -n 20 "$OUT/$name.log"
+}
+if [ "$DEVICE" = cuda ]; then
+  run 300 gguf-1b $PY -m pagellm bench device-gguf --device cuda --shape 1b "${SAMPLE[@]}" --out "$OUT/gguf-1b.json"
+  run 240 hybrid-35b-a3b $PY -m pagellm bench device-check --device cuda --shapes qwen3.5-35b-a3b \
+    --npl 1,8,32,64,128 --pp 128 --tg 128 --peers none --serve-prompts 0 --out "$OUT/hybrid-35b-a3b.json"
+else
+  export TRITON_INTERPRET=1  # the GGUF numerics run the Triton kernels under the interpreter here
+  run 300 gguf-tiny $PY -m pagellm bench device-gguf --device cpu --shape tiny --npl 1,2 --pp 16 --tg 4 \
+    "${SAMPLE[@]}" --out "$OUT/gguf-tiny.json"
+  unset TRITON_INTERPRET
+  run 240 hybrid-tiny $PY -m pagellm bench device-check --device cpu --shapes tiny-hybrid --npl 1,2 --pp 16 \
+    --tg 4 --peers none --out "$OUT/hybrid-tiny.json"
+fi
+exit $status
