@@ -86,6 +86,8 @@ class LayerOps:
     # a MoE layer's experts in planes in grouped launches: (x, weights, ids, gate_up, down, act_mul) -> [T, E];
     # None: an expert at a time through gguf_planes_matmul
     gguf_planes_moe: Callable | None = None
+    # the router's top-k: (logits [T, X], k, normalize) -> (weights, ids) [T, k]; None: torch's (layers/moe.route)
+    moe_route: Callable | None = None
     # the Gated DeltaNet's output norm: (x, gate, weight, eps) -> (w * rms_norm(x)) * silu(gate); None: torch's
     gated_rms_norm: Callable | None = None
 
@@ -161,4 +163,4 @@ def triton_ops() -> LayerOps:
                     DeltaDecode(delta.check_decode, delta.conv_decode_, delta.rule_decode_, skips_padding=True),
                     cuda_moe_path,
                     reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows, gpu_moe.planes_experts,
-                    ops.gated_rms_norm)
+                    gpu_moe.route, ops.gated_rms_norm)

@@ -152,7 +152,8 @@ class SparseMoeBlock(nn.Module):
         self.first_expert: int | None = None  # expert parallel: global id of experts[0] (distributed/sharding.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
-        weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+        routed = self.experts.ops.moe_route or route  # the device's fused top-k, else torch's
+        weights, ids = routed(self.gate(x), self.top_k, self.normalize)  # [T, k] each
         out = self.experts(x, weights, ids, self.first_expert)
         if self.has_shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -146,7 +146,8 @@ def compile_gated_delta(arch: int) -> list[tuple[str, int]]:
 
 
 def compile_moe(arch: int) -> list[tuple[str, int]]:
-    """The grouped MoE launch over planes as a Q4_K_M MoE runs it: gate/up Q4_K by token, down Q6_K weighted."""
+    """The grouped MoE launch over planes as a Q4_K_M MoE runs it (gate/up Q4_K by token, down Q6_K weighted), and
+    the router's top-k at Qwen3.5-35B-A3B's 256 experts."""
     kernel, sizes = moe._moe_planes_kernel, []
     for ggml_type, by_token in ((T.Q4_K, True), (T.Q6_K, False)):
         constexprs = dict(BY_TOKEN=by_token, WEIGHTED=not by_token, FMT=FORMATS.index(ggml_type),
@@ -156,7 +157,10 @@ def compile_moe(arch: int) -> list[tuple[str, int]]:
         signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16") if a.endswith("_ptr")
                      else "i32" for a in kernel.arg_names}
         sizes.append((f"_moe_planes_kernel {ggml_type.name}", _cubin_size(kernel, signature, constexprs, arch)))
-    return sizes
+    router, constexprs = moe._route_kernel, dict(TOP_K=8, NORMALIZE=True, BLOCK=256)  # 256 experts, 8 a token
+    signature = {a: "constexpr" if a in constexprs else "*i64" if a == "ids_ptr" else "*bf16" if a.endswith("_ptr")
+                 else "i32" for a in router.arg_names}
+    return sizes + [("_route_kernel", _cubin_size(router, signature, constexprs, arch))]
 
 
 if __name__ == "__main__":

@@ -67,3 +67,21 @@ def test_every_expert_at_once_equals_the_dense_experts(tokens):
     got = moe.planes_experts(x, weights, ids, gate_up, down, dense.act_mul())
     expected = dense(x, weights, ids)
     assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_fused_router_picks_and_weighs_as_torch(normalize):
+    """Softmax, top-k and the renormalisation in one launch, against layers/moe.route: 37 experts (a partial
+    block); a token whose logits tie picks the lower expert ids, in order."""
+    from pagellm.layers.moe import route
+
+    moe = _moe()
+    logits = torch.randn(9, 37, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits[4] = 0.0
+    logits[4, [3, 20, 30]] = 2.0  # three equal leaders, then 34 equal others
+    weights, ids = moe.route(logits, 4, normalize)
+    expected_weights, expected_ids = route(logits, 4, normalize)
+    assert ids[4].tolist() == [3, 20, 30, 0]
+    rows = [r for r in range(9) if r != 4]  # torch's order among ties is its own
+    assert torch.equal(ids[rows], expected_ids[rows])
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)

@@ -1,4 +1,5 @@
-"""A MoE layer's experts kept as GGUF planes (layers/gguf_moe.GGUFPlanesExperts), in two grouped launches on CUDA.
+"""MoE on CUDA in Triton: the router's top-k in one launch (`route`), and a layer's experts kept as GGUF planes
+(layers/gguf_moe.GGUFPlanesExperts) in two grouped launches.
 
 vLLM's fused MoE, on GGUF blocks: the (token, expert) pairs are sorted by expert into blocks of BM rows (each
 expert's pairs padded to whole blocks), then one launch multiplies every block by its expert's gate/up planes
@@ -21,6 +22,45 @@ from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS
 
 BLOCK_M = 16  # pairs a block holds: tl.dot's smallest
 TILE = (64, 64)  # BN, BH
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, X, s_logits, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """One token: softmax over its X router logits in fp32, the k largest (ties: the lower expert id, as an
+    ordered scan finds them), renormalised over the k when NORMALIZE, rounded to the logits' dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK)
+    ok = e < X
+    z = tl.load(logits_ptr + t * s_logits + e, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.exp(z - tl.max(z, axis=0))
+    p = p / tl.sum(p, axis=0)
+    slot = tl.arange(0, TOP_K)
+    picked = tl.zeros([TOP_K], dtype=tl.float32)
+    chosen = tl.zeros([TOP_K], dtype=tl.int64)
+    left = tl.where(ok, p, -1.0)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        which = tl.min(tl.where(left == best, e, BLOCK), axis=0)  # the lowest id among equal probabilities
+        picked = tl.where(slot == i, best, picked)
+        chosen = tl.where(slot == i, which.to(tl.int64), chosen)
+        left = tl.where(e == which, -1.0, left)
+    if NORMALIZE:
+        picked = picked / tl.sum(picked, axis=0)
+    tl.store(weights_ptr + t * TOP_K + slot, picked.to(weights_ptr.dtype.element_ty))
+    tl.store(ids_ptr + t * TOP_K + slot, chosen)
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, X] logits -> (weights [T, k] in the logits' dtype, expert ids [T, k] int64): layers/moe.route in one
+    launch (torch's softmax, top-k, sum, divide and casts are five)."""
+    tokens, experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
+                                 NORMALIZE=normalize, BLOCK=triton.next_power_of_2(experts))
+    return weights, ids
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
