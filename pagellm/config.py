@@ -166,7 +166,7 @@ class SchedulerConfig(_FromDict):
         "still on their way (vLLM's flag). The same greedy ids; a request that stops costs one dropped token. "
         "Steps of requests with penalties or structured output wait as before. Unset: on where the decode steps "
         "replay CUDA graphs, off elsewhere (an eager step keeps the host busy, and on a CPU nothing overlaps: "
-        "docs/PERFORMANCE.md). Not with tensor parallel or recurrent-state models.",
+        "docs/PERFORMANCE.md). Not with tensor parallel.",
         default=None)
 
     def __post_init__(self):

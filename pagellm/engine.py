@@ -113,9 +113,6 @@ class LLMEngine:
         self.max_model_len = min(mc.max_model_len or context, context)
         num_blocks = self._kv_blocks(before, logits)
         self.state_pool = self._make_state_pool()
-        if config.scheduler.async_scheduling is True and self.state_pool is not None:
-            raise ValueError(f"async_scheduling: {type(self.model).__name__} keeps recurrent state, whose prefix "
-                             "snapshots settle only once a step is read back; run it without")
         # Hybrid models: a prefix hit must also restore the recurrent state after the prefix, so their
         # prefix cache needs state snapshots at block boundaries (none budgeted: the cache stays off).
         snapshots = self._make_snapshot_pool(num_blocks) if cc.enable_prefix_caching else None

@@ -111,14 +111,19 @@ def test_a_request_launched_ahead_at_its_last_token_is_not(checkpoint):
     assert [len(step) for step in fed if step] == [1, 1, 1]  # the prompt, then two decodes: no wasted fourth
 
 
-def test_async_scheduling_is_refused_where_it_cannot_run(tmp_path):
+def test_async_scheduling_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size 1"):
         LLM(tensor_parallel_size=2, async_scheduling=True)
-    write_hybrid_checkpoint("qwen3-next", tmp_path)
-    with pytest.raises(ValueError, match="async_scheduling: .* keeps recurrent state"):
-        LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, async_scheduling=True)
-    with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01) as llm:  # unset: off, no error
-        assert llm.stats()["async_scheduling"] is False
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_a_hybrid_model_gives_the_same_ids_with_steps_launched_ahead(tmp_path, family):
+    """A step launched ahead updates the recurrent state slots after the step before it (one stream), and a
+    snapshot it writes is restorable only once its step is read back, as without: arrivals, a shared prefix,
+    chunked prefill, a stop token and an abort give the same tokens."""
+    write_hybrid_checkpoint(family, tmp_path)
+    script = {**ARRIVALS, 1: [("add", [8, 9], _greedy(8, stop_token_ids=list(range(40))))], 4: [("abort", 1)]}
+    _same_with_and_without(tmp_path, script, block_size=4, max_num_batched_tokens=8, n_ubatch=4)
 
 
 def test_unset_async_scheduling_follows_the_decode_graphs(checkpoint):

@@ -28,7 +28,6 @@ from types import SimpleNamespace
 import torch
 
 from pagellm.bench import batched
-from pagellm.bench.hybrid_shapes import HYBRID_SHAPES
 
 # Every mode says both settings: unset, they follow the device (graphs and async on CUDA)
 MODES = {"eager": {"enforce_eager": True, "async_scheduling": False},
@@ -41,11 +40,9 @@ SERVE_FLAGS = {"eager": ["--enforce-eager", "--no-async-scheduling"],
                "graphs-async": ["--no-enforce-eager", "--async-scheduling"]}
 
 
-def modes_for(device: str, stateful: bool = False) -> list[str]:
-    """The modes beside eager: graphs exist only on CUDA; a model with recurrent state runs no async scheduling
-    (its prefix snapshots settle only once a step is read back: the engine refuses it)."""
-    modes = [m for m in MODES if m != "eager"] if torch.device(device).type == "cuda" else ["async"]
-    return [m for m in modes if not (stateful and MODES[m]["async_scheduling"])]
+def modes_for(device: str) -> list[str]:
+    """The modes beside eager: graphs exist only on CUDA."""
+    return [m for m in MODES if m != "eager"] if torch.device(device).type == "cuda" else ["async"]
 
 
 def same_ids(device: str, weights: Path) -> dict:
@@ -117,7 +114,7 @@ def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: f
     """llama-batched-bench rows of each step mode at `shape`, engine after engine (medians of --repeats); a mode
     that fails is said in `errors`."""
     rows = []
-    for mode in modes_for(args.device, stateful=shape in HYBRID_SHAPES):
+    for mode in modes_for(args.device):
         try:
             rows += _mode_rows(args, shape, config_dir, kv_gib, mode)
         except Exception as e:  # noqa: BLE001 - one mode's failure (a capture, say) must not lose the others

@@ -90,14 +90,17 @@ def test_sequential_hit_at_last_full_block_matches_hf_and_cache_off(checkpoint, 
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
-def test_concurrent_followers_wait_for_the_snapshot_then_hit(checkpoint, block_size):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_concurrent_followers_wait_for_the_snapshot_then_hit(checkpoint, block_size, async_scheduling):
+    """With steps launched ahead too: a snapshot becomes restorable once its step is read back."""
     path, expected = checkpoint
-    llm = _llm(path, block_size)
+    llm = _llm(path, block_size, async_scheduling=async_scheduling)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, [PARAMS] * len(PROMPTS), use_tqdm=False)]
     assert got == expected[:3]
     # The snapshot is written while the leader's step runs: followers admitted in that step would
     # restore garbage, so they wait one step and then hit.
     assert llm.stats()["prefix_cache_hit_tokens"] == 2 * (COMMON // block_size * block_size)
+    assert (llm.stats()["steps_launched_ahead"] > 0) == async_scheduling
     _assert_nothing_held(llm)
 
 
