@@ -5,6 +5,10 @@
 #   tools/device-checks.sh cuda OUT_DIR      on a device machine (rows as JSON under OUT_DIR)
 #   tools/device-checks.sh cpu OUT_DIR       the rehearsal here, at tiny shapes
 #
+# Next, when the budget allows (each server start loads the model again): the original documents' serving run,
+#   python3 -m pagellm bench device-check --device cuda --shapes qwen3.5-35b-a3b --npl 1 --peers none \
+#     --serve-prompts 128 --serve-shape qwen3.5-35b-a3b --serve-shared-prefix 1000 --serve-max-seqs 128
+#
 # Before a device run, on the host: the wheels its image lacks and a sample of real GGUF tensors, both carried
 # (ignored paths):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -97,6 +97,11 @@ def add_bench_parser(subparsers) -> None:
                        help="requests of the serving run of each step mode, embedded model (default 32 on CUDA, "
                             "0 = none elsewhere)")
     check.add_argument("--serve-rate", type=float, default=8.0, help="their Poisson arrival rate, req/s (default 8)")
+    check.add_argument("--serve-shape", default=None,
+                       help="the serving run's model shape (default: the first Llama shape of --shapes, else 1b)")
+    check.add_argument("--serve-shared-prefix", type=int, default=64,
+                       help="tokens every request's prompt shares (default 64)")
+    check.add_argument("--serve-max-seqs", type=int, default=16, help="the server's --max-num-seqs (default 16)")
     add_output_arguments(check, "device-check", "write checks and rows to FILE.json")
     check.set_defaults(func=_run_device_check)
 

@@ -238,7 +238,7 @@ def kv_gib_for(config: dict, args: argparse.Namespace) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    unknown = [s for s in args.shapes if s not in SHAPES and s not in HYBRID_SHAPES]
+    unknown = [s for s in [*args.shapes, args.serve_shape or "1b"] if s not in SHAPES and s not in HYBRID_SHAPES]
     if unknown:
         raise ValueError(f"--shapes: unknown shape(s) {unknown}; known: {', '.join([*SHAPES, *HYBRID_SHAPES])}")
     args.peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
@@ -275,14 +275,15 @@ def main(args: argparse.Namespace) -> int:
         serve_prompts = args.serve_prompts if args.serve_prompts is not None else 32 * ("cuda" in args.device)
         if serve_prompts:
             args.serve_prompts = serve_prompts
-            llama = next((s for s in args.shapes if s in SHAPES), "1b")  # the serving run's model is a Llama
-            model = device_steps.serving_model(Path(tmp) / "serve", SHAPES[llama])
+            shape = args.serve_shape or next((s for s in args.shapes if s in SHAPES), "1b")
+            model = device_steps.serving_model(write_shape(shape, Path(tmp) / "serve"))
             result["serving"] = device_steps.serving(args, model)
             if args.out:
                 report.write_json(args.out, result)
     print(report.format_table(result["rows"], COLUMNS))
     checks = result["checks"]
-    failed = not checks["parity"]["ok"] or any(not r.get("ok", True) for check in ("attention", "layer_ops",
+    serving_failed = any("error" in r or r.get("failed") for r in result.get("serving", {}).values())
+    failed = serving_failed or not checks["parity"]["ok"] or any(not r.get("ok", True) for check in ("attention", "layer_ops",
                                                                                     "step_modes")
                                               for r in checks[check].values() if isinstance(r, dict))
     return 1 if failed or result["errors"] else 0

@@ -184,11 +184,12 @@ def gpu_idle_ms_per_step(engine, prompts: list[list[int]], tg: int, window: int 
     return max(wall_us - busy_us, 0.0) / window / 1e3
 
 
-def serving_model(directory: Path, shape: dict) -> Path:
-    """A --load-format dummy model of `shape` with a byte-level BPE tokenizer trained on the workload's text and
-    the vocabulary cut to it: a device machine has no room for a real file, and its ids must all decode."""
+def serving_model(directory: Path) -> Path:
+    """The --load-format dummy model whose config.json is in `directory`, given a byte-level BPE tokenizer trained
+    on the workload's text and its vocabulary cut to it: a device machine has no room for a real file, and its
+    ids must all decode."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoConfig, PreTrainedTokenizerFast
 
     from pagellm.bench import serve
 
@@ -199,9 +200,9 @@ def serving_model(directory: Path, shape: dict) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([serve.SEED_TEXT] * 4, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>").save_pretrained(directory)
-    LlamaConfig(**{**shape, "vocab_size": tokenizer.get_vocab_size()}, max_position_embeddings=4096,
-                architectures=["LlamaForCausalLM"], tie_word_embeddings=False, bos_token_id=0,
-                eos_token_id=1).save_pretrained(directory)
+    config = AutoConfig.from_pretrained(directory)
+    config.vocab_size, config.bos_token_id, config.eos_token_id = tokenizer.get_vocab_size(), 0, 1
+    config.save_pretrained(directory)
     return directory
 
 
@@ -212,13 +213,16 @@ def serving(args: argparse.Namespace, model: Path) -> dict:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the results
     tokenizer = serve.client_tokenizer(str(model))
-    options = SimpleNamespace(workload="text", text=None, num_prompts=args.serve_prompts, shared_prefix_len=64,
-                              seed=args.seed, request_rate=args.serve_rate, output_len=args.tg, concurrency=None)
+    options = SimpleNamespace(workload="text", text=None, num_prompts=args.serve_prompts,
+                              shared_prefix_len=args.serve_shared_prefix,
+                              seed=args.seed, request_rate=args.serve_rate, output_len=args.tg, concurrency=None,
+                              disconnect_fraction=0.0, chunk_timeout=300.0)  # a stalled stream fails alone
     prompts = serve.workload_prompts(options, tokenizer)
     results = {}
     for mode in ["eager", *modes_for(args.device)]:
         server = serve.pagellm_server(["--model", str(model), "--load-format", "dummy", "--device", args.device,
-                                       "--max-num-seqs", "16", "--kv-cache-memory", "4", *SERVE_FLAGS[mode]])
+                                       "--max-num-seqs", str(args.serve_max_seqs), "--kv-cache-memory", "4",
+                                       *SERVE_FLAGS[mode]])
         try:
             server.start()
             summary, runs, _ = serve.run(server.url, options, {}, tokenizer, prompts)
