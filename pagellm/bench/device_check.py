@@ -283,7 +283,7 @@ def main(args: argparse.Namespace) -> int:
     print(report.format_table(result["rows"], COLUMNS))
     checks = result["checks"]
     serving_failed = any("error" in r or r.get("failed") for r in result.get("serving", {}).values())
-    failed = serving_failed or not checks["parity"]["ok"] or any(not r.get("ok", True) for check in ("attention", "layer_ops",
-                                                                                    "step_modes")
-                                              for r in checks[check].values() if isinstance(r, dict))
+    failed = serving_failed or not checks["parity"]["ok"] or any(
+        not r.get("ok", True) for check in ("attention", "layer_ops", "step_modes")
+        for r in checks[check].values() if isinstance(r, dict))
     return 1 if failed or result["errors"] else 0
