@@ -15,6 +15,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl gguf llguidance
 #   .venv/bin/python -m pagellm bench device-gguf --write-sample .whl/sample.gguf
+#   tools/llama-cpp-cuda.sh pack        (llama.cpp's sources, for its CUDA build there: the GGUF check's peer)
 set -uo pipefail
 DEVICE=${1:?cuda or cpu}
 OUT=${2:?an output folder}
@@ -35,9 +36,20 @@ run() {  # run LIMIT_SECONDS NAME COMMAND...: one step, its output kept
   tail -n 20 "$OUT/$name.log"
 }
 if [ "$DEVICE" = cuda ]; then
-  run 300 gguf-1b $PY -m pagellm bench device-gguf --device cuda --shape 1b "${SAMPLE[@]}" --out "$OUT/gguf-1b.json"
+  PEER=()
+  if [ -f .whl/llama-src.tgz ]; then  # llama.cpp's CUDA build on the CPUs while the hybrid check has the GPU
+    (timeout 480 tools/llama-cpp-cuda.sh build > "$OUT/llama-build.out" 2> "$OUT/llama-build.log") &
+    BUILD=$!
+  fi
   run 240 hybrid-35b-a3b $PY -m pagellm bench device-check --device cuda --shapes qwen3.5-35b-a3b \
     --npl 1,8,32,64,128 --pp 128 --tg 128 --peers none --serve-prompts 0 --out "$OUT/hybrid-35b-a3b.json"
+  if [ -n "${BUILD:-}" ] && wait "$BUILD" && [ -x "$(tail -n 1 "$OUT/llama-build.out")" ]; then
+    PEER=(--llama-batched-bench "$(tail -n 1 "$OUT/llama-build.out")")
+  elif [ -n "${BUILD:-}" ]; then
+    echo "   llama.cpp's CUDA build did not finish: $OUT/llama-build.log"
+  fi
+  run 300 gguf-1b $PY -m pagellm bench device-gguf --device cuda --shape 1b "${SAMPLE[@]}" "${PEER[@]}" \
+    --out "$OUT/gguf-1b.json"
 else
   export TRITON_INTERPRET=1  # the GGUF numerics run the Triton kernels under the interpreter here
   run 300 gguf-tiny $PY -m pagellm bench device-gguf --device cpu --shape tiny --npl 1,2 --pp 16 --tg 4 \
