@@ -92,6 +92,7 @@ class WeightCounts:
     @classmethod
     def of(cls, model: nn.Module) -> "WeightCounts":
         from pagellm.layers.gguf_linear import GGUFLinear
+        from pagellm.layers.gguf_planes import GGUFPlanesLinear
         from pagellm.layers.quantized import QuantizedEmbedding, QuantizedLinear
         from pagellm.loader.quantization import weight_bytes
 
@@ -107,7 +108,8 @@ class WeightCounts:
         head = embed if tied else model.lm_head
         head_tables = {id(head), id(getattr(head, "table", None))}
         linears = [m for m in model.modules()
-                   if isinstance(m, (nn.Linear, QuantizedLinear, GGUFLinear)) and id(m) not in head_tables]
+                   if isinstance(m, (nn.Linear, QuantizedLinear, GGUFLinear, GGUFPlanesLinear))
+                   and id(m) not in head_tables]
         read = weight_bytes(model)  # resident bytes, quantized or not, tied storage once
         if not tied:
             read -= weight_bytes(embed)  # the lookup reads a few rows, not the table
