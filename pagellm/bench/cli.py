@@ -128,7 +128,8 @@ def _add_device_gguf_parser(kinds) -> None:
     gguf = kinds.add_parser("device-gguf", help="GGUF blocks on a GPU: the Triton matmuls on real tensors, their "
                             "crossovers, and rows of a Q4_K_M file in blocks, dequantized, and llama.cpp's")
     gguf.add_argument("--device", default="cuda", help="torch device (default cuda)")
-    gguf.add_argument("--shape", default="8b", help="Llama shape of the file written: tiny, 1b, 8b (default 8b)")
+    gguf.add_argument("--shape", default="8b", help="shape of the file written: Llama tiny, 1b, 8b; Qwen3.5-MoE "
+                      "tiny-hybrid, qwen3.5-35b-a3b (default 8b)")
     gguf.add_argument("--npl", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
     gguf.add_argument("--pp", type=int, default=512, help="prompt tokens per sequence (default 512)")
     gguf.add_argument("--tg", type=int, default=64, help="generated tokens per sequence (default 64)")

@@ -6,10 +6,10 @@ a CPU at tiny shapes.
        in fp64: the worst error over bf16's rounding bound (on a CPU: fp32 under TRITON_INTERPRET=1);
     2. crossovers: each kernel timed per M at an 8B MLP matrix, per format: the fastest, and where it changes
        (CUDA only);
-    3. speed: a Q4_K_M Llama of the shape written on the machine itself, then llama-batched-bench rows (PP, TG,
-       npl) for the file in planes, the same file dequantized to bf16 (--quantization none), graphs on, engines
-       alternating; and llama.cpp's own `llama-batched-bench` on the same file where a binary is given. Each
-       engine's resident weights beside the file's size.
+    3. speed: a Q4_K_M Llama (or Qwen3.5-MoE: bench/hybrid_gguf.py) of the shape written on the machine itself,
+       then llama-batched-bench rows (PP, TG, npl) for the file in planes, the same file dequantized to bf16
+       (--quantization none), graphs on, engines alternating; and llama.cpp's own `llama-batched-bench` on the
+       same file where a binary is given. Each engine's resident weights beside the file's size.
 
     pagellm bench device-gguf --device cuda --shape 8b --npl 1,16,64 --pp 512 --tg 64 --sample sample.gguf \
         --out gguf.json
@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 from pagellm.bench import batched, device_check, device_steps, gguf_files, report
+from pagellm.bench.hybrid_gguf import write_hybrid_gguf
+from pagellm.bench.hybrid_shapes import HYBRID_SHAPES
 from pagellm.bench.report import Column
 
 T = gguf_files.T
@@ -122,11 +124,13 @@ def _cuda_ms(run, repeats: int = 20) -> float:
 def speed(args: argparse.Namespace, path: Path) -> list[dict]:
     """Rows of the file in planes and dequantized, engines alternating (medians of --repeats)."""
     mode = device_steps.MODES["graphs-async" if torch.device(args.device).type == "cuda" else "async"]
-    kv = device_check.kv_gib_for(SHAPES[args.shape], args)
+    kv = device_check.kv_gib(args.shape, args) if args.shape in HYBRID_SHAPES else \
+        device_check.kv_gib_for(SHAPES[args.shape], args)
     engines = {name: batched.build_engine(str(path), args.dtype, max(args.npl), args.pp, args.tg, device=args.device,
                                           kv_cache_memory=kv, quantization=q, **mode) for name, q in ENGINES.items()}
     try:
-        rng, vocab, figures = random.Random(args.seed), SHAPES[args.shape]["vocab_size"], {}
+        rng, figures = random.Random(args.seed), {}
+        vocab = next(iter(engines.values())).hf_config.vocab_size
         for b in args.npl:  # warm-up: compilations and graph captures stay out of the figures
             for engine in engines.values():
                 batched.timed_run(engine, batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)
@@ -167,20 +171,23 @@ def main(args: argparse.Namespace) -> int:
         names = gguf_files.write_sample(source, Path(args.write_sample), SAMPLE_TYPES)
         print(f"wrote {len(names)} tensors of {source.name} to {args.write_sample}: {', '.join(names)}")
         return 0
-    if args.shape not in SHAPES:
-        raise ValueError(f"--shape: unknown shape {args.shape!r}; known: {', '.join(SHAPES)}")
+    if args.shape not in SHAPES and args.shape not in HYBRID_SHAPES:
+        raise ValueError(f"--shape: unknown shape {args.shape!r}; known: {', '.join([*SHAPES, *HYBRID_SHAPES])}")
     on_cuda = torch.device(args.device).type == "cuda"
     gpu = torch.cuda.get_device_name(args.device) if on_cuda else "CPU"
     result = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "commit": args.commit or _commit(),
               "rows": [],
               "errors": {}, "checks": {"numerics": numerics(args.device, Path(args.sample) if args.sample else None),
-                                       "crossovers": crossovers(args.device, SHAPES[args.shape])}}
+                                       "crossovers": crossovers(args.device, SHAPES.get(args.shape, SHAPES["8b"]))}}
     print(f"numerics (Triton on real tensors vs fp64): {result['checks']['numerics']}")
     found = result["checks"]["crossovers"]
     print("crossovers:", found.get("not_run") or {kind: (v["gemv_max"], v["dot_max"]) for kind, v in found.items()})
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"llama-{args.shape}-q4_k_m.gguf"
-        gguf_files.write_llama_gguf(SHAPES[args.shape], path)
+        if args.shape in HYBRID_SHAPES:  # a Qwen3.5-MoE: the experts in blocks too
+            write_hybrid_gguf(args.shape, path)
+        else:
+            gguf_files.write_llama_gguf(SHAPES[args.shape], path)
         result["file_gib"] = path.stat().st_size / 2**30
         for name, measure in (("pagellm", lambda: speed(args, path)),
                               ("llama.cpp", lambda: llama_cpp_rows(args.llama_batched_bench, path, args)

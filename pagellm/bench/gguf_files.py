@@ -76,13 +76,7 @@ def write_llama_gguf(config: dict, path: Path, seed: int = 0) -> dict[str, T]:
                        (writer.add_head_count_kv, config["num_key_value_heads"]),
                        (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 500000.0)):
         add(value)
-    vocab = [f"t{i}" for i in range(config["vocab_size"])]
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(vocab)
-    writer.add_token_scores([0.0] * len(vocab))
-    writer.add_token_types([gguf.TokenType.NORMAL] * len(vocab))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_placeholder_vocabulary(writer, config["vocab_size"])
     for name, shape in _shapes(config):
         if len(shape) == 1:
             writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
@@ -93,6 +87,17 @@ def write_llama_gguf(config: dict, path: Path, seed: int = 0) -> dict[str, T]:
     writer.write_tensors_to_file()
     writer.close()
     return types
+
+
+def add_placeholder_vocabulary(writer: gguf.GGUFWriter, size: int) -> None:
+    """A vocabulary of `size` tokens "t0", "t1", ...: the checks feed token ids, but a GGUF names its tokens."""
+    vocab = [f"t{i}" for i in range(size)]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(vocab)
+    writer.add_token_scores([0.0] * len(vocab))
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(vocab))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
 
 
 def write_sample(source: Path, path: Path, wanted: Iterable[T], per_type: int = 2,

@@ -51,3 +51,36 @@ def test_the_cpu_rehearsal_checks_a_sample_and_measures_both_engines(tmp_path, c
                for r in rows.values())
     assert rows[("pagellm-gguf", 1)]["weight_gib"] < 0.4 * rows[("pagellm-dequantized", 1)]["weight_gib"]
     assert rows[("pagellm-dequantized", 1)]["weights"].startswith("q4_k_m as ")  # the level's dense dtype
+
+
+def test_the_qwen3_5_moe_file_is_q4_k_m_at_its_published_size():
+    """The 35B-A3B file's tensors and types, from the shape alone (nothing written): about 21 GB, as Q4_K_M files
+    of it are published; experts, attention and DeltaNet projections Q4_K or Q6_K, the router and the DeltaNet's
+    per-head vectors F32."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from pagellm.bench.hybrid_gguf import _tensors, tensor_type
+    from pagellm.bench.hybrid_shapes import write_hybrid_shape
+    from pagellm.loader.safetensors import load_hf_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_hf_config(write_hybrid_shape("qwen3.5-35b-a3b", Path(tmp)))
+    kinds = {name: (tensor_type(name, dims[-1], 40), dims) for name, dims in _tensors(config)}
+    size = sum(np.prod(dims) // gguf.GGML_QUANT_SIZES[k][0] * gguf.GGML_QUANT_SIZES[k][1] for k, dims in kinds.values())
+    assert 20.5e9 < size < 21.5e9
+    assert kinds["blk.0.ffn_gate_up_exps.weight"][0] == T.Q4_K and kinds["blk.0.ffn_down_exps.weight"][0] == T.Q6_K
+    assert kinds["blk.6.ffn_down_exps.weight"][0] == T.Q4_K and kinds["blk.3.attn_q.weight"][0] == T.Q4_K
+    assert kinds["blk.0.ffn_gate_inp.weight"][0] == T.F32 and kinds["blk.0.ssm_a"][0] == T.F32
+
+
+def test_the_hybrid_rehearsal_loads_its_experts_in_blocks(tmp_path, capsys):
+    out = tmp_path / "gguf.json"
+    run_cli(capsys, "device-gguf", "--device", "cpu", "--shape", "tiny-hybrid", "--npl", "1", "--pp", "8", "--tg",
+            "2", "--out", str(out))
+    rows = {r["engine"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"pagellm-gguf", "pagellm-dequantized"}
+    # the tiny shape's rows are Q8_0 (not whole 256-column super-blocks) and its F32 vectors weigh: not 0.3x
+    assert rows["pagellm-gguf"]["weight_gib"] < 0.7 * rows["pagellm-dequantized"]["weight_gib"]
