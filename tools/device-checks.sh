@@ -7,7 +7,8 @@
 #
 # Next, when the budget allows (each server start loads the model again): the original documents' serving run,
 #   python3 -m pagellm bench device-check --device cuda --shapes qwen3.5-35b-a3b --npl 1 --peers none \
-#     --serve-prompts 128 --serve-shape qwen3.5-35b-a3b --serve-shared-prefix 1000 --serve-max-seqs 128
+#     --serve-prompts 128 --serve-shape qwen3.5-35b-a3b --serve-shared-prefix 1000 --serve-max-seqs 128 \
+#     --serve-rounds 5       (a soak: memory after each round, then a too-long prompt must be a 400)
 #
 # Before a device run, on the host: the wheels its image lacks and a sample of real GGUF tensors, both carried
 # (ignored paths):
@@ -50,6 +51,8 @@ if [ "$DEVICE" = cuda ]; then
   fi
   run 300 gguf-1b $PY -m pagellm bench device-gguf --device cuda --shape 1b "${SAMPLE[@]}" "${PEER[@]}" \
     --out "$OUT/gguf-1b.json"
+  # next when the budget allows: the 35B-A3B file in Q4_K_M blocks (21 GB written on the device) against
+  # llama.cpp, issue 54's headline: device-gguf --shape qwen3.5-35b-a3b --npl 1,8,32 --pp 128 --tg 128
 else
   export TRITON_INTERPRET=1  # the GGUF numerics run the Triton kernels under the interpreter here
   run 300 gguf-tiny $PY -m pagellm bench device-gguf --device cpu --shape tiny --npl 1,2 --pp 16 --tg 4 \

@@ -102,6 +102,8 @@ def add_bench_parser(subparsers) -> None:
     check.add_argument("--serve-shared-prefix", type=int, default=64,
                        help="tokens every request's prompt shares (default 64)")
     check.add_argument("--serve-max-seqs", type=int, default=16, help="the server's --max-num-seqs (default 16)")
+    check.add_argument("--serve-rounds", type=int, default=1,
+                       help="times the serving workload runs against each server, memory read after each (a soak)")
     add_output_arguments(check, "device-check", "write checks and rows to FILE.json")
     check.set_defaults(func=_run_device_check)
 

@@ -282,7 +282,8 @@ def main(args: argparse.Namespace) -> int:
                 report.write_json(args.out, result)
     print(report.format_table(result["rows"], COLUMNS))
     checks = result["checks"]
-    serving_failed = any("error" in r or r.get("failed") for r in result.get("serving", {}).values())
+    serving_failed = any("error" in r or r.get("failed") or not 400 <= r.get("too_long_status", 400) < 500
+                         for r in result.get("serving", {}).values())
     failed = serving_failed or not checks["parity"]["ok"] or any(
         not r.get("ok", True) for check in ("attention", "layer_ops", "step_modes")
         for r in checks[check].values() if isinstance(r, dict))

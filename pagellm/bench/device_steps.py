@@ -208,7 +208,9 @@ def serving_model(directory: Path) -> Path:
 
 def serving(args: argparse.Namespace, model: Path) -> dict:
     """A short `bench serve` run (streaming clients, Poisson arrivals) against `pagellm serve` on the device with
-    `model` (random weights), eager and each mode: throughput, TTFT and what the server counted."""
+    `model` (random weights), eager and each mode: throughput, TTFT and what the server counted; repeated
+    --serve-rounds times, the memory in use read after each (the device's on CUDA, the server's resident set on a
+    CPU), then a prompt longer than the model takes, whose answer must be a 4xx, not a crash."""
     from pagellm.bench import serve
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the results
@@ -225,15 +227,39 @@ def serving(args: argparse.Namespace, model: Path) -> dict:
                                        *SERVE_FLAGS[mode]])
         try:
             server.start()
-            summary, runs, _ = serve.run(server.url, options, {}, tokenizer, prompts)
+            memory, failed = [], 0
+            for _ in range(args.serve_rounds):  # a soak: the same workload again, memory read after each
+                summary, runs, _ = serve.run(server.url, options, {}, tokenizer, prompts)
+                memory.append(_memory_mib(args.device, server.proc.pid))
+                failed += summary.get("failed") or 0
+            too_long = _too_long_status(server.url, tokenizer.vocab_size)
         except Exception as e:  # noqa: BLE001 - one mode's failure must not lose the others
             results[mode] = {"error": f"{type(e).__name__}: {e}"}
             continue
         finally:
             server.stop()
-        results[mode] = {k: summary.get(k) for k in ("completed", "failed", "output_token_throughput",
+        results[mode] = {k: summary.get(k) for k in ("completed", "output_token_throughput",
                                                      "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                                                      "prefix_cache_hit_ratio", "host_ms_per_step",
                                                      "decode_graph_replay_rate")}
+        results[mode] |= {"failed": failed, "memory_mib_after_each_round": memory, "too_long_status": too_long}
         print(f"  serving {mode}: {results[mode]}", file=sys.stderr)
     return results
+
+
+def _memory_mib(device: str, pid: int) -> float:
+    """Memory in use: the GPU's (every process on it) on CUDA, else the server process's resident set."""
+    if torch.device(device).type == "cuda":
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return (total - free) / 2**20
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def _too_long_status(url: str, vocab_size: int) -> int:
+    """The HTTP status of a completion whose prompt (token ids) is longer than any context the server holds."""
+    import httpx
+
+    prompt = [i % vocab_size for i in range(300_000)]
+    response = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=120)
+    return response.status_code
