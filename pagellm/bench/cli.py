@@ -77,6 +77,27 @@ def add_bench_parser(subparsers) -> None:
                          help="measure the roofline with small sizes (smoke tests: an order of magnitude only)")
     compare.set_defaults(func=_run_compare)
 
+    _add_device_check_parser(kinds)
+    _add_device_gguf_parser(kinds)
+
+    accuracy = kinds.add_parser("accuracy", help="a mode's distance from the dense fp32 model of the same file "
+                                "(top-1 agreement, KL, perplexity), beside llama.cpp's on the same text")
+    _add_common(accuracy)
+    accuracy.add_argument("--text", required=True, help="a plain-text file (e.g. /usr/share/common-licenses/GPL-3)")
+    accuracy.add_argument("--positions", type=int, default=256, help="positions compared (default 256)")
+    accuracy.add_argument("--peers", default="llama.cpp", help="llama.cpp, or none (default llama.cpp)")
+    accuracy.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
+    accuracy.set_defaults(func=_run_accuracy)
+
+    collectives = kinds.add_parser("collectives", help="combining partial [N, E] outputs over ranks: "
+                                   "all-reduce vs all-to-all (the MoE expert-parallel choice)")
+    add_collectives_arguments(collectives)
+    collectives.set_defaults(func=_run_collectives)
+    _add_serve_parsers(kinds)
+
+
+def _add_device_check_parser(kinds) -> None:
+    """`bench device-check`: the GPU run for the model families and the step modes (bench/device_check.py)."""
     check = kinds.add_parser("device-check", help="parity, the Triton attention and speed rows on a device, "
                              "at real shapes with random weights (rehearse with --device cpu --shapes tiny)")
     check.add_argument("--device", default="cuda", help="torch device (default cuda)")
@@ -106,23 +127,6 @@ def add_bench_parser(subparsers) -> None:
                        help="times the serving workload runs against each server, memory read after each (a soak)")
     add_output_arguments(check, "device-check", "write checks and rows to FILE.json")
     check.set_defaults(func=_run_device_check)
-
-    _add_device_gguf_parser(kinds)
-
-    accuracy = kinds.add_parser("accuracy", help="a mode's distance from the dense fp32 model of the same file "
-                                "(top-1 agreement, KL, perplexity), beside llama.cpp's on the same text")
-    _add_common(accuracy)
-    accuracy.add_argument("--text", required=True, help="a plain-text file (e.g. /usr/share/common-licenses/GPL-3)")
-    accuracy.add_argument("--positions", type=int, default=256, help="positions compared (default 256)")
-    accuracy.add_argument("--peers", default="llama.cpp", help="llama.cpp, or none (default llama.cpp)")
-    accuracy.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
-    accuracy.set_defaults(func=_run_accuracy)
-
-    collectives = kinds.add_parser("collectives", help="combining partial [N, E] outputs over ranks: "
-                                   "all-reduce vs all-to-all (the MoE expert-parallel choice)")
-    add_collectives_arguments(collectives)
-    collectives.set_defaults(func=_run_collectives)
-    _add_serve_parsers(kinds)
 
 
 def _add_device_gguf_parser(kinds) -> None:

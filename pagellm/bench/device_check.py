@@ -204,25 +204,33 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
         for peer in args.peers:
             hf = peers.HFTransformersPeer(engine, static=peer == "hf-static", model=model)
             runners[hf.name], model = hf.run, hf.model  # one HF model on pagellm's tensors serves both peers
-        rng, vocab, figures = random.Random(args.seed), engine.hf_config.vocab_size, {}
-        for b in args.npl:  # warm-up at every measured shape: compilations (Triton's, transformers') stay out
-            for run in runners.values():
-                run(batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)
-        for _ in range(args.repeats):
-            for b in args.npl:
-                prompts = batched.random_prompts(rng, b, args.pp, vocab, False)
-                for name, run in runners.items():
-                    row = batched.batched_row(args.pp, args.tg, b, *run(prompts, args.tg))
-                    figures.setdefault((name, b), []).append(row)
-                    print(f"  {shape} B={b} {name}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}", file=sys.stderr)
+        rng, vocab = random.Random(args.seed), engine.hf_config.vocab_size
+        figures = alternated(args, shape, runners, vocab, rng)
         idle = {b: device_steps.gpu_idle_ms_per_step(engine, batched.random_prompts(rng, b, args.pp, vocab, False),
                                                      args.tg) for b in args.npl}
     finally:
         engine.shutdown()
-    return [{"shape": shape, "B": b, "engine": name, "PP": args.pp, "TG": args.tg,
-             **{k: statistics.median(r[k] for r in rows) for k in ("S_PP", "S_TG")},
+    return [{"shape": shape, "B": b, "engine": name, "PP": args.pp, "TG": args.tg, **figure,
              "gpu_idle_ms_per_step": idle[b] if name == "pagellm-eager" else None}
-            for (name, b), rows in figures.items()]
+            for (name, b), figure in figures.items()]
+
+
+def alternated(args: argparse.Namespace, shape: str, runners: dict, vocab: int,
+               rng: random.Random) -> dict[tuple[str, int], dict]:
+    """{(runner, B): median S_PP and S_TG} of --repeats rounds, the runners ((prompts, tg) -> (t_pp, t_tg))
+    alternating on the same prompts, after a warm-up at every B (compilations and captures stay out)."""
+    for b in args.npl:
+        for run in runners.values():
+            run(batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)
+    rows = {}
+    for _ in range(args.repeats):
+        for b in args.npl:
+            prompts = batched.random_prompts(rng, b, args.pp, vocab, False)
+            for name, run in runners.items():
+                row = batched.batched_row(args.pp, args.tg, b, *run(prompts, args.tg))
+                rows.setdefault((name, b), []).append(row)
+                print(f"  {shape} B={b} {name}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}", file=sys.stderr)
+    return {key: {k: statistics.median(r[k] for r in runs) for k in ("S_PP", "S_TG")} for key, runs in rows.items()}
 
 
 def kv_gib(shape: str, args: argparse.Namespace) -> float:

@@ -20,6 +20,7 @@ a CPU at tiny shapes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -129,19 +130,9 @@ def speed(args: argparse.Namespace, path: Path) -> list[dict]:
     engines = {name: batched.build_engine(str(path), args.dtype, max(args.npl), args.pp, args.tg, device=args.device,
                                           kv_cache_memory=kv, quantization=q, **mode) for name, q in ENGINES.items()}
     try:
-        rng, figures = random.Random(args.seed), {}
+        runners = {name: functools.partial(batched.timed_run, engine) for name, engine in engines.items()}
         vocab = next(iter(engines.values())).hf_config.vocab_size
-        for b in args.npl:  # warm-up: compilations and graph captures stay out of the figures
-            for engine in engines.values():
-                batched.timed_run(engine, batched.random_prompts(rng, b, args.pp, vocab, False), args.tg)
-        for _ in range(args.repeats):
-            for b in args.npl:
-                prompts = batched.random_prompts(rng, b, args.pp, vocab, False)
-                for name, engine in engines.items():
-                    row = batched.batched_row(args.pp, args.tg, b, *batched.timed_run(engine, prompts, args.tg))
-                    figures.setdefault((name, b), []).append(row)
-                    print(f"  {args.shape} B={b} {name}: S_PP {row['S_PP']:.1f} S_TG {row['S_TG']:.1f}",
-                          file=sys.stderr)
+        figures = device_check.alternated(args, args.shape, runners, vocab, random.Random(args.seed))
         held = {name: engine.memory["weight_bytes"] / 2**30 for name, engine in engines.items()}
         weights = {name: "q4_k_m" if q == "auto" else f"q4_k_m as {report.engine_dtypes(engines[name])}"
                    for name, q in ENGINES.items()}
@@ -149,9 +140,7 @@ def speed(args: argparse.Namespace, path: Path) -> list[dict]:
         for engine in engines.values():
             engine.shutdown()
     return [{"engine": name, "shape": args.shape, "weights": weights[name], "B": b, "PP": args.pp, "TG": args.tg,
-             "weight_gib": held[name],
-             **{k: statistics.median(r[k] for r in rows) for k in ("S_PP", "S_TG")}}
-            for (name, b), rows in figures.items()]
+             "weight_gib": held[name], **figure} for (name, b), figure in figures.items()]
 
 
 def llama_cpp_rows(binary: str, path: Path, args: argparse.Namespace) -> list[dict]:

@@ -50,14 +50,9 @@ class GGUFLinear(KernelUser, nn.Module):
         super().use_kernel_level(level)
 
     def bound(self) -> gguf_blocks.BoundMatmul:
-        """The kernel bound to this layer's tensors: built once, again if a buffer or the bias was replaced
-        (checked by identity: a forward pays a few attribute reads, not a rebuild of the segments)."""
-        tensors = (*self._buffers.values(), self.bias)
-        bound, key = self.bindings.get("matmul", (None, ()))
-        if bound is None or len(key) != len(tensors) or any(a is not b for a, b in zip(key, tensors)):
-            bound = gguf_blocks.BoundMatmul(self.segments(), self.bias, self.kernel_level)
-            self.bindings["matmul"] = (bound, tensors)
-        return bound
+        """The kernel bound to this layer's tensors (KernelUser.bound_to_tensors)."""
+        return self.bound_to_tensors(
+            "matmul", lambda: gguf_blocks.BoundMatmul(self.segments(), self.bias, self.kernel_level))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bound()(x)  # [..., K] -> [..., N] in x's dtype

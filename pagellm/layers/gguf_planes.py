@@ -35,14 +35,9 @@ class GGUFPlanesLinear(KernelUser, nn.Module):
                 for i, t in enumerate(self.formats)]
 
     def bound_matmul(self):
-        """(x, out dtype | None) -> y through the ops' kernel, bound to this layer's tensors: made once, again if a
-        buffer or the bias was replaced (moved to a device), checked by identity."""
-        tensors = (*self._buffers.values(), self.bias)
-        bound, key = self.bindings.get("matmul", (None, ()))
-        if bound is None or len(key) != len(tensors) or any(a is not b for a, b in zip(key, tensors)):
-            bound = self.ops.gguf_planes_matmul(self.segments(), self.bias)
-            self.bindings["matmul"] = (bound, tensors)
-        return bound
+        """(x, out dtype | None) -> y through the ops' kernel, bound to this layer's tensors
+        (KernelUser.bound_to_tensors)."""
+        return self.bound_to_tensors("matmul", lambda: self.ops.gguf_planes_matmul(self.segments(), self.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bound_matmul()(x)  # [..., K] -> [..., N] in x's dtype

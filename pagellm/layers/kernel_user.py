@@ -45,6 +45,17 @@ class KernelUser:
             self.bindings[key] = make()
         return self.bindings[key]
 
+    def bound_to_tensors(self, key, make):
+        """bindings[key], made by make() for this module's buffers and bias as they are, again once one of them was
+        replaced (moved to a device, swapped): checked by identity, so a forward pays a few attribute reads, not a
+        rebuild."""
+        tensors = (*self._buffers.values(), getattr(self, "bias", None))
+        bound, held = self.bindings.get(key, (None, ()))
+        if bound is None or len(held) != len(tensors) or any(a is not b for a, b in zip(held, tensors)):
+            bound = make()
+            self.bindings[key] = (bound, tensors)
+        return bound
+
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["bindings"] = {}

@@ -98,7 +98,8 @@ class ModelRunner:
         max_num_seqs = config.scheduler.max_num_seqs
         self.input_batch = InputBatch(max_num_seqs, self.device, grammars if self.samples else None)
         # a model with recurrent state pads its steps only where its decode kernels skip a padded row's slot
-        delta = backend.layer_ops().gated_delta_decode
+        ops = backend.layer_ops()  # the modules' table, bound by the plan below
+        delta = ops.gated_delta_decode
         pads_state = bool(state_layers_of(model)) and delta is not None and delta.skips_padding
         graphs = backend.decode_graphs and links is None and (not state_layers_of(model) or pads_state)
         decode_buckets = backend.graph_sizes
@@ -120,7 +121,7 @@ class ModelRunner:
         # modules (models/bound_layers.py); tensor parallel's all-reduce goes into a bound plan.
         self.plan_settings = PlanSettings(self.kernel_level, backend.compute_dtype, backend.kv_cache_dtype,
                                           config.kernels.bound_layers, links.all_reduce if links else None,
-                                          backend.narrow_dtype, backend.step_kernels(), backend.layer_ops())
+                                          backend.narrow_dtype, backend.step_kernels(), ops)
         self.plan: LayerPlan = self.replan()
         self.state_layers = state_layers_of(model)
         self.state_pages = self._bind_states(setup.num_state_slots + setup.num_snapshot_slots)

@@ -13,12 +13,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pagellm.kernels.cpu import attention
 from pagellm.kernels.reference import attention as reference_attention
 from tests.gpu import DEVICE, ON_GPU, interpreter
 from tests.kernels.attention_cases import make_case

@@ -7,15 +7,11 @@ in fp16, that it rounds where the torch ops round. bf16 is checked on a GPU (`pa
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels.cpu import attention, elementwise, layer_ops
 from pagellm.kernels.reference import attention as reference_attention
-from pagellm.kernels.build import native
 from pagellm.layers.norm import RMSNorm
 from pagellm.kernels.reference.layer_ops import rotary as apply_rotary_reference
 from tests.gpu import DEVICE, ON_GPU, interpreter

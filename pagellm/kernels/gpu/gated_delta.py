@@ -85,7 +85,7 @@ def check_decode(conv_state: torch.Tensor, recurrent_state: torch.Tensor, x: tor
         raise IndexError(f"a state slot of {slots} is outside the {num_slots} slots")
 
 
-def _slots_ok(slots: torch.Tensor, count: int, num_slots: int, device: torch.device) -> None:
+def _slots_ok(slots: torch.Tensor, count: int, device: torch.device) -> None:
     if slots.dtype != torch.int64 or slots.dim() != 1 or slots.numel() != count or slots.device != device:
         raise ValueError(f"slots: a [{count}] int64 tensor on {device} is needed, got {slots.dtype} "
                          f"{list(slots.shape)} on {slots.device}")
@@ -95,7 +95,7 @@ def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     """conv_state [S, C, K-1] (in place), slots [B] int64 (negative: padding), x [B, C], weight [C, K] -> silu(conv)
     [B, C] in x's dtype."""
     batch, channels = x.shape
-    _slots_ok(slots, batch, conv_state.shape[0], x.device)
+    _slots_ok(slots, batch, x.device)
     if not (conv_state.is_contiguous() and weight.is_contiguous() and x.stride(-1) == 1):
         raise ValueError("conv_decode_: the conv state and weight must be contiguous, x rows of unit stride")
     out = torch.empty_like(x)
@@ -113,7 +113,7 @@ def rule_decode_(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: t
     v [B, Hv, dv], g, beta [B, Hv] fp32."""
     _, v_heads, dk, dv = state.shape
     batch, k_heads = q.shape[:2]
-    _slots_ok(slots, batch, state.shape[0], q.device)
+    _slots_ok(slots, batch, q.device)
     tensors = (state, q, k, v, g, beta)
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or k.stride() != q.stride():
         raise ValueError("rule_decode_: state, q, k, v, g and beta must be contiguous fp32")

@@ -24,8 +24,7 @@ import triton.language as tl
 
 from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS, GGUFPlanes, T
 
-Q8_0, Q4_1, Q5_0, Q5_1 = FORMATS.index(T.Q8_0), FORMATS.index(T.Q4_1), FORMATS.index(T.Q5_0), FORMATS.index(T.Q5_1)
-Q4_K, Q5_K, Q6_K = FORMATS.index(T.Q4_K), FORMATS.index(T.Q5_K), FORMATS.index(T.Q6_K)
+# FMT: a format's index in FORMATS (0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 Q4_K, 6 Q5_K, 7 Q6_K)
 
 
 @triton.jit
@@ -277,7 +276,7 @@ class BoundPlanesMatmul:
         m = rows.shape[0]
         out = torch.empty((m, self.out_features), dtype=out_dtype or x.dtype, device=x.device)
         if m:
-            crossovers = CROSSOVERS[self.segments[0].ggml_type]
+            crossovers = CROSSOVERS[self.segments[0].ggml_type]  # a joined layer: its first segment's
             if m > crossovers.dot_max:
                 self._dense(rows, out)
             else:
