@@ -11,7 +11,8 @@ import types
 import typing
 
 from pagellm.collector import collector_paused
-from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagellm.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                            SpeculativeConfig, speculative_config_from)
 from pagellm.kernels.build.errors import KernelBuildError
 from pagellm.server.tool_calls import PARSERS
 
@@ -43,13 +44,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                    help=f.metadata.get("help"))
             else:
                 group.add_argument(flag, type=kind, default=default, help=f.metadata.get("help"))
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--speculative-config", type=_speculative_arg, default=None, metavar="JSON",
+                       help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'. Keys: ' +
+                       "; ".join(f"{f.name}: {f.metadata['help']}" for f in dataclasses.fields(SpeculativeConfig)))
+
+
+def _speculative_arg(text: str):
+    try:
+        return speculative_config_from(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     parts = {}
     for section, cls in _ENGINE_SECTIONS:
         parts[section] = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-    return EngineConfig(**parts)
+    return EngineConfig(**parts, speculative=args.speculative_config)
 
 
 def _generate(args: argparse.Namespace) -> int:

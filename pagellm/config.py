@@ -8,6 +8,7 @@ in a config never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -243,6 +244,66 @@ class KernelConfig(_FromDict):
             raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
 
 
+SPECULATIVE_METHODS = ("ngram",)  # draft_model and mtp: not built yet (refused by name, never ignored)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(_FromDict):
+    """vLLM's --speculative-config keys (those pagellm runs), plus the adaptive switches."""
+
+    method: str = _help("How tokens are proposed: ngram (prompt lookup over the request's own tokens).",
+                        default="ngram")
+    num_speculative_tokens: int = _help("Most tokens proposed per request and step (k).", default=4)
+    prompt_lookup_min: int = _help("Shortest suffix n-gram looked up.", default=2)
+    prompt_lookup_max: int = _help("Longest suffix n-gram looked up (the longest with a match wins).", default=4)
+    disable_by_batch_size: int = _help(
+        "No speculation in a step with more decoding requests than this: verifying k tokens each then costs "
+        "more than it saves (vLLM's key).", default=8)
+    adaptive: bool = _help(
+        "Each request's draft length follows its measured acceptance (off: always num_speculative_tokens).",
+        default=True)
+    draft_token_cost: float = _help(
+        "What one more verified token costs relative to a one-token decode step, for the adaptive draft length "
+        "(measured: docs/PERFORMANCE.md).", default=0.1)
+    model: str | None = _help("The draft model (method draft_model): not built yet.", default=None)
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method {self.method!r} is not supported; supported: "
+                             f"{', '.join(SPECULATIVE_METHODS)} (draft_model and mtp are not built yet)")
+        if self.model is not None:
+            raise ValueError("speculative_config.model: a draft model needs method draft_model, not built yet")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..16, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got "
+                             f"{self.disable_by_batch_size}")
+        if not 0.0 <= self.draft_token_cost < 1.0:
+            raise ValueError(f"speculative_config.draft_token_cost must be in [0, 1), got {self.draft_token_cost}")
+
+
+def speculative_config_from(value) -> SpeculativeConfig | None:
+    """--speculative-config's JSON text, LLM(speculative_config=...)'s dict, or a SpeculativeConfig (None: off);
+    a ValueError naming speculative_config for anything else."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except TypeError as exc:  # a value of the wrong type reaching a comparison
+        raise ValueError(f"speculative_config: {exc}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig(_FromDict):
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -250,10 +311,14 @@ class EngineConfig(_FromDict):
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self):
         if self.scheduler.async_scheduling and self.parallel.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1: the ranks run each step in lockstep")
+        if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative_config needs tensor_parallel_size 1: the workers' state rollback is "
+                             "not built yet")
 
 
 LOG_FORMATS = ("text", "json")

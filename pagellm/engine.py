@@ -120,7 +120,8 @@ class LLMEngine:
         idle_budget = idle_budget_blocks(cc.prefix_cache_memory, num_blocks, self.kv_bytes_per_block,
                                          self.backend.host_memory)
         self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots, idle_budget)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.state_pool)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.state_pool,
+                                   config.speculative)
         setup = self._runner_setup()
         # Structured output needs the vocabulary's text; nothing is built until a request asks for it.
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size) if self.tokenizer is not None else None
@@ -143,9 +144,11 @@ class LLMEngine:
 
     def _runner_setup(self) -> RunnerSetup:
         """The cache sizes every runner (and, when parallel, every rank's) is built with."""
-        snapshots = self.kv_cache.snapshots
-        return RunnerSetup(self.kv_cache.pool.num_blocks, self.state_pool.num_slots if self.state_pool else 0,
-                           snapshots.num_rows if snapshots else 0, self.max_model_len)
+        snapshots, spec = self.kv_cache.snapshots, self.config.speculative
+        num_slots = self.state_pool.num_slots if self.state_pool else 0
+        draft_rows = num_slots * spec.num_speculative_tokens if spec is not None else 0
+        return RunnerSetup(self.kv_cache.pool.num_blocks, num_slots, snapshots.num_rows if snapshots else 0,
+                           self.max_model_len, draft_rows)
 
     def _make_state_pool(self) -> StatePool | None:
         """One recurrent-state slot per running request, budgeted apart from the KV blocks."""
@@ -311,7 +314,9 @@ class LLMEngine:
         """A collected step: tokens to their requests, detokenized, stop strings and limits checked."""
         updated = self.scheduler.update(output, model_output)
         self.counters.record_step(output, schedule_ms, model_output, self.scheduler)
-        logprobs = dict(zip(model_output.request_ids, model_output.logprobs or ()))
+        logprobs: dict[str, list] = {}  # each request's entries, in token order (several from a verify step)
+        for request_id, entry in zip(model_output.request_ids, model_output.logprobs or ()):
+            logprobs.setdefault(request_id, []).append(entry)
         for chunk in model_output.prompt_logprobs:  # before outputs: a prompt's last chunk also samples
             state = self._states.get(chunk.request_id)
             if state is not None:  # None: aborted while the step ran
@@ -323,10 +328,10 @@ class LLMEngine:
                 state.embedding = list(vector)
                 self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
                 results.append(state.make_output(RequestStatus.FINISHED_STOPPED))
-        for request in updated:
+        for request, num_new in updated:
             state = self._states[request.request_id]
             try:
-                finish = state.add_token(request.output_token_ids[-1], logprobs.get(request.request_id))
+                finish = self._add_tokens(state, num_new, logprobs.get(request.request_id))
             except Exception as exc:  # noqa: BLE001 - detokenizing or stop strings of this request alone
                 results.append(self.fail_request(request.request_id, f"{type(exc).__name__}: {exc}"))
                 continue
@@ -336,6 +341,20 @@ class LLMEngine:
                 del self._states[request.request_id]
             results.append(state.make_output(status))
         return results
+
+    @staticmethod
+    def _add_tokens(state: RequestState, num_new: int, logprobs: list | None) -> RequestStatus | None:
+        """A request's num_new tokens of this step (more than one from a verify step), in order; a stop string
+        ends it at its token, and the tokens after that are dropped."""
+        request = state.request
+        first = request.num_output_tokens - num_new
+        for i in range(num_new):
+            finish = state.add_token(request.output_token_ids[first + i], logprobs[i] if logprobs else None,
+                                     num_output=first + i + 1)
+            if finish is not None:
+                request.truncate_output(first + i + 1)
+                return finish
+        return None
 
     def hold(self, request_ids) -> None:
         """Leave these requests out of the next steps until hold(()): a StepError's requests, split to find

@@ -98,6 +98,15 @@ class EngineStats:
             "state_snapshots_cached": snapshots.num_cached if snapshots else 0,
             "step_message_bytes_per_step": self.step_message_bytes_total / steps,
             "step_message_bytes_last": self.step_message_bytes_last,
+            # speculative decoding: verify steps (one per request and step), drafts proposed and accepted, and
+            # the tokens a verify step emitted on average (accepted drafts + the target's own: vLLM's mean
+            # acceptance length)
+            "spec_verify_steps": scheduler.num_verify_steps,
+            "spec_draft_tokens": scheduler.num_draft_tokens,
+            "spec_accepted_tokens": scheduler.num_accepted_tokens,
+            "spec_acceptance_rate": scheduler.num_accepted_tokens / max(scheduler.num_draft_tokens, 1),
+            "spec_mean_accepted_length":
+                1 + scheduler.num_accepted_tokens / scheduler.num_verify_steps if scheduler.num_verify_steps else 0.0,
             "num_requests_running": len(scheduler.running),
             "num_requests_waiting": len(scheduler.waiting),
         }

@@ -21,8 +21,11 @@ class InFlightStep:
 
 def needs_host_tokens(output: SchedulerOutput, requests: Mapping[str, Request]) -> bool:
     """Whether a step after `output` needs its sampled tokens on the host before it is prepared: penalties count
-    a request's tokens and grammars advance on them, so such a step is not launched ahead."""
+    a request's tokens and grammars advance on them, and how many tokens a verify step emits is known only once
+    read, so such a step is not launched ahead."""
     for item in output.scheduled:
+        if item.num_draft:
+            return True
         request = requests.get(item.request_id)
         if item.sample and request is not None and (request.sampling_params.needs_penalties
                                                     or request.sampling_params.structured_outputs):

@@ -7,7 +7,8 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagellm.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                            SpeculativeConfig, speculative_config_from)
 from pagellm.engine import LLMEngine
 from pagellm.outputs import RequestOutput
 from pagellm.platform import release_cuda_library_pages
@@ -47,6 +48,7 @@ class LLM:
         load_format: str = "auto",
         enforce_eager: bool | None = None,
         cuda_graph_sizes: tuple[int, ...] = (),
+        speculative_config: dict | SpeculativeConfig | None = None,
     ):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device,
@@ -64,6 +66,7 @@ class LLM:
                                     enable_expert_parallel=enable_expert_parallel,
                                     distributed_timeout=distributed_timeout),
             kernels=KernelConfig() if cpu_isa is None else KernelConfig(cpu_isa=cpu_isa),
+            speculative=speculative_config_from(speculative_config),
         )
         self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
         release_cuda_library_pages(self.engine.device)  # torch links them; a CPU engine runs none of them

@@ -43,8 +43,10 @@ class RequestState:
                                f"{chunk.first_index - 1}")
         self._prompt_entries.extend(chunk.entries[next_index - chunk.first_index:])
 
-    def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> RequestStatus | None:
-        """Record one sampled token; return FINISHED_STOPPED if it completed a stop string."""
+    def add_token(self, token_id: int, logprobs: TokenLogprobs | None,
+                  num_output: int | None = None) -> RequestStatus | None:
+        """Record one sampled token, the num_output-th of the request's output (default: its last); return
+        FINISHED_STOPPED if it completed a stop string."""
         self._new_token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
@@ -56,7 +58,7 @@ class RequestState:
         self.text += self.detokenizer.add(token_id)
         if not self.stop or len(self.text) == searched:
             return None
-        if len(self.request.output_token_ids) < self.request.sampling_params.min_tokens:
+        if (num_output or self.request.num_output_tokens) < self.request.sampling_params.min_tokens:
             return None  # vLLM's min_tokens: no stop string ends the output before it (matches may span it)
         # A new match ends in the added text, so it starts at most len(s) - 1 characters before it.
         hits = [(self.text.find(s, max(0, searched - len(s) + 1)), s) for s in self.stop]

@@ -64,6 +64,7 @@ class Request:
         self.num_preemptions = 0
         self.slot: int | None = None  # row in the runner's persistent buffers while running
         self.state_slot: int | None = None  # hybrid models: its recurrent-state slot while running
+        self.rollback_state_row: int | None = None  # hybrid models: the state after a verify's accepted tokens
         self.first_scheduled_time: float | None = None
         self._block_size = block_size
         self.block_hashes: list[int] = []
@@ -89,6 +90,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens after the first num_output_tokens (a verify step's tokens past a stop string)."""
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        del self.output_token_ids[num_output_tokens:]
+        del self.block_hashes[len(self.all_token_ids) // self._block_size:]
 
     def _update_block_hashes(self) -> None:
         """Hash every newly completed full block (incremental: each block hashed once)."""

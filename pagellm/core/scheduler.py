@@ -22,8 +22,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from pagellm.config import SchedulerConfig
+from pagellm.config import SchedulerConfig, SpeculativeConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.speculative import DraftLength, ngram_proposal
 from pagellm.core.state_pool import StatePool
 from pagellm.core.types import PLACEHOLDER, ModelOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.request import Request, RequestStatus
@@ -31,7 +32,9 @@ from pagellm.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 state_pool: StatePool | None = None):
+                 state_pool: StatePool | None = None, speculative: SpeculativeConfig | None = None):
+        """speculative: propose tokens for decodes (core/speculative.py); with a state pool each state slot then
+        has num_speculative_tokens rollback rows after the slots and the snapshot rows (draft_state_rows)."""
         self.config = config
         self.kv_cache = kv_cache
         self.state_pool = state_pool  # hybrid models: one recurrent-state slot per running request
@@ -44,6 +47,9 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.held: frozenset[str] = frozenset()  # left out of steps while a failing request is isolated
+        self.speculative = speculative
+        self._draft_lengths: dict[str, DraftLength] = {}
+        self.num_verify_steps = self.num_draft_tokens = self.num_accepted_tokens = 0  # speculation's counters
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -89,6 +95,7 @@ class Scheduler:
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish or abort a request wherever it is; its blocks and slot return at once."""
         request = self.requests.pop(request_id, None)
+        self._draft_lengths.pop(request_id, None)
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
@@ -115,24 +122,53 @@ class Scheduler:
             request.num_computed_tokens += len(item.token_ids)
             request.num_placeholders += item.sample
         num_tokens = sum(len(item.token_ids) for item in scheduled)
-        num_decode = sum(1 for item in scheduled if item.new is None and len(item.token_ids) == 1)
+        num_decode = sum(len(item.token_ids) for item in scheduled
+                         if item.new is None and (len(item.token_ids) == 1 or item.num_draft))
         released_blocks, released_rows = self.kv_cache.take_released()
         return SchedulerOutput(tuple(scheduled), released, num_decode, num_tokens - num_decode,
                                self.kv_cache.take_registered(), released_blocks, released_rows)
 
-    def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
-        """Fill the step's placeholders with its sampled tokens; return the requests that got a token (a request
-        preempted while the step ran too: the token is its output)."""
+    def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[tuple[Request, int]]:
+        """Fill the step's placeholders with its sampled tokens; return each request that got tokens with how
+        many (a request preempted while the step ran too: the tokens are its output). A verify step's tokens
+        stop at the first that ends the request (stop id, max_tokens, max_model_len); its rejected drafts are
+        no longer computed."""
         self._settle_snapshots(output.scheduled, commit=True)
-        updated = []
+        drafts = {item.request_id: item for item in output.scheduled if item.num_draft}
+        updated: dict[str, tuple[Request, int]] = {}
         for request_id, token_id in zip(model_output.request_ids, model_output.sampled_token_ids):
             request = self.requests.get(request_id)
-            if request is None or not request.num_placeholders:
+            if request is None:
                 continue  # finished or aborted while the step ran
-            request.num_placeholders -= 1
+            got = updated.get(request_id, (request, 0))[1]
+            if got == 0:
+                if not request.num_placeholders:
+                    continue  # its placeholder was dropped (preempted with the step running, then resumed)
+                request.num_placeholders -= 1
+            elif self.check_length_stop(request) is not None:
+                continue  # an accepted draft after the token that ends it
             request.append_output_token(token_id)
-            updated.append(request)
-        return updated
+            updated[request_id] = (request, got + 1)
+        for request_id, item in drafts.items():
+            self._settle_verify(item, updated.get(request_id, (None, 0))[1])
+        return list(updated.values())
+
+    def _settle_verify(self, item: ScheduledRequest, num_emitted: int) -> None:
+        """A verify step's outcome: the rejected drafts' KV is no longer computed (the next step overwrites it;
+        the blocks stay the request's, for the tokens to come), and a hybrid model's state goes back to the
+        row after the accepted tokens. Counted for the acceptance figures and the request's draft length."""
+        request = self.requests.get(item.request_id)
+        accepted = max(num_emitted - 1, 0)
+        self.num_verify_steps += 1
+        self.num_draft_tokens += item.num_draft
+        self.num_accepted_tokens += accepted
+        if request is None or request.status != RequestStatus.RUNNING or \
+                request.num_computed_tokens != item.start_position + len(item.token_ids):
+            return  # finished, or preempted (recomputed from its tokens) while the step ran
+        request.num_computed_tokens -= item.num_draft - accepted
+        if item.draft_state_rows and accepted < item.num_draft:
+            request.rollback_state_row = item.draft_state_rows[accepted]
+        self._draft_lengths[item.request_id].record(item.num_draft, accepted)
 
     def check_length_stop(self, request: Request) -> RequestStatus | None:
         status = request.check_stop_token()
@@ -143,18 +179,45 @@ class Scheduler:
     # ---- one step, in three parts ---------------------------------------------------------
 
     def _schedule_decodes(self, scheduled: list[ScheduledRequest]) -> int:
+        """Every running request one token behind gets its decode (with a proposal to verify, when speculating);
+        returns the tokens they claim."""
+        decodes = [request for request in self.running
+                   if request.request_id not in self.held and request.num_tokens - request.num_computed_tokens == 1
+                   and not self._done_once_read(request)]
+        speculate = self.speculative is not None and len(decodes) <= self.speculative.disable_by_batch_size
         num_decode = 0
-        for request in list(self.running):
-            if request.status != RequestStatus.RUNNING or request.request_id in self.held:
-                continue  # preempted earlier in this loop, or held
-            if request.num_tokens - request.num_computed_tokens != 1 or self._done_once_read(request):
-                continue
-            new_blocks = self._allocate_or_preempt(request, 1, scheduled)
-            if new_blocks is None:
-                continue  # the request itself was preempted
-            scheduled.append(self._make_item(request, 1, new_blocks))
-            num_decode += 1
+        for request in decodes:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            item = self._verify_item(request) if speculate else None
+            if item is None:
+                new_blocks = self._allocate_or_preempt(request, 1, scheduled)
+                if new_blocks is None:
+                    continue  # the request itself was preempted
+                item = self._make_item(request, 1, new_blocks)
+            scheduled.append(item)
+            num_decode += len(item.token_ids)
         return num_decode
+
+    def _verify_item(self, request: Request) -> ScheduledRequest | None:
+        """The request's decode with its proposal, or None (no proposal, no room: a plain decode). Never
+        preempts: lookahead blocks are only taken when free."""
+        params, spec = request.sampling_params, self.speculative
+        if request.num_placeholders or params.structured_outputs is not None:
+            return None  # tokens still on their way (async); grammar masks per draft: not built yet
+        lengths = self._draft_lengths.setdefault(request.request_id, DraftLength(spec))
+        # the emitted tokens (drafts + 1) must fit max_tokens and the context
+        room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        k = min(lengths.next_k(), room)
+        if k < 1:
+            return None
+        drafts = ngram_proposal(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        if not drafts:
+            return None
+        new_blocks = self.kv_cache.allocate(request, 1 + len(drafts))
+        if new_blocks is None:
+            return None
+        return self._make_item(request, 1 + len(drafts), new_blocks, drafts=tuple(drafts))
 
     def _schedule_running_prefills(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         used = 0
@@ -242,6 +305,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv_cache.free(request)
+        request.rollback_state_row = None  # its state is recomputed (or restored from a snapshot) on resume
         if request.slot is not None:
             self._free_slots.append(request.slot)
             request.slot = None
@@ -268,26 +332,42 @@ class Scheduler:
                 snapshots.release(item.restore_snapshot)
 
     def _make_item(self, request: Request, num_new: int, new_blocks, is_new: bool = False,
-                   restore: int | None = None) -> ScheduledRequest:
+                   restore: int | None = None, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
+        """num_new tokens from the request's first not computed; drafts: proposed tokens after them (in
+        num_new)."""
         start = request.num_computed_tokens
         new = None
         if is_new:
             new = NewRequestData(tuple(request.prompt_token_ids), tuple(request.output_token_ids),
                                  request.sampling_params, request.stop_ids())
-        known = tuple(request.all_token_ids[start : start + num_new])
+        known = tuple(request.all_token_ids[start : start + num_new - len(drafts)])
+        rollback, request.rollback_state_row = request.rollback_state_row, None
         return ScheduledRequest(
             request_id=request.request_id,
             slot=request.slot,
             state_slot=request.state_slot,
-            token_ids=known + (PLACEHOLDER,) * (num_new - len(known)),
+            token_ids=known + (PLACEHOLDER,) * (num_new - len(drafts) - len(known)) + drafts,
             start_position=start,
             new_block_ids=tuple(b.block_id for b in new_blocks),
-            sample=start + num_new == request.num_tokens and request.sampling_params.pooling is None,
+            sample=start + num_new - len(drafts) == request.num_tokens and request.sampling_params.pooling is None,
             new=new,
             restore_snapshot=restore,
             snapshot_writes=self.kv_cache.plan_snapshots(request, start, start + num_new),
             num_prompt_logits=_num_prompt_logits(request, start, start + num_new),
+            num_draft=len(drafts),
+            draft_state_rows=self._draft_state_rows(request, len(drafts)),
+            rollback_state_row=rollback,
         )
+
+    def _draft_state_rows(self, request: Request, num_draft: int) -> tuple[int, ...]:
+        """Hybrid models: the rollback rows of the request's state slot, one per draft, after the running slots
+        and the prefix cache's snapshot rows (the runner binds them: RunnerSetup.num_draft_state_rows)."""
+        if not num_draft or request.state_slot is None:
+            return ()
+        snapshots = self.kv_cache.snapshots
+        first = self.state_pool.num_slots + (snapshots.num_rows if snapshots is not None else 0)
+        first += request.state_slot * self.speculative.num_speculative_tokens
+        return tuple(range(first, first + num_draft))
 
 
 def _num_prompt_logits(request: Request, start: int, end: int) -> int:

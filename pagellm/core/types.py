@@ -41,6 +41,14 @@ class ScheduledRequest:
     # (row p predicts token p + 1). Sent, not derived, because tensor-parallel workers hold no prompt
     # lengths but must join the same LM-head gathers; 0 for every other request.
     num_prompt_logits: int = 0
+    # Speculative decoding (core/speculative.py): the last num_draft of token_ids are proposed tokens; every
+    # position from the decode token on is sampled, and the longest prefix the target agrees with is kept.
+    num_draft: int = 0
+    # Hybrid models: rows the state after each of the item's first 1..num_draft tokens is copied to (the
+    # rollback points of a verify step), and a row copied into state_slot before this step: the state after the
+    # previous verify step's accepted tokens, when it rejected some.
+    draft_state_rows: tuple[int, ...] = ()
+    rollback_state_row: int | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,9 @@ class StepTimings:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """Per scheduled request that sampled: its new token (and logprobs when asked)."""
+    """Per scheduled request that sampled: its new token (and logprobs when asked). A verify step's request
+    (ScheduledRequest.num_draft) appears once per token it emits, in order: its accepted drafts, then the target's
+    own token."""
 
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[int, ...]

@@ -45,8 +45,11 @@ class SlotState:
         resumed after preemption continues the stream it would have had.
         """
         if self.generator is not None:
-            seed = (self.sampling_params.seed + _SEED_STRIDE * self.num_output_tokens) % (2**63)
-            self.generator.manual_seed(seed)
+            self.generator.manual_seed(self.seed_for(self.num_output_tokens))
+
+    def seed_for(self, num_output_tokens: int) -> int:
+        """The seed of the draw for output token `num_output_tokens` (sampling_params.seed is set)."""
+        return (self.sampling_params.seed + _SEED_STRIDE * num_output_tokens) % (2**63)
 
 
 class InputBatch:

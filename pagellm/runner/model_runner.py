@@ -11,6 +11,7 @@ with prompt_logprobs rows reads those back once more (runner/prompt_logprobs.py)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 import logging
 import time
@@ -33,6 +34,7 @@ from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_pro
 from pagellm.runner.pooling import pool_rows
 from pagellm.runner.sampled_tokens import LaunchedStep, SampledTokens, hand_out
 from pagellm.runner.sampler import Sampler
+from pagellm.runner.speculative import sampling_rows
 
 logger = logging.getLogger("pagellm.runner")
 
@@ -66,6 +68,7 @@ class RunnerSetup:
     num_state_slots: int
     num_snapshot_slots: int
     max_model_len: int
+    num_draft_state_rows: int = 0  # speculative decoding's rollback rows (core/scheduler.py _draft_state_rows)
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ class ModelRunner:
                                           backend.narrow_dtype, backend.step_kernels(), ops)
         self.plan: LayerPlan = self.replan()
         self.state_layers = state_layers_of(model)
-        self.state_pages = self._bind_states(setup.num_state_slots + setup.num_snapshot_slots)
+        self.state_pages = self._bind_states(setup.num_state_slots + setup.num_snapshot_slots
+                                             + setup.num_draft_state_rows)
         if graphs and self.plan.bound is not None:
             self.decode_graphs = DecodeGraphs(self._bound_forward, self.decode_inputs)
             if backend.captures_graphs:
@@ -214,28 +218,33 @@ class ModelRunner:
         pooled = () if pure_decode else pool_rows(hidden, output.scheduled, states)  # embedding requests
         prompt_syncs = bool(prompt_logprobs) + bool(pooled)
         sampled = [s for item, s in zip(output.scheduled, states) if item.sample]
+        drafts = [item.token_ids[len(item.token_ids) - item.num_draft:] for item in output.scheduled if item.sample]
         if not sampled:
             timings = StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, prompt_syncs, reused, replayed)
             return LaunchedStep(timings, done=ModelOutput((), (), prompt_logprobs=prompt_logprobs, pooled=pooled,
                                                           timings=timings))
-        logits = self.compute_logits(hidden[logits_rows])  # [B, V], only rows that sample
+        logits = self.compute_logits(hidden[logits_rows])  # [R, V], only rows that sample (R >= B: verify items)
         t2 = time.perf_counter()
         for state in sampled:
             state.reseed()
-        result = self.sampler(logits, sampled, overwrite=True)  # counting only tokens out (min_tokens)
+        rows = sampling_rows(sampled, drafts)  # a verify item's every position (runner/speculative.py)
+        result = self.sampler(logits, rows, overwrite=True)  # counting only tokens out (min_tokens)
         for state in sampled:
             state.num_pending += 1  # this step's token, on its way until collect
-        self._last_samples = result.token_ids, {s.request_id: row for row, s in enumerate(sampled)}
+        # each request's row: what a PLACEHOLDER of the next launch stands for (never a verify item's: the
+        # scheduler proposes nothing for a request with tokens on their way, nor schedules past a verify item)
+        first_rows = itertools.accumulate((len(d) + 1 for d in drafts[:-1]), initial=0)
+        self._last_samples = result.token_ids, {s.request_id: i for s, i in zip(sampled, first_rows)}
         timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, _ms_since(t2), 1 + prompt_syncs, reused, replayed)
-        return LaunchedStep(timings, sampled=sampled, tokens=SampledTokens(result), prompt_logprobs=prompt_logprobs,
-                            pooled=pooled)
+        return LaunchedStep(timings, sampled=sampled, drafts=drafts, tokens=SampledTokens(result),
+                            prompt_logprobs=prompt_logprobs, pooled=pooled)
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Wait for a launched step's tokens (the step's one blocking wait) and hand them to their slots."""
         if step.done is not None:
             return step.done
         t0 = time.perf_counter()
-        token_ids, logprobs = step.tokens.read(step.sampled)
+        token_ids, logprobs = step.tokens.read(sampling_rows(step.sampled, step.drafts))
         timings = dataclasses.replace(step.timings, sample_ms=step.timings.sample_ms + _ms_since(t0))
         return hand_out(step, token_ids, logprobs, timings)
 
@@ -275,11 +284,12 @@ class ModelRunner:
             self.compute_logits(hidden[logits_rows])
 
     def _restore_snapshots(self, output: SchedulerOutput) -> None:
-        """Prefix hits of hybrid models: the request's state slot starts as the snapshot of its prefix."""
+        """Hybrid models: a prefix hit's state slot starts as the snapshot of its prefix, and a request whose
+        last verify step rejected drafts goes back to the state after its accepted tokens."""
         if not self.state_layers:
             return
-        pairs = [(item.restore_snapshot, item.state_slot) for item in output.scheduled
-                 if item.restore_snapshot is not None]
+        pairs = [(row, item.state_slot) for item in output.scheduled
+                 for row in (item.restore_snapshot, item.rollback_state_row) if row is not None]
         if pairs:
             sources, slots = (list(rows) for rows in zip(*pairs))
             for layer in self.state_layers:
@@ -292,7 +302,7 @@ class ModelRunner:
         positions: list[int] = []
         query_lens, seq_lens, tables, logits_rows = [], [], [], []
         slots = state_slots_of(output.scheduled)
-        writes = tuple((b, p, row) for b, item in enumerate(output.scheduled) for p, row in item.snapshot_writes)
+        writes = tuple((b, p, row) for b, item in enumerate(output.scheduled) for p, row in _state_writes(item))
         for item, state in zip(output.scheduled, states):
             n = len(item.token_ids)
             tokens.extend(item.token_ids)
@@ -300,8 +310,8 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(item.start_position + n)
             tables.append(state.block_ids)
-            if item.sample:
-                logits_rows.append(len(tokens) - 1)  # logits only where a token is sampled
+            if item.sample:  # logits only where a token is sampled: a verify item's every position from its decode
+                logits_rows.extend(range(len(tokens) - 1 - item.num_draft, len(tokens)))
         return tokens, positions, query_lens, seq_lens, tables, logits_rows, slots, writes
 
     def _build_input_tensors(self, tokens, positions, query_lens, seq_lens, tables, logits_rows, slots, writes):
@@ -310,6 +320,14 @@ class ModelRunner:
         pos = to_device(positions, torch.int64, self.device)
         rows = to_device(logits_rows, torch.int64, self.device)
         return input_ids, pos, meta, rows
+
+
+def _state_writes(item) -> tuple[tuple[int, int], ...]:
+    """(position, state row) pairs the step copies the request's recurrent state to after `position` tokens:
+    prefix-cache snapshots, and a verify item's rollback rows (the state after its decode and each draft)."""
+    start = item.start_position
+    rollback = tuple((start + 1 + i, row) for i, row in enumerate(item.draft_state_rows))
+    return item.snapshot_writes + rollback if rollback else item.snapshot_writes
 
 
 def _ms_since(start: float) -> float:

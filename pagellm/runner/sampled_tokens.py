@@ -16,6 +16,7 @@ from pagellm.core.types import ModelOutput, PromptLogprobs, StepTimings, TokenLo
 from pagellm.runner.grammar import GrammarError, accept_sampled
 from pagellm.runner.input_batch import SlotState
 from pagellm.runner.sampler import SamplerOutput
+from pagellm.runner.speculative import accepted_prefix
 
 
 class SampledTokens:
@@ -53,34 +54,36 @@ class SampledTokens:
 @dataclass
 class LaunchedStep:
     """A step queued on the device: `done` when nothing is left to read (no row sampled), else its sampled
-    rows' slots and the copy of their tokens on its way."""
+    requests' slots, their proposed tokens (verify items; () for the others), and the copy of their tokens (one
+    row per sampled position) on its way."""
 
     timings: StepTimings  # host, copy and model time, and the prompt-logprob read; sampling is added by collect
     done: ModelOutput | None = None
     sampled: list[SlotState] = field(default_factory=list)
+    drafts: list[tuple[int, ...]] = field(default_factory=list)
     tokens: SampledTokens | None = None
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
     pooled: tuple[tuple[str, tuple[float, ...]], ...] = ()  # embedding requests finished by this step
 
 
 def hand_out(step: LaunchedStep, token_ids: list[int], logprobs, timings: StepTimings) -> ModelOutput:
-    """Each sampled token to its slot (and its grammar, which may refuse it: that row alone fails)."""
-    failed = []
-    for state, token in zip(step.sampled, token_ids):
+    """Each request's emitted tokens to its slot: its one sample, or a verify item's accepted drafts and the
+    sample after them (runner/speculative.py); a grammar may refuse a token: that request alone fails."""
+    failed, kept, row = [], [], 0
+    entries = logprobs or [None] * len(token_ids)
+    for state, drafts in zip(step.sampled, step.drafts or [()] * len(step.sampled)):
+        samples = token_ids[row : row + len(drafts) + 1]
+        emitted = range(row, row + accepted_prefix(drafts, samples) + 1)
+        row += len(drafts) + 1
         state.num_pending -= 1
-        state.output_token_ids.append(token)
-        if state.grammar is not None:
+        state.output_token_ids.extend(token_ids[i] for i in emitted)
+        if state.grammar is not None:  # never a verify item's (the scheduler proposes nothing for it)
             try:
-                accept_sampled(state.request_id, state.grammar, token)
+                accept_sampled(state.request_id, state.grammar, token_ids[emitted[0]])
             except GrammarError as exc:  # this row alone: the others' tokens stand
                 failed.append((state.request_id, str(exc)))
-    sampled, prompt_logprobs = step.sampled, step.prompt_logprobs
-    if failed:
-        bad = {rid for rid, _ in failed}
-        kept = [(s.request_id, t, lp) for s, t, lp in zip(sampled, token_ids, logprobs or [None] * len(sampled))
-                if s.request_id not in bad]
-        ids, tokens, entries = (tuple(x) for x in zip(*kept)) if kept else ((), (), ())
-        return ModelOutput(ids, tokens, entries if logprobs else None, prompt_logprobs, tuple(failed), step.pooled,
-                           timings)
-    return ModelOutput(tuple(s.request_id for s in sampled), tuple(token_ids), logprobs, prompt_logprobs,
-                       pooled=step.pooled, timings=timings)
+                continue
+        kept += [(state.request_id, token_ids[i], entries[i]) for i in emitted]
+    ids, tokens, kept_entries = (tuple(x) for x in zip(*kept)) if kept else ((), (), ())
+    return ModelOutput(ids, tokens, kept_entries if logprobs else None, step.prompt_logprobs, tuple(failed),
+                       step.pooled, timings)

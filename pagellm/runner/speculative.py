@@ -1,50 +1,63 @@
-"""Speculative decoding's pieces that do not touch the engine (issue 55; the engine does not call them yet):
-proposing tokens by n-gram lookup in a request's own tokens, and verifying proposals against the target model's
-distributions so that what is emitted is distributed exactly as the target's own sampling would be.
+"""Speculative decoding, the runner's half: a verify step's sampling rows, and the tokens it keeps.
 
-    ngram_proposal    prompt lookup (vLLM's `ngram`, llama.cpp's ngram-simple): the tokens that followed the
-                      latest earlier occurrence of the sequence's last n tokens, n from max_n down to min_n
-    greedy_verify     the longest prefix of the proposal that agrees with the target's argmax, then the target's
-                      own token at the first disagreement (or the bonus token after a fully accepted proposal)
-    rejection_verify  Leviathan et al. (2023): draft token x_i accepted with probability min(1, p_i(x) / q_i(x));
-                      at the first rejection a token from norm(max(0, p_i - q_i)); after k acceptances a bonus
-                      token from p_k. A proposal with no distribution (n-gram) is one-hot: q_i(x_i) = 1.
+Proposals come from the scheduler (core/speculative.py) as the last ScheduledRequest.num_draft tokens of a decode
+item. The runner samples every position of the item: row i as the request's own row would be sampled after the
+first i drafts were accepted (penalties count them, min_tokens counts them, a seeded row draws token n from its
+own stream n), and keeps the longest prefix of the drafts that the samples reproduce, then the sample after it.
+For a proposal without a distribution (an n-gram's: one-hot, q(x) = 1) that is exactly Leviathan et al.'s
+rejection sampling: a draft x is accepted with probability p(x), and a rejected position's sample is a draw from
+p without x, i.e. from norm(max(0, p - q)). So the emitted tokens are distributed as the target's own sampling, a
+seeded request emits the very tokens it would without speculation, and greedy ones the argmax path.
 
-Verification runs on the device over [k + 1, V] rows: the number accepted stays a tensor until the step's one
-read-back.
+    DraftRow          the sampler's row for position i of a verify item (runner/sampler.SamplingRow)
+    sampling_rows     a step's sampled slots expanded to one row per sampled position
+    accepted_prefix   how many drafts the samples reproduce
+    rejection_verify  the acceptance rule for proposals with a distribution (a draft model's; not wired yet:
+                      its proposer is not built)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-
-def ngram_proposal(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens (the longest n that has
-    one, from max_n down to min_n); [] when none recurs."""
-    if not 1 <= min_n <= max_n or k < 1:
-        raise ValueError(f"ngram_proposal: need 1 <= min_n ({min_n}) <= max_n ({max_n}) and k ({k}) >= 1")
-    seq = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
-        # windows starting before the suffix itself: a match must leave at least one token after it
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
-        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # the latest occurrence: the most recent context predicts best
-            return seq[start:start + k].tolist()
-    return []
+from pagellm.runner.input_batch import SlotState
 
 
-def greedy_verify(proposed: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """proposed [k], target_ids [k + 1] (the target's argmax after each prefix) -> (accepted count (a 0-d
-    tensor), the emitted tokens [k + 1], of which the first accepted + 1 count)."""
-    k = proposed.shape[0]
-    agree = (proposed == target_ids[:k]).to(torch.int64)
-    accepted = agree.cumprod(0).sum()
-    return accepted, target_ids  # the target's tokens: equal to the proposal's up to `accepted`, then its own
+class DraftRow:
+    """Sampling row i of a verify item: the request's slot as if its first i drafts were accepted."""
+
+    def __init__(self, state: SlotState, drafts: Sequence[int]):
+        self.state, self.drafts = state, list(drafts)
+        self.generator: torch.Generator | None = None
+        if state.generator is not None:  # token n's own stream, as SlotState.reseed derives it
+            self.generator = torch.Generator(device=state.generator.device)
+            self.generator.manual_seed(state.seed_for(state.num_output_tokens + len(self.drafts)))
+
+    sampling_params = property(lambda self: self.state.sampling_params)
+    prompt_token_ids = property(lambda self: self.state.prompt_token_ids)
+    stop_ids = property(lambda self: self.state.stop_ids)
+    grammar = property(lambda self: None)  # the scheduler proposes nothing for a request with a grammar
+    output_token_ids = property(lambda self: self.state.output_token_ids + self.drafts)
+    num_output_tokens = property(lambda self: self.state.num_output_tokens + len(self.drafts))
+
+
+def sampling_rows(states: Sequence[SlotState], drafts: Sequence[tuple[int, ...]]) -> list:
+    """One row per sampled position: a slot's own row, then (verify items) one DraftRow per draft."""
+    rows: list = []
+    for state, proposed in zip(states, drafts):
+        rows.append(state)
+        rows.extend(DraftRow(state, proposed[:i]) for i in range(1, len(proposed) + 1))
+    return rows
+
+
+def accepted_prefix(drafts: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many leading drafts equal the samples at their positions (sampled[i]: the token after draft i - 1)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+        accepted += 1
+    return accepted
 
 
 def rejection_verify(proposed: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,

@@ -42,6 +42,9 @@ _COUNTERS = (
     ("decode_graph_replays", "Pure-decode steps whose forward replayed a CUDA graph.", "decode_graph_replays"),
     ("steps_launched_ahead", "Steps launched while the previous one still ran (async scheduling).",
      "steps_launched_ahead"),
+    ("spec_decode_num_drafts", "Speculative decoding: verify steps (one per request and step).", "spec_verify_steps"),
+    ("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.", "spec_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.", "spec_accepted_tokens"),
 )
 _GAUGES = (
     ("num_requests_running", "Requests running (holding KV blocks and a slot).", "num_requests_running"),
@@ -66,6 +69,8 @@ _GAUGES = (
     ("sample_ms_per_step", "Mean sampling time per engine step, ms.", "sample_ms_per_step"),
     ("host_syncs_per_step", "Mean blocking device-to-host reads per engine step.", "host_syncs_per_step"),
     ("num_steps", "Engine steps run.", "num_steps"),
+    ("spec_decode_mean_accepted_length", "Speculative decoding: tokens a verify step emits on average (accepted "
+     "proposals + the model's own).", "spec_mean_accepted_length"),
 )
 _GAUGE_KEYS = {key for _, _, key in _GAUGES}
 

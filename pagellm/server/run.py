@@ -18,13 +18,15 @@ from pathlib import Path
 import uvicorn
 
 from pagellm.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                            ServerConfig)
+                            ServerConfig, speculative_config_from)
 from pagellm.server.api_server import build_app
 from pagellm.server.async_engine import AsyncEngine
 from pagellm.loader.tokenizer import BUILTIN_CHAT_TEMPLATES
 
 ENGINE_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                    "parallel": ParallelConfig, "kernels": KernelConfig}
+_OTHER_SECTIONS = ("server", "speculative")  # the file's sections besides the engine's flags' (speculative: the
+# --speculative-config object)
 _SERVER_PATHS = ("chat_template", "api_key_file")  # in the file's server section: paths, read here
 
 
@@ -98,7 +100,10 @@ def configs_from(args: argparse.Namespace, given: set[str]) -> tuple[EngineConfi
         lines = _read("api_key_file", key_file).splitlines()
         keys += tuple(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
     server["api_keys"] = keys
-    return EngineConfig(**engine_parts), ServerConfig.from_dict(server)
+    speculative = args.speculative_config
+    if "speculative_config" not in given and "speculative" in sections:
+        speculative = speculative_config_from(sections["speculative"])
+    return EngineConfig(**engine_parts, speculative=speculative), ServerConfig.from_dict(server)
 
 
 def _read_config_file(path: str) -> dict:
@@ -116,11 +121,12 @@ def _read_config_file(path: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - yaml's and json's errors, reported with the file
         raise ValueError(f"--config {path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: "
                          f"{exc}") from None
+    known = sorted([*ENGINE_SECTIONS, *_OTHER_SECTIONS])
     if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected sections {sorted([*ENGINE_SECTIONS, 'server'])}")
-    unknown = sorted(set(data) - {*ENGINE_SECTIONS, "server"})
+        raise ValueError(f"--config {path}: expected sections {known}")
+    unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"--config {path}: unknown section(s) {unknown}; known: {sorted([*ENGINE_SECTIONS, 'server'])}")
+        raise ValueError(f"--config {path}: unknown section(s) {unknown}; known: {known}")
     for name, section in data.items():
         if not isinstance(section, dict):
             raise ValueError(f"--config {path}: section {name!r} must be a mapping")

@@ -17,7 +17,7 @@ def run_step(sched, token=7):
     out = sched.schedule()
     sampled = [item.request_id for item in out.scheduled if item.sample]
     updated = sched.update(out, ModelOutput(tuple(sampled), tuple([token] * len(sampled))))
-    for req in updated:
+    for req, _ in updated:
         status = sched.check_length_stop(req)
         if status is not None:
             sched.finish(req.request_id, status)

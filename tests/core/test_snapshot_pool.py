@@ -164,7 +164,7 @@ def _scheduler(num_blocks=64, num_rows=16, **kwargs):
 def _step(sched):
     out = sched.schedule()
     sampled = [item.request_id for item in out.scheduled if item.sample]
-    for request in sched.update(out, ModelOutput(tuple(sampled), tuple([7] * len(sampled)))):
+    for request, _ in sched.update(out, ModelOutput(tuple(sampled), tuple([7] * len(sampled)))):
         status = sched.check_length_stop(request)
         if status is not None:
             sched.finish(request.request_id, status)

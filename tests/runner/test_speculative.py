@@ -1,4 +1,4 @@
-"""Speculative decoding's proposal and verification (runner/speculative.py): n-gram lookup, greedy acceptance,
+"""Speculative decoding's proposal and verification (core/ and runner/speculative.py): n-gram lookup, acceptance,
 and rejection sampling that keeps the target's distribution exactly: a statistical test over a tiny vocabulary
 with a fixed seed, which a biased acceptance rule fails."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.runner.speculative import greedy_verify, ngram_proposal, rejection_verify
+from pagellm.core.speculative import ngram_proposal
+from pagellm.runner.speculative import accepted_prefix, rejection_verify
 
 
 def test_ngram_lookup_takes_the_latest_longest_match():
@@ -20,13 +21,12 @@ def test_ngram_lookup_takes_the_latest_longest_match():
         ngram_proposal([1, 2], 3, 2, 1)
 
 
-def test_greedy_acceptance_keeps_the_agreeing_prefix_and_the_targets_next_token():
-    target = torch.tensor([5, 6, 7, 8])
-    accepted, emitted = greedy_verify(torch.tensor([5, 6, 9]), target)
-    assert accepted.item() == 2 and emitted[:3].tolist() == [5, 6, 7]
-    accepted, emitted = greedy_verify(torch.tensor([5, 6, 7]), target)
-    assert accepted.item() == 3 and emitted.tolist() == [5, 6, 7, 8]  # all accepted, then the bonus token
-    assert greedy_verify(torch.tensor([1, 6, 7]), target)[0].item() == 0
+def test_accepted_prefix_keeps_the_drafts_the_samples_reproduce():
+    samples = [5, 6, 7, 8]  # the target's token after the decode token and after each draft
+    assert accepted_prefix([5, 6, 9], samples) == 2  # emitted: 5, 6, then the target's 7
+    assert accepted_prefix([5, 6, 7], samples) == 3  # all accepted, then the bonus token 8
+    assert accepted_prefix([1, 6, 7], samples) == 0
+    assert accepted_prefix([], [4]) == 0  # a plain decode
 
 
 def _distributions(seed: int, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
