@@ -142,6 +142,12 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return appended
 
+    def cache_computed(self, request: Request) -> None:
+        """Register the request's full blocks whose tokens are computed and now known: a verify step computes its
+        drafts' KV before they are accepted (hashed only then)."""
+        if request.request_id in self.req_blocks:
+            self._cache_full_blocks(request, request.num_computed_tokens)
+
     def _reads_cache(self, request: Request) -> bool:
         """Whether a request may start from cached blocks. One that asked for prompt_logprobs needs the
         logits of every prompt position, and an embedding request (pooling) their hidden states, so they compute

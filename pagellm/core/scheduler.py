@@ -166,6 +166,7 @@ class Scheduler:
                 request.num_computed_tokens != item.start_position + len(item.token_ids):
             return  # finished, or preempted (recomputed from its tokens) while the step ran
         request.num_computed_tokens -= item.num_draft - accepted
+        self.kv_cache.cache_computed(request)  # its accepted drafts' blocks, as a decode of each would have
         if item.draft_state_rows and accepted < item.num_draft:
             request.rollback_state_row = item.draft_state_rows[accepted]
         self._draft_lengths[item.request_id].record(item.num_draft, accepted)
