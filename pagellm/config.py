@@ -253,7 +253,7 @@ class SpeculativeConfig(_FromDict):
 
     method: str = _help("How tokens are proposed: ngram (prompt lookup over the request's own tokens).",
                         default="ngram")
-    num_speculative_tokens: int = _help("Most tokens proposed per request and step (k).", default=4)
+    num_speculative_tokens: int = _help("Most tokens proposed per request and step (k).", default=16)
     prompt_lookup_min: int = _help("Shortest suffix n-gram looked up.", default=2)
     prompt_lookup_max: int = _help("Longest suffix n-gram looked up (the longest with a match wins).", default=4)
     disable_by_batch_size: int = _help(
@@ -264,7 +264,7 @@ class SpeculativeConfig(_FromDict):
         default=True)
     draft_token_cost: float = _help(
         "What one more verified token costs relative to a one-token decode step, for the adaptive draft length "
-        "(measured: docs/PERFORMANCE.md).", default=0.1)
+        "(measured: docs/PERFORMANCE.md).", default=0.05)
     model: str | None = _help("The draft model (method draft_model): not built yet.", default=None)
 
     def __post_init__(self):
@@ -273,8 +273,8 @@ class SpeculativeConfig(_FromDict):
                              f"{', '.join(SPECULATIVE_METHODS)} (draft_model and mtp are not built yet)")
         if self.model is not None:
             raise ValueError("speculative_config.model: a draft model needs method draft_model, not built yet")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..16, got "
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..64, got "
                              f"{self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "

@@ -94,6 +94,7 @@ def add_bench_parser(subparsers) -> None:
     add_collectives_arguments(collectives)
     collectives.set_defaults(func=_run_collectives)
     _add_serve_parsers(kinds)
+    _add_speculative_parser(kinds)
 
 
 def _add_device_check_parser(kinds) -> None:
@@ -153,6 +154,33 @@ def _add_device_gguf_parser(kinds) -> None:
     gguf.add_argument("--commit", default=None, help="the commit the rows name (default: git's HEAD)")
     add_output_arguments(gguf, "device-gguf", "write checks and rows to FILE.json")
     gguf.set_defaults(func=_run_device_gguf)
+
+
+def _add_speculative_parser(kinds) -> None:
+    spec = kinds.add_parser("speculative", help="speculative decoding at B=1 (code edit, summary, prose) and B=32: "
+                                                "pagellm with and without it, llama-server with its n-gram kinds")
+    spec.add_argument("--model", default=None, help="the GGUF file both serve (default: the embedded model)")
+    spec.add_argument("--spec-config", default='{"method": "ngram"}',
+                      help="pagellm's --speculative-config (default %(default)s)")
+    spec.add_argument("--llama-server", default=None, metavar="PATH",
+                      help="the llama-server binary (../shared/peers/build-llama-cpp.sh builds it); none: pagellm only")
+    spec.add_argument("--llama-spec-types", default="ngram-simple,ngram-map-k,ngram-mod",
+                      help="llama-server --spec-type values to run, comma-separated (default %(default)s)")
+    spec.add_argument("--llama-spec-args", default="", help="more llama-server flags for its speculative runs")
+    spec.add_argument("--threads", type=int, default=2, help="llama-server threads (default %(default)s)")
+    spec.add_argument("--output-len", type=int, default=256, help="tokens per request (default %(default)s)")
+    spec.add_argument("--repeats", type=int, default=2, help="B=1 requests per workload (default %(default)s)")
+    spec.add_argument("--batch", type=int, default=32, help="requests at once in the batch run (default %(default)s)")
+    spec.add_argument("--ctx", type=int, default=2048, help="context tokens per sequence (default %(default)s)")
+    spec.add_argument("--rounds", type=int, default=2, help="every server once per round (default %(default)s)")
+    add_output_arguments(spec, "speculative", "write the rows (best round) and every round to FILE.json")
+    spec.set_defaults(func=_run_speculative)
+
+
+def _run_speculative(args: argparse.Namespace) -> int:
+    from pagellm.bench import speculative
+
+    return speculative.main(args)
 
 
 def _add_serve_parsers(kinds) -> None:

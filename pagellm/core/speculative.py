@@ -2,8 +2,8 @@
 
     ngram_proposal   prompt lookup (vLLM's `ngram`, llama.cpp's ngram-simple): the tokens that followed the latest
                      earlier occurrence of the sequence's last n tokens, n from max_n down to min_n
-    DraftLength      a request's draft length from its measured acceptance: the k that maximises the tokens
-                     emitted per unit of step cost, 0 (plain decode) when no k pays, probed again later
+    DraftLength      a request's draft length from its accepted lengths so far: the k that emits the most tokens
+                     per unit of step cost, 0 (plain decode) while no k pays, probed again later
 
 A request's proposal rides in its decode item (ScheduledRequest.num_draft: the item's last tokens); the runner
 samples every position and keeps the longest prefix the target agrees with (runner/speculative.py).
@@ -17,10 +17,11 @@ import numpy as np
 
 from pagellm.config import SpeculativeConfig
 
-# Verify steps a request's acceptance estimate starts from (a prior of full acceptance), and after how many plain
-# decode steps a request whose drafts did not pay is tried again with one token.
+# Verify steps a request's acceptance estimate starts from, and after how many plain decode steps a request whose
+# drafts did not pay is tried again with one token.
 _PRIOR_STEPS = 2
 _PROBE_AFTER = 16
+_DECAY = 0.75  # per verify step: the estimate follows the text as it changes
 
 
 def ngram_proposal(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -39,45 +40,58 @@ def ngram_proposal(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> lis
     return []
 
 
-def expected_emitted(acceptance: float, k: int) -> float:
-    """Tokens a verify step of k drafts emits when each draft is accepted with probability `acceptance`
-    (independently): the accepted prefix plus the target's own token, 1 + a + a^2 + ... + a^k."""
-    return sum(acceptance ** i for i in range(k + 1))
-
-
 class DraftLength:
-    """One request's draft length. Acceptance is estimated from its own verify steps (accepted / proposed, with a
-    prior of _PRIOR_STEPS fully accepted steps); k maximises expected_emitted(a, k) / (1 + cost * k), and 0 when
-    even k = 1 emits less per cost than a plain decode."""
+    """One request's draft length, from the accepted lengths of its own verify steps.
+
+    Acceptance on text is bursty: a lookup lands in a passage being copied (drafts accepted until the passage
+    changes) or misses (the first rejected). So two rates describe it: that the first draft is accepted, and that
+    a draft after an accepted one is, each counted over the drafts that reached it (a short proposal says
+    nothing past its end), counts decaying by _DECAY per verify step. Draft j is then accepted with chance
+    first * next^(j - 1), and the draft length is the k that maximises the tokens a step emits, 1 + the sum of
+    those chances up to k, per unit of its cost, 1 + draft_token_cost * k. When no k beats a plain decode the
+    request stops proposing; after _PROBE_AFTER plain decodes it tries one draft again.
+    """
 
     def __init__(self, config: SpeculativeConfig):
         self.max_k = config.num_speculative_tokens
         self.cost = config.draft_token_cost
         self.adaptive = config.adaptive
-        self.proposed = self.accepted = _PRIOR_STEPS * self.max_k
+        # (drafts that reached the position, drafts accepted there): the first draft, and every later one; a prior
+        # of _PRIOR_STEPS drafts each: half the first ones accepted, most later ones (a copy goes on)
+        self._first = [float(_PRIOR_STEPS), _PRIOR_STEPS * 0.5]
+        self._next = [float(_PRIOR_STEPS), _PRIOR_STEPS * 0.8]
         self._idle_steps = 0
 
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.proposed
+    def rates(self) -> tuple[float, float]:
+        """(chance the first draft is accepted, chance a draft after an accepted one is)."""
+        return self._first[1] / self._first[0], self._next[1] / self._next[0]
 
     def next_k(self) -> int:
         """Drafts to propose this step (0: a plain decode)."""
         if not self.adaptive:
             return self.max_k
-        best_k, best = 0, 1.0
+        first, after = self.rates()
+        best_k, best, emitted, chance = 0, 1.0, 1.0, first
         for k in range(1, self.max_k + 1):
-            gain = expected_emitted(self.acceptance, k) / (1.0 + self.cost * k)
-            if gain > best:
-                best_k, best = k, gain
-        if best_k == 0:
-            self._idle_steps += 1
-            if self._idle_steps >= _PROBE_AFTER:  # acceptance may have changed with the text: measure again
-                self._idle_steps = 0
-                return 1
-        return best_k
+            emitted += chance
+            chance *= after
+            if emitted / (1.0 + self.cost * k) > best:
+                best_k, best = k, emitted / (1.0 + self.cost * k)
+        if best_k:
+            return best_k
+        self._idle_steps += 1
+        if self._idle_steps < _PROBE_AFTER:
+            return 0
+        self._idle_steps = 0  # acceptance may have changed with the text: measure again
+        return 1
 
     def record(self, proposed: int, accepted: int) -> None:
-        """A verify step's outcome. The estimate weighs recent steps more: old counts decay by half per step."""
-        self.proposed = self.proposed / 2 + proposed
-        self.accepted = self.accepted / 2 + accepted
+        """A verify step's outcome: `accepted` of its `proposed` drafts."""
+        for counts in (self._first, self._next):
+            counts[0] *= _DECAY
+            counts[1] *= _DECAY
+        self._first[0] += 1
+        self._first[1] += accepted > 0
+        later_reached = min(proposed, accepted + 1) - 1  # drafts 2.. that came after an accepted one
+        self._next[0] += max(later_reached, 0)
+        self._next[1] += max(accepted - 1, 0)

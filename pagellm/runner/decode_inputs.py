@@ -83,7 +83,9 @@ class DecodeInputs:
         layout = tuple(item.slot for item in items)
         state_slots_host = state_slots_of(items)
         seq_lens_host = tuple(item.start_position + 1 for item in items)
-        self._ensure_width(-(-max(seq_lens_host) // self.block_size))
+        # a table may hold blocks past its sequence: those a verify step took for its drafts (kept for the tokens
+        # to come, core/scheduler.py)
+        self._ensure_width(max(len(state.block_ids) for state in states))
         rows_run = self.rows_for(num_seqs, state_slots_host is not None)
         self.padded += rows_run > num_seqs
         # Same rows, each one token further: anything else (e.g. a slot handed to another request

@@ -157,7 +157,7 @@ def test_speculation_stays_off_for_large_batches_and_grammars(checkpoint):
 
 @pytest.mark.parametrize("value, message", [
     ('{"method": "draft_model"}', "draft_model and mtp are not built yet"),
-    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be in 1..16"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be in 1..64"),
     ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
     ('{"n": 3}', "unknown key"),
     ("{not json", "not valid JSON"),

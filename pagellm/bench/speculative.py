@@ -1,0 +1,178 @@
+"""`pagellm bench speculative`: speculative decoding's speed on the same GGUF, pagellm beside llama-server.
+
+Servers, each started in turn on a free port, in rounds (every server once per round: alternated):
+
+    pagellm             `pagellm serve`, no speculation
+    pagellm-ngram       `pagellm serve --speculative-config` (--spec-config: n-gram lookup, adaptive length)
+    llama-server        no speculation
+    llama-<type>        llama-server --spec-type <type> for each of --llama-spec-types (its n-gram kinds)
+
+Workloads at B=1 (one request at a time, greedy, ignore_eos, --output-len tokens, streamed): a code edit (a
+function given and asked back with one name changed), a summary of a given text, and free prose. A request's
+decode speed is (tokens - 1) / (last chunk - first chunk), the prefill left out; a workload's is its requests'
+tokens over their decode time. Then B=32 (--batch requests of prose at once): output tokens over the wall time.
+pagellm's acceptance (accepted / proposed drafts, tokens per verify step) comes from its /metrics; llama-server's
+from the timings of its last chunk where it reports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from pagellm.bench import report, serve
+from pagellm.bench.report import Column, format_table
+
+COLUMNS = (Column("server", "server"), Column("workload", "workload"), Column("tok_s", "tok/s", "{:.1f}"),
+           Column("ratio", "vs pagellm", "{:.2f}"), Column("acceptance", "accepted", "{:.2f}"),
+           Column("tokens_per_verify", "tok/verify", "{:.2f}"))
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+GREEDY = {"temperature": 0.0}
+# free prose sampled, as people write it: greedy, a small model soon repeats itself, which lookups would exploit
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "seed": 1}
+
+
+def workloads() -> dict[str, tuple[str, dict]]:
+    """The B=1 prompts and their sampling: texts of this repository, so that every machine sends the same."""
+    code = (_PACKAGE / "core" / "kv_cache_manager.py").read_text()
+    start = code.index("    def allocate(")
+    function = code[start:code.index("\n    def ", start + 10)]
+    readme = (_PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    text = readme[readme.index("## Layers"):][:2400]
+    return {
+        "code-edit": (f"# Original:\n{function}\n\n# The same method, with `held` renamed to `owned`:\n", GREEDY),
+        "summary": (f"{text}\n\nSummary of the text above, sentence by sentence:\n", GREEDY),
+        "prose": ("Once upon a time, in a small village by the sea, there lived an old fisherman who", SAMPLED),
+    }
+
+
+def _servers(args, model: str) -> list[serve.Server]:
+    common = ["--model", model, "--max-num-seqs", str(max(args.batch, 4)), "--max-model-len", str(args.ctx)]
+    made = [serve.pagellm_server(common), serve.pagellm_server([*common, "--speculative-config", args.spec_config])]
+    made[1].name = "pagellm-ngram"
+    if args.llama_server:
+        for spec in ["none", *args.llama_spec_types.split(",")]:
+            peer = serve.Server("llama-server" if spec == "none" else f"llama-{spec}", [], serve.free_port())
+            peer.cmd = [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(peer.port),
+                        "-np", str(args.batch), "-c", str(args.batch * args.ctx), "--cont-batching",
+                        "-t", str(args.threads), "-tb", str(args.threads)]
+            if spec != "none":
+                peer.cmd += ["--spec-type", spec, *args.llama_spec_args.split()]
+            made.append(peer)
+    return made
+
+
+async def _one(client, url: str, model: str, prompt: str, sampling: dict, max_tokens: int
+               ) -> tuple[int, float, dict]:
+    """(tokens, decode seconds: first chunk to last, the last chunk's timings if any) of one streamed request."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            **sampling}
+    first = last = None
+    timings: dict = {}
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            timings = chunk.get("timings") or timings
+            if any(choice.get("text") for choice in chunk.get("choices", ())):
+                last = time.perf_counter()
+                first = first or last
+    return max_tokens, (last - first) if first and last else float("nan"), timings
+
+
+async def _run(url: str, prompts: list[str], sampling: dict, max_tokens: int, concurrent: bool
+               ) -> tuple[list, float]:
+    httpx = serve._httpx()
+    async with httpx.AsyncClient() as client:
+        model = (await client.get(url + "/v1/models", timeout=30)).json()["data"][0]["id"]
+        t0 = time.perf_counter()
+        if concurrent:
+            results = await asyncio.gather(*(_one(client, url, model, p, sampling, max_tokens) for p in prompts))
+        else:
+            results = [await _one(client, url, model, p, sampling, max_tokens) for p in prompts]
+        return results, time.perf_counter() - t0
+
+
+def _acceptance(before: dict, after: dict, timings: list[dict]) -> dict:
+    """Accepted / proposed drafts and tokens per verify step: pagellm's counters, or llama-server's timings."""
+    drafts = after.get("spec_decode_num_draft_tokens", 0) - before.get("spec_decode_num_draft_tokens", 0)
+    if drafts:
+        verifies = after["spec_decode_num_drafts"] - before.get("spec_decode_num_drafts", 0)
+        accepted = after["spec_decode_num_accepted_tokens"] - before.get("spec_decode_num_accepted_tokens", 0)
+        return {"acceptance": accepted / drafts, "tokens_per_verify": 1 + accepted / max(verifies, 1)}
+    drafted = sum(t.get("draft_n", 0) for t in timings)
+    if drafted:
+        return {"acceptance": sum(t.get("draft_n_accepted", 0) for t in timings) / drafted}
+    return {}
+
+
+def measure(server: serve.Server, args, prompts: dict[str, str]) -> list[dict]:
+    """One server's rows: each B=1 workload (--repeats requests in a row), then B=--batch prose."""
+    rows = []
+    for name, (prompt, sampling) in prompts.items():
+        _run_sync(server.url, [prompt], sampling, 8, False)  # warm: its prefix cached as for every later request
+        before = serve.scrape_metrics(server.url, {})
+        results, _ = _run_sync(server.url, [prompt] * args.repeats, sampling, args.output_len, False)
+        after = serve.scrape_metrics(server.url, {})
+        tokens = sum(n - 1 for n, _, _ in results)
+        seconds = sum(s for _, s, _ in results)
+        rows.append({"server": server.name, "workload": name, "batch": 1, "tok_s": tokens / seconds,
+                     **_acceptance(before, after, [t for _, _, t in results])})
+    before = serve.scrape_metrics(server.url, {})
+    prose, sampling = prompts["prose"]
+    results, wall = _run_sync(server.url, [f"{prose} (story {i})" for i in range(args.batch)], sampling,
+                              args.output_len, True)
+    after = serve.scrape_metrics(server.url, {})
+    rows.append({"server": server.name, "workload": f"prose B={args.batch}", "batch": args.batch,
+                 "tok_s": sum(n for n, _, _ in results) / wall, **_acceptance(before, after, [])})
+    return rows
+
+
+def _run_sync(url, prompts, sampling, max_tokens, concurrent):
+    return asyncio.run(_run(url, prompts, sampling, max_tokens, concurrent))
+
+
+def _with_ratios(rounds: list[list[dict]]) -> list[dict]:
+    """Each (server, workload)'s best round, with its ratio to plain pagellm's best on that workload."""
+    best: dict[tuple[str, str], dict] = {}
+    for row in (row for rows in rounds for row in rows):
+        key = (row["server"], row["workload"])
+        if key not in best or row["tok_s"] > best[key]["tok_s"]:
+            best[key] = row
+    for (server, workload), row in best.items():
+        row["ratio"] = row["tok_s"] / best[("pagellm", workload)]["tok_s"]
+    return list(best.values())
+
+
+def main(args) -> int:
+    from pagellm.loader.default_model import default_model_path
+
+    model = str(args.model or default_model_path())
+    prompts = workloads()
+    rounds: list[list[dict]] = []
+    for round_ in range(args.rounds):
+        rows = []
+        for server in _servers(args, model):
+            server.start()
+            try:
+                rows += measure(server, args, prompts)
+            finally:
+                server.stop()
+            print(f"round {round_ + 1}: {server.name} done", flush=True)
+        rounds.append(rows)
+    best = _with_ratios(rounds)
+    print(format_table(best, COLUMNS))
+    machine = report.machine_info("float32", "pagellm serve defaults")
+    print(report.describe_machine(machine))
+    if args.out:
+        report.write_json(args.out, {"machine": machine, "model": model, "spec_config": args.spec_config,
+                                     "output_len": args.output_len, "repeats": args.repeats, "rows": best,
+                                     "rounds": rounds})
+    return 0
