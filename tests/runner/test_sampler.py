@@ -443,3 +443,20 @@ def test_logprobs_stay_those_of_the_raw_distribution_under_a_bias():
     out = Sampler(seed=0)(logits, [Row(SamplingParams(temperature=0.0, logprobs=1, logit_bias={5: 100}))])
     assert out.token_ids.tolist() == [5]
     assert out.logprobs.sampled_logprobs[0].item() == pytest.approx(logits.log_softmax(-1)[0, 5].item())
+
+
+@pytest.mark.parametrize("scale, among_candidates", [(12.0, True), (1.0, False)])
+def test_top_p_among_candidates_equals_the_full_sort(scale, among_candidates):
+    """A large vocabulary's nucleus is looked for among each row's most likely tokens first (a peaked row holds it
+    there; a flat one does not and takes the full sort): the same logits kept either way, top-k rows too."""
+    from pagellm.runner.sampler import _apply_top_k_top_p, _nucleus_among_candidates, _nucleus_by_full_sort
+
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 40000, generator=generator) * scale
+    params = [SamplingParams(top_p=0.95), SamplingParams(top_p=0.5, top_k=50), SamplingParams(top_k=20),
+              SamplingParams(top_p=0.9, top_k=500), SamplingParams(top_p=0.7)]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params])
+    top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
+    assert (_nucleus_among_candidates(logits.clone(), top_k, top_p) is not None) == among_candidates
+    kept, full = _apply_top_k_top_p(logits.clone(), params), _nucleus_by_full_sort(logits.clone(), top_k, top_p)
+    assert torch.equal(kept, full)
