@@ -265,6 +265,10 @@ class SpeculativeConfig(_FromDict):
     draft_token_cost: float = _help(
         "What one more verified token costs relative to a one-token decode step, for the adaptive draft length "
         "(measured: docs/PERFORMANCE.md).", default=0.05)
+    sampled_row_cost: float = _help(
+        "What sampling one more row costs relative to a decode step, added to draft_token_cost for a request that "
+        "samples (temperature > 0: a softmax and a draw over the vocabulary per draft; measured: "
+        "docs/PERFORMANCE.md).", default=0.8)
     model: str | None = _help("The draft model (method draft_model): not built yet.", default=None)
 
     def __post_init__(self):
@@ -282,8 +286,9 @@ class SpeculativeConfig(_FromDict):
         if self.disable_by_batch_size < 1:
             raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got "
                              f"{self.disable_by_batch_size}")
-        if not 0.0 <= self.draft_token_cost < 1.0:
-            raise ValueError(f"speculative_config.draft_token_cost must be in [0, 1), got {self.draft_token_cost}")
+        for name in ("draft_token_cost", "sampled_row_cost"):
+            if not 0.0 <= getattr(self, name) < 10.0:
+                raise ValueError(f"speculative_config.{name} must be in [0, 10), got {getattr(self, name)}")
 
 
 def speculative_config_from(value) -> SpeculativeConfig | None:

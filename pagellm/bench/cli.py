@@ -164,9 +164,12 @@ def _add_speculative_parser(kinds) -> None:
                       help="pagellm's --speculative-config (default %(default)s)")
     spec.add_argument("--llama-server", default=None, metavar="PATH",
                       help="the llama-server binary (../shared/peers/build-llama-cpp.sh builds it); none: pagellm only")
-    spec.add_argument("--llama-spec-types", default="ngram-simple,ngram-map-k,ngram-mod",
-                      help="llama-server --spec-type values to run, comma-separated (default %(default)s)")
+    spec.add_argument("--llama-spec-types", default="ngram-simple,ngram-mod",
+                      help="llama-server --spec-type values to run, comma-separated (default %(default)s; "
+                           "ngram-map-k dropped its connection mid-run in the build measured)")
     spec.add_argument("--llama-spec-args", default="", help="more llama-server flags for its speculative runs")
+    spec.add_argument("--text", default="/usr/share/common-licenses/GPL-3",
+                      help="the text whose preamble the summary workload gives (default %(default)s)")
     spec.add_argument("--threads", type=int, default=2, help="llama-server threads (default %(default)s)")
     spec.add_argument("--output-len", type=int, default=256, help="tokens per request (default %(default)s)")
     spec.add_argument("--repeats", type=int, default=2, help="B=1 requests per workload (default %(default)s)")

@@ -206,7 +206,9 @@ class Scheduler:
         params, spec = request.sampling_params, self.speculative
         if request.num_placeholders or params.structured_outputs is not None:
             return None  # tokens still on their way (async); grammar masks per draft: not built yet
-        lengths = self._draft_lengths.setdefault(request.request_id, DraftLength(spec))
+        lengths = self._draft_lengths.get(request.request_id)
+        if lengths is None:
+            lengths = self._draft_lengths[request.request_id] = DraftLength(spec, not params.is_greedy)
         # the emitted tokens (drafts + 1) must fit max_tokens and the context
         room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         k = min(lengths.next_k(), room)

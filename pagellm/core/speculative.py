@@ -25,8 +25,9 @@ _DECAY = 0.75  # per verify step: the estimate follows the text as it changes
 
 
 def ngram_proposal(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens (the longest n that has
-    one, from max_n down to min_n); [] when none recurs."""
+    """k tokens copied from after the latest earlier occurrence of the last n tokens (the longest n that has one,
+    from max_n down to min_n); [] when none recurs. The copy runs on into its own tokens where the occurrence is
+    recent (as an LZ77 match may overlap itself): text repeating with a short period is proposed k at a time."""
     if not 1 <= min_n <= max_n or k < 1:
         raise ValueError(f"ngram_proposal: need 1 <= min_n ({min_n}) <= max_n ({max_n}) and k ({k}) >= 1")
     seq = np.asarray(tokens, dtype=np.int64)
@@ -36,7 +37,8 @@ def ngram_proposal(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> lis
         hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n  # the latest occurrence: the most recent context predicts best
-            return seq[start:start + k].tolist()
+            period = len(seq) - start  # how far back the copy reads: it repeats that stretch
+            return [int(seq[start + i % period]) for i in range(k)]
     return []
 
 
@@ -48,13 +50,15 @@ class DraftLength:
     a draft after an accepted one is, each counted over the drafts that reached it (a short proposal says
     nothing past its end), counts decaying by _DECAY per verify step. Draft j is then accepted with chance
     first * next^(j - 1), and the draft length is the k that maximises the tokens a step emits, 1 + the sum of
-    those chances up to k, per unit of its cost, 1 + draft_token_cost * k. When no k beats a plain decode the
+    those chances up to k, per unit of its cost, 1 + cost * k (draft_token_cost, plus sampled_row_cost for a
+    request that samples). When no k beats a plain decode the
     request stops proposing; after _PROBE_AFTER plain decodes it tries one draft again.
     """
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, sampled: bool = False):
+        """sampled: the request samples (not greedy), so each draft also costs a sampled row."""
         self.max_k = config.num_speculative_tokens
-        self.cost = config.draft_token_cost
+        self.cost = config.draft_token_cost + (config.sampled_row_cost if sampled else 0.0)
         self.adaptive = config.adaptive
         # (drafts that reached the position, drafts accepted there): the first draft, and every later one; a prior
         # of _PRIOR_STEPS drafts each: half the first ones accepted, most later ones (a copy goes on)

@@ -16,7 +16,8 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     assert ngram_proposal(tokens, 1, 3, 2) == [7, 8]  # "2 3" last seen before "7 8" (n = 3 has no match)
     assert ngram_proposal(tokens + [7], 1, 3, 4) == [8, 5, 2, 3]  # "2 3 7" matches: the longest n wins
     assert ngram_proposal([5, 6, 7, 8], 1, 2, 3) == []  # nothing recurs
-    assert ngram_proposal([4, 4, 4], 1, 1, 5) == [4]  # a match's continuation stops at the suffix
+    assert ngram_proposal([4, 4, 4], 1, 1, 5) == [4] * 5  # the copy runs on into its own tokens
+    assert ngram_proposal([1, 2, 3, 1, 2, 3, 1], 1, 2, 7) == [2, 3, 1, 2, 3, 1, 2]  # a period of three, repeated
     with pytest.raises(ValueError, match="min_n"):
         ngram_proposal([1, 2], 3, 2, 1)
 
