@@ -204,11 +204,12 @@ class Scheduler:
         """The request's decode with its proposal, or None (no proposal, no room: a plain decode). Never
         preempts: lookahead blocks are only taken when free."""
         params, spec = request.sampling_params, self.speculative
-        if request.num_placeholders or params.structured_outputs is not None:
-            return None  # tokens still on their way (async); grammar masks per draft: not built yet
+        if request.num_placeholders:
+            return None  # tokens still on their way (async)
         lengths = self._draft_lengths.get(request.request_id)
-        if lengths is None:
-            lengths = self._draft_lengths[request.request_id] = DraftLength(spec, not params.is_greedy)
+        if lengths is None:  # a draft of a sampling or structured request costs a sampled (or masked) row too
+            sampled = not params.is_greedy or params.structured_outputs is not None
+            lengths = self._draft_lengths[request.request_id] = DraftLength(spec, sampled)
         # the emitted tokens (drafts + 1) must fit max_tokens and the context
         room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         k = min(lengths.next_k(), room)

@@ -48,6 +48,15 @@ class RowGrammar:
             return self.matcher.is_accepting()
         return self.matcher.consume_token(token)
 
+    def after(self, tokens: Sequence[int]) -> RowGrammar | None:
+        """A copy of this matcher advanced by `tokens` (a verify step's drafts), or None where the grammar refuses
+        one of them or one ends the request (no position after it is kept)."""
+        copy = RowGrammar(self.matcher.deep_copy(), tuple(self.stop_ids), self._tokenizer_eos)
+        for token in tokens:
+            if token in self.stop_ids or not copy.matcher.consume_token(token):
+                return None
+        return copy
+
     def patch_stop_bits(self, bitmask_row: torch.Tensor) -> None:
         """After the fill: the request's stop ids allowed exactly where the grammar may end."""
         if not self._patch:

@@ -77,10 +77,11 @@ def hand_out(step: LaunchedStep, token_ids: list[int], logprobs, timings: StepTi
         row += len(drafts) + 1
         state.num_pending -= 1
         state.output_token_ids.extend(token_ids[i] for i in emitted)
-        if state.grammar is not None:  # never a verify item's (the scheduler proposes nothing for it)
+        if state.grammar is not None:
             try:
-                accept_sampled(state.request_id, state.grammar, token_ids[emitted[0]])
-            except GrammarError as exc:  # this row alone: the others' tokens stand
+                for i in emitted:
+                    accept_sampled(state.request_id, state.grammar, token_ids[i])
+            except GrammarError as exc:  # this request alone: the others' tokens stand
                 failed.append((state.request_id, str(exc)))
                 continue
         kept += [(state.request_id, token_ids[i], entries[i]) for i in emitted]

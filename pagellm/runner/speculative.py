@@ -22,14 +22,17 @@ from collections.abc import Sequence
 
 import torch
 
+from pagellm.runner.grammar import RowGrammar
 from pagellm.runner.input_batch import SlotState
 
 
 class DraftRow:
-    """Sampling row i of a verify item: the request's slot as if its first i drafts were accepted."""
+    """Sampling row i of a verify item: the request's slot as if its first i drafts were accepted. `grammar`: its
+    matcher advanced by them (structured output), or the previous row's where the grammar refuses a draft: draft
+    i is then masked at row i and never accepted, so no later row is kept and their masks do not matter."""
 
-    def __init__(self, state: SlotState, drafts: Sequence[int]):
-        self.state, self.drafts = state, list(drafts)
+    def __init__(self, state: SlotState, drafts: Sequence[int], grammar: RowGrammar | None = None):
+        self.state, self.drafts, self.grammar = state, list(drafts), grammar
         self.generator: torch.Generator | None = None
         if state.generator is not None:  # token n's own stream, as SlotState.reseed derives it
             self.generator = torch.Generator(device=state.generator.device)
@@ -38,7 +41,6 @@ class DraftRow:
     sampling_params = property(lambda self: self.state.sampling_params)
     prompt_token_ids = property(lambda self: self.state.prompt_token_ids)
     stop_ids = property(lambda self: self.state.stop_ids)
-    grammar = property(lambda self: None)  # the scheduler proposes nothing for a request with a grammar
     output_token_ids = property(lambda self: self.state.output_token_ids + self.drafts)
     num_output_tokens = property(lambda self: self.state.num_output_tokens + len(self.drafts))
 
@@ -48,7 +50,11 @@ def sampling_rows(states: Sequence[SlotState], drafts: Sequence[tuple[int, ...]]
     rows: list = []
     for state, proposed in zip(states, drafts):
         rows.append(state)
-        rows.extend(DraftRow(state, proposed[:i]) for i in range(1, len(proposed) + 1))
+        grammar = state.grammar
+        for i in range(1, len(proposed) + 1):
+            if grammar is not None:
+                grammar = grammar.after(proposed[i - 1 : i]) or grammar.after(())  # a copy: masks fill in parallel
+            rows.append(DraftRow(state, proposed[:i], grammar))
     return rows
 
 

@@ -5,6 +5,8 @@ At every instruction-set level (tests/lower_levels.py repeats tests/runner)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pagellm import LLM, SamplingParams
@@ -146,7 +148,7 @@ def test_no_block_leaks_and_the_same_prefix_cache_after_many_requests_with_abort
     assert hashes[0] == hashes[1]
 
 
-def test_speculation_stays_off_for_large_batches_and_grammars(checkpoint):
+def test_speculation_stays_off_for_large_batches(checkpoint):
     """disable_by_batch_size: a step with more decodes than it runs them plainly."""
     spec = {**NGRAM, "disable_by_batch_size": 2}
     _, _, stats = _generate(checkpoint, PROMPTS, _greedy(6), spec)
@@ -183,3 +185,31 @@ def test_the_flag_reaches_the_engine_config():
     spec = engine_config_from_args(args).speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 5, 3)
     assert engine_config_from_args(build_parser().parse_args(["serve"])).speculative is None
+
+
+def test_structured_output_with_speculation_gives_the_same_json():
+    """Row i of a verify step is masked by the grammar advanced over the first i drafts (a refused draft is then
+    never accepted): greedy and seeded requests give the JSON they give without speculation, and drafts from an
+    example in the prompt are accepted."""
+    from pagellm.sampling_params import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "country": {"type": "string", "maxLength": 12},
+                                               "rivers": {"type": "array", "items": {"type": "string",
+                                                                                     "maxLength": 10},
+                                                          "maxItems": 3}},
+              "required": ["city", "country", "rivers"], "additionalProperties": False}
+    prompt = ('{"city": "Rome", "country": "Italy", "rivers": ["Tiber", "Aniene"]}\n'
+              '{"city": "Paris", "country": "France", "rivers": ["Seine", "Marne"]}\n')
+    params = [SamplingParams(max_tokens=80, temperature=t, seed=4, structured_outputs=StructuredOutputs(json=schema))
+              for t in (0.0, 0.8)]
+    results = []
+    for spec in (None, {"num_speculative_tokens": 6, "adaptive": False}):
+        with LLM(kv_cache_memory=0.05, speculative_config=spec) as llm:
+            outs = llm.generate([prompt] * 2, params, use_tqdm=False)
+            results.append([(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+            if spec:
+                assert llm.stats()["spec_accepted_tokens"] > 0
+    assert results[0] == results[1]
+    for text, _, reason in results[1]:
+        assert reason == "stop" and set(json.loads(text)) == {"city", "country", "rivers"}
