@@ -321,9 +321,6 @@ class EngineConfig(_FromDict):
     def __post_init__(self):
         if self.scheduler.async_scheduling and self.parallel.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1: the ranks run each step in lockstep")
-        if self.speculative is not None and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("speculative_config needs tensor_parallel_size 1: the workers' state rollback is "
-                             "not built yet")
 
 
 LOG_FORMATS = ("text", "json")

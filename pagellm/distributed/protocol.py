@@ -17,8 +17,10 @@ Layout (little-endian):
     released n_released x (u16 length, utf-8 request id), n_released_blocks x i32, n_released_rows x i32
     request  i32 slot, i32 start, i32 state_slot (-1 none), i32 restore_snapshot (-1 none),
              u32 n_tokens, u32 n_new_blocks, u16 n_snapshot_writes, u16 id length, u8 flags
-             (1 sample, 2 new, 4 prompt logits), id, n_tokens x i32, n_new_blocks x i32, writes x (i32, i32),
-             if new: u32 length, pickled SamplingParams; if prompt logits: u32 num_prompt_logits
+             (1 sample, 2 new, 4 prompt logits, 8 speculative), id, n_tokens x i32, n_new_blocks x i32,
+             writes x (i32, i32), if new: u32 length, pickled SamplingParams; if prompt logits: u32
+             num_prompt_logits; if speculative: u16 num_draft, u16 n_draft_state_rows, i32 rollback_state_row
+             (-1 none), n_draft_state_rows x i32
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ _HEADER = struct.Struct("<IIIIII")
 _REQUEST = struct.Struct("<iiiiIIHHB")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
-_SAMPLE, _NEW, _PROMPT_LOGITS = 1, 2, 4  # prompt logits: only prompt_logprobs requests pay the 4 bytes
+_SPECULATIVE = struct.Struct("<HHi")
+# prompt logits: only prompt_logprobs requests pay the 4 bytes; speculative: only verify items and rollbacks theirs
+_SAMPLE, _NEW, _PROMPT_LOGITS, _DRAFTS = 1, 2, 4, 8
 
 
 def encode_step(output: SchedulerOutput) -> bytes:
@@ -46,8 +50,9 @@ def encode_step(output: SchedulerOutput) -> bytes:
     parts += [array("i", output.released_blocks).tobytes(), array("i", output.released_snapshot_rows).tobytes()]
     for item in output.scheduled:
         raw = item.request_id.encode()
+        speculative = item.num_draft or item.rollback_state_row is not None
         flags = ((_SAMPLE if item.sample else 0) | (_NEW if item.new is not None else 0)
-                 | (_PROMPT_LOGITS if item.num_prompt_logits else 0))
+                 | (_PROMPT_LOGITS if item.num_prompt_logits else 0) | (_DRAFTS if speculative else 0))
         parts.append(_REQUEST.pack(item.slot, item.start_position, _or_minus_one(item.state_slot),
                                    _or_minus_one(item.restore_snapshot), len(item.token_ids),
                                    len(item.new_block_ids), len(item.snapshot_writes), len(raw), flags))
@@ -58,6 +63,10 @@ def encode_step(output: SchedulerOutput) -> bytes:
             parts += [_U32.pack(len(params)), params]
         if item.num_prompt_logits:
             parts.append(_U32.pack(item.num_prompt_logits))
+        if speculative:
+            parts += [_SPECULATIVE.pack(item.num_draft, len(item.draft_state_rows),
+                                        _or_minus_one(item.rollback_state_row)),
+                      array("i", item.draft_state_rows).tobytes()]
     return b"".join(parts)
 
 
@@ -86,14 +95,19 @@ def decode_step(data: bytes) -> SchedulerOutput:
             params = pickle.loads(view[offset + 4 : offset + 4 + length])
             offset += 4 + length
             new = NewRequestData((), (), params)
-        num_prompt_logits = 0
+        num_prompt_logits = num_draft = 0
         if flags & _PROMPT_LOGITS:
             (num_prompt_logits,) = _U32.unpack_from(view, offset)
             offset += _U32.size
+        draft_rows, rollback = (), -1
+        if flags & _DRAFTS:
+            num_draft, n_rows, rollback = _SPECULATIVE.unpack_from(view, offset)
+            draft_rows, offset = _read_ints(view, offset + _SPECULATIVE.size, n_rows)
         scheduled.append(ScheduledRequest(
             request_id, slot, tokens, start, blocks, bool(flags & _SAMPLE), new,
             None if state_slot < 0 else state_slot, None if restore < 0 else restore,
-            tuple(zip(flat_writes[::2], flat_writes[1::2])), num_prompt_logits))
+            tuple(zip(flat_writes[::2], flat_writes[1::2])), num_prompt_logits, num_draft, draft_rows,
+            None if rollback < 0 else rollback))
     if offset != len(data):
         raise ValueError(f"step message has {len(data) - offset} trailing bytes")
     return SchedulerOutput(tuple(scheduled), tuple(released), n_decode, n_prefill,

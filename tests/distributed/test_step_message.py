@@ -22,7 +22,10 @@ def test_round_trip_keeps_every_field_workers_use():
                           ((16, 70),)),
          ScheduledRequest("b", 0, (1,), 300, (12,), True, None, 1, 40),
          ScheduledRequest("chunk", 1, tuple(range(64)), 64, (), False),
-         ScheduledRequest("scored", 2, tuple(range(8)), 16, (3,), False, num_prompt_logits=8)),
+         ScheduledRequest("scored", 2, tuple(range(8)), 16, (3,), False, num_prompt_logits=8),
+         ScheduledRequest("verify", 4, (8, 1, 2, 3), 40, (), True, state_slot=4, num_draft=3,
+                          draft_state_rows=(60, 61, 62), rollback_state_row=59),
+         ScheduledRequest("rolled-back", 5, (9,), 41, (), True, state_slot=5, rollback_state_row=66)),
         released_request_ids=("gone", "also-gone"), num_decode_tokens=1, num_prefill_tokens=75,
         released_blocks=(3, 4, 90), released_snapshot_rows=(17,))
     decoded = decode_step(encode_step(output))

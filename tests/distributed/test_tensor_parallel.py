@@ -45,6 +45,24 @@ def test_two_ranks_match_one_process(checkpoint, family, expert_parallel):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3.5"])
+def test_speculative_decoding_over_two_ranks_matches_one_process(checkpoint, family):
+    """Verify steps reach the workers (their every position through the vocab-parallel LM head) and a hybrid
+    model's state rolls back on every rank: the greedy ids of one process without speculation."""
+    path = checkpoint(family)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12, 13, 11, 12, 13, 11]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    with LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32") as llm:
+        single = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32", tensor_parallel_size=2,
+             distributed_timeout=30, speculative_config=spec) as llm:
+        split = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.stats()
+    assert split == single
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+
+
 def test_released_blocks_over_two_ranks_keep_the_tokens(checkpoint):
     """No idle block kept: every request's blocks are released on both ranks (the worker's in steps that carry
     only the release), and written again by the next generate."""
