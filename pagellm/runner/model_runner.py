@@ -236,7 +236,7 @@ class ModelRunner:
         first_rows = itertools.accumulate((len(d) + 1 for d in drafts[:-1]), initial=0)
         self._last_samples = result.token_ids, {s.request_id: i for s, i in zip(sampled, first_rows)}
         timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, _ms_since(t2), 1 + prompt_syncs, reused, replayed)
-        return LaunchedStep(timings, sampled=sampled, drafts=drafts, tokens=SampledTokens(result),
+        return LaunchedStep(timings, sampled=sampled, drafts=drafts, rows=rows, tokens=SampledTokens(result),
                             prompt_logprobs=prompt_logprobs, pooled=pooled)
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
@@ -244,7 +244,7 @@ class ModelRunner:
         if step.done is not None:
             return step.done
         t0 = time.perf_counter()
-        token_ids, logprobs = step.tokens.read(sampling_rows(step.sampled, step.drafts))
+        token_ids, logprobs = step.tokens.read(step.rows)
         timings = dataclasses.replace(step.timings, sample_ms=step.timings.sample_ms + _ms_since(t0))
         return hand_out(step, token_ids, logprobs, timings)
 

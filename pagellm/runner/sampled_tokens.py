@@ -61,6 +61,7 @@ class LaunchedStep:
     done: ModelOutput | None = None
     sampled: list[SlotState] = field(default_factory=list)
     drafts: list[tuple[int, ...]] = field(default_factory=list)
+    rows: list = field(default_factory=list)  # the sampler's rows: one per sampled position (runner/speculative.py)
     tokens: SampledTokens | None = None
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
     pooled: tuple[tuple[str, tuple[float, ...]], ...] = ()  # embedding requests finished by this step

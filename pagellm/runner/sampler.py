@@ -16,7 +16,8 @@ Each stage runs only if some row in the batch needs it:
                                                                else the sampler's generator
 
 Every decision is taken from host-side SamplingParams, never from tensor values, so __call__ does not
-wait on the device (no host sync); the runner reads the result back with a single .tolist().
+wait on the device (no host sync; on a CPU, where a read costs nothing, top-p reads its candidates' mass); the
+runner reads the result back with a single .tolist().
 B = batch rows, V = vocabulary, K = most top logprobs any row asked for, N = rows with penalties.
 """
 
