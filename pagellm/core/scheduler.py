@@ -186,11 +186,14 @@ class Scheduler:
                    if request.request_id not in self.held and request.num_tokens - request.num_computed_tokens == 1
                    and not self._done_once_read(request)]
         speculate = self.speculative is not None and len(decodes) <= self.speculative.disable_by_batch_size
+        # drafts come out of the step's token budget, beyond the one token every decode claims
+        draft_budget = self.config.max_num_batched_tokens - len(decodes)
         num_decode = 0
         for request in decodes:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            item = self._verify_item(request) if speculate else None
+            item = self._verify_item(request, draft_budget) if speculate and draft_budget > 0 else None
+            draft_budget -= item.num_draft if item is not None else 0
             if item is None:
                 new_blocks = self._allocate_or_preempt(request, 1, scheduled)
                 if new_blocks is None:
@@ -200,9 +203,9 @@ class Scheduler:
             num_decode += len(item.token_ids)
         return num_decode
 
-    def _verify_item(self, request: Request) -> ScheduledRequest | None:
-        """The request's decode with its proposal, or None (no proposal, no room: a plain decode). Never
-        preempts: lookahead blocks are only taken when free."""
+    def _verify_item(self, request: Request, max_drafts: int) -> ScheduledRequest | None:
+        """The request's decode with its proposal of at most max_drafts, or None (no proposal, no room: a plain
+        decode). Never preempts: lookahead blocks are only taken when free."""
         params, spec = request.sampling_params, self.speculative
         if request.num_placeholders:
             return None  # tokens still on their way (async)
@@ -212,7 +215,7 @@ class Scheduler:
             lengths = self._draft_lengths[request.request_id] = DraftLength(spec, sampled)
         # the emitted tokens (drafts + 1) must fit max_tokens and the context
         room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        k = min(lengths.next_k(), room)
+        k = min(lengths.next_k(), room, max_drafts)
         if k < 1:
             return None
         drafts = ngram_proposal(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)

@@ -148,13 +148,28 @@ def test_no_block_leaks_and_the_same_prefix_cache_after_many_requests_with_abort
     assert hashes[0] == hashes[1]
 
 
-def test_speculation_stays_off_for_large_batches(checkpoint):
-    """disable_by_batch_size: a step with more decodes than it runs them plainly."""
+def test_speculation_stays_off_for_large_batches_and_within_the_token_budget(checkpoint):
+    """disable_by_batch_size: a step with more decodes than it runs them plainly. Drafts come out of the step's
+    token budget (max_num_batched_tokens), after every decode's own token."""
     spec = {**NGRAM, "disable_by_batch_size": 2}
     _, _, stats = _generate(checkpoint, PROMPTS, _greedy(6), spec)
     assert stats["spec_verify_steps"] == 0
     _, _, stats = _generate(checkpoint, PROMPTS[:2], _greedy(6), spec)
     assert stats["spec_verify_steps"] > 0
+    with LLM(str(checkpoint), skip_tokenizer_init=True, kv_cache_memory=0.01, block_size=4, n_ubatch=4,
+             max_num_batched_tokens=6, speculative_config={**NGRAM, "num_speculative_tokens": 8}) as llm:
+        schedule, decode_steps = llm.engine.scheduler.schedule, []
+
+        def recorded():
+            output = schedule()
+            if output.num_prefill_tokens == 0 and output.scheduled:
+                decode_steps.append(output.num_decode_tokens)
+            return output
+
+        llm.engine.scheduler.schedule = recorded
+        llm.generate(PROMPTS, _greedy(12), use_tqdm=False)
+        assert llm.stats()["spec_accepted_tokens"] > 0
+    assert decode_steps and max(decode_steps) <= 6
 
 
 @pytest.mark.parametrize("value, message", [
