@@ -244,14 +244,15 @@ class KernelConfig(_FromDict):
             raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
 
 
-SPECULATIVE_METHODS = ("ngram",)  # draft_model and mtp: not built yet (refused by name, never ignored)
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # mtp: not built yet (refused by name, never ignored)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig(_FromDict):
     """vLLM's --speculative-config keys (those pagellm runs), plus the adaptive switches."""
 
-    method: str = _help("How tokens are proposed: ngram (prompt lookup over the request's own tokens).",
+    method: str = _help("How tokens are proposed: ngram (prompt lookup over the request's own tokens) | "
+                        "draft_model (greedy tokens of a smaller model with the same vocabulary: `model`).",
                         default="ngram")
     num_speculative_tokens: int = _help("Most tokens proposed per request and step (k).", default=16)
     prompt_lookup_min: int = _help("Shortest suffix n-gram looked up.", default=2)
@@ -269,14 +270,14 @@ class SpeculativeConfig(_FromDict):
         "What sampling one more row costs relative to a decode step, added to draft_token_cost for a request that "
         "samples (temperature > 0: a softmax and a draw over the vocabulary per draft; measured: "
         "docs/PERFORMANCE.md).", default=0.8)
-    model: str | None = _help("The draft model (method draft_model): not built yet.", default=None)
+    model: str | None = _help("The draft model's GGUF file or HF directory (method draft_model).", default=None)
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method {self.method!r} is not supported; supported: "
-                             f"{', '.join(SPECULATIVE_METHODS)} (draft_model and mtp are not built yet)")
-        if self.model is not None:
-            raise ValueError("speculative_config.model: a draft model needs method draft_model, not built yet")
+                             f"{', '.join(SPECULATIVE_METHODS)} (mtp is not built yet)")
+        if (self.model is not None) != (self.method == "draft_model"):
+            raise ValueError("speculative_config.model names the draft model of method draft_model, and only it")
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..64, got "
                              f"{self.num_speculative_tokens}")

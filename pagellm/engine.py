@@ -11,13 +11,14 @@ N+1 while the device runs step N. Greedy ids are the same; a request that stops 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 
 import torch
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, ParallelConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
@@ -26,6 +27,7 @@ from pagellm.distributed.executor import HeadExecutor, LocalExecutor
 from pagellm.distributed.parallel_state import DistributedError, ParallelState
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
 from pagellm.distributed.worker import publish_runner_setup, start_head
+from pagellm.engine_draft import DraftModel
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
 from pagellm.engine_steps import InFlightStep, needs_host_tokens
@@ -70,6 +72,7 @@ class LLMEngine:
                 workers.stop(grace=0)
             raise
         self.executor = HeadExecutor(self.runner, parallel, workers) if parallel else LocalExecutor(self.runner)
+        self.drafter = self._make_drafter(config)  # speculative_config method draft_model
         self.eos_token_ids = self._eos_ids()
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -141,6 +144,18 @@ class LLMEngine:
                     self.backend.ops_description(), self.backend.dtype_description(),
                     pool.num_blocks * pool.bytes_per_block / GIB, pool.num_blocks, cc.block_size)
         return pool.num_blocks
+
+    def _make_drafter(self, config: EngineConfig) -> DraftModel | None:
+        """Method draft_model: a second engine on the draft model, alone on this process (no speculation, no
+        steps launched ahead), its KV sized as the target's settings say."""
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft = dataclasses.replace(config, model=dataclasses.replace(config.model, model=spec.model),
+                                    speculative=None, parallel=ParallelConfig(),
+                                    scheduler=dataclasses.replace(config.scheduler, async_scheduling=False))
+        return DraftModel(LLMEngine(draft, skip_tokenizer_init=self.tokenizer is None), self.hf_config.vocab_size,
+                          self.tokenizer)
 
     def _runner_setup(self) -> RunnerSetup:
         """The cache sizes every runner (and, when parallel, every rank's) is built with."""
@@ -279,8 +294,9 @@ class LLMEngine:
             self.executor.execute(self.scheduler.schedule())
 
     def _launch_next(self, after: InFlightStep | None = None) -> InFlightStep | None:
+        proposals = self.drafter.propose(self.scheduler.draft_requests()) if self.drafter is not None else None
         t0 = time.perf_counter()
-        output = self.scheduler.schedule()
+        output = self.scheduler.schedule(proposals)
         schedule_ms = (time.perf_counter() - t0) * 1e3
         if output.is_empty:
             return None
@@ -331,7 +347,7 @@ class LLMEngine:
         for request, num_new in updated:
             state = self._states[request.request_id]
             try:
-                finish = self._add_tokens(state, num_new, logprobs.get(request.request_id))
+                finish = state.add_tokens(num_new, logprobs.get(request.request_id))
             except Exception as exc:  # noqa: BLE001 - detokenizing or stop strings of this request alone
                 results.append(self.fail_request(request.request_id, f"{type(exc).__name__}: {exc}"))
                 continue
@@ -341,20 +357,6 @@ class LLMEngine:
                 del self._states[request.request_id]
             results.append(state.make_output(status))
         return results
-
-    @staticmethod
-    def _add_tokens(state: RequestState, num_new: int, logprobs: list | None) -> RequestStatus | None:
-        """A request's num_new tokens of this step (more than one from a verify step), in order; a stop string
-        ends it at its token, and the tokens after that are dropped."""
-        request = state.request
-        first = request.num_output_tokens - num_new
-        for i in range(num_new):
-            finish = state.add_token(request.output_token_ids[first + i], logprobs[i] if logprobs else None,
-                                     num_output=first + i + 1)
-            if finish is not None:
-                request.truncate_output(first + i + 1)
-                return finish
-        return None
 
     def hold(self, request_ids) -> None:
         """Leave these requests out of the next steps until hold(()): a StepError's requests, split to find
@@ -372,6 +374,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the worker ranks of a parallel engine (nothing to do for one process); safe to call twice."""
         self.executor.shutdown()
+        if self.drafter is not None:
+            self.drafter.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes; False (and nothing done) while requests are unfinished."""

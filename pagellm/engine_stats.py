@@ -101,12 +101,17 @@ class EngineStats:
             # speculative decoding: verify steps (one per request and step), drafts proposed and accepted, and
             # the tokens a verify step emitted on average (accepted drafts + the target's own: vLLM's mean
             # acceptance length)
-            "spec_verify_steps": scheduler.num_verify_steps,
-            "spec_draft_tokens": scheduler.num_draft_tokens,
-            "spec_accepted_tokens": scheduler.num_accepted_tokens,
-            "spec_acceptance_rate": scheduler.num_accepted_tokens / max(scheduler.num_draft_tokens, 1),
-            "spec_mean_accepted_length":
-                1 + scheduler.num_accepted_tokens / scheduler.num_verify_steps if scheduler.num_verify_steps else 0.0,
+            **_speculation(scheduler.speculation),
             "num_requests_running": len(scheduler.running),
             "num_requests_waiting": len(scheduler.waiting),
         }
+
+
+def _speculation(speculation) -> dict:
+    """Speculative decoding's figures (zeros when it is off)."""
+    verify_steps = speculation.num_verify_steps if speculation else 0
+    drafts = speculation.num_draft_tokens if speculation else 0
+    accepted = speculation.num_accepted_tokens if speculation else 0
+    return {"spec_verify_steps": verify_steps, "spec_draft_tokens": drafts, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / max(drafts, 1),
+            "spec_mean_accepted_length": 1 + accepted / verify_steps if verify_steps else 0.0}

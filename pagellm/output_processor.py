@@ -43,6 +43,19 @@ class RequestState:
                                f"{chunk.first_index - 1}")
         self._prompt_entries.extend(chunk.entries[next_index - chunk.first_index:])
 
+    def add_tokens(self, num_new: int, logprobs: list[TokenLogprobs | None] | None) -> RequestStatus | None:
+        """The request's last num_new output tokens, this step's (more than one from a verify step), in order; a
+        stop string ends it at its token, and the tokens after that are dropped."""
+        request = self.request
+        first = request.num_output_tokens - num_new
+        for i in range(num_new):
+            finish = self.add_token(request.output_token_ids[first + i], logprobs[i] if logprobs else None,
+                                    num_output=first + i + 1)
+            if finish is not None:
+                request.truncate_output(first + i + 1)
+                return finish
+        return None
+
     def add_token(self, token_id: int, logprobs: TokenLogprobs | None,
                   num_output: int | None = None) -> RequestStatus | None:
         """Record one sampled token, the num_output-th of the request's output (default: its last); return

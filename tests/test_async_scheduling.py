@@ -31,8 +31,8 @@ def _run(path, async_scheduling: bool, script: dict, **engine_args):
         engine, ids, results, fed = llm.engine, {}, {}, []
         schedule = engine.scheduler.schedule
 
-        def recorded():
-            output = schedule()
+        def recorded(*proposals):
+            output = schedule(*proposals)
             fed.append([item.token_ids for item in output.scheduled])
             return output
 

@@ -13,6 +13,7 @@ LAYERS = {
     "pagellm.server": 7, "pagellm.bench": 7,
     "pagellm.eval": 6, "pagellm.llm": 6,
     "pagellm.engine": 5, "pagellm.engine_errors": 5, "pagellm.engine_stats": 5, "pagellm.engine_steps": 5,
+    "pagellm.engine_draft": 5,
     "pagellm.output_processor": 5,
     "pagellm.core": 4, "pagellm.distributed": 4,
     "pagellm.runner": 3, "pagellm.loader": 3,

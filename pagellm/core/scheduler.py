@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 
 from pagellm.config import SchedulerConfig, SpeculativeConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.speculative import DraftLength, ngram_proposal
+from pagellm.core.speculative import Speculation, ngram_proposal
 from pagellm.core.state_pool import StatePool
 from pagellm.core.types import PLACEHOLDER, ModelOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.request import Request, RequestStatus
@@ -47,9 +48,8 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.held: frozenset[str] = frozenset()  # left out of steps while a failing request is isolated
-        self.speculative = speculative
-        self._draft_lengths: dict[str, DraftLength] = {}
-        self.num_verify_steps = self.num_draft_tokens = self.num_accepted_tokens = 0  # speculation's counters
+        self.speculation = Speculation(speculative) if speculative is not None else None
+        self._proposals: Mapping[str, tuple[int, ...]] = {}  # method draft_model: this step's
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -95,7 +95,8 @@ class Scheduler:
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish or abort a request wherever it is; its blocks and slot return at once."""
         request = self.requests.pop(request_id, None)
-        self._draft_lengths.pop(request_id, None)
+        if self.speculation is not None:
+            self.speculation.forget(request_id)
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
@@ -106,8 +107,10 @@ class Scheduler:
         request.status = status
         return request
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: Mapping[str, tuple[int, ...]] | None = None) -> SchedulerOutput:
+        """proposals (method draft_model): each request's drafts, of the lengths draft_requests() asked for."""
         self.num_steps += 1
+        self._proposals = proposals or {}
         scheduled: list[ScheduledRequest] = []
         num_decode = self._schedule_decodes(scheduled)
         prefill_budget = max(self.config.n_ubatch, self.config.max_num_batched_tokens - num_decode)
@@ -159,17 +162,15 @@ class Scheduler:
         row after the accepted tokens. Counted for the acceptance figures and the request's draft length."""
         request = self.requests.get(item.request_id)
         accepted = max(num_emitted - 1, 0)
-        self.num_verify_steps += 1
-        self.num_draft_tokens += item.num_draft
-        self.num_accepted_tokens += accepted
-        if request is None or request.status != RequestStatus.RUNNING or \
-                request.num_computed_tokens != item.start_position + len(item.token_ids):
+        running = request is not None and request.status == RequestStatus.RUNNING and \
+            request.num_computed_tokens == item.start_position + len(item.token_ids)  # not preempted meanwhile
+        self.speculation.record(item.request_id, item.num_draft, accepted, running)
+        if not running:
             return  # finished, or preempted (recomputed from its tokens) while the step ran
         request.num_computed_tokens -= item.num_draft - accepted
         self.kv_cache.cache_computed(request)  # its accepted drafts' blocks, as a decode of each would have
         if item.draft_state_rows and accepted < item.num_draft:
             request.rollback_state_row = item.draft_state_rows[accepted]
-        self._draft_lengths[item.request_id].record(item.num_draft, accepted)
 
     def check_length_stop(self, request: Request) -> RequestStatus | None:
         status = request.check_stop_token()
@@ -179,20 +180,41 @@ class Scheduler:
 
     # ---- one step, in three parts ---------------------------------------------------------
 
+    def draft_requests(self) -> list[tuple[Request, int]]:
+        """Method draft_model: the running requests whose next decode speculates, and how many tokens each is to
+        be proposed (the engine has its draft model propose them, then passes them to schedule())."""
+        decodes = self._decodes()
+        budget = self._draft_budget(decodes)
+        wanted = []
+        for request in decodes:
+            k = self.speculation.draft_length(request, budget, self.max_model_len)
+            if k:
+                wanted.append((request, k))
+                budget -= k
+        return wanted
+
+    def _decodes(self) -> list[Request]:  # running requests one token behind
+        return [request for request in self.running
+                if request.request_id not in self.held and request.num_tokens - request.num_computed_tokens == 1
+                and not self._done_once_read(request)]
+
+    def _draft_budget(self, decodes: list[Request]) -> int:
+        """Drafts a step of these decodes may hold: none past disable_by_batch_size decodes, and within the step's
+        token budget beyond the one token every decode claims."""
+        if self.speculation is None or len(decodes) > self.speculation.config.disable_by_batch_size:
+            return 0
+        return self.config.max_num_batched_tokens - len(decodes)
+
     def _schedule_decodes(self, scheduled: list[ScheduledRequest]) -> int:
         """Every running request one token behind gets its decode (with a proposal to verify, when speculating);
         returns the tokens they claim."""
-        decodes = [request for request in self.running
-                   if request.request_id not in self.held and request.num_tokens - request.num_computed_tokens == 1
-                   and not self._done_once_read(request)]
-        speculate = self.speculative is not None and len(decodes) <= self.speculative.disable_by_batch_size
-        # drafts come out of the step's token budget, beyond the one token every decode claims
-        draft_budget = self.config.max_num_batched_tokens - len(decodes)
+        decodes = self._decodes()
+        draft_budget = self._draft_budget(decodes)
         num_decode = 0
         for request in decodes:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            item = self._verify_item(request, draft_budget) if speculate and draft_budget > 0 else None
+            item = self._verify_item(request, draft_budget) if draft_budget > 0 else None
             draft_budget -= item.num_draft if item is not None else 0
             if item is None:
                 new_blocks = self._allocate_or_preempt(request, 1, scheduled)
@@ -206,23 +228,14 @@ class Scheduler:
     def _verify_item(self, request: Request, max_drafts: int) -> ScheduledRequest | None:
         """The request's decode with its proposal of at most max_drafts, or None (no proposal, no room: a plain
         decode). Never preempts: lookahead blocks are only taken when free."""
-        params, spec = request.sampling_params, self.speculative
-        if request.num_placeholders:
-            return None  # tokens still on their way (async)
-        lengths = self._draft_lengths.get(request.request_id)
-        if lengths is None:  # a draft of a sampling or structured request costs a sampled (or masked) row too
-            sampled = not params.is_greedy or params.structured_outputs is not None
-            lengths = self._draft_lengths[request.request_id] = DraftLength(spec, sampled)
-        # the emitted tokens (drafts + 1) must fit max_tokens and the context
-        room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        k = min(lengths.next_k(), room, max_drafts)
-        if k < 1:
-            return None
-        drafts = ngram_proposal(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
-        if not drafts:
-            return None
-        new_blocks = self.kv_cache.allocate(request, 1 + len(drafts))
-        if new_blocks is None:
+        spec = self.speculation.config
+        if spec.method == "draft_model":  # proposed before the step, at the lengths draft_requests() chose
+            drafts = list(self._proposals.get(request.request_id, ())[:max_drafts])
+        else:
+            k = self.speculation.draft_length(request, max_drafts, self.max_model_len)
+            drafts = ngram_proposal(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k) if k \
+                else []
+        if not drafts or (new_blocks := self.kv_cache.allocate(request, 1 + len(drafts))) is None:
             return None
         return self._make_item(request, 1 + len(drafts), new_blocks, drafts=tuple(drafts))
 
@@ -373,7 +386,7 @@ class Scheduler:
             return ()
         snapshots = self.kv_cache.snapshots
         first = self.state_pool.num_slots + (snapshots.num_rows if snapshots is not None else 0)
-        first += request.state_slot * self.speculative.num_speculative_tokens
+        first += request.state_slot * self.speculation.config.num_speculative_tokens
         return tuple(range(first, first + num_draft))
 
 

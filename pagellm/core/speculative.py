@@ -4,6 +4,7 @@
                      earlier occurrence of the sequence's last n tokens, n from max_n down to min_n
     DraftLength      a request's draft length from its accepted lengths so far: the k that emits the most tokens
                      per unit of step cost, 0 (plain decode) while no k pays, probed again later
+    Speculation      the scheduler's speculation state: each running request's DraftLength, and the counters
 
 A request's proposal rides in its decode item (ScheduledRequest.num_draft: the item's last tokens); the runner
 samples every position and keeps the longest prefix the target agrees with (runner/speculative.py).
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pagellm.config import SpeculativeConfig
+from pagellm.request import Request
 
 # Verify steps a request's acceptance estimate starts from, and after how many plain decode steps a request whose
 # drafts did not pay is tried again with one token.
@@ -99,3 +101,37 @@ class DraftLength:
         later_reached = min(proposed, accepted + 1) - 1  # drafts 2.. that came after an accepted one
         self._next[0] += max(later_reached, 0)
         self._next[1] += max(accepted - 1, 0)
+
+
+class Speculation:
+    """The scheduler's speculation state: each request's DraftLength, and the acceptance counters (stats)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self._lengths: dict[str, DraftLength] = {}
+        self.num_verify_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def draft_length(self, request: Request, max_drafts: int, max_model_len: int) -> int:
+        """How many tokens to propose for the request's decode (0: none): its DraftLength's choice, within
+        max_drafts, max_tokens and the context."""
+        params = request.sampling_params
+        if request.num_placeholders or max_drafts < 1:
+            return 0  # tokens still on their way (async)
+        lengths = self._lengths.get(request.request_id)
+        if lengths is None:  # a draft of a sampling or structured request costs a sampled (or masked) row too
+            sampled = not params.is_greedy or params.structured_outputs is not None
+            lengths = self._lengths[request.request_id] = DraftLength(self.config, sampled)
+        # the emitted tokens (drafts + 1) must fit max_tokens and the context
+        room = min(params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens) - 1
+        return max(0, min(lengths.next_k(), room, max_drafts))
+
+    def record(self, request_id: str, proposed: int, accepted: int, running: bool) -> None:
+        """A verify step's outcome; `running`: the request goes on (its draft length learns from it)."""
+        self.num_verify_steps += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if running and request_id in self._lengths:
+            self._lengths[request_id].record(proposed, accepted)
+
+    def forget(self, request_id: str) -> None:
+        self._lengths.pop(request_id, None)

@@ -160,8 +160,8 @@ def test_speculation_stays_off_for_large_batches_and_within_the_token_budget(che
              max_num_batched_tokens=6, speculative_config={**NGRAM, "num_speculative_tokens": 8}) as llm:
         schedule, decode_steps = llm.engine.scheduler.schedule, []
 
-        def recorded():
-            output = schedule()
+        def recorded(proposals=None):
+            output = schedule(proposals)
             if output.num_prefill_tokens == 0 and output.scheduled:
                 decode_steps.append(output.num_decode_tokens)
             return output
@@ -173,7 +173,9 @@ def test_speculation_stays_off_for_large_batches_and_within_the_token_budget(che
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"method": "draft_model"}', "draft_model and mtp are not built yet"),
+    ('{"method": "mtp"}', "mtp is not built yet"),
+    ('{"method": "draft_model"}', "names the draft model of method draft_model"),
+    ('{"model": "x.gguf"}', "names the draft model of method draft_model"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be in 1..64"),
     ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
     ('{"n": 3}', "unknown key"),
@@ -226,3 +228,41 @@ def test_structured_output_with_speculation_gives_the_same_json():
     assert results[0] == results[1]
     for text, _, reason in results[1]:
         assert reason == "stop" and set(json.loads(text)) == {"city", "country", "rivers"}
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("draft")
+    write_tiny_checkpoint("llama", path, seed=3, redraw=True)  # the same vocabulary, other weights
+    return path
+
+
+@pytest.mark.parametrize("target", ["llama", "qwen3.5"])
+def test_a_draft_model_gives_the_targets_ids(tmp_path, checkpoint, other_llama, target):
+    """method draft_model: the draft engine's greedy tokens verified like lookups. The target itself as its draft
+    has every draft accepted; another model of the same vocabulary some or none: the ids are the target's either
+    way (a hybrid target's state rolled back), seeded sampling included."""
+    path = checkpoint
+    if target == "qwen3.5":
+        path = tmp_path
+        write_hybrid_checkpoint("qwen3.5", path)
+    params = [_greedy(20), SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)]
+    plain, _, _ = _generate(path, PROMPTS[:2], params)
+    for draft in (path, other_llama):
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4, "adaptive": False}
+        ids, _, stats = _generate(path, PROMPTS[:2], params, spec)
+        assert ids == plain and stats["spec_verify_steps"] > 0
+        if draft == path:  # the target proposing for itself: its greedy drafts all accepted
+            greedy_only, _, stats = _generate(path, PROMPTS[:1], _greedy(20), spec)
+            assert greedy_only[0] == plain[0] and stats["spec_acceptance_rate"] == 1.0
+
+
+def test_a_draft_model_of_another_vocabulary_is_a_clear_error(tmp_path, checkpoint):
+    from tests.models.tiny_checkpoints import TINY_CONFIGS
+
+    config = TINY_CONFIGS["llama"]()
+    config.vocab_size = 300
+    write_tiny_checkpoint("llama", tmp_path, config=config)
+    with pytest.raises(ValueError, match="speculative_config.model has a vocabulary of 300 tokens"):
+        LLM(str(checkpoint), skip_tokenizer_init=True, kv_cache_memory=0.01,
+            speculative_config={"method": "draft_model", "model": str(tmp_path)})

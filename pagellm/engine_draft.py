@@ -1,0 +1,73 @@
+"""Speculative decoding's draft model (method draft_model): a second engine over a smaller model with the same
+vocabulary, its KV in its own blocks, proposing each speculating request's next tokens greedily.
+
+Each step, for the requests the scheduler lets speculate (Scheduler.draft_requests), the draft engine runs a
+request of their tokens so far for k greedy tokens. Its prefix cache holds the blocks of the round before, so a
+round computes only what changed (the tokens accepted since, and the last partial block) and then k decodes, the
+requests batched. Greedy proposals are deterministic (one-hot), so the target's verification keeps its exact
+distribution as it does for n-gram lookups (runner/speculative.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from pagellm.request import Request
+from pagellm.sampling_params import SamplingParams
+
+# What the two tokenizers must encode alike (ids of the same text), besides the vocabulary's size.
+_PROBE = "The draft and the target: def f(x):\n    return [x, 3.14, 'é', \"ok\"]  # 42"
+
+
+class DraftEngine(Protocol):
+    """What DraftModel needs of an LLMEngine (the engine builds it: no import back up)."""
+
+    tokenizer: object
+    hf_config: object
+    max_model_len: int
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str: ...
+
+    def step(self) -> list: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+class DraftModel:
+    def __init__(self, engine: DraftEngine, target_vocab_size: int, target_tokenizer):
+        """A ValueError naming speculative_config.model when the draft's vocabulary is not the target's."""
+        self.engine = engine
+        if engine.hf_config.vocab_size != target_vocab_size:
+            raise ValueError(f"speculative_config.model has a vocabulary of {engine.hf_config.vocab_size} tokens, "
+                             f"the target {target_vocab_size}: a draft model must share the target's")
+        if target_tokenizer is not None and engine.tokenizer is not None and \
+                engine.tokenizer.encode(_PROBE) != target_tokenizer.encode(_PROBE):
+            raise ValueError("speculative_config.model's tokenizer gives other ids than the target's for the same "
+                             "text: a draft model must share the target's vocabulary")
+        self._rounds = 0
+
+    def propose(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
+        """{request id: its k greedy draft tokens} for each (request, k); a request the draft cannot hold (past its
+        context) gets none."""
+        self._rounds += 1
+        target_of = {}
+        for request, k in wanted:
+            tokens = request.all_token_ids
+            if len(tokens) + k > self.engine.max_model_len:
+                continue
+            draft_id = self.engine.add_request(list(tokens), SamplingParams(max_tokens=k, temperature=0.0,
+                                                                             ignore_eos=True),
+                                               request_id=f"draft-{self._rounds}-{request.request_id}")
+            target_of[draft_id] = request.request_id
+        proposals = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    proposals[target_of[output.request_id]] = tuple(output.outputs[0].token_ids)
+        return proposals
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
