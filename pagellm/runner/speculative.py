@@ -1,10 +1,10 @@
 """Speculative decoding, the runner's half: a verify step's sampling rows, and the tokens it keeps.
 
-Proposals come from the scheduler (core/speculative.py) as the last ScheduledRequest.num_draft tokens of a decode
-item. The runner samples every position of the item: row i as the request's own row would be sampled after the
+Proposals (n-gram lookups, core/speculative.py, or a draft model's greedy tokens, engine_draft.py) come as the
+last ScheduledRequest.num_draft tokens of a decode item. The runner samples every position of the item: row i as the request's own row would be sampled after the
 first i drafts were accepted (penalties count them, min_tokens counts them, a seeded row draws token n from its
 own stream n), and keeps the longest prefix of the drafts that the samples reproduce, then the sample after it.
-For a proposal without a distribution (an n-gram's: one-hot, q(x) = 1) that is exactly Leviathan et al.'s
+For a deterministic proposal (a lookup's, a greedy draft's: one-hot, q(x) = 1) that is exactly Leviathan et al.'s
 rejection sampling: a draft x is accepted with probability p(x), and a rejected position's sample is a draw from
 p without x, i.e. from norm(max(0, p - q)). So the emitted tokens are distributed as the target's own sampling, a
 seeded request emits the very tokens it would without speculation, and greedy ones the argmax path.
@@ -12,8 +12,8 @@ seeded request emits the very tokens it would without speculation, and greedy on
     DraftRow          the sampler's row for position i of a verify item (runner/sampler.SamplingRow)
     sampling_rows     a step's sampled slots expanded to one row per sampled position
     accepted_prefix   how many drafts the samples reproduce
-    rejection_verify  the acceptance rule for proposals with a distribution (a draft model's; not wired yet:
-                      its proposer is not built)
+    rejection_verify  the acceptance rule for proposals with a distribution (a draft model that samples its
+                      drafts; not wired: pagellm's draft model proposes greedily, one-hot)
 """
 
 from __future__ import annotations
