@@ -1,13 +1,14 @@
 """Speculative decoding, the runner's half: a verify step's sampling rows, and the tokens it keeps.
 
-Proposals (n-gram lookups, core/speculative.py, or a draft model's greedy tokens, engine_draft.py) come as the
-last ScheduledRequest.num_draft tokens of a decode item. The runner samples every position of the item: row i as the request's own row would be sampled after the
-first i drafts were accepted (penalties count them, min_tokens counts them, a seeded row draws token n from its
-own stream n), and keeps the longest prefix of the drafts that the samples reproduce, then the sample after it.
-For a deterministic proposal (a lookup's, a greedy draft's: one-hot, q(x) = 1) that is exactly Leviathan et al.'s
-rejection sampling: a draft x is accepted with probability p(x), and a rejected position's sample is a draw from
-p without x, i.e. from norm(max(0, p - q)). So the emitted tokens are distributed as the target's own sampling, a
-seeded request emits the very tokens it would without speculation, and greedy ones the argmax path.
+Proposals (n-gram lookups, core/speculative.py, or a draft model's greedy tokens, engine_draft.py) come as the last
+ScheduledRequest.num_draft tokens of a decode item. The runner samples every position of the item: row i as the
+request's own row would be sampled after the first i drafts were accepted (penalties count them, min_tokens counts
+them, a seeded row draws token n from its own stream n), and keeps the longest prefix of the drafts that the samples
+reproduce, then the sample after it. For a deterministic proposal (a lookup's, a greedy draft's: one-hot, q(x) = 1)
+that is exactly Leviathan et al.'s rejection sampling: a draft x is accepted with probability p(x), and a rejected
+position's sample is a draw from p without x, i.e. from norm(max(0, p - q)). So the emitted tokens are distributed
+as the target's own sampling, a seeded request emits the very tokens it would without speculation, and greedy ones
+the argmax path.
 
     DraftRow          the sampler's row for position i of a verify item (runner/sampler.SamplingRow)
     sampling_rows     a step's sampled slots expanded to one row per sampled position
