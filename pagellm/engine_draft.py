@@ -58,9 +58,12 @@ class DraftModel:
             tokens = request.all_token_ids
             if len(tokens) + k > self.engine.max_model_len:
                 continue
-            draft_id = self.engine.add_request(list(tokens), SamplingParams(max_tokens=k, temperature=0.0,
-                                                                             ignore_eos=True),
-                                               request_id=f"draft-{self._rounds}-{request.request_id}")
+            try:
+                draft_id = self.engine.add_request(list(tokens), SamplingParams(max_tokens=k, temperature=0.0,
+                                                                                 ignore_eos=True),
+                                                   request_id=f"draft-{self._rounds}-{request.request_id}")
+            except ValueError:  # longer than the draft's KV pool holds: this request decodes plainly
+                continue
             target_of[draft_id] = request.request_id
         proposals = {}
         while self.engine.has_unfinished_requests():

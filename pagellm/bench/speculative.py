@@ -93,7 +93,8 @@ async def _one(client, url: str, model: str, prompt: str, sampling: dict, max_to
 async def _run(url: str, prompts: list[str], sampling: dict, max_tokens: int, concurrent: bool
                ) -> tuple[list, float]:
     httpx = serve._httpx()
-    async with httpx.AsyncClient() as client:
+    # a fresh connection per request: llama-server, in the build measured, dropped reused ones now and then
+    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
         model = (await client.get(url + "/v1/models", timeout=30)).json()["data"][0]["id"]
         t0 = time.perf_counter()
         if concurrent:
