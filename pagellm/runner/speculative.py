@@ -13,8 +13,6 @@ the argmax path.
     DraftRow          the sampler's row for position i of a verify item (runner/sampler.SamplingRow)
     sampling_rows     a step's sampled slots expanded to one row per sampled position
     accepted_prefix   how many drafts the samples reproduce
-    rejection_verify  the acceptance rule for proposals with a distribution (a draft model that samples its
-                      drafts; not wired: pagellm's draft model proposes greedily, one-hot)
 """
 
 from __future__ import annotations
@@ -65,35 +63,3 @@ def accepted_prefix(drafts: Sequence[int], sampled: Sequence[int]) -> int:
     while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
         accepted += 1
     return accepted
-
-
-def rejection_verify(proposed: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """proposed [k] token ids; draft_probs [k, V] (None: one-hot proposals, an n-gram's); target_probs [k + 1, V]
-    (row i: the target's distribution after the first i proposed tokens) -> (accepted count, emitted [k + 1]):
-    the proposal's first `accepted` tokens, then one drawn from the residual at the first rejection (or the bonus
-    row after k acceptances); positions past it are unspecified."""
-    k = proposed.shape[0]
-    rows = torch.arange(k, device=proposed.device)
-    p = target_probs[rows, proposed]  # [k]
-    q = torch.ones_like(p) if draft_probs is None else draft_probs[rows, proposed]
-    uniform = torch.rand(k, generator=generator, device=proposed.device, dtype=p.dtype)
-    accept = (uniform * q < p).to(torch.int64)  # u < min(1, p / q), without dividing by a zero q
-    accepted = accept.cumprod(0).sum()
-    # the token at row `accepted`: residual max(0, p - q) there (k: the bonus row, plain p)
-    draft = torch.zeros_like(target_probs)
-    if draft_probs is None:
-        draft[rows, proposed] = 1.0
-    else:
-        draft[:k] = draft_probs
-    residual = (target_probs - draft).clamp_min(0.0)
-    residual[k] = target_probs[k]
-    row = residual[accepted]
-    total = row.sum()
-    # a residual of zero mass happens only where p == q: any draw from p is then the target's (never reached
-    # with accepted < k, since p == q accepts with probability 1)
-    row = torch.where(total > 0, row / total.clamp_min(1e-30), target_probs[accepted])
-    token = torch.multinomial(row, 1, generator=generator)[0]
-    emitted = torch.cat([proposed, proposed.new_zeros(1)])
-    emitted[accepted] = token
-    return accepted, emitted

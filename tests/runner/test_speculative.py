@@ -1,6 +1,6 @@
 """Speculative decoding's proposal and verification (core/ and runner/speculative.py): n-gram lookup, acceptance,
-and rejection sampling that keeps the target's distribution exactly: a statistical test over a tiny vocabulary
-with a fixed seed, which a biased acceptance rule fails."""
+and verification that keeps the target's distribution exactly: a statistical test over a tiny vocabulary with a
+fixed seed, which a biased acceptance rule fails."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagellm.core.speculative import ngram_proposal
-from pagellm.runner.speculative import accepted_prefix, rejection_verify
+from pagellm.runner.speculative import accepted_prefix
 
 
 def test_ngram_lookup_takes_the_latest_longest_match():
@@ -30,46 +30,44 @@ def test_accepted_prefix_keeps_the_drafts_the_samples_reproduce():
     assert accepted_prefix([], [4]) == 0  # a plain decode
 
 
-def _distributions(seed: int, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    target = torch.softmax(2 * torch.randn(k + 1, vocab, generator=generator, dtype=torch.float64), -1)
-    draft = torch.softmax(2 * torch.randn(k, vocab, generator=generator, dtype=torch.float64), -1)
-    return target, draft
+def _sample_then_match(proposed: list[int], target: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """The engine's rule for one verify step: every position sampled from its target row (row i: after i accepted
+    drafts), the drafts the samples reproduce kept, then the sample after them."""
+    samples = [int(torch.multinomial(row, 1, generator=generator)[0]) for row in target]
+    return samples[:accepted_prefix(proposed, samples) + 1]
 
 
-def _emitted_first_two(verify, target, draft, samples: int, seed: int, given: int):
-    """Counts of the first emitted token, and of the second where the first was the proposal `given`, accepted
-    (the target's second row is its distribution after that token)."""
+def _biased(proposed: list[int], target: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """A rule that, where a draft was rejected, draws the position again from p itself (the draft included)."""
+    emitted = _sample_then_match(proposed, target, generator)
+    if len(emitted) <= len(proposed):
+        emitted[-1] = int(torch.multinomial(target[len(emitted) - 1], 1, generator=generator)[0])
+    return emitted
+
+
+def _emitted_first_two(verify, target: torch.Tensor, proposed: list[int], samples: int, seed: int):
+    """Counts of the first emitted token, and of the second where the first was the first draft, accepted (the
+    target's second row is its distribution after that token)."""
     generator = torch.Generator().manual_seed(seed)
     first, second = torch.zeros(target.shape[1]), torch.zeros(target.shape[1])
     for _ in range(samples):
-        if draft is None:
-            proposed = torch.tensor([given, 1])  # an n-gram's: the same lookup every time
-        else:
-            proposed = torch.stack([torch.multinomial(row, 1, generator=generator)[0] for row in draft])
-        accepted, emitted = verify(proposed, draft, target, generator)
+        emitted = verify(proposed, target, generator)
         first[emitted[0]] += 1
-        if accepted >= 1 and emitted[0] == given:
+        if len(emitted) > 1:
             second[emitted[1]] += 1
     return first, second
 
 
-@pytest.mark.parametrize("one_hot", [False, True], ids=["draft-model", "ngram"])
-def test_rejection_sampling_keeps_the_target_distribution(one_hot):
-    """6,000 draws over a 4-token vocabulary: the first emitted token is distributed as the target's first row,
-    and the second, after the first proposal was accepted as a given token, as its second row (to 0.035, ~4 standard
-    errors); a rule that resamples from p instead of the residual is caught by the same check."""
-    target, draft = _distributions(3, 2, 4)
-    draft = None if one_hot else draft
-    given = int(torch.minimum(target[0], draft[0] if draft is not None else target[0]).argmax())  # often accepted
-    first, second = _emitted_first_two(rejection_verify, target, draft, 6000, 11, given)
+def test_verification_keeps_the_target_distribution():
+    """6,000 verify steps of one proposal (a lookup's: the same every time, one-hot) over a 4-token vocabulary: the
+    first emitted token is distributed as the target's first row, and the second, after the first draft was
+    accepted, as its second row (to 0.035, ~4 standard errors); a rule that redraws a rejected position from p
+    itself (too much of the draft) is caught by the same check."""
+    generator = torch.Generator().manual_seed(3)
+    target = torch.softmax(2 * torch.randn(3, 4, generator=generator, dtype=torch.float64), -1)
+    proposed = [int(target[0].argmax()), 1]  # the first draft often accepted
+    first, second = _emitted_first_two(_sample_then_match, target, proposed, 6000, 11)
     assert (first / first.sum() - target[0]).abs().max() < 0.035
     assert second.sum() > 300 and (second / second.sum() - target[1]).abs().max() < 0.035
-
-    def biased(proposed, draft_probs, target_probs, generator):  # on rejection, a draw from p itself: too much x
-        accepted, emitted = rejection_verify(proposed, draft_probs, target_probs, generator)
-        if accepted < proposed.shape[0]:
-            emitted[accepted] = torch.multinomial(target_probs[accepted], 1, generator=generator)[0]
-        return accepted, emitted
-    first, _ = _emitted_first_two(biased, target, draft, 6000, 11, given)
+    first, _ = _emitted_first_two(_biased, target, proposed, 6000, 11)
     assert (first / first.sum() - target[0]).abs().max() > 0.05
