@@ -337,7 +337,9 @@ class ServerConfig(_FromDict):
     # Each a key clients may send as 'Authorization: Bearer <key>'; empty: no auth. Every route but /health.
     api_keys: tuple[str, ...] = ()
     max_waiting: int = 1024  # most requests waiting to run; beyond it 429
-    served_model_name: str | None = None
+    # The names clients may send as `model`, the first one answered in responses; empty: the model's own
+    # (api_server.default_model_names). A single string is one name.
+    served_model_name: tuple[str, ...] = ()
     chat_template: str | None = None  # a Jinja template's text, used instead of the model's own
     tool_call_parser: str | None = None  # None: chosen from the chat template
     max_request_bytes: int = 4 << 20  # a request body above this is a 413
@@ -347,6 +349,10 @@ class ServerConfig(_FromDict):
 
     def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        names = self.served_model_name
+        object.__setattr__(self, "served_model_name", (names,) if isinstance(names, str) else tuple(names or ()))
+        if any(not isinstance(n, str) or not n for n in self.served_model_name):
+            raise ValueError("served_model_name must be non-empty strings")
         if self.pooling not in ("mean", "last", "cls"):
             raise ValueError(f"pooling must be one of mean, last, cls, got {self.pooling!r}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))

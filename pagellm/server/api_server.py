@@ -52,8 +52,13 @@ DEFAULT_MODEL_NAME = "gemma-3-270m"
 STATIC_DIR = Path(__file__).parent / "static"  # the chat page: plain HTML, CSS and JS, no build step
 
 
-def served_model_name(model: str | None) -> str:
-    return Path(model).name if model else DEFAULT_MODEL_NAME
+def default_model_names(model: str | None) -> tuple[str, ...]:
+    """The names a model answers to without --served-model-name: its file or folder name, a GGUF's without the
+    extension first (the name /v1/models lists and responses carry), then with it (clients of older pagellm)."""
+    if not model:
+        return (DEFAULT_MODEL_NAME,)
+    path = Path(model)
+    return (path.stem, path.name) if path.suffix.lower() == ".gguf" and path.stem else (path.name,)
 
 
 def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastAPI:
@@ -61,8 +66,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     engine = AsyncEngine(config, server.max_waiting)
     metrics = ServerMetrics(engine.stats)
     engine.metrics = metrics
-    state = ServerState(engine, metrics, server.served_model_name or served_model_name(config.model.model),
-                        int(time.time()), server)
+    names = server.served_model_name or default_model_names(config.model.model)
+    state = ServerState(engine, metrics, names[0], int(time.time()), server, model_aliases=names[1:])
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -112,10 +117,8 @@ def _ready_state(request: Request) -> ServerState:
     return state
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.served_model_name:
-        raise APIError(f"the model {model!r} does not exist; this server serves {state.served_model_name!r}",
-                       "model")
+def _check_model(state: ServerState, model: str | None, api: str = "openai") -> None:
+    state.check_model(model, api)
 
 
 # ---- simple endpoints -----------------------------------------------------------------------------
@@ -163,7 +166,7 @@ async def _models(request: Request) -> dict:
 async def _tokenize(request: Request) -> dict:
     state = _ready_state(request)
     body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), TokenizeRequest)
-    _check_model(state, body.model)
+    _check_model(state, body.model, "llama")
     tokenizer = state.tokenizer()
 
     def tokenize() -> list[int]:
@@ -180,7 +183,7 @@ async def _tokenize(request: Request) -> dict:
 async def _detokenize(request: Request) -> dict:
     state = _ready_state(request)
     body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), DetokenizeRequest)
-    _check_model(state, body.model)
+    _check_model(state, body.model, "llama")
     _check_token_ids(state, body.tokens, "tokens")
     return {"prompt": await state.off_loop(state.tokenizer().decode, body.tokens)}
 
@@ -300,7 +303,7 @@ async def _infill(request: Request) -> Response:
     state = _ready_state(request)
     infill_body, body = await state.off_loop(infill.completion_request,
                                              await read_body(request, state.config.max_request_bytes))
-    _check_model(state, body.model)
+    _check_model(state, body.model, "llama")
     state.note_unknown_fields(body)
     ids = await state.off_loop(infill.infill_tokens, state.tokenizer(), infill_body,
                                state.engine.model.max_model_len, body.max_tokens or 0)

@@ -17,6 +17,9 @@ from pagellm.server.metrics import ServerMetrics
 from pagellm.server.protocol import APIError
 
 logger = logging.getLogger("pagellm.server")
+MAX_ECHOED_CHARS = 64  # a client's string quoted in an error or a log line is cut to this many characters
+UNKNOWN_FIELDS_LOGGED = 8  # per request
+UNKNOWN_FIELDS_REMEMBERED = 256  # per server: past it, unknown fields are no longer logged
 
 
 @dataclass
@@ -40,14 +43,36 @@ class ServerState:
     text_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         max_workers=2, thread_name_prefix="pagellm-text", initializer=_yield_to_the_engine))
 
+    model_aliases: tuple[str, ...] = ()  # more names clients may send (--served-model-name's after the first)
+    # Names of ignored request fields already logged: bounded, as is each logged name, since they come from
+    # clients (a fuzzer's one request can carry thousands of distinct keys, each megabytes long).
     unknown_fields_seen: set[str] = field(default_factory=set)
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name,) + tuple(self.model_aliases)
+
+    def check_model(self, model: str | None, api: str = "openai") -> None:
+        """A request's `model` must be a name this server answers to: a 404 as OpenAI's and Anthropic's APIs
+        (and vLLM) answer an unknown model, a 400 on llama-server's routes; the name is echoed cut short."""
+        if model is None or model in self.model_names:
+            return
+        served = ", ".join(repr(name) for name in self.model_names)
+        raise APIError(f"the model {clip(model)} does not exist; this server serves {served}", "model",
+                       status=404 if api == "openai" else 400)
+
     def note_unknown_fields(self, body) -> None:
-        """Log each request field no model field knows, once per name per server: it was ignored."""
-        for name in body.unknown_fields():
-            if name not in self.unknown_fields_seen:
-                self.unknown_fields_seen.add(name)
-                logger.warning("ignoring request field %r, which pagellm does not know (logged once)", name)
+        """Log each request field no model field knows, once per name per server: it was ignored. At most
+        UNKNOWN_FIELDS_LOGGED names per request and UNKNOWN_FIELDS_REMEMBERED per server are logged."""
+        names = [name for name in body.unknown_fields() if name not in self.unknown_fields_seen]
+        for name in names[:UNKNOWN_FIELDS_LOGGED]:
+            if len(self.unknown_fields_seen) >= UNKNOWN_FIELDS_REMEMBERED:
+                return
+            self.unknown_fields_seen.add(name[:MAX_ECHOED_CHARS])
+            logger.warning("ignoring request field %s, which pagellm does not know (logged once)", clip(name))
+        if len(names) > UNKNOWN_FIELDS_LOGGED:
+            logger.warning("ignoring %d more unknown request fields in that request (not logged)",
+                           len(names) - UNKNOWN_FIELDS_LOGGED)
 
     def tokenizer(self):
         tokenizer = self.engine.model.tokenizer
@@ -69,6 +94,11 @@ class ServerState:
                            f"{param} has {len(text)} characters: more than that many tokens can hold; shorten it",
                            param)
         return await self.off_loop(tokenizer.encode, text)
+
+
+def clip(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
+    """`text` quoted for an error or a log line, cut to `limit` characters with how many more there were."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text) - limit} more characters)"
 
 
 def _yield_to_the_engine() -> None:
