@@ -95,6 +95,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     v1.add_api_route("/models", _models, methods=["GET"], response_model=ModelList)
     app.include_router(v1)
     app.add_api_route("/", _chat_page, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/favicon.ico", _favicon, methods=["GET"], include_in_schema=False)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
@@ -139,6 +140,11 @@ async def _health(request: Request) -> Response:
 async def _chat_page(request: Request) -> Response:
     """The chat page (static/index.html): streaming chat with the served model and a live server panel."""
     return FileResponse(STATIC_DIR / "index.html")
+
+
+async def _favicon(request: Request) -> Response:
+    """The page's icon, also where browsers look for one unasked."""
+    return FileResponse(STATIC_DIR / "favicon.svg", media_type="image/svg+xml")
 
 
 async def _props(request: Request) -> dict:
