@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+MAX_ECHOED_CHARS = 64  # a client's string quoted in an error or a log line is cut to this many characters
 MESSAGES_PREFIX = "/v1/messages"  # Anthropic's Messages API: its clients parse its own error shape
 # Anthropic's names where they differ from OpenAI's (its SDKs pick the exception by status; the name is what a
 # user reads)
@@ -36,3 +37,9 @@ def error_body_for(path: str, status: int, message: str, kind: str, param: str |
         return {"type": "error", "error": {"type": _ANTHROPIC_KINDS.get(status, kind), "message": message,
                                            "param": param}}
     return error_body(message, kind, param)
+
+
+def clip(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
+    """`text` quoted for an error or a log line, cut to `limit` characters with how many more there were: the
+    strings come from clients, and a megabyte-long one must not come back whole."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text) - limit} more characters)"

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pagellm.config import ServerConfig
 from pagellm.server.async_engine import AsyncEngine
 from pagellm.server.metrics import ServerMetrics
+from pagellm.server.errors import MAX_ECHOED_CHARS, clip
 from pagellm.server.protocol import APIError
 
 logger = logging.getLogger("pagellm.server")
-MAX_ECHOED_CHARS = 64  # a client's string quoted in an error or a log line is cut to this many characters
 UNKNOWN_FIELDS_LOGGED = 8  # per request
 UNKNOWN_FIELDS_REMEMBERED = 256  # per server: past it, unknown fields are no longer logged
 
@@ -94,11 +94,6 @@ class ServerState:
                            f"{param} has {len(text)} characters: more than that many tokens can hold; shorten it",
                            param)
         return await self.off_loop(tokenizer.encode, text)
-
-
-def clip(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
-    """`text` quoted for an error or a log line, cut to `limit` characters with how many more there were."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text) - limit} more characters)"
 
 
 def _yield_to_the_engine() -> None:
