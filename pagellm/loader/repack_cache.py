@@ -18,7 +18,8 @@ read as the kernels first touch them), as llama.cpp and vLLM keep what they deri
               pagellm whose layout changed) orphans the old one for good: a commit removes the file's older
               entries but the newest (two pagellm versions sharing a cache keep one each), entries that do not
               name their file (written before manifests did), and partial entries no process has written to
-              for an hour (a load killed mid-write)
+              for an hour or whose writer has died (a load killed mid-write: loader/cache_staging.py); those are
+              also removed at every start
     layout    the tensors a layer joins (a layer's q/k/v, its gate/up) lie side by side, array by array, in the
               order the join takes them: layers/gguf_linear.merged_segments then views the joined range of the
               map instead of copying the parts into the heap, so they stay file pages like every other block
@@ -32,8 +33,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import gguf
@@ -42,13 +41,13 @@ import torch
 
 from pagellm.kernels.cpu import gguf_blocks
 from pagellm.loader import gguf_repack
+from pagellm.loader.cache_staging import PREFIX, remove_abandoned, staging_folder
 from pagellm.loader.gguf_file import GGUFHeader, drop_pages
 
 logger = logging.getLogger("pagellm.loader")
 
 FORMAT = 2
 _ALIGN = 64  # each array starts on a cache line, as the kernels' own allocations do
-_ABANDONED_AFTER_S = 3600  # a partial entry untouched this long was left by a load that died mid-write
 # the tensors of one layer that a model joins into one matmul (models/llama.py, layers/mlp.py), in join order
 _JOIN_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 _JOIN_MEMBER = re.compile(r"^(blk\.\d+\.)(" + "|".join(r for g in _JOIN_GROUPS for r in g) + r")\.weight$")
@@ -83,6 +82,7 @@ class RepackCache:
         digest.update(f"{stat.st_size} {stat.st_mtime_ns}".encode())
         with open(path, "rb") as f:
             digest.update(f.read(header.data_start))
+        remove_abandoned(cache_dir / "gguf-blocks")  # a load killed mid-write left it; a hit never commits
         return cls(cache_dir / "gguf-blocks" / digest.hexdigest(), str(path.resolve()))
 
     @property
@@ -137,8 +137,7 @@ class RepackCache:
             return
         try:
             if self._out is None:
-                self.entry.parent.mkdir(parents=True, exist_ok=True)
-                self._staging = Path(tempfile.mkdtemp(dir=self.entry.parent, prefix=".partial-"))
+                self._staging = staging_folder(self.entry.parent)
                 self._out = open(self._staging / "blocks.bin", "wb")
             records = {name: {"type": int(w.ggml_type), "rows": w.rows, "cols": w.cols, "arrays": []}
                        for name, w in weights}
@@ -179,10 +178,9 @@ class RepackCache:
         to it (Linux frees a removed file's pages when the last map goes); one whose manifest cannot be read is
         being written, or damaged (its own load rebuilds it), and is left alone."""
         same_file = []
+        remove_abandoned(self.entry.parent)
         for other in self.entry.parent.iterdir():
-            if other.name.startswith(".partial-"):
-                if _idle_seconds(other) > _ABANDONED_AFTER_S:
-                    self._remove(other)
+            if other.name.startswith(PREFIX):
                 continue
             if other == self.entry or other.name.startswith("."):
                 continue
@@ -220,11 +218,3 @@ class RepackCache:
             self._staging = None
         self._written = None  # nothing more is written for this load
 
-
-def _idle_seconds(directory: Path) -> float:
-    """Seconds since anything in `directory` was last written (blocks.bin grows for as long as a load writes)."""
-    try:
-        newest = max([directory.stat().st_mtime, *(f.stat().st_mtime for f in directory.iterdir())])
-    except OSError:  # removed meanwhile (its writer abandoned or committed it)
-        return 0.0
-    return time.time() - newest

@@ -24,13 +24,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
 import tokenizers
 
+from pagellm.loader.cache_staging import remove_abandoned, staging_folder
 from pagellm.loader.gguf_file import GGUFHeader, header_of
 
 logger = logging.getLogger("pagellm.loader")
@@ -61,6 +61,8 @@ def converted(path: Path, cache_dir: Path | None, header: GGUFHeader | None = No
     """The tokenizer of a GGUF file or HF directory: from the cache when it holds a sound entry for its content,
     else converted (and stored when there is a cache)."""
     entry = cache_dir / "tokenizers" / _key(path, header) if cache_dir is not None else None
+    if entry is not None:
+        remove_abandoned(entry.parent)
     if entry is not None and entry.is_dir():
         loaded = _read(entry)
         if loaded is not None:
@@ -116,8 +118,7 @@ def _read(entry: Path) -> tuple[tokenizers.Tokenizer, TokenizerInfo] | None:
 def _write(entry: Path, backend: tokenizers.Tokenizer, info: TokenizerInfo) -> None:
     """Atomically: a reader sees a whole entry or none. A cache that cannot be written is skipped (logged)."""
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".partial-"))
+        staging = staging_folder(entry.parent)
         texts = {"tokenizer.json": backend.to_str().encode(),
                  "info.json": json.dumps(dataclasses.asdict(info)).encode()}
         for name, data in texts.items():

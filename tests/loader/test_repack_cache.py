@@ -7,13 +7,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import gguf
 import pytest
 import torch
 
-from pagellm.loader import gguf_repack
+from pagellm.loader import gguf_repack, tokenizer_cache
+from pagellm.loader.default_model import default_model_path
 from pagellm.loader.model_loader import load_model
 from tests.loader.gguf_builders import write_tiny_gguf
 
@@ -121,6 +127,36 @@ def test_a_commit_removes_partial_entries_a_killed_load_left(tiny, tmp_path):
     _load(tiny.path, tmp_path / "cache")
     left = sorted(p.name for p in entries.iterdir())
     assert ".partial-killed" not in left and ".partial-writing" in left and len(left) == 2
+
+
+def _killed_writer_folder(parent) -> str:
+    """A staging folder whose writer was killed mid-write (SIGKILL: nothing of it ran after)."""
+    script = ("import os, signal, sys; from pathlib import Path; from pagellm.loader.cache_staging import "
+              "staging_folder; f = staging_folder(Path(sys.argv[1])); (f / 'blocks.bin').write_bytes(b'x'); "
+              "print(f.name, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    done = subprocess.run([sys.executable, "-c", script, str(parent)], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_start_removes_what_a_killed_load_left_at_once(tiny, tmp_path):
+    """A start that finds its entry whole (so commits nothing) still removes a staging folder whose writer on this
+    host is gone, at once; one whose writer still runs, or of another host, stays while it is fresh."""
+    cache = tmp_path / "cache"
+    _load(tiny.path, cache)  # the entry, whole
+    entries = cache / "gguf-blocks"
+    killed = _killed_writer_folder(entries)
+    running, elsewhere = (entries / ".partial-running"), (entries / ".partial-elsewhere")
+    for folder, owner in ((running, f"{socket.gethostname()} {os.getppid()}"), (elsewhere, "other-host 1")):
+        folder.mkdir()
+        (folder / "owner").write_text(owner)
+    tokenizers = cache / "tokenizers"
+    killed_tokenizer = _killed_writer_folder(tokenizers)
+    _load(tiny.path, cache)
+    left = {p.name for p in entries.iterdir()}
+    assert killed not in left and {running.name, elsewhere.name} <= left
+    tokenizer_cache.converted(Path(default_model_path()), cache)
+    assert killed_tokenizer not in {p.name for p in tokenizers.iterdir()}
 
 
 def test_a_load_that_stops_early_leaves_no_entry(tiny, tmp_path, monkeypatch):
