@@ -64,7 +64,7 @@ class ServerState:
     def note_unknown_fields(self, body) -> None:
         """Log each request field no model field knows, once per name per server: it was ignored. At most
         UNKNOWN_FIELDS_LOGGED names per request and UNKNOWN_FIELDS_REMEMBERED per server are logged."""
-        names = [name for name in body.unknown_fields() if name not in self.unknown_fields_seen]
+        names = [name for name in body.unknown_fields() if name[:MAX_ECHOED_CHARS] not in self.unknown_fields_seen]
         for name in names[:UNKNOWN_FIELDS_LOGGED]:
             if len(self.unknown_fields_seen) >= UNKNOWN_FIELDS_REMEMBERED:
                 return
