@@ -63,10 +63,13 @@ generate: install
 serve: install
 	$(BIN)/pagellm serve $(SERVE_ARGS)
 
-# The peers of `pagellm bench compare` / `bench accuracy` in .venv: llama-cpp-python (it compiles llama.cpp from
-# source: 10-20 minutes on 2 cores) and matplotlib. Without them those commands measure pagellm alone and say so.
+# The peers of `pagellm bench`: llama.cpp's own tools (llama-server, llama-batched-bench, ...) compiled once from the
+# llama.cpp of a pinned llama-cpp-python release and cached under ~/.cache/llama-cpp-peer, that llama-cpp-python in
+# .venv on the same build (no second compile), and matplotlib for --plot (how: tools/build-llama-cpp.sh; how long:
+# the README). Without them those commands measure pagellm alone and say so; a second run finds all cached.
 peers: install
-	$(BIN)/pip install -e '.[bench]'
+	$(BIN)/pip install --quiet matplotlib
+	tools/build-llama-cpp.sh --python $(BIN)/python
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -163,7 +163,8 @@ def _add_speculative_parser(kinds) -> None:
     spec.add_argument("--spec-config", default='{"method": "ngram"}',
                       help="pagellm's --speculative-config (default %(default)s)")
     spec.add_argument("--llama-server", default=None, metavar="PATH",
-                      help="the llama-server binary (../shared/peers/build-llama-cpp.sh builds it); none: pagellm only")
+                      help="the llama-server binary (`make peers` builds it under ~/.cache/llama-cpp-peer); none: "
+                           "pagellm only")
     spec.add_argument("--llama-spec-types", default="ngram-simple,ngram-mod",
                       help="llama-server --spec-type values to run, comma-separated (default %(default)s; "
                            "ngram-map-k dropped its connection mid-run in the build measured)")
@@ -201,7 +202,8 @@ def _add_serve_parsers(kinds) -> None:
 
     both = kinds.add_parser("serve-compare", help="pagellm serve and llama-server on one GGUF, the same clients")
     both.add_argument("--llama-server", default=None, metavar="PATH",
-                      help="the llama-server binary (default: on PATH; ../shared/peers/build-llama-cpp.sh builds it)")
+                      help="the llama-server binary (default: on PATH, else the build `make peers` leaves under "
+                           "~/.cache/llama-cpp-peer)")
     both.add_argument("--model", default=None, help="the GGUF file both serve (default: the embedded model)")
     both.add_argument("--slots", type=int, default=16, help="sequences at once, each server (default %(default)s)")
     both.add_argument("--ctx", type=int, default=1024, help="context tokens per sequence (default %(default)s)")

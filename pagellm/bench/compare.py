@@ -48,10 +48,10 @@ def make_runners(args: argparse.Namespace, engine, stack: contextlib.ExitStack |
     unknown = wanted - {"hf", "hf-static", "llama.cpp"}
     if unknown:
         raise ValueError(f"--peers: unknown peer(s) {sorted(unknown)}; known: hf, hf-static, llama.cpp")
-    model = None  # one HF model on pagellm's tensors serves both HF peers
+    model = None  # one HF model on the same weights serves both HF peers
     for peer in ("hf", "hf-static"):
-        if peer in wanted and quantized != "none":
-            skipped[peer] = f"pagellm runs quantized weights ({quantized}); HF would need dense ones"
+        if peer in wanted and peers.why_no_dense_weights(engine) is not None:
+            skipped[peer] = peers.why_no_dense_weights(engine)
         elif peer in wanted:
             hf = peers.HFTransformersPeer(engine, static=peer == "hf-static", model=model)
             runners[hf.name], described[hf.name], model = hf.run, hf.description, hf.model

@@ -14,14 +14,16 @@ from pathlib import Path
 
 import numpy as np
 
+from pagellm.bench.peer_setup import install_hint
+
 
 def llama_cpp_available() -> str | None:
     """None when llama-cpp-python imports, else why not."""
     try:
         import llama_cpp  # noqa: F401
     except Exception as exc:  # ImportError, or OSError from a broken shared library
-        return (f"llama-cpp-python not importable ({type(exc).__name__}: {exc}); `make peers` installs it into "
-                ".venv (it compiles llama.cpp: 10-20 minutes)")
+        return (f"llama-cpp-python not importable ({type(exc).__name__}: {exc}); "
+                + install_hint("it, with llama.cpp's tools"))
     return None
 
 

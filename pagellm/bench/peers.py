@@ -7,6 +7,8 @@ time (TG more tokens each), exactly what pagellm's batched bench measures.
 - HF transformers `generate`: the model class of the checkpoint's architecture,
   given pagellm's loaded weights (so a GGUF needs no `from_pretrained(gguf_file=)`),
   batched with left padding, sdpa attention, the same dtype and torch threads.
+  Where pagellm keeps its weights quantized (a GGUF as stored, int8, int4), HF gets
+  the same file dequantized, loaded as `bench accuracy` loads its dense reference.
 - llama.cpp: bench/llama_cpp_peer.py.
 """
 
@@ -28,24 +30,26 @@ class HFTransformersPeer:
     def __init__(self, engine, static: bool = False, model=None):
         import transformers
 
-        self.model = model if model is not None else self._on_pagellms_weights(engine)
+        self.model = model if model is not None else self._on_dense_weights(engine)
         self.pad_token_id = 0
         self.device = engine.device
         self.generate_options = {"cache_implementation": "static"} if static else {}
         self.name = "hf-static" if static else type(self).name
         dtype = str(engine.dtype).removeprefix("torch.")
         cache = "static cache (compiled by transformers)" if static else "dynamic cache"
-        self.description = f"transformers {transformers.__version__} generate, sdpa, {cache}, {dtype}"
+        weights = ", on the file's weights dequantized" if engine.quantization else ""
+        self.description = f"transformers {transformers.__version__} generate, sdpa, {cache}, {dtype}{weights}"
 
     @staticmethod
-    def _on_pagellms_weights(engine):
+    def _on_dense_weights(engine):
         from transformers import AutoModelForCausalLM
 
+        weights = dense_model(engine)
         with torch.device(engine.device):  # its init and buffers on the device (on the CPU: slow, and copied)
             model = AutoModelForCausalLM.from_config(transformers_config(engine.hf_config), dtype=engine.dtype,
                                                      attn_implementation="sdpa")
         # assign=True: HF's parameters become pagellm's tensors, so the weights are not held twice.
-        missing, unexpected = model.load_state_dict(checkpoint_state_dict(engine.model), strict=False, assign=True)
+        missing, unexpected = model.load_state_dict(checkpoint_state_dict(weights), strict=False, assign=True)
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(f"HF model does not match pagellm's weights: missing {missing}, unexpected {unexpected}")
         model.tie_weights()
@@ -65,6 +69,26 @@ class HFTransformersPeer:
         if out.shape[1] != width + tg + 1 or clock.first is None:
             raise RuntimeError(f"HF generate returned {out.shape[1] - width} tokens, expected {tg + 1}")
         return clock.first - t0, t_end - clock.first
+
+
+def why_no_dense_weights(engine) -> str | None:
+    """Why HF cannot run on the engine's weights, or None: quantized random weights have no file to dequantize."""
+    if engine.quantization and engine.config.model.load_format == "dummy":
+        return "pagellm runs random quantized weights (--load-format dummy): there is no file to dequantize"
+    return None
+
+
+def dense_model(engine) -> torch.nn.Module:
+    """The model whose weights HF is given: the engine's own when they are dense, else the same file dequantized
+    in the engine's dtype, loaded by the code that loads `bench accuracy`'s dense reference."""
+    if not engine.quantization:
+        return engine.model
+    reason = why_no_dense_weights(engine)
+    if reason is not None:
+        raise ValueError(f"HF peer: {reason}")
+    from pagellm.eval.forward import load_mode
+
+    return load_mode(engine.model_path, "none", engine.dtype, engine.config.kernels).to(engine.device)
 
 
 class _FirstTokenClock:

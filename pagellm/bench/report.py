@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -70,7 +71,8 @@ def pyplot():
     try:
         import matplotlib
     except ImportError as exc:
-        raise ValueError("--plot needs matplotlib: pip install 'pagellm[bench]'") from exc
+        raise ValueError(f"--plot needs matplotlib: {sys.executable} -m pip install matplotlib (`make peers` "
+                         "installs it too)") from exc
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 

@@ -60,7 +60,7 @@ def _httpx():
     try:
         import httpx
     except ImportError as exc:
-        raise ValueError("bench serve needs httpx: pip install 'pagellm[bench]'") from exc
+        raise ValueError(f"bench serve needs httpx: {sys.executable} -m pip install httpx") from exc
     return httpx
 
 

@@ -17,13 +17,13 @@ shows it round by round. Workloads:
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from pagellm.bench import serve
 from pagellm.bench import report
+from pagellm.bench.peer_setup import install_hint, llama_tool, tools_dir
 from pagellm.bench.report import Column, format_table
 
 COLUMNS = (Column("server", "server"), Column("load", "load"), Column("completed", "done"),
@@ -74,10 +74,12 @@ def servers(args, model: str) -> list[serve.Server]:
 
 
 def _llama_server(args, model: str) -> serve.Server:
-    llama = args.llama_server or shutil.which("llama-server")
-    if llama is None or not Path(llama).is_file():
-        raise ValueError("--llama-server PATH is needed (../shared/peers/build-llama-cpp.sh builds it), "
-                         f"got {args.llama_server!r}")
+    if args.llama_server is not None and not Path(args.llama_server).is_file():
+        raise ValueError(f"--llama-server {args.llama_server}: no such file")
+    llama = args.llama_server or llama_tool("llama-server")
+    if llama is None:
+        raise ValueError(f"llama-server is neither on PATH nor in {tools_dir()}: "
+                         f"{install_hint('it')}, or give --llama-server PATH")
     peer = serve.Server("llama-server", [], serve.free_port())
     peer.cmd = [llama, "-m", model, "--host", "127.0.0.1", "--port", str(peer.port), "-np", str(args.slots),
                 "-c", str(args.slots * args.ctx), "--cont-batching", "-t", str(args.threads),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -73,3 +74,42 @@ def test_llama_cpp_is_not_compared_with_an_engine_on_a_gpu(monkeypatch):
                              config=SimpleNamespace(model=SimpleNamespace(quantization="none")))
     runners, _, skipped = compare.make_runners(SimpleNamespace(peers="llama.cpp", llama_threads=2), engine)
     assert list(runners) == ["pagellm"] and "runs on the CPU; pagellm runs on cuda" in skipped["llama.cpp"]
+
+
+def test_hf_runs_on_a_quantized_ggufs_dequantized_weights(tmp_path, capsys):
+    """pagellm keeps a GGUF's blocks as stored; HF runs on the same file dequantized, loaded as `bench accuracy`
+    loads its dense reference, so its weights are exactly the file's values."""
+    from gguf import GGMLQuantizationType as T
+
+    from pagellm.bench import batched, compare
+    from tests.loader.gguf_builders import write_tiny_gguf
+
+    types = {"blk.0.attn_k.weight": T.Q8_0, "blk.0.ffn_down.weight": T.Q4_0, "blk.1.ffn_gate.weight": T.Q8_0}
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", types=types)
+    engine = batched.build_engine(str(tiny.path), None, 2, 8, 2)
+    try:
+        assert engine.quantization  # the plan: pagellm quantized, HF dense
+        runners, described, skipped = compare.make_runners(argparse.Namespace(peers="hf", llama_threads=1), engine)
+        assert list(runners) == ["pagellm", "hf-transformers"] and not skipped
+        assert "on the file's weights dequantized" in described["hf-transformers"]
+        hf = runners["hf-transformers"].__self__.model
+        for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+            assert torch.equal(hf.get_parameter(name), torch.from_numpy(tiny.expected[name])), name
+        t_pp, t_tg = runners["hf-transformers"]([[1, 2, 3, 4]] * 2, 2)
+        assert t_pp > 0 and t_tg > 0
+    finally:
+        engine.shutdown()
+
+
+def test_hf_is_skipped_for_random_quantized_weights(monkeypatch):
+    """--load-format dummy with quantized layers: no file to dequantize, so HF is not run, and the output says why."""
+    from types import SimpleNamespace
+
+    from pagellm.bench import compare
+
+    engine = SimpleNamespace(device=torch.device("cpu"), quantization={"model.layers.0.mlp.down_proj": "int8"},
+                             config=SimpleNamespace(model=SimpleNamespace(quantization="int8", load_format="dummy")))
+    monkeypatch.setattr(compare.report, "engine_dtypes", lambda engine: "float32")
+    runners, _, skipped = compare.make_runners(argparse.Namespace(peers="hf,hf-static"), engine)
+    assert list(runners) == ["pagellm"]
+    assert all("no file to dequantize" in skipped[p] for p in ("hf", "hf-static"))
