@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import secrets
+from pathlib import Path
 
 from fastapi import Request
 
 from pagellm.server.errors import APIError, error_body_for
 
 # /health: load balancers probe it without credentials; the chat page and its files hold no data (the page asks
-# for the key and sends it with every call)
-OPEN_PATHS = frozenset({"/health", "/", "/static/chat.js", "/static/chat.css"})
+# for the key and sends it with every call). Only files that exist: any other path under /static still needs a key
+_STATIC = Path(__file__).parent / "static"
+OPEN_PATHS = frozenset({"/health", "/", "/favicon.ico",
+                        *(f"/static/{path.relative_to(_STATIC).as_posix()}" for path in _STATIC.rglob("*")
+                          if path.is_file())})
 
 
 class ApiKeyMiddleware:

@@ -1,7 +1,8 @@
 // The chat page: streams /v1/chat/completions with fetch (or /v1/completions for a model with no chat template),
-// and polls /metrics for the server panel. No framework and no build step: this file is served as it is
-// (pagellm/server/static). The page itself needs no key; a server with --api-key answers its calls 401, and the
-// page then asks for the key once, keeps it in this browser's storage and sends it with every call.
+// and polls /metrics for the server panel; render.js shows the answers as Markdown. No framework and no build step:
+// this file is served as it is (pagellm/server/static). The page itself needs no key; a server with --api-key
+// answers its calls 401, and the page then asks for the key once, keeps it in this browser's storage and sends it
+// with every call.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -58,6 +59,7 @@ async function loadModel() {
         + "answering), so this page continues your text with /v1/completions. Serve it with --chat-template "
         + "to chat with it.";
       $("prompt").placeholder = "Text for the model to continue (Enter sends)";
+      $("system-setting").hidden = true;  // a continuation has no system prompt: the box would do nothing
     }
   } catch (error) {
     $("model").textContent = "model unavailable";
@@ -71,6 +73,12 @@ function addMessage(role, text) {
   $("transcript").appendChild(element);
   element.scrollIntoView({block: "end"});
   return element;
+}
+
+// render.js did not load (a proxy in front of the server refused its files): answers as plain text still
+function plainView(element) {
+  const show = (text) => { element.textContent = text; element.scrollIntoView({block: "end"}); };
+  return {update: show, finish: show, stop() {}};
 }
 
 function setBusy(busy) {
@@ -115,8 +123,11 @@ async function* events(response) {
 
 async function send(text) {
   history.push({role: "user", content: text});
-  addMessage("user", text);
+  addMessage("user", text);  // as typed: plain text, never markup
   const bubble = addMessage("assistant", "");
+  const content = bubble.appendChild(document.createElement("div"));
+  // A continuation of the user's text is the middle of a document, not Markdown of its own: shown as text
+  const view = typeof AnswerView === "function" ? new AnswerView(content, !textMode) : plainView(content);
   let answer = "";
   controller = new AbortController();
   setBusy(true);
@@ -135,15 +146,17 @@ async function send(text) {
       for (const choice of event.choices || []) {
         const delta = choice.delta || {text: choice.text};  // chat's delta, or a completion's text
         answer += (delta.reasoning_content || "") + (delta.content || "") + (delta.text || "");
-        bubble.textContent = answer;
+        view.update(answer);
         finish = choice.finish_reason || finish;
       }
-      bubble.scrollIntoView({block: "end"});
     }
+    view.finish(answer);
   } catch (error) {
     if (error.name === "AbortError") {
       finish = "stopped";
+      view.finish(answer);
     } else {
+      view.stop();
       bubble.className = "message error";
       bubble.textContent = `${answer}\n${error.message}`;
       finish = "error";
@@ -157,6 +170,7 @@ async function send(text) {
   note.className = "note";
   note.textContent = finish === "length" ? "(max tokens reached)" : finish === "stopped" ? "(stopped)" : "";
   if (note.textContent) bubble.appendChild(note);
+  bubble.scrollIntoView({block: "end"});
 }
 
 // Prometheus text: "name value" lines; the unlabelled samples are all the panel needs.
