@@ -153,7 +153,7 @@ class SamplingParams:
             raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         longest = max(map(len, stop), default=0)
         if longest > MAX_STOP_LENGTH:
-            raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {longest}")
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {longest} characters")
         object.__setattr__(self, "stop", tuple(stop))
         ids = tuple(self.stop_token_ids or ())
         for i in ids:

@@ -59,7 +59,7 @@ class Scheduler:
         limit = min(self.max_model_len - 1, self.kv_cache.pool.num_blocks * self.kv_cache.block_size)
         if request.num_prompt_tokens > limit:
             raise ValueError(
-                f"prompt is {request.num_prompt_tokens} tokens, longer than the {limit} this engine can hold "
+                f"prompt is {request.num_prompt_tokens} tokens, longer than the {limit} tokens this engine can hold "
                 f"(max_model_len {self.max_model_len}, KV pool {self.kv_cache.pool.num_blocks} blocks of "
                 f"{self.kv_cache.block_size} tokens)"
             )

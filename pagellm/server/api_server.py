@@ -38,8 +38,11 @@ from pagellm.server.guards import ApiKeyMiddleware, read_body
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.openapi import ModelList, install_openapi, route_docs
 from pagellm.server.reasoning import opened_by_prompt, thinks
+from pagellm.server.converted_requests import ConvertedChatRequest
+from pagellm.server.request_limits import check_capacity, check_token_ids, max_tokens
+from pagellm.server.errors import error_body
 from pagellm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest, error_body, parse_request)
+                                     TokenizeRequest, parse_request)
 from pagellm.server.responses import ChatFormatter, CompletionFormatter
 from pagellm.server.responses_api import ResponsesFormatter, chat_request
 from pagellm.server.streaming import EventStream, collect, sse
@@ -125,6 +128,7 @@ def _check_model(state: ServerState, model: str | None, api: str = "openai") -> 
 # ---- simple endpoints -----------------------------------------------------------------------------
 
 async def _health(request: Request) -> Response:
+    """200 {"status": "ok"} when the model is ready; 503 with the cause while it loads or after a failure."""
     engine = request.app.state.server.engine
     if engine.load_error is not None:
         return JSONResponse(error_body(f"model load failed: {engine.load_error}", "service_unavailable_error"),
@@ -134,7 +138,7 @@ async def _health(request: Request) -> Response:
                             status_code=503)
     if not engine.is_ready:
         return JSONResponse(error_body("loading", "service_unavailable_error"), status_code=503)
-    return Response(status_code=200)
+    return JSONResponse({"status": "ok"})  # llama-server's answer: a client may parse it
 
 
 async def _chat_page(request: Request) -> Response:
@@ -190,15 +194,8 @@ async def _detokenize(request: Request) -> dict:
     state = _ready_state(request)
     body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), DetokenizeRequest)
     _check_model(state, body.model, "llama")
-    _check_token_ids(state, body.tokens, "tokens")
+    check_token_ids(state.engine.model.vocab_size, body.tokens, "tokens")
     return {"prompt": await state.off_loop(state.tokenizer().decode, body.tokens)}
-
-
-def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
-    vocab = state.engine.model.vocab_size
-    bad = [t for t in ids if t >= vocab]
-    if bad:
-        raise APIError(f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param)
 
 
 def _render_chat(tokenizer, messages, add_generation_prompt: bool, template: str | None = None,
@@ -219,13 +216,13 @@ async def _completions(request: Request) -> Response:
     body = await state.off_loop(parse_request, await read_body(request, state.config.max_request_bytes), CompletionRequest)
     _check_model(state, body.model)
     state.note_unknown_fields(body)
-    _check_capacity(state, body, len(body.prompts()))
+    check_capacity(state.config.max_waiting, body, len(body.prompts()))
     prompt_ids = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
             prompt_ids.append(await state.encode(prompt, "prompt"))
         else:
-            _check_token_ids(state, prompt, "prompt")
+            check_token_ids(state.engine.model.vocab_size, prompt, "prompt")
             prompt_ids.append(list(prompt))
     formatter = CompletionFormatter(state.served_model_name, body, state.engine.model.tokenizer)
     return await _generate(request, state, body, prompt_ids, body.max_tokens, body.logprobs, "prompt",
@@ -245,12 +242,8 @@ async def _responses(request: Request) -> Response:
     state = _ready_state(request)
     raw = await read_body(request, state.config.max_request_bytes)
     responses_body, body = await state.off_loop(chat_request, raw)
-    try:
-        return await _chat(request, state, body, arrival,
-                           lambda chat, _: ResponsesFormatter(state.served_model_name, responses_body, chat))
-    except APIError as exc:  # chat's messages are this API's input
-        exc.param = "input" if exc.param == "messages" else exc.param
-        raise
+    return await _chat(request, state, body, arrival,
+                       lambda chat, _: ResponsesFormatter(state.served_model_name, responses_body, chat))
 
 
 async def _messages(request: Request) -> Response:
@@ -285,12 +278,12 @@ async def _embeddings(request: Request) -> Response:
     embeddings.check_dimensions(body, state.engine.model.hidden_size)
     if len(body.inputs()) > state.config.max_waiting:  # a 429 would never clear: the queue never holds them all
         raise APIError(f"input holds {len(body.inputs())} inputs, more than this server ever queues at once "
-                       f"({state.config.max_waiting}, --max-waiting); split the request", "input")
+                       f"({state.config.max_waiting} requests, --max-waiting); split the request", "input")
     prompt_ids = []
     for item in body.inputs():
         ids = await state.encode(item, "input") if isinstance(item, str) else list(item)
-        _check_token_ids(state, ids, "input")
-        _max_tokens(state, len(ids), None, "input")  # the context must hold it
+        check_token_ids(state.engine.model.vocab_size, ids, "input")
+        max_tokens(state.engine.model.max_model_len, len(ids), None, "input")  # the context must hold it
         prompt_ids.append(ids)
     params = [SamplingParams(max_tokens=1, pooling=state.config.pooling)] * len(prompt_ids)
     formatter = embeddings.EmbeddingsFormatter(state.served_model_name, body)
@@ -319,10 +312,22 @@ async def _infill(request: Request) -> Response:
 
 async def _chat(request: Request, state: ServerState, body: ChatCompletionRequest, arrival: float,
                 envelope=None) -> Response:
-    """A chat turn: template, tokens, generation; `envelope` wraps the chat formatter in another API's shape."""
+    """A chat turn: template, tokens, generation; `envelope` wraps the chat formatter in another API's shape,
+    and an error found on the way names that API's fields (the model check's, which echoes the client's name, as
+    it is)."""
     _check_model(state, body.model)
+    try:
+        return await _chat_turn(request, state, body, arrival, envelope)
+    except APIError as exc:
+        if isinstance(body, ConvertedChatRequest):
+            body.in_outer_words(exc)
+        raise
+
+
+async def _chat_turn(request: Request, state: ServerState, body: ChatCompletionRequest, arrival: float,
+                     envelope) -> Response:
     state.note_unknown_fields(body)
-    _check_capacity(state, body, 1)
+    check_capacity(state.config.max_waiting, body, 1)
     tokenizer = state.tokenizer()
     template = state.chat_template or tokenizer.chat_template
     if template is None:
@@ -342,40 +347,16 @@ async def _chat(request: Request, state: ServerState, body: ChatCompletionReques
                            "messages", formatter, arrival)
 
 
-def _check_capacity(state: ServerState, body, num_prompts: int) -> None:
-    """A request of more completions than the waiting queue can ever hold is a 400, not a 429 to retry forever."""
-    count, limit = num_prompts * body.n, state.config.max_waiting
-    if count > limit:
-        field = "n" if body.n > 1 else "prompt"
-        raise APIError(f"{num_prompts} prompt(s) x n={body.n} is {count} completions, more than this server ever "
-                       f"queues at once ({limit}, --max-waiting); split the request", field)
-
-
-def _max_tokens(state: ServerState, prompt_len: int, requested: int | None, prompt_param: str,
-                tokens_param: str = "max_tokens") -> int:
-    """vLLM's rule: the prompt must leave room, and a requested max_tokens must fit the context."""
-    limit = state.engine.model.max_model_len
-    if prompt_len >= limit:
-        raise APIError(f"this model's maximum context length is {limit} tokens, and the {prompt_param} has "
-                       f"{prompt_len}; shorten it", prompt_param)
-    if requested is None:
-        return limit - prompt_len
-    if prompt_len + requested > limit:
-        raise APIError(f"this model's maximum context length is {limit} tokens; {prompt_len} in the "
-                       f"{prompt_param} plus {tokens_param} {requested} is {prompt_len + requested}", tokens_param)
-    return requested
-
-
 async def _generate(request: Request, state: ServerState, body, prompt_ids: list[list[int]],
                     requested_max_tokens: int | None, num_logprobs: int | None, prompt_param: str,
                     formatter, arrival: float) -> Response:
     token_lists, params = [], []
     for ids in prompt_ids:
-        max_tokens = _max_tokens(state, len(ids), requested_max_tokens, prompt_param,
-                                 getattr(body, "max_tokens_field", "max_tokens"))
+        limit = max_tokens(state.engine.model.max_model_len, len(ids), requested_max_tokens, prompt_param,
+                           getattr(body, "max_tokens_field", "max_tokens"))
         for child in range(body.n):
             token_lists.append(ids)
-            params.append(body.sampling_params(max_tokens, num_logprobs, child))
+            params.append(body.sampling_params(limit, num_logprobs, child))
     if body.structured is not None:  # compiled here, off the loop, so the engine thread finds it cached
         try:
             await state.off_loop(state.engine.check_structured_outputs, params[0])

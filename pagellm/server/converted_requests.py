@@ -4,11 +4,12 @@ checked, and the chat request a conversation becomes validated as chat's, with t
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import PrivateAttr
 
-from pagellm.server.errors import APIError
+from pagellm.server.errors import APIError, shown
 from pagellm.server.protocol import ChatCompletionRequest, parse_request
 
 
@@ -17,22 +18,46 @@ class ConvertedChatRequest(ChatCompletionRequest):
     outer request's, which the server logs as it does chat's own."""
 
     _outer_unknown: tuple[str, ...] = PrivateAttr(default=())
+    _outer_names: tuple = PrivateAttr(default=({}, ()))  # (chat field -> outer field, chat message -> outer part)
 
     def unknown_fields(self) -> list[str]:
         return sorted(set(super().unknown_fields()) | set(self._outer_unknown))
 
+    def in_outer_words(self, exc: APIError) -> APIError:
+        """An error found past parsing (the template, the context length, the engine) in the outer API's words."""
+        return _in_outer_words(exc, *self._outer_names)
+
 
 def parse_converted(chat: dict[str, Any], model: type[ConvertedChatRequest], field_names: dict[str, str],
-                    outer_unknown: tuple[str, ...]) -> ConvertedChatRequest:
-    """The chat request another API's request became, validated as chat's; an error names the outer API's field
-    (`field_names`: chat field -> outer field), and the outer request's unknown fields travel with it."""
+                    outer_unknown: tuple[str, ...], origins: list[str] = ()) -> ConvertedChatRequest:
+    """The chat request another API's request became, validated as chat's; an error names the outer API's field,
+    in its param and its message (`field_names`: chat field -> outer field; `origins`: chat message i -> the
+    outer part it came from), and the outer request's unknown fields travel with it."""
     try:
         converted = parse_request(json.dumps(chat).encode(), model)
     except APIError as exc:
-        exc.param = field_names.get(exc.param, exc.param)
-        raise
+        raise _in_outer_words(exc, field_names, origins) from None
     converted._outer_unknown = outer_unknown
+    converted._outer_names = (field_names, tuple(origins))
     return converted
+
+
+def _in_outer_words(exc: APIError, field_names: dict[str, str], origins: tuple[str, ...]) -> APIError:
+    exc.message = outer_words(exc.message, field_names, origins)
+    exc.param = outer_words(exc.param, field_names, origins) if exc.param is not None else None
+    return exc
+
+
+def outer_words(text: str, field_names: dict[str, str], origins: list[str] = ()) -> str:
+    """`text` with chat's field names as the outer API's: messages[i] as the part it came from, then each name."""
+    def origin(match: re.Match) -> str:
+        i = int(match.group(1))
+        return origins[i] if i < len(origins) else match.group(0)
+
+    text = re.sub(r"\bmessages\[(\d+)\]", origin, text)
+    for chat_name, outer_name in field_names.items():
+        text = re.sub(rf"(?<![\w.])\b{chat_name}\b", outer_name, text)
+    return text
 
 
 def check_outer_fields(extra: dict[str, Any] | None, refused: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:
@@ -42,7 +67,7 @@ def check_outer_fields(extra: dict[str, Any] | None, refused: dict[str, Any], kn
     for name, value in (extra or {}).items():
         if name in refused:
             if not refused[name](value):
-                raise APIError(f"{name} is not supported (got {value!r:.100}); leave it out", name)
+                raise APIError(f"{name} is not supported (got {shown(value)}); leave it out", name)
         elif name not in known:
             unknown.append(name)
     return tuple(sorted(unknown))

@@ -12,17 +12,16 @@ from __future__ import annotations
 import base64
 import struct
 import time
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 
 from pagellm.llm import normalized
 from pagellm.server.converted_requests import check_outer_fields
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import one_of
+from pagellm.server.protocol import Int, TokenIds, one_of
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
-TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
 
 
 # vLLM's fields that would change the vectors and are not honoured
@@ -35,7 +34,7 @@ class EmbeddingRequest(BaseModel):
     model: StrictStr | None = None
     input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
+    dimensions: Int(ge=1) | None = None
     normalize: StrictBool = True
     user: StrictStr | None = None
 
@@ -45,7 +44,8 @@ class EmbeddingRequest(BaseModel):
         if not inputs or any(len(i) == 0 for i in inputs):
             raise APIError("input must not be empty, nor hold an empty string or token list", "input")
         if len(inputs) > MAX_INPUTS:
-            raise APIError(f"input may hold at most {MAX_INPUTS} inputs, got {len(inputs)}", "input")
+            raise APIError(f"input holds {len(inputs)} inputs, more than the {MAX_INPUTS} inputs one request may "
+                           "hold", "input")
 
     def inputs(self) -> list[str | list[int]]:
         """A string, a token-id list, or a list of either, as a list of inputs."""
@@ -58,7 +58,7 @@ def check_dimensions(request: EmbeddingRequest, hidden_size: int) -> None:
     """OpenAI's `dimensions` shortens a vector only for models trained for it; here it must be the model's own."""
     if request.dimensions is not None and request.dimensions != hidden_size:
         raise APIError(f"dimensions: this model's embeddings have {hidden_size} dimensions, and it cannot give "
-                       f"{request.dimensions}; leave dimensions out", "dimensions")
+                       f"{request.dimensions} dimensions; leave dimensions out", "dimensions")
 
 
 class EmbeddingsFormatter:

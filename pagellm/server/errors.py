@@ -43,3 +43,13 @@ def clip(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
     """`text` quoted for an error or a log line, cut to `limit` characters with how many more there were: the
     strings come from clients, and a megabyte-long one must not come back whole."""
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text) - limit} more characters)"
+
+
+def shown(value: object) -> str:
+    """A client's value (any JSON) for an error: a string quoted and cut as clip() cuts it, anything else as
+    Python writes it, cut the same way."""
+    if isinstance(value, str):
+        return clip(value)
+    text = repr(value)
+    extra = len(text) - MAX_ECHOED_CHARS
+    return text if extra <= 0 else f"{text[:MAX_ECHOED_CHARS]}... ({extra} more characters)"

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Annotated
-
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 
 from pagellm.server.converted_requests import check_outer_fields
 from pagellm.server.errors import APIError
-from pagellm.server.protocol import CompletionRequest, absent, one_of, parse_request
+from pagellm.server.protocol import CompletionRequest, Int, absent, one_of, parse_request
 
 # llama.cpp's token texts for each FIM role (llama-vocab.cpp), in its order of preference
 FIM_TEXTS = {
@@ -39,8 +37,6 @@ FIM_TEXTS = {
 }
 N_BATCH = 2048  # llama-server's default batch, which bounds the prefix and suffix taken
 _SNIPPET = "\n\n--- snippet ---\n\n"
-# llama-server fields that tune its own scheduling or reply, with no effect on the tokens here
-_IGNORED = ("cache_prompt", "t_max_prompt_ms", "t_max_predict_ms", "response_fields", "samplers", "id_slot")
 # fields that would change the answer and are not honoured here: name -> whether a value asks for nothing
 _REFUSED = {"grammar": one_of(), "json_schema": one_of(), "n": one_of(1), "logprobs": one_of(), "n_probs": absent,
             "stream_options": one_of(), "best_of": one_of(1), "echo": absent, "suffix": one_of()}
@@ -60,8 +56,16 @@ class InfillRequest(BaseModel):
     input_suffix: StrictStr
     input_extra: list[ExtraChunk] = []
     prompt: StrictStr = ""
-    n_predict: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    n_predict: Int(ge=-1) | None = None
     stream: StrictBool = False
+    # llama-server's fields that tune its own scheduling or reply, with no effect on the tokens here: typed, so a
+    # wrong type is a 400 rather than silently ignored
+    cache_prompt: StrictBool | None = None
+    t_max_prompt_ms: Int() | None = None
+    t_max_predict_ms: Int() | None = None
+    response_fields: list[StrictStr] | None = None
+    samplers: list[StrictStr] | None = None
+    id_slot: Int() | None = None
 
     def check(self) -> None:
         pass
@@ -105,11 +109,19 @@ def infill_tokens(tokenizer, request: InfillRequest, n_ctx: int, n_predict: int)
             + [ids["mid"]])
 
 
+class InfillCompletionRequest(CompletionRequest):
+    """The completion request an infill request becomes: its errors about the answer's length name n_predict."""
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "n_predict"
+
+
 def completion_request(raw: bytes) -> tuple[InfillRequest, CompletionRequest]:
     """The request and the completion request that samples it (n_predict as max_tokens, repeat_penalty as
     repetition_penalty); APIError(400) naming the field."""
     request = parse_request(raw, InfillRequest)
-    fields = {k: v for k, v in (request.model_extra or {}).items() if k not in _IGNORED}
+    fields = dict(request.model_extra or {})
     check_outer_fields({k: v for k, v in fields.items() if k in _REFUSED}, _REFUSED, frozenset())
     if "repeat_penalty" in fields:
         fields["repetition_penalty"] = fields.pop("repeat_penalty")
@@ -117,7 +129,7 @@ def completion_request(raw: bytes) -> tuple[InfillRequest, CompletionRequest]:
         fields["max_tokens"] = request.n_predict
     body = {**fields, "prompt": [0], "stream": request.stream, "model": request.model}
     try:
-        return request, parse_request(json.dumps(body).encode(), CompletionRequest)
+        return request, parse_request(json.dumps(body).encode(), InfillCompletionRequest)
     except APIError as exc:
         exc.param = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}.get(exc.param, exc.param)
         raise

@@ -17,58 +17,97 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictStr, WithJsonSchema
 
-from pagellm.server.errors import APIError
+from pagellm.server.errors import APIError, shown
 from pagellm.server.converted_requests import ConvertedChatRequest, check_outer_fields, parse_converted
-from pagellm.server.protocol import absent, one_of, parse_request
+from pagellm.server.message_parts import (STRING, check_role, json_type, need_object, need_string, part_type,
+                                          shape)
+from pagellm.server.protocol import Float, Int, absent, one_of, parse_request
 from pagellm.server.responses import ChatFormatter
 from pagellm.server.streaming import typed_event
 
-_FIELD_NAMES = {"stop": "stop_sequences", "chat_template_kwargs": "thinking", "response_format": "output_config"}
+_FIELD_NAMES = {"stop": "stop_sequences", "chat_template_kwargs": "thinking",
+                "response_format": "output_config.format"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 # Messages fields that would change the answer and are not honoured (server-side tools and context editing)
 _REFUSED = {"container": one_of(), "mcp_servers": absent, "context_management": one_of()}
-_NO_EFFECT = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
-                        "workspace_id", "diagnostics"})
+_NO_EFFECT = frozenset({"speed", "user_profile_id", "workspace_id", "diagnostics"})
+_ROLES = ("user", "assistant")
+_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+# The declared shapes of what _messages, _chat_tool and _chat_tool_choice check by hand
+_TEXT = shape(("type", "text"), type={"const": "text"}, text=STRING)
+_THINKING = [shape(("type", "thinking"), type={"const": "thinking"}, thinking=STRING, signature=STRING),
+             shape(("type",), type={"const": "redacted_thinking"}, data=STRING)]
+_TOOL_USE = shape(("type", "id", "name", "input"), type={"const": "tool_use"}, id=STRING, name=STRING,
+                  input={"type": "object"})
+_TOOL_RESULT = shape(("type", "tool_use_id"), type={"const": "tool_result"}, tool_use_id=STRING,
+                     content={"anyOf": [STRING, {"type": "array", "items": _TEXT}]}, is_error={"type": "boolean"})
+_MESSAGES = {"type": "array", "minItems": 1, "items": {"anyOf": [
+    shape(("role", "content"), role={"const": role}, content={"anyOf": [STRING, {"type": "array", "items": {
+        "anyOf": [_TEXT, *blocks, *_THINKING]}}]})
+    for role, blocks in (("user", [_TOOL_RESULT]), ("assistant", [_TOOL_USE]))]}}
+_SYSTEM = {"anyOf": [STRING, {"type": "array", "items": _TEXT}, {"type": "null"}]}
+_TOOLS = {"type": "array", "items": shape(("name",), name={"type": "string", "minLength": 1}, description=STRING,
+                                          input_schema={"type": "object"}, type={"const": "custom"})}
+_THINKING_CONFIG = shape(("type",), type={"enum": ["enabled", "adaptive", "disabled"]},
+                         budget_tokens={"type": "integer"})
+_TOOL_CHOICE = shape(("type",), type={"enum": ["auto", "any", "tool", "none"]}, name=STRING,
+                     disable_parallel_tool_use={"type": "boolean"})
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    user_id: StrictStr | None = None
 
 
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # metadata, service_tier, ...: no effect
+    model_config = ConfigDict(extra="allow")  # Anthropic's fields with no effect here (_NO_EFFECT), or unknown
 
     model: StrictStr | None = None
-    max_tokens: Any
-    messages: list[Any]
-    system: StrictStr | list[Any] | None = None
+    max_tokens: Int(ge=1)
+    messages: Annotated[list[Any], WithJsonSchema(_MESSAGES)]
+    system: Annotated[StrictStr | list[Any] | None, WithJsonSchema(_SYSTEM)] = None
     stop_sequences: list[StrictStr] | None = None
-    temperature: Any = None
-    top_p: Any = None
-    top_k: Any = None
+    temperature: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None  # Anthropic's range
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Int(ge=0) | None = None
     stream: StrictBool = False
-    tools: list[Any] | None = None
-    tool_choice: dict[StrictStr, Any] | None = None
-    thinking: dict[StrictStr, Any] | None = None
+    # no effect on the answer (bookkeeping, capacity, caching): typed, so a wrong type is a 400 as Anthropic's
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    cache_control: dict[StrictStr, Any] | None = None
+    inference_geo: StrictStr | None = None
+    tools: Annotated[list[Any], WithJsonSchema(_TOOLS)] | None = None
+    tool_choice: Annotated[dict[StrictStr, Any], WithJsonSchema(_TOOL_CHOICE)] | None = None
+    thinking: Annotated[dict[StrictStr, Any], WithJsonSchema(_THINKING_CONFIG)] | None = None
     output_config: dict[StrictStr, Any] | None = None
 
     _unknown: tuple[str, ...] = PrivateAttr(default=())  # fields nobody knows: ignored (logged by the server)
 
+    @classmethod
+    def check_raw(cls, data: dict) -> None:
+        if "max_tokens" in data and data["max_tokens"] is None and cls.model_fields["max_tokens"].is_required():
+            raise APIError("max_tokens is required: an integer of at least 1 (null is not accepted)", "max_tokens")
+
     def check(self) -> None:
         kind = (self.thinking or {}).get("type")
         if self.thinking is not None and kind not in ("enabled", "adaptive", "disabled"):
-            raise APIError(f"thinking.type must be enabled, adaptive or disabled, got {kind!r:.50}", "thinking")
+            raise APIError(f"thinking.type must be enabled, adaptive or disabled, got {shown(kind)}", "thinking")
         self._unknown = check_outer_fields(self.model_extra, _REFUSED, _NO_EFFECT)
 
 
 class CountTokensRequest(MessagesRequest):
-    max_tokens: Any = None
+    max_tokens: Int(ge=1) | None = None
 
 
 def chat_request(raw: bytes, model: type[MessagesRequest] = MessagesRequest) -> ConvertedChatRequest:
     """The chat form of a Messages (or count_tokens) request; APIError(400) naming the Messages field."""
     request = parse_request(raw, model)
-    chat: dict[str, Any] = {"messages": _messages(request), "stream": request.stream}
+    messages, origins = _messages(request)
+    chat: dict[str, Any] = {"messages": messages, "stream": request.stream}
     for name in ("model", "max_tokens", "temperature", "top_p", "top_k"):
         if getattr(request, name) is not None:
             chat[name] = getattr(request, name)
@@ -84,6 +123,9 @@ def chat_request(raw: bytes, model: type[MessagesRequest] = MessagesRequest) -> 
     kwargs = {"enable_thinking": False} if (request.thinking or {}).get("type") == "disabled" else {}
     config = request.output_config or {}
     if config.get("effort") is not None:
+        if not isinstance(config["effort"], str):
+            raise APIError(f"output_config.effort must be a string, got {json_type(config['effort'])}",
+                           "output_config")
         kwargs["reasoning_effort"] = config["effort"]
     if kwargs:
         chat["chat_template_kwargs"] = kwargs
@@ -93,61 +135,80 @@ def chat_request(raw: bytes, model: type[MessagesRequest] = MessagesRequest) -> 
             raise APIError(f"output_config.format must be {{'type': 'json_schema', 'schema': {{...}}}}, got "
                            f"{fmt!r:.100}", "output_config")
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
-    return parse_converted(chat, ConvertedChatRequest, _FIELD_NAMES, request._unknown)
+    return parse_converted(chat, ConvertedChatRequest, _FIELD_NAMES, request._unknown, origins)
 
 
-def _messages(request: MessagesRequest) -> list[dict]:
+def _messages(request: MessagesRequest) -> tuple[list[dict], list[str]]:
+    """Chat messages of system and messages, and beside each the part it came from (errors name that part)."""
     system = request.system
     if isinstance(system, list):
-        system = "\n".join(_block_text(block, "system") for block in system)
-    messages = [{"role": "system", "content": system}] if system else []
+        system = "\n".join(_block_text(block, f"system[{j}]") for j, block in enumerate(system))
+    messages, origins = ([{"role": "system", "content": system}], ["system"]) if system else ([], [])
+    if not request.messages:
+        raise APIError("messages must hold at least one message", "messages")
     for i, message in enumerate(request.messages):
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise APIError(f"messages[{i}] must be {{'role': 'user' | 'assistant', 'content': ...}}", "messages")
+        path = f"messages[{i}]"
+        need_object(message, path, "a message object {'role': 'user' | 'assistant', 'content': ...}")
+        role = check_role(message, path, _ROLES, "; a system prompt goes in the top-level system field")
         content = message.get("content")
         if isinstance(content, str):
-            messages.append({"role": message["role"], "content": content})
+            messages.append({"role": role, "content": content})
+            origins.append(path)
         elif isinstance(content, list):
-            messages += _blocks(message["role"], content, i)
+            turn, where = _blocks(role, content, path)
+            messages += turn
+            origins += where
         else:
-            raise APIError(f"messages[{i}].content must be a string or a list of content blocks", "messages")
-    return messages
+            problem = "is required" if content is None else f"must be a string or a list of content blocks, got " \
+                f"{json_type(content)}"
+            raise APIError(f"{path}.content {problem}", f"{path}.content")
+    return messages, origins
 
 
-def _blocks(role: str, blocks: list, i: int) -> list[dict]:
-    """One message's blocks as chat messages: its text (and an assistant's calls), then one per tool result."""
-    texts, calls, results = [], [], []
-    for block in blocks:
-        kind = block.get("type") if isinstance(block, dict) else None
+def _blocks(role: str, blocks: list, path: str) -> tuple[list[dict], list[str]]:
+    """One message's blocks as chat messages: one per tool result, then its text (and an assistant's calls); and
+    beside each the part it came from."""
+    texts, calls, results, origins = [], [], [], []
+    for j, block in enumerate(blocks):
+        where = f"{path}.content[{j}]"
+        kind = part_type(block, where, _BLOCKS, "content block")
+        if kind in ("tool_use", "tool_result") and role != ("assistant" if kind == "tool_use" else "user"):
+            raise APIError(f"{where}: {kind} blocks belong in {'assistant' if kind == 'tool_use' else 'user'} "
+                           "messages", where)
         if kind == "text":
-            texts.append(_block_text(block, f"messages[{i}]"))
-        elif kind == "tool_use" and role == "assistant":
-            calls.append({"id": block.get("id"), "type": "function", "function": {
-                "name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
-        elif kind == "tool_result" and role == "user":
-            content = block.get("content", "")
-            text = content if isinstance(content, str) else "\n".join(
-                _block_text(part, f"messages[{i}].content") for part in content or ())
-            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
-        elif kind not in ("thinking", "redacted_thinking"):
-            raise APIError(f"messages[{i}]: {role} content blocks of type {kind!r} are not supported (text, "
-                           "tool_use, tool_result, thinking)", "messages")
-    out = results[:]
+            texts.append(need_string(block, "text", where))
+        elif kind == "tool_use":
+            tool_input = block.get("input", {})
+            if not isinstance(tool_input, dict):
+                raise APIError(f"{where}.input must be an object, got {json_type(tool_input)}", f"{where}.input")
+            calls.append({"id": need_string(block, "id", where), "type": "function", "function": {
+                "name": need_string(block, "name", where), "arguments": json.dumps(tool_input)}})
+        elif kind == "tool_result":
+            results.append({"role": "tool", "tool_call_id": need_string(block, "tool_use_id", where),
+                            "content": _result_text(block.get("content"), f"{where}.content")})
+            origins.append(where)
     if texts or calls or not results:
-        out.append({"role": role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
-    return out
+        results.append({"role": role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
+        origins.append(path)
+    return results, origins
+
+
+def _result_text(content: Any, path: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise APIError(f"{path} must be a string or a list of content blocks, got {json_type(content)}", path)
+    return "\n".join(_block_text(block, f"{path}[{k}]") for k, block in enumerate(content))
 
 
 def _block_text(block: Any, where: str) -> str:
-    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-        raise APIError(f"{where}: expected a text block {{'type': 'text', 'text': ...}}, got {block!r:.80}",
-                       where.split("[")[0].split(".")[0])
-    return block["text"]
+    part_type(block, where, ("text",), "content block")
+    return need_string(block, "text", where)
 
 
 def _chat_tool(i: int, tool: Any) -> dict:
-    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get("type") not in (None,
-                                                                                                         "custom"):
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"] or \
+            tool.get("type") not in (None, "custom"):
         raise APIError(f"tools[{i}] must be {{'name': ..., 'input_schema': {{...}}}} (server tools are not "
                        "supported)", "tools")
     function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
@@ -164,7 +225,7 @@ def _chat_tool_choice(choice: dict) -> tuple[Any, bool]:
         return {"type": "function", "function": {"name": choice.get("name")}}, parallel
     if kind in ("auto", "any", "none"):
         return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
-    raise APIError(f"tool_choice.type must be auto, any, tool or none, got {kind!r:.50}", "tool_choice")
+    raise APIError(f"tool_choice.type must be auto, any, tool or none, got {shown(kind)}", "tool_choice")
 
 
 class MessagesFormatter:

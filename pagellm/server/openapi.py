@@ -159,6 +159,34 @@ class ErrorResponse(_Shape):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(_Shape):
+    type: str
+    message: str
+    param: str | None = None  # the request field at fault, as every pagellm 400 names it
+
+
+class AnthropicErrorResponse(_Shape):
+    """Anthropic's error shape, which its clients parse, under /v1/messages."""
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class HealthStatus(_Shape):
+    status: Literal["ok"]
+
+
+class GenerationSettings(_Shape):
+    n_ctx: int
+
+
+class Props(_Shape):
+    """llama-server's /props, the part pagellm answers."""
+    chat_template: str
+    model_alias: str
+    model_path: str
+    default_generation_settings: GenerationSettings
+
+
 class ModelCard(_Shape):
     id: str
     object: Literal["model"]
@@ -264,7 +292,8 @@ class EmbeddingList(_Shape):
     usage: dict[str, int]
 
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 429, 503)}
+# 404: an unknown model (OpenAI's and Anthropic's routes); 413: a body over --max-request-bytes
+_ERROR_STATUSES = (400, 401, 404, 413, 429, 503)
 _STREAM_ENDS = {"ResponseEvent": ", the last response.completed", "MessagesEvent": ", the last message_stop",
                 "InfillCompletion": ", the last with stop true"}
 # path -> (request model, response model, the event model of a stream or None)
@@ -284,14 +313,39 @@ ROUTES = {
 def route_docs(path: str) -> dict:
     """add_api_route keyword arguments documenting `path`'s body, answer and errors."""
     request, response, event = ROUTES[path]
-    responses: dict = {**_ERRORS, 200: {"model": response}}
+    error = AnthropicErrorResponse if path.startswith("/v1/messages") else ErrorResponse
+    responses: dict = {**{status: {"model": error} for status in _ERROR_STATUSES}, 200: {"model": response}}
     if event is not None:
         ending = _STREAM_ENDS.get(event.__name__, ", then `data: [DONE]`")
+        # x-event-schema: what each event's JSON is (OpenAPI 3.1 has no word for a stream's items); a request that
+        # fails mid-stream ends with an error event (Anthropic's is a MessagesEvent)
+        events = [{"$ref": f"#/components/schemas/{name}"} for name in (event.__name__, error.__name__)
+                  if name != "AnthropicErrorResponse"]
         responses[200]["content"] = {"text/event-stream": {"schema": {
-            "description": f"stream: true; each `data:` line is a {event.__name__}{ending}"}}}
+            "type": "string", "description": f"stream: true; each `data:` line is a {event.__name__}{ending}"},
+            "x-event-schema": {"anyOf": events}}}
     body = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request.__name__}"}}},
             "required": True}
     return {"responses": responses, "openapi_extra": {"requestBody": body}}
+
+
+def _json(name: str, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {
+        "$ref": f"#/components/schemas/{name}"}}}}
+
+
+def _get_routes() -> dict[str, dict]:
+    """What the GET routes answer (their handlers return plain responses, which FastAPI cannot describe). Each but
+    /health needs the API key when the server has one."""
+    unauthorized = _json("ErrorResponse", "no or a wrong API key")
+    not_ready = _json("ErrorResponse", "the model is loading, or failed to load, or the engine failed")
+    return {
+        "/health": {"200": _json("HealthStatus", "the model is loaded and the engine running"), "503": not_ready},
+        "/metrics": {"200": {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {
+            "type": "string"}}}}, "401": unauthorized},
+        "/props": {"200": _json("Props", "llama-server's properties"), "401": unauthorized, "503": not_ready},
+        "/v1/models": {"200": _json("ModelList", "the served model"), "401": unauthorized},
+    }
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -301,13 +355,14 @@ def install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for request, _, event in ROUTES.values():
-                for model in (request, event):
-                    if model is None:
-                        continue
-                    model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                    components.update(model_schema.pop("$defs", {}))
-                    components[model.__name__] = model_schema
+            models = [model for request, _, event in ROUTES.values() for model in (request, event) if model]
+            for model in models + [HealthStatus, Props, ErrorResponse]:
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+            for path, responses in _get_routes().items():
+                if path in schema["paths"]:
+                    schema["paths"][path]["get"]["responses"] = responses
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, StrictBool, StrictStr, \
+    ValidationError, WithJsonSchema
 
 from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
-from pagellm.server.errors import APIError, error_body  # noqa: F401  (error_body: part of this module's API)
+from pagellm.server.errors import APIError, shown
+from pagellm.server.message_parts import (CHAT_ROLES, CHAT_TOOLS, ChatMessage, check_chat_messages, json_path,
+                                          json_type)
 from pagellm.server.structured_fields import structured_outputs_of
 from pagellm.server.tool_calls import ToolChoice, check_tools, forced_grammar
 
@@ -25,8 +28,20 @@ MAX_JSON_DEPTH = 64  # nesting of a request body (a JSON schema inside it includ
 
 
 Float = Annotated[float, Field(strict=True)]  # strict: a number, never a numeric string
-Int = StrictInt
-TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
+
+
+def _whole(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds: Any) -> Any:
+    """An integer field, bounded by Field's ge, le, ...: a JSON number with no fractional part, as JSON Schema's
+    integer (1851.0 is 1851), never a bool or a numeric string. The bounds sit inside the validator, so the
+    published schema keeps them as minimum / maximum."""
+    return Annotated[int, Strict(), Field(**bounds), BeforeValidator(_whole)]
+
+
+TokenIds = list[Int(ge=0)]
 
 
 class StreamOptions(BaseModel):
@@ -55,14 +70,13 @@ _NOT_YET = {
     "continue_final_message": absent, "logits_processors": absent, "priority": absent, "documents": absent,
     "chat_template": one_of(), "mm_processor_kwargs": absent, "return_tokens_as_token_ids": absent,
     "kv_transfer_params": absent, "vllm_xargs": absent, "add_special_tokens": one_of(False),
-    "spaces_between_special_tokens": one_of(True), "echo": absent,
+    "spaces_between_special_tokens": one_of(True), "echo": absent, "suffix": one_of(""),
     # OpenAI
     "functions": absent, "function_call": _no_tool_forced, "audio": absent, "modalities": one_of(["text"]),
     "prediction": absent, "web_search_options": absent, "store": absent, "reasoning_effort": one_of(),
     "verbosity": one_of(), "cache_salt": one_of(),
 }
-# Hints that change nothing in the output (bookkeeping and cache routing): accepted and not reported as unknown.
-_NO_EFFECT = frozenset({"metadata", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"})
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]  # OpenAI's
 
 
 class _SamplingRequest(BaseModel):
@@ -71,15 +85,15 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept in model_extra: refused (_NOT_YET) or reported as unknown
 
     model: StrictStr | None = None
-    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_tokens: Int(ge=1) | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    top_k: Int(ge=-1) | None = None
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
-    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
+    n: Int(ge=1, le=MAX_N) = 1
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: TokenIds | None = None
-    seed: Int | None = None
+    seed: Int() | None = None
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[Float, Field(gt=0.0, le=100.0)] | None = None
@@ -87,11 +101,11 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     user: StrictStr | None = None
-    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's extra field
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None  # vLLM's extra field
 
-    best_of: Annotated[Int, Field(ge=1)] | None = None
-    logit_bias: dict[StrictStr, Float | Int] | None = None  # token id (as JSON keys are strings) -> [-100, 100]
-    min_tokens: Annotated[Int, Field(ge=0)] = 0  # vLLM's extra field
+    best_of: Int(ge=1) | None = None
+    logit_bias: dict[StrictStr, Float] | None = None  # token id (as JSON keys are strings) -> [-100, 100]
+    min_tokens: Int(ge=0) = 0  # vLLM's extra field
     # Structured output (server/structured_fields.py): OpenAI's response_format, vLLM's two forms
     response_format: dict[StrictStr, Any] | None = None
     structured_outputs: dict[StrictStr, Any] | None = None
@@ -101,6 +115,13 @@ class _SamplingRequest(BaseModel):
     guided_grammar: StrictStr | None = None
     guided_decoding_backend: StrictStr | None = None
     guided_whitespace_pattern: StrictStr | None = None
+    # Hints that change nothing in the output (bookkeeping, cache routing): typed, so a wrong type is a 400 as
+    # OpenAI's, and then unused
+    metadata: dict[StrictStr, StrictStr] | None = None
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    request_id: StrictStr | None = None  # vLLM's
     _structured: tuple | None = PrivateAttr(default=None)  # set by check(): (StructuredOutputs, its field)
 
     def check(self) -> None:
@@ -112,13 +133,12 @@ class _SamplingRequest(BaseModel):
             raise APIError(f"best_of other than n ({self.n}) is not supported", "best_of")
         for name, value in (self.model_extra or {}).items():
             if name in _NOT_YET and not _NOT_YET[name](value):
-                raise APIError(f"{name} is not supported yet (got {value!r:.100}); leave it out", name)
+                raise APIError(f"{name} is not supported yet (got {shown(value)}); leave it out", name)
         self._structured = structured_outputs_of(self)
 
     def unknown_fields(self) -> list[str]:
-        """Names of fields sent that no model field, _NOT_YET or _NO_EFFECT entry knows: ignored (the server logs
-        them)."""
-        return sorted(name for name in (self.model_extra or {}) if name not in _NOT_YET and name not in _NO_EFFECT)
+        """Names of fields sent that no model field or _NOT_YET entry knows: ignored (the server logs them)."""
+        return sorted(name for name in (self.model_extra or {}) if name not in _NOT_YET)
 
     @property
     def structured(self) -> tuple | None:
@@ -156,78 +176,22 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: StrictBool = False
-    suffix: StrictStr | None = None
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    # echo and suffix are refused (_NOT_YET) unless they ask for nothing: not declared, as not honoured
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise APIError("echo is not supported", "echo")
-        if self.suffix:
-            raise APIError("suffix is not supported", "suffix")
         if isinstance(self.prompt, list) and (not self.prompt or any(p == [] for p in self.prompt)):
             raise APIError("prompt must not be empty", "prompt")
         if len(self.prompts()) > MAX_PROMPTS:
-            raise APIError(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(self.prompts())}", "prompt")
+            raise APIError(f"prompt holds {len(self.prompts())} prompts, more than the {MAX_PROMPTS} prompts one "
+                           "request may hold", "prompt")
 
     def prompts(self) -> list[str | list[int]]:
         """A string, a list of token ids, or a list of either, as a list of prompts."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
             return [self.prompt]
         return list(self.prompt)
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: StrictStr
-
-
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: StrictStr
-    arguments: StrictStr  # JSON text, as OpenAI sends it
-
-
-class MessageToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    id: StrictStr | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
-    name: StrictStr | None = None
-
-    def as_template_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        # The template has no notion of "developer": it is the system prompt under its new name.
-        role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": content or ""}
-        if self.tool_calls:
-            # Templates write arguments with `| tojson`: an object, or they would quote the JSON text again.
-            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            message["name"] = self.name
-        return message
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 # apply_chat_template's own arguments: not template variables a request may set
@@ -237,23 +201,26 @@ _TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "chat_template", "t
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Int(ge=1) | None = None
     logprobs: StrictBool = False
-    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: StrictBool = True
-    tools: list[Any] | None = None
+    tools: Annotated[list[Any], WithJsonSchema(CHAT_TOOLS)] | None = None
     tool_choice: StrictStr | dict[StrictStr, Any] | None = None
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: extra variables for the template
     _tools: tuple = PrivateAttr(default=((), None))  # set by check(): (tools for the template, ToolChoice)
 
+    @classmethod
+    def check_raw(cls, data: dict) -> None:
+        """The messages as sent, before pydantic: an error names the part (message_parts.py)."""
+        if "messages" in data:
+            check_chat_messages(data["messages"])
+
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", "top_logprobs")
-        for i, message in enumerate(self.messages):
-            if message.role == "tool" and message.tool_call_id is None:
-                raise APIError(f"messages[{i}]: a tool message needs tool_call_id", "messages")
         tools, choice = check_tools(self.tools, self.tool_choice)
         self._tools = (tools, choice)
         grammar = forced_grammar(tools, choice, self.parallel_tool_calls)
@@ -297,6 +264,11 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
+    @classmethod
+    def check_raw(cls, data: dict) -> None:
+        if data.get("messages") is not None:
+            check_chat_messages(data["messages"])
+
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError("give exactly one of prompt and messages", "prompt")
@@ -315,9 +287,17 @@ class DetokenizeRequest(BaseModel):
 _EXPECTED = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
-    "messages": "a non-empty list of {'role': ..., 'content': ...} objects with a known role "
-                "(system, developer, user, assistant, tool) and text content",
+    "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+    "guided_json": "a JSON schema: an object or its JSON text",
 }
+# Fields whose errors name the part's whole path as their param, as OpenAI's do (messages[1].tool_calls[0])
+_PATHED = frozenset({"messages", "input", "system"})
+# pydantic's type errors as JSON's words
+_TYPES = {"int_type": "an integer", "float_type": "a number", "string_type": "a string", "bool_type": "a boolean",
+          "list_type": "a list", "dict_type": "an object", "model_type": "an object",
+          "model_attributes_type": "an object"}
+# Location parts that name a union's member rather than a field or an index
+_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict", "any"})
 
 
 def parse_request(raw: bytes, model: type[BaseModel]):
@@ -336,6 +316,9 @@ def parse_request(raw: bytes, model: type[BaseModel]):
         raise APIError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object")
+    check_raw = getattr(model, "check_raw", None)
+    if check_raw is not None:  # parts whose errors pydantic's union messages would not point at
+        check_raw(data)
     try:
         request = model.model_validate(data)
     except ValidationError as exc:
@@ -360,11 +343,22 @@ def _depth_exceeds(data: Any, limit: int) -> bool:
 
 def _validation_error(exc: ValidationError) -> APIError:
     error = exc.errors()[0]
-    loc = error["loc"]
+    loc = [part for i, part in enumerate(error["loc"]) if not _member_tag(part)
+           and not (i and isinstance(error["loc"][i - 1], int) and part in CHAT_ROLES)]  # a message's class
+    where = json_path(loc)
     param = str(loc[0]) if loc else None
-    where = ".".join(str(part) for part in loc)
-    if error["type"] == "missing":
+    param = where if param in _PATHED else param
+    kind, got = error["type"], error.get("input")
+    if kind == "missing":
         return APIError(f"{where} is required", param)
-    if param in _EXPECTED and (len(loc) > 1 or error["type"].endswith("_type")):
+    if param in _EXPECTED and (len(loc) > 1 or kind.endswith("_type")):
         return APIError(f"{param} must be {_EXPECTED[param]}", param)
-    return APIError(f"{where}: {error['msg']} (got {error.get('input')!r})"[:500], param)
+    if kind in _TYPES:  # a number is shown (1.5 for an integer), anything else named by its type
+        number = isinstance(got, (int, float)) and not isinstance(got, bool)
+        return APIError(f"{where} must be {_TYPES[kind]}, got {shown(got) if number else json_type(got)}", param)
+    return APIError(f"{where}: {error['msg']} (got {shown(got)})", param)
+
+
+def _member_tag(part: Any) -> bool:
+    """Whether a pydantic location part names a union member ('str', 'list[str]', 'function-after[...]')."""
+    return isinstance(part, str) and (part in _MEMBER_TAGS or not part.replace("_", "a").isalnum())

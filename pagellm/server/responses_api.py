@@ -18,44 +18,68 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, PrivateAttr, StrictBool, StrictStr, WithJsonSchema
 
-from pagellm.server.errors import APIError
+from pagellm.server.errors import APIError, shown
 from pagellm.server.converted_requests import ConvertedChatRequest, check_outer_fields, parse_converted
-from pagellm.server.protocol import absent, one_of, parse_request
+from pagellm.server.message_parts import (STRING, check_role, json_type, need_object, need_string, part_type,
+                                          shape)
+from pagellm.server.protocol import Int, ServiceTier, absent, one_of, parse_request
 from pagellm.server.responses import ChatFormatter
 from pagellm.server.streaming import typed_event
 
 # chat field -> the Responses field a client sent it as, for error bodies
-_FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
+_FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                 "chat_template_kwargs": "reasoning"}
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "parallel_tool_calls", "user", "logit_bias", "stop", "ignore_eos")
 # Responses fields that would change the answer and are not honoured: name -> whether a value asks for nothing
+# (top_logprobs: the logprobs of output_text, which need `include` too)
 _REFUSED = {"background": absent, "conversation": one_of(), "prompt": one_of(), "include": absent,
-            "max_tool_calls": one_of(), "truncation": one_of("disabled")}
-_NO_EFFECT = frozenset({"service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
-                        "stream_options"})
+            "max_tool_calls": one_of(), "truncation": one_of("disabled"), "top_logprobs": absent}
+_ROLES = ("user", "assistant", "system", "developer")
+_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+# The declared shapes of what _messages and _chat_tool check by hand
+NAME = {"type": "string", "minLength": 1}
+_CONTENT = {"anyOf": [STRING, {"type": "array", "items": shape(("type", "text"), type={"enum": list(_TEXT_PARTS)},
+                                                                 text=STRING)}]}
+_INPUT = {"anyOf": [STRING, {"type": "array", "items": {"anyOf": [
+    shape(("role", "content"), type={"const": "message"}, role={"enum": list(_ROLES)}, content=_CONTENT),
+    shape(("type", "call_id", "name", "arguments"), type={"const": "function_call"}, call_id=STRING, name=STRING,
+          arguments=STRING),
+    shape(("type", "call_id", "output"), type={"const": "function_call_output"}, call_id=STRING, output=_CONTENT),
+    shape(("type",), type={"const": "reasoning"})]}}]}
+_TOOLS = {"type": "array", "items": shape(("type", "name"), type={"const": "function"}, name=NAME,
+                                          description=STRING, parameters={"type": "object"},
+                                          strict={"type": "boolean"})}
+_TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, shape(("type", "name"), type={"const": "function"},
+                                                                          name=STRING), {"type": "null"}]}
 
 
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # sampling extensions (top_k, seed, ...) pass on to chat
 
     model: StrictStr | None = None
-    input: StrictStr | list[Any]
+    input: Annotated[StrictStr | list[Any], WithJsonSchema(_INPUT)]
     instructions: StrictStr | None = None
-    max_output_tokens: Any = None
+    max_output_tokens: Int(ge=1) | None = None
     stream: StrictBool = False
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Any], WithJsonSchema(_TOOLS)] | None = None
+    tool_choice: Annotated[Any, WithJsonSchema(_TOOL_CHOICE)] = None
     text: dict[StrictStr, Any] | None = None
     reasoning: dict[StrictStr, Any] | None = None
     store: StrictBool | None = None
     previous_response_id: StrictStr | None = None
-    top_logprobs: Any = None
-    metadata: dict[StrictStr, Any] | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    # no effect on the output (bookkeeping, cache routing, stream obfuscation): typed, so a wrong type is a 400
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    safety_identifier: StrictStr | None = None
+    stream_options: dict[StrictStr, StrictBool] | None = None
     _unknown: tuple[str, ...] = PrivateAttr(default=())  # fields nobody knows: ignored (logged by the server)
 
     def check(self) -> None:
@@ -65,16 +89,16 @@ class ResponsesRequest(BaseModel):
         if self.store:
             raise APIError("store is not supported: this server stores no responses; send store: false or leave "
                            "it out", "store")
-        if self.top_logprobs:
-            raise APIError("top_logprobs is not supported yet on /v1/responses; use /v1/chat/completions",
-                           "top_logprobs")
         if (self.text or {}).get("verbosity") not in (None, "medium"):
-            raise APIError(f"text.verbosity is not supported (got {self.text['verbosity']!r:.50}); leave it out",
+            raise APIError(f"text.verbosity is not supported (got {shown(self.text['verbosity'])}); leave it out",
                            "text")
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and not isinstance(effort, str):
+            raise APIError(f"reasoning.effort must be a string, got {json_type(effort)}", "reasoning")
         if (self.reasoning or {}).get("summary") is not None:
             raise APIError("reasoning.summary is not supported: reasoning comes back whole, as reasoning_text "
                            "content; leave summary out", "reasoning")
-        self._unknown = check_outer_fields(self.model_extra, _REFUSED, frozenset(_PASSED) | _NO_EFFECT)
+        self._unknown = check_outer_fields(self.model_extra, _REFUSED, frozenset(_PASSED))
 
 
 class ResponsesChatRequest(ConvertedChatRequest):
@@ -88,7 +112,8 @@ class ResponsesChatRequest(ConvertedChatRequest):
 def chat_request(raw: bytes) -> tuple[ResponsesRequest, ResponsesChatRequest]:
     """The request and its chat form; APIError(400) naming the Responses field."""
     request = parse_request(raw, ResponsesRequest)
-    chat: dict[str, Any] = {"messages": _messages(request), "stream": request.stream,
+    messages, origins = _messages(request)
+    chat: dict[str, Any] = {"messages": messages, "stream": request.stream,
                             "max_completion_tokens": request.max_output_tokens}
     if request.model is not None:
         chat["model"] = request.model
@@ -108,57 +133,64 @@ def chat_request(raw: bytes) -> tuple[ResponsesRequest, ResponsesChatRequest]:
     if effort is not None:
         chat["chat_template_kwargs"] = {"reasoning_effort": effort, **({"enable_thinking": False}
                                                                        if effort == "none" else {})}
-    return request, parse_converted(chat, ResponsesChatRequest, _FIELD_NAMES, request._unknown)
+    return request, parse_converted(chat, ResponsesChatRequest, _FIELD_NAMES, request._unknown, origins)
 
 
-def _messages(request: ResponsesRequest) -> list[dict]:
-    messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
+def _messages(request: ResponsesRequest) -> tuple[list[dict], list[str]]:
+    """Chat messages of instructions and input, and beside each the part it came from (errors name that part)."""
+    messages, origins = ([{"role": "system", "content": request.instructions}], ["instructions"]) \
+        if request.instructions else ([], [])
     if isinstance(request.input, str):
-        return messages + [{"role": "user", "content": request.input}]
+        return messages + [{"role": "user", "content": request.input}], origins + ["input"]
     for i, item in enumerate(request.input):
-        if not isinstance(item, dict):
-            raise APIError(f"input[{i}] must be an object (a message or a function call item)", "input")
-        kind = item.get("type", "message")
+        path = f"input[{i}]"
+        kind = need_object(item, path, "an item object (a message, a function call or its output)").get("type",
+                                                                                                     "message")
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": _text(item.get("content"), i)})
+            messages.append({"role": check_role(item, path, _ROLES), "content": _text(item, "content", path)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            call = {"id": need_string(item, "call_id", path), "type": "function", "function": {
+                "name": need_string(item, "name", path), "arguments": need_string(item, "arguments", path)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # its text and its calls: one assistant turn,
                 last.setdefault("tool_calls", []).append(call)  # as the model wrote it (and chat renders it)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else _text(output, i)})
+            messages.append({"role": "tool", "tool_call_id": need_string(item, "call_id", path),
+                             "content": _text(item, "output", path)})
         elif kind != "reasoning":  # earlier reasoning is not shown to the template again
-            raise APIError(f"input[{i}]: items of type {kind!r} are not supported (message, function_call, "
-                           "function_call_output and reasoning are)", "input")
-    return messages
+            part_type(item, path, _ITEMS, "input item")
+        else:
+            continue
+        origins.append(path)
+    if not messages:
+        raise APIError("input must hold at least one message (or instructions be given)", "input")
+    return messages, origins
 
 
-def _text(content: Any, i: int) -> str | None:
-    """A message's content: a string, or its text parts joined."""
-    if content is None or isinstance(content, str):
+def _text(item: dict, name: str, path: str) -> str:
+    """A message's content or a call's output: a string, or its text parts joined."""
+    content, path = item.get(name), f"{path}.{name}"
+    if isinstance(content, str):
         return content
+    if content is None:
+        raise APIError(f"{path} is required (a string or a list of content parts)", path)
     if not isinstance(content, list):
-        raise APIError(f"input[{i}].content must be a string or a list of content parts", "input")
+        raise APIError(f"{path} must be a string or a list of content parts, got {json_type(content)}", path)
     texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise APIError(f"input[{i}].content: parts of type {kind!r} are not supported (input_text, "
-                           "output_text)", "input")
-        texts.append(part.get("text", ""))
+    for j, part in enumerate(content):
+        part_type(part, f"{path}[{j}]", _TEXT_PARTS)
+        texts.append(need_string(part, "text", f"{path}[{j}]"))
     return "\n".join(texts)
 
 
 def _chat_tool(i: int, tool: Any) -> dict:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else tool
-        raise APIError(f"tools[{i}]: tools of type {kind!r:.50} are not supported; function tools are", "tools")
+        raise APIError(f"tools[{i}]: tools of type {shown(kind)} are not supported; function tools are", "tools")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise APIError(f"tools[{i}].name is required: a non-empty string", "tools")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     return {"type": "function", "function": function}
 

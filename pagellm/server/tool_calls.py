@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pagellm.config import TOOL_CALL_PARSERS
 from pagellm.sampling_params import StructuredOutputs
-from pagellm.server.errors import APIError
+from pagellm.server.errors import APIError, clip, shown
 
 PARSERS = TOOL_CALL_PARSERS
 _HERMES_START, _HERMES_CALL = "<tool_call>", re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -62,7 +62,8 @@ def check_tools(tools: list | None, tool_choice) -> tuple[list[dict], ToolChoice
         functions[function["name"]] = function
     choice = _tool_choice(tool_choice, tools)
     if choice.name is not None and choice.name not in functions:
-        raise APIError(f"tool_choice names {choice.name!r}, which is not among the tools ({sorted(functions)})",
+        raise APIError(f"tool_choice names {clip(choice.name)}, which is not among the tools "
+                       f"({shown(sorted(functions))})",
                        "tool_choice")
     if choice.mode != "none" and not tools and tool_choice is not None:
         raise APIError(f"tool_choice {tool_choice!r:.100} needs tools", "tool_choice")

@@ -59,7 +59,7 @@ def test_a_pool_shorter_than_the_context_shortens_it_or_refuses_an_explicit_leng
         llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=1e-5)  # 2 blocks of 16
     assert llm.engine.max_model_len == 32 and llm.engine.scheduler.max_model_len == 32
     assert "max_model_len 256 (the model's context) shortened to 32" in caplog.text and "kv_cache_memory" in caplog.text
-    with pytest.raises(ValueError, match="prompt is 40 tokens, longer than the 31 this engine can hold"):
+    with pytest.raises(ValueError, match="prompt is 40 tokens, longer than the 31 tokens this engine can hold"):
         llm.generate([[5] * 40], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len 48 needs 3 .* raise kv_cache_memory or lower max_model_len"):
         LLM(model=str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=1e-5, max_model_len=48)

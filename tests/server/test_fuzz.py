@@ -1,12 +1,12 @@
 """Fuzzing the HTTP API (hypothesis, bounded): bodies shaped by the request models' own fields, with values both
 plausible and arbitrary JSON, plus raw bytes. No answer may be a 5xx, and the server stays healthy.
 
-A dedicated server with a 16-token context keeps every valid request short."""
+A dedicated server with a 16-token context keeps every valid request short (conftest.py's fuzz_server, which
+test_openapi_fuzz.py shares)."""
 
 from __future__ import annotations
 
 import json
-import signal
 
 import httpx
 import pytest
@@ -18,7 +18,6 @@ from pagellm.server.embeddings import EmbeddingRequest
 from pagellm.server.infill import InfillRequest
 from pagellm.server.messages_api import MessagesRequest
 from pagellm.server.responses_api import ResponsesRequest
-from tests.server.server_harness import start_server, stop_with
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest, "/tokenize": TokenizeRequest,
@@ -58,14 +57,6 @@ def bodies(model) -> st.SearchStrategy:
     optional = {name: PLAUSIBLE.get(name, JSON) | JSON for name in model.model_fields}
     return st.fixed_dictionaries({}, optional=optional).map(lambda body: json.dumps(body).encode()) | st.binary(
         max_size=64)
-
-
-@pytest.fixture(scope="module")
-def fuzz_server(tmp_path_factory):
-    server = start_server(["--kv-cache-memory", "0.1", "--max-model-len", "16", "--max-num-seqs", "4",
-                           "--served-model-name", "fuzz"], tmp_path_factory.mktemp("fuzz"))
-    yield server
-    stop_with(server, signal.SIGINT)
 
 
 @pytest.mark.parametrize("path", list(ROUTES))

@@ -42,10 +42,13 @@ def test_completion_errors_name_the_field(body, param):
     assert info.value.body()["error"]["type"] == "invalid_request_error"
 
 
-def test_nested_message_errors_name_messages_and_the_path():
+def test_nested_message_errors_name_the_path_in_message_and_param():
     with pytest.raises(APIError) as info:
         parse(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}')
-    assert info.value.param == "messages" and "messages.1.role" in info.value.message
+    assert info.value.param == "messages[1].role" and info.value.message.startswith("messages[1].role is required")
+    with pytest.raises(APIError) as info:
+        parse(ChatCompletionRequest, '{"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}')
+    assert info.value.param == "messages[0].tool_calls[0].function.name", info.value.message
 
 
 def test_prompt_forms_and_child_seeds():
@@ -148,7 +151,7 @@ def test_fields_not_honoured_yet_are_refused_by_name(model, field, value):
 def test_values_that_ask_for_nothing_pass_and_unknown_fields_are_reported(field, value):
     request = parse(ChatCompletionRequest, json.dumps(
         {"messages": [{"role": "user", "content": "x"}], field: value, "temperatur": 0.5, "metadat": {"a": 1},
-         "metadata": {"a": 1}, "service_tier": "auto", "modalities": ["text"], "skip_special_tokens": True}))
+         "metadata": {"a": "1"}, "service_tier": "auto", "modalities": ["text"], "skip_special_tokens": True}))
     assert request.unknown_fields() == ["metadat", "temperatur"]
 
 
