@@ -9,6 +9,7 @@ import dataclasses
 import sys
 import types
 import typing
+from pathlib import Path
 
 from pagellm.collector import collector_paused
 from pagellm.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig,
@@ -198,12 +199,21 @@ def _serve(args: argparse.Namespace) -> int:
 def take_model_argument(args: argparse.Namespace) -> None:
     """`pagellm serve MODEL`, as `vllm serve MODEL`: the positional model is --model, given on the command line
     (so it beats a config file's); both, naming different models, are an error."""
+    names = getattr(args, "served_model_name", None) or []
+    if args.model_tag is None and args.model is None and len(names) > 1 and _names_a_model(names[-1]):
+        # --served-model-name takes several names, so a model after it is read as one more (as in vLLM)
+        raise ValueError(f"--served-model-name took {names[-1]!r} as a name: give MODEL before "
+                         "--served-model-name, or as --model")
     if args.model_tag is None:
         return
     if args.model is not None and args.model != args.model_tag:
         raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model_tag
     args.given_flags = args.given_flags | {"model"}
+
+
+def _names_a_model(name: str) -> bool:
+    return name.lower().endswith(".gguf") or Path(name).exists()
 
 
 def given_flags_of(argv: list[str]) -> set[str]:

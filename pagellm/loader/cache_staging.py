@@ -2,10 +2,12 @@
 folder and renamed into place whole, so a reader never sees half of one. A load killed mid-write leaves its
 folder behind; the next start removes it once its writer is known to be gone.
 
-Each staging folder names its writer in an `owner` file (host name and process id): a folder whose writer ran on
-this host and no longer runs is removed at once; one from another host sharing the cache (or with no owner file:
-written by an older pagellm) only once nothing has been written to it for ABANDONED_AFTER_S, as a writer that
-still runs keeps writing."""
+Each staging folder names its writer in an `owner` file: its process id and where that id means something (the
+host name, the kernel's boot id and the process-id namespace; containers restart with the same host name and
+process ids, but never in the same namespace). A folder whose writer ran in this process's namespace on this boot
+and no longer runs is removed at once; any other (another host or container sharing the cache, or no owner file:
+an older pagellm's) only once nothing has been written to it for ABANDONED_AFTER_S, as a writer that still runs
+keeps writing."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def staging_folder(parent: Path) -> Path:
     """A new staging folder under `parent` (created), naming this process as its writer."""
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=parent, prefix=PREFIX))
-    (staging / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}")
+    (staging / _OWNER).write_text(f"{process_space()} {os.getpid()}")
     return staging
 
 
@@ -46,12 +48,24 @@ def remove_abandoned(parent: Path) -> None:
 
 def _abandoned(folder: Path) -> bool:
     try:
-        host, pid = (folder / _OWNER).read_text().split()
-        if host == socket.gethostname():
+        space, pid = (folder / _OWNER).read_text().rsplit(" ", 1)
+        if space == process_space():
             return int(pid) != os.getpid() and not _running(int(pid))
     except (OSError, ValueError):  # no owner file (an older pagellm's, or just created): judged by its age
         pass
     return idle_seconds(folder) > ABANDONED_AFTER_S
+
+
+def process_space() -> str:
+    """Where a process id names one process: host, boot and pid namespace (what /proc lacks left as "-")."""
+    parts = [socket.gethostname()]
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                 lambda: os.readlink("/proc/self/ns/pid")):
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append("-")
+    return "/".join(parts)
 
 
 def _running(pid: int) -> bool:

@@ -106,15 +106,13 @@ def check_chat_messages(messages: Any, field: str = "messages") -> None:
         need_object(message, path, "a message object {'role': ..., 'content': ...}")
         role = check_role(message, path, CHAT_ROLES)
         content = message.get("content")
-        if content is None:
-            if role != "assistant" or not message.get("tool_calls"):  # OpenAI's rule: only a call may be bare
-                raise APIError(f"{path}.content is required (a string or a list of text parts); only an assistant "
-                               "message with tool_calls may leave it out", f"{path}.content")
-        elif isinstance(content, list):
+        # A null or missing content is empty text on every role, as vLLM and llama-server take it: OpenAI's own
+        # answers carry null content (a reply that only called tools, or only thought), sent back as history.
+        if isinstance(content, list):
             for j, part in enumerate(content):
                 part_type(part, f"{path}.content[{j}]", ("text",))
                 need_string(part, "text", f"{path}.content[{j}]")
-        elif not isinstance(content, str):
+        elif content is not None and not isinstance(content, str):
             raise APIError(f"{path}.content must be a string or a list of content parts, got "
                            f"{json_type(content)}", f"{path}.content")
         if role == "tool":
@@ -169,37 +167,33 @@ class _Message(BaseModel):
         return message
 
 
-Content = StrictStr | list[TextPart]
+Content = StrictStr | list[TextPart] | None  # None: empty text (check_chat_messages says why)
 
 
 class SystemMessageParam(_Message):
     role: Literal["system"]
-    content: Content
+    content: Content = None
 
 
 class DeveloperMessageParam(_Message):
     role: Literal["developer"]
-    content: Content
+    content: Content = None
 
 
 class UserMessageParam(_Message):
     role: Literal["user"]
-    content: Content
+    content: Content = None
 
 
 class AssistantMessageParam(_Message):
-    # content, or calls alone (OpenAI's rule; check_chat_messages says so by path)
-    model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
-        {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
-        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]})
     role: Literal["assistant"]
-    content: Content | None = None
+    content: Content = None
     tool_calls: list[MessageToolCall] | None = None  # its earlier calls
 
 
 class ToolMessageParam(_Message):
     role: Literal["tool"]
-    content: Content
+    content: Content = None
     tool_call_id: StrictStr  # the call it answers
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pagellm.loader import gguf_repack, tokenizer_cache
+from pagellm.loader.cache_staging import process_space
 from pagellm.loader.default_model import default_model_path
 from pagellm.loader.model_loader import load_model
 from tests.loader.gguf_builders import write_tiny_gguf
@@ -140,21 +141,24 @@ def _killed_writer_folder(parent) -> str:
 
 
 def test_a_start_removes_what_a_killed_load_left_at_once(tiny, tmp_path):
-    """A start that finds its entry whole (so commits nothing) still removes a staging folder whose writer on this
-    host is gone, at once; one whose writer still runs, or of another host, stays while it is fresh."""
+    """A start that finds its entry whole (so commits nothing) still removes a staging folder whose writer in this
+    process's namespace is gone, at once; one whose writer still runs, or of another host or container, stays
+    while it is fresh."""
     cache = tmp_path / "cache"
     _load(tiny.path, cache)  # the entry, whole
     entries = cache / "gguf-blocks"
     killed = _killed_writer_folder(entries)
     running, elsewhere = (entries / ".partial-running"), (entries / ".partial-elsewhere")
-    for folder, owner in ((running, f"{socket.gethostname()} {os.getppid()}"), (elsewhere, "other-host 1")):
+    container = entries / ".partial-other-container"  # same host name, a dead process id of another namespace
+    for folder, owner in ((running, f"{process_space()} {os.getppid()}"), (elsewhere, "other-host 1"),
+                          (container, f"{socket.gethostname()}/boot/pid:[1] {2**22 + 1}")):
         folder.mkdir()
         (folder / "owner").write_text(owner)
     tokenizers = cache / "tokenizers"
     killed_tokenizer = _killed_writer_folder(tokenizers)
     _load(tiny.path, cache)
     left = {p.name for p in entries.iterdir()}
-    assert killed not in left and {running.name, elsewhere.name} <= left
+    assert killed not in left and {running.name, elsewhere.name, container.name} <= left
     tokenizer_cache.converted(Path(default_model_path()), cache)
     assert killed_tokenizer not in {p.name for p in tokenizers.iterdir()}
 

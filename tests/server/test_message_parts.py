@@ -36,8 +36,6 @@ def refused(parse, body: dict) -> APIError:
     ([{"role": "robot", "content": "x"}], "messages[0].role",
      "messages[0].role: unknown role 'robot' (system, user, assistant, tool, developer)"),
     ([{"role": "r" * 5000, "content": "x"}], "messages[0].role", "(4936 more characters)"),
-    ([USER, {"role": "user"}], "messages[1].content", "messages[1].content is required"),
-    ([{"role": "assistant", "content": None}], "messages[0].content", "only an assistant message with tool_calls"),
     ([{"role": "user", "content": {"text": "x"}}], "messages[0].content", "got an object"),
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "messages[0].content[0]",
      "audio input is not supported"),
@@ -63,6 +61,14 @@ def test_an_assistant_message_that_only_calls_needs_no_content():
                                                                                       "tool_call_id": "c1",
                                                                                       "content": "1"}]})
     assert request.messages[1].as_template_dict()["content"] == ""
+
+
+def test_null_or_missing_content_is_empty_text_on_every_role():
+    """As vLLM and llama-server take it: a reply pagellm itself gave with null content (it only thought) is sent
+    back as history on the next turn."""
+    request = chat({"messages": [{"role": "system", "content": None}, USER, {"role": "assistant", "content": None},
+                                 {"role": "tool", "tool_call_id": "c"}, {"role": "user"}]})
+    assert [m.as_template_dict()["content"] for m in request.messages] == ["", "x", "", "", ""]
 
 
 @pytest.mark.parametrize("body, param, message", [

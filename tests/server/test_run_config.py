@@ -28,6 +28,10 @@ def test_the_model_may_be_given_as_vllm_takes_it(tmp_path, capsys):
     assert configs([str(model)])[0].model.model == str(model)
     assert configs([str(model), "--config", str(tmp_path / "serve.yaml")])[0].model.model == str(model)
     assert configs(["--model", str(model), str(model)])[0].model.model == str(model)
+    # --served-model-name takes several names: a model after it would be one more, and is refused as such
+    with pytest.raises(ValueError, match="give MODEL before --served-model-name"):
+        configs(["--served-model-name", "coder", str(model)])
+    assert configs([str(model), "--served-model-name", "coder", "alias"])[1].served_model_name == ("coder", "alias")
     assert configs([])[0].model.model is None  # the embedded model
     assert main(["serve", "a.gguf", "--model", "b.gguf"]) == 2
     assert "the model is given twice: 'a.gguf' and --model 'b.gguf'" in capsys.readouterr().err
