@@ -50,7 +50,7 @@ def install_command() -> str:
 
 
 def install_hint(what: str) -> str:
-    """E.g. "`make peers` installs it (about 15 minutes ...)"."""
+    """The command that installs `what`, and how long it takes (COLD_BUILD_TIME)."""
     return f"`{install_command()}` installs {what} ({COLD_BUILD_TIME})"
 
 

@@ -168,9 +168,12 @@ async def _metrics(request: Request) -> Response:
 async def _models(request: Request) -> dict:
     state: ServerState = request.app.state.server
     model = state.engine.model
-    card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pagellm",
-            "root": model.path if model else None, "max_model_len": model.max_model_len if model else None}
-    return {"object": "list", "data": [card]}
+    # Each --served-model-name, as vLLM lists them (clients pick a name here); by default the one name
+    names = state.config.served_model_name or (state.served_model_name,)
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": state.created, "owned_by": "pagellm",
+         "root": model.path if model else None, "max_model_len": model.max_model_len if model else None}
+        for name in names]}
 
 
 async def _tokenize(request: Request) -> dict:

@@ -54,10 +54,19 @@ def outer_words(text: str, field_names: dict[str, str], origins: list[str] = ())
         i = int(match.group(1))
         return origins[i] if i < len(origins) else match.group(0)
 
-    text = re.sub(r"\bmessages\[(\d+)\]", origin, text)
-    for chat_name, outer_name in field_names.items():
-        text = re.sub(rf"(?<![\w.])\b{chat_name}\b", outer_name, text)
-    return text
+    def rename(words: str) -> str:
+        words = re.sub(r"\bmessages\[(\d+)\]", origin, words)
+        for chat_name, outer_name in field_names.items():
+            words = re.sub(rf"(?<![\w.])\b{chat_name}\b", outer_name, words)
+        return words
+
+    # the server's words only: a quoted string is the client's own value (a tool named 'stop' stays 'stop')
+    pieces = _QUOTED.split(text)
+    return "".join(piece if i % 2 else rename(piece) for i, piece in enumerate(pieces))
+
+
+# a quote opens only where a word does not precede it: the apostrophe of "model's" opens nothing
+_QUOTED = re.compile(r"""((?<!\w)'(?:[^'\\]|\\.)*'|(?<!\w)"(?:[^"\\]|\\.)*")""")
 
 
 def check_outer_fields(extra: dict[str, Any] | None, refused: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import struct
 import time
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 
@@ -30,6 +30,10 @@ _REFUSED = {"truncate_prompt_tokens": one_of(), "add_special_tokens": one_of(Tru
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # refused by name (_REFUSED) or ignored
+
+    # how a wrong `input` is described (parse_request): pydantic would name only the union's first form
+    expected_shapes: ClassVar[dict[str, str]] = {
+        "input": "a string, a list of strings, a list of token ids or a list of token-id lists"}
 
     model: StrictStr | None = None
     input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]

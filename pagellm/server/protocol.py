@@ -322,7 +322,8 @@ def parse_request(raw: bytes, model: type[BaseModel]):
     try:
         request = model.model_validate(data)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        # a model's own words for its union fields, over the shared ones (embeddings' input is not Responses')
+        raise _validation_error(exc, {**_EXPECTED, **getattr(model, "expected_shapes", {})}) from None
     request.check()
     return request
 
@@ -341,7 +342,7 @@ def _depth_exceeds(data: Any, limit: int) -> bool:
     return False
 
 
-def _validation_error(exc: ValidationError) -> APIError:
+def _validation_error(exc: ValidationError, expected: dict[str, str]) -> APIError:
     error = exc.errors()[0]
     loc = [part for i, part in enumerate(error["loc"]) if not _member_tag(part)
            and not (i and isinstance(error["loc"][i - 1], int) and part in CHAT_ROLES)]  # a message's class
@@ -351,8 +352,8 @@ def _validation_error(exc: ValidationError) -> APIError:
     kind, got = error["type"], error.get("input")
     if kind == "missing":
         return APIError(f"{where} is required", param)
-    if param in _EXPECTED and (len(loc) > 1 or kind.endswith("_type")):
-        return APIError(f"{param} must be {_EXPECTED[param]}", param)
+    if param in expected and (len(loc) > 1 or kind.endswith("_type")):
+        return APIError(f"{param} must be {expected[param]}", param)
     if kind in _TYPES:  # a number is shown (1.5 for an integer), anything else named by its type
         number = isinstance(got, (int, float)) and not isinstance(got, bool)
         return APIError(f"{where} must be {_TYPES[kind]}, got {shown(got) if number else json_type(got)}", param)
@@ -360,5 +361,6 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 def _member_tag(part: Any) -> bool:
-    """Whether a pydantic location part names a union member ('str', 'list[str]', 'function-after[...]')."""
-    return isinstance(part, str) and (part in _MEMBER_TAGS or not part.replace("_", "a").isalnum())
+    """Whether a pydantic location part names a union member ('str', 'list[str]', 'function-after[...]',
+    'constrained-str'), not a field or a client's own key (metadata's 'user-id' is kept)."""
+    return isinstance(part, str) and (part in _MEMBER_TAGS or "[" in part or part.startswith("constrained-"))

@@ -250,3 +250,20 @@ def test_health_answers_llama_servers_json(http):
 ])
 def test_settings_with_no_effect_or_passed_to_the_template_are_type_checked(parse, body, param):
     assert refused(parse, body).param == param
+
+
+def test_a_clients_own_keys_and_a_unions_forms_are_named():
+    """A key of the client's (metadata's 'user-id') stays in the path; a union field's error names every form."""
+    error = refused(chat, {"messages": [USER], "metadata": {"user-id": 1}})
+    assert error.param == "metadata" and error.message.startswith("metadata.user-id must be a string")
+    error = refused(lambda body: parse_request(json.dumps(body).encode(), EmbeddingRequest), {"input": [1, "a"]})
+    assert error.param == "input" and "a list of token ids" in error.message
+
+
+def test_field_names_are_translated_in_the_servers_words_only():
+    """Chat's `stop` reads `stop_sequences` on the Messages API, but a client's own quoted value is left alone."""
+    from pagellm.server.converted_requests import outer_words
+
+    text = "this model's messages[1] says stop must be 'stop me' (['stop', \"it's stop\"])"
+    assert outer_words(text, {"stop": "stop_sequences"}, ["messages[0]", "system[0]"]) == \
+        "this model's system[0] says stop_sequences must be 'stop me' (['stop', \"it's stop\"])"

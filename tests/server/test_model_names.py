@@ -8,6 +8,7 @@ import logging
 import types
 
 import pytest
+from fastapi.testclient import TestClient
 
 from pagellm.config import EngineConfig, ServerConfig
 from pagellm.server.api_server import build_app, default_model_names
@@ -28,6 +29,9 @@ def test_served_model_name_takes_several_names_the_first_answered():
     assert state.served_model_name == "coder" and state.model_names == ("coder", "claude-sonnet-4-5")
     for name in (None, "coder", "claude-sonnet-4-5"):
         state.check_model(name)
+    # /v1/models lists each, as vLLM does (the app unstarted: no model loaded, no lifespan)
+    listed = TestClient(app).get("/v1/models").json()["data"]
+    assert [card["id"] for card in listed] == ["coder", "claude-sonnet-4-5"]
     assert ServerConfig(served_model_name="one").served_model_name == ("one",)
     with pytest.raises(ValueError, match="served_model_name"):
         ServerConfig(served_model_name=["a", ""])
@@ -56,7 +60,7 @@ def test_an_unknown_model_over_http(http):
     assert messages.json()["error"]["type"] == "not_found_error"
     detokenize = http.post("/detokenize", json={"model": name, "tokens": [1]})
     assert detokenize.status_code == 400 and len(detokenize.content) < 1000
-    assert http.get("/v1/models").json()["data"][0]["id"] == "gemma-3-270m"
+    assert [card["id"] for card in http.get("/v1/models").json()["data"]] == ["gemma-3-270m"]
 
 
 def test_unknown_fields_are_logged_within_bounds(caplog):

@@ -240,7 +240,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}, {"content": "x"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}, {"content": "x"}]}, "messages[1].role"),  # no content: ""
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": [
