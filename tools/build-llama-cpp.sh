@@ -58,7 +58,7 @@ fetch_sources() {
 build_tools() {
   if tools_built; then say "cached: ${TOOLS[*]} in $BIN"; return; fi
   fetch_sources
-  say "building llama.cpp (llama-cpp-python $VERSION's) in $PREFIX/build: about 15 minutes on 2 cores, once"
+  say "building llama.cpp (llama-cpp-python $VERSION's) in $PREFIX/build: 5-15 minutes on 2 cores, once"
   # Shared libraries: the Python package loads them. CUDA off: the peer runs on the CPU (tools/llama-cpp-cuda.sh
   # is the GPU build). No curl: models are local files.
   step cmake -S "$SRC/vendor/llama.cpp" -B "$PREFIX/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 # What the first `make peers` costs (the llama.cpp compile, tools/build-llama-cpp.sh); later ones reuse the cache.
-COLD_BUILD_TIME = "about 15 minutes on 2 cores the first time, seconds after"
+COLD_BUILD_TIME = "5-15 minutes on 2 cores the first time, seconds after"
 PEERS_DIR_VARIABLE = "PAGELLM_PEERS_DIR"
 
 
