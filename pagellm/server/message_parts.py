@@ -144,10 +144,11 @@ class MessageToolCall(BaseModel):
 
 
 class _Message(BaseModel):
-    """One chat message; the role's own class says what it must carry, so the published schema does too."""
+    """One chat message; the role's own class says what else it must carry, so the published schema does too."""
 
     model_config = ConfigDict(extra="ignore")
     name: StrictStr | None = None
+    content: StrictStr | list[TextPart] | None = None  # None: empty text (check_chat_messages says why)
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -167,33 +168,25 @@ class _Message(BaseModel):
         return message
 
 
-Content = StrictStr | list[TextPart] | None  # None: empty text (check_chat_messages says why)
-
-
 class SystemMessageParam(_Message):
     role: Literal["system"]
-    content: Content = None
 
 
 class DeveloperMessageParam(_Message):
     role: Literal["developer"]
-    content: Content = None
 
 
 class UserMessageParam(_Message):
     role: Literal["user"]
-    content: Content = None
 
 
 class AssistantMessageParam(_Message):
     role: Literal["assistant"]
-    content: Content = None
     tool_calls: list[MessageToolCall] | None = None  # its earlier calls
 
 
 class ToolMessageParam(_Message):
     role: Literal["tool"]
-    content: Content = None
     tool_call_id: StrictStr  # the call it answers
 
 
