@@ -200,18 +200,20 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
                                   kv_cache_memory=args.kv_cache_memory or kv_gib(shape, args), device=args.device,
                                   load_format="dummy", **device_steps.MODES["eager"])
     try:
-        runners, model = {"pagellm-eager": functools.partial(batched.timed_run, engine)}, None
+        runners, model = {}, None
+        if "eager" in args.modes:
+            runners["pagellm-eager"] = functools.partial(batched.timed_run, engine)
         for peer in args.peers:
             hf = peers.HFTransformersPeer(engine, static=peer == "hf-static", model=model)
             runners[hf.name], model = hf.run, hf.model  # one HF model on pagellm's tensors serves both peers
         rng, vocab = random.Random(args.seed), engine.hf_config.vocab_size
         figures = alternated(args, shape, runners, vocab, rng)
         idle = {b: device_steps.gpu_idle_ms_per_step(engine, batched.random_prompts(rng, b, args.pp, vocab, False),
-                                                     args.tg) for b in args.npl}
+                                                     args.tg) for b in args.npl if "eager" in args.modes}
     finally:
         engine.shutdown()
     return [{"shape": shape, "B": b, "engine": name, "PP": args.pp, "TG": args.tg, **figure,
-             "gpu_idle_ms_per_step": idle[b] if name == "pagellm-eager" else None}
+             "gpu_idle_ms_per_step": idle.get(b) if name == "pagellm-eager" else None}
             for (name, b), figure in figures.items()]
 
 
@@ -249,6 +251,9 @@ def main(args: argparse.Namespace) -> int:
     unknown = [s for s in [*args.shapes, args.serve_shape or "1b"] if s not in SHAPES and s not in HYBRID_SHAPES]
     if unknown:
         raise ValueError(f"--shapes: unknown shape(s) {unknown}; known: {', '.join([*SHAPES, *HYBRID_SHAPES])}")
+    if set(args.modes) - set(device_steps.MODES):
+        raise ValueError(f"--modes: unknown mode(s) {sorted(set(args.modes) - set(device_steps.MODES))}; "
+                         f"known: {', '.join(device_steps.MODES)}")
     args.peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
     if set(args.peers) - {"hf", "hf-static"}:
         raise ValueError(f"--peers: unknown peer(s) {sorted(set(args.peers) - {'hf', 'hf-static'})}; "
@@ -259,22 +264,23 @@ def main(args: argparse.Namespace) -> int:
     result = {"device": args.device, "torch": torch.__version__, "checks": {}, "rows": [], "errors": {},
               "settings": {k: getattr(args, k) for k in ("npl", "pp", "tg", "repeats", "dtype", "peers")}}
     with tempfile.TemporaryDirectory() as tmp:
-        result["checks"] = {"parity": parity(args.device, Path(tmp) / "parity"), "attention": attention(args.device),
-                            "layer_ops": layer_ops(args.device)}
-        try:
-            result["checks"]["step_modes"] = device_steps.same_ids(args.device, Path(tmp) / "parity" / "weights")
-        except Exception as e:  # noqa: BLE001 - the speed rows still say what they can
-            result["checks"]["step_modes"] = {"eager": {"ok": False, "error": f"{type(e).__name__}: {e}"}}
-        print(f"parity (tiny Llama, pagellm vs HF fp32 on {args.device}): {result['checks']['parity']}")
-        print(f"attention (Triton vs reference): {result['checks']['attention']}")
-        print(f"layer ops (Triton vs torch, bf16): {result['checks']['layer_ops']}")
-        print(f"step modes (greedy ids against eager): {result['checks']['step_modes']}")
+        if not args.skip_checks:
+            result["checks"] = checks(args.device, Path(tmp) / "parity")
         for shape in args.shapes:
             try:
-                result["rows"] += speed(args, shape, Path(tmp) / shape)
-                result["rows"] += device_steps.speed_rows(args, shape, Path(tmp) / shape,
-                                                          args.kv_cache_memory or kv_gib(shape, args),
-                                                          result["errors"])
+                write_shape(shape, Path(tmp) / shape)  # the step modes' engines read it when eager's has not run
+                measured = [*speed(args, shape, Path(tmp) / shape)] if "eager" in args.modes or args.peers else []
+                saved = len(result["rows"])
+                result["rows"] += measured
+                if args.out:
+                    report.write_json(args.out, result)
+
+                def keep(rows, before=saved + len(measured)):  # after every mode: a run cut short keeps its rows
+                    result["rows"][before:] = rows
+                    if args.out:
+                        report.write_json(args.out, result)
+                device_steps.speed_rows(args, shape, Path(tmp) / shape, args.kv_cache_memory or kv_gib(shape, args),
+                                        result["errors"], keep)
             except Exception as e:  # noqa: BLE001 - one shape's failure (memory, say) must not lose the others
                 result["errors"][shape] = f"{type(e).__name__}: {e}"
                 print(f"{shape}: not measured: {result['errors'][shape]}", file=sys.stderr)
@@ -289,10 +295,24 @@ def main(args: argparse.Namespace) -> int:
             if args.out:
                 report.write_json(args.out, result)
     print(report.format_table(result["rows"], COLUMNS))
-    checks = result["checks"]
+    found = result["checks"]
     serving_failed = any("error" in r or r.get("failed") or not 400 <= r.get("too_long_status", 400) < 500
                          for r in result.get("serving", {}).values())
-    failed = serving_failed or not checks["parity"]["ok"] or any(
+    failed = serving_failed or not found.get("parity", {"ok": True})["ok"] or any(
         not r.get("ok", True) for check in ("attention", "layer_ops", "step_modes")
-        for r in checks[check].values() if isinstance(r, dict))
+        for r in found.get(check, {}).values() if isinstance(r, dict))
     return 1 if failed or result["errors"] else 0
+
+
+def checks(device: str, directory: Path) -> dict:
+    """Parity with HF, the Triton kernels against their references, and each step mode's greedy ids, printed."""
+    found = {"parity": parity(device, directory), "attention": attention(device), "layer_ops": layer_ops(device)}
+    try:
+        found["step_modes"] = device_steps.same_ids(device, directory / "weights")
+    except Exception as e:  # noqa: BLE001 - the speed rows still say what they can
+        found["step_modes"] = {"eager": {"ok": False, "error": f"{type(e).__name__}: {e}"}}
+    print(f"parity (tiny Llama, pagellm vs HF fp32 on {device}): {found['parity']}")
+    print(f"attention (Triton vs reference): {found['attention']}")
+    print(f"layer ops (Triton vs torch, bf16): {found['layer_ops']}")
+    print(f"step modes (greedy ids against eager): {found['step_modes']}")
+    return found

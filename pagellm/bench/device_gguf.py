@@ -128,14 +128,17 @@ def speed(args: argparse.Namespace, path: Path) -> list[dict]:
     kv = device_check.kv_gib(args.shape, args) if args.shape in HYBRID_SHAPES else \
         device_check.kv_gib_for(SHAPES[args.shape], args)
     engines = {name: batched.build_engine(str(path), args.dtype, max(args.npl), args.pp, args.tg, device=args.device,
-                                          kv_cache_memory=kv, quantization=q, **mode) for name, q in ENGINES.items()}
+                                          kv_cache_memory=kv, quantization=q, **mode)
+               for name, q in ENGINES.items() if name in args.engines}
+    if not engines:
+        return []
     try:
         runners = {name: functools.partial(batched.timed_run, engine) for name, engine in engines.items()}
         vocab = next(iter(engines.values())).hf_config.vocab_size
         figures = device_check.alternated(args, args.shape, runners, vocab, random.Random(args.seed))
         held = {name: engine.memory["weight_bytes"] / 2**30 for name, engine in engines.items()}
-        weights = {name: "q4_k_m" if q == "auto" else f"q4_k_m as {report.engine_dtypes(engines[name])}"
-                   for name, q in ENGINES.items()}
+        weights = {name: "q4_k_m" if ENGINES[name] == "auto" else f"q4_k_m as {report.engine_dtypes(engine)}"
+                   for name, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.shutdown()
@@ -162,38 +165,43 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.shape not in SHAPES and args.shape not in HYBRID_SHAPES:
         raise ValueError(f"--shape: unknown shape {args.shape!r}; known: {', '.join([*SHAPES, *HYBRID_SHAPES])}")
+    if set(args.engines) - {*ENGINES, "llama.cpp"}:
+        raise ValueError(f"--engines: unknown engine(s) {sorted(set(args.engines) - {*ENGINES, 'llama.cpp'})}; "
+                         f"known: {', '.join([*ENGINES, 'llama.cpp'])}")
     on_cuda = torch.device(args.device).type == "cuda"
     gpu = torch.cuda.get_device_name(args.device) if on_cuda else "CPU"
     result = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "commit": args.commit or _commit(),
-              "rows": [],
-              "errors": {}, "checks": {"numerics": numerics(args.device, Path(args.sample) if args.sample else None),
-                                       "crossovers": crossovers(args.device, SHAPES.get(args.shape, SHAPES["8b"]))}}
-    print(f"numerics (Triton on real tensors vs fp64): {result['checks']['numerics']}")
-    found = result["checks"]["crossovers"]
-    print("crossovers:", found.get("not_run") or {kind: (v["gemv_max"], v["dot_max"]) for kind, v in found.items()})
+              "rows": [], "errors": {}, "checks": {} if args.skip_checks else checks(args)}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"llama-{args.shape}-q4_k_m.gguf"
-        if args.shape in HYBRID_SHAPES:  # a Qwen3.5-MoE: the experts in blocks too
-            write_hybrid_gguf(args.shape, path)
-        else:
-            gguf_files.write_llama_gguf(SHAPES[args.shape], path)
+        path = Path(args.file) if args.file else Path(tmp) / f"llama-{args.shape}-q4_k_m.gguf"
+        if not path.exists():
+            write_hybrid_gguf(args.shape, path) if args.shape in HYBRID_SHAPES else \
+                gguf_files.write_llama_gguf(SHAPES[args.shape], path)  # a Qwen3.5-MoE's experts in blocks too
         result["file_gib"] = path.stat().st_size / 2**30
         for name, measure in (("pagellm", lambda: speed(args, path)),
                               ("llama.cpp", lambda: llama_cpp_rows(args.llama_batched_bench, path, args)
-                               if args.llama_batched_bench else [])):
+                               if args.llama_batched_bench and "llama.cpp" in args.engines else [])):
             try:
-                result["rows"] += measure()
+                result["rows"] += [row | {"gpu": gpu, "commit": result["commit"]} for row in measure()]
             except Exception as e:  # noqa: BLE001 - one engine's failure must not lose the other's rows
                 result["errors"][name] = f"{type(e).__name__}: {e}"
                 print(f"{name}: not measured: {result['errors'][name]}", file=sys.stderr)
-    for row in result["rows"]:
-        row |= {"gpu": gpu, "commit": result["commit"]}
-    if args.out:
-        report.write_json(args.out, result)
+            if args.out:  # after each engine: a run cut short keeps what was measured
+                report.write_json(args.out, result)
     print(f"file: {result['file_gib']:.2f} GiB")
     print(report.format_table(result["rows"], COLUMNS))
-    failed = any(not r.get("ok", True) for r in result["checks"]["numerics"].values() if isinstance(r, dict))
+    failed = any(not r.get("ok", True) for r in result["checks"].get("numerics", {}).values() if isinstance(r, dict))
     return 1 if failed or result["errors"] else 0
+
+
+def checks(args: argparse.Namespace) -> dict:
+    """The numerics on real tensors and the kernels' crossovers, printed."""
+    found = {"numerics": numerics(args.device, Path(args.sample) if args.sample else None),
+             "crossovers": crossovers(args.device, SHAPES.get(args.shape, SHAPES["8b"]))}
+    print(f"numerics (Triton on real tensors vs fp64): {found['numerics']}")
+    crossed = found["crossovers"]
+    print("crossovers:", crossed.get("not_run") or {kind: (v["gemv_max"], v["dot_max"]) for kind, v in crossed.items()})
+    return found
 
 
 def _embedded_file() -> Path:

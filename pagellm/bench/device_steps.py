@@ -109,17 +109,19 @@ class _flagged_syncs:
             self.count = sum("synchroniz" in str(w.message) for w in self._records)
 
 
-def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: float,
-               errors: dict[str, str]) -> list[dict]:
-    """llama-batched-bench rows of each step mode at `shape`, engine after engine (medians of --repeats); a mode
-    that fails is said in `errors`."""
+def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: float, errors: dict[str, str],
+               measured=lambda rows: None) -> list[dict]:
+    """llama-batched-bench rows of each step mode of --modes at `shape`, engine after engine (medians of
+    --repeats), each mode's given to `measured` as it ends (a run cut short keeps them); a mode that fails is said
+    in `errors`."""
     rows = []
-    for mode in modes_for(args.device):
+    for mode in [m for m in modes_for(args.device) if m in args.modes]:
         try:
             rows += _mode_rows(args, shape, config_dir, kv_gib, mode)
         except Exception as e:  # noqa: BLE001 - one mode's failure (a capture, say) must not lose the others
             errors[f"{shape} pagellm-{mode}"] = f"{type(e).__name__}: {e}"
             print(f"  {shape} pagellm-{mode}: not measured: {type(e).__name__}: {e}", file=sys.stderr)
+        measured(rows)
     return rows
 
 
@@ -221,7 +223,7 @@ def serving(args: argparse.Namespace, model: Path) -> dict:
                               disconnect_fraction=0.0, chunk_timeout=300.0)  # a stalled stream fails alone
     prompts = serve.workload_prompts(options, tokenizer)
     results = {}
-    for mode in ["eager", *modes_for(args.device)]:
+    for mode in [m for m in ["eager", *modes_for(args.device)] if m in args.modes]:
         server = serve.pagellm_server(["--model", str(model), "--load-format", "dummy", "--device", args.device,
                                        "--max-num-seqs", str(args.serve_max_seqs), "--kv-cache-memory", "4",
                                        *SERVE_FLAGS[mode]])
