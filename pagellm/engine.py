@@ -388,8 +388,8 @@ class LLMEngine:
         stats["dtype"] = self.backend.dtype_description()
         stats["kv_cache_dtype"] = str(self.kv_cache_dtype).removeprefix("torch.")
         stats["layers"] = self.runner.plan.description  # bound to the kernels, or modules and why
-        graphs = self.runner.decode_graphs
-        stats["decode_graphs"] = "off (eager)" if graphs is None else graphs.summary
+        for kind, graphs in (("decode", self.runner.decode_graphs), ("verify", self.runner.verify_graphs)):
+            stats[f"{kind}_graphs"] = "off (eager)" if graphs is None else graphs.summary
         stats["async_scheduling"] = self._async
         stats.update(self.memory)  # weights, and the process with its KV pool still empty, as loaded
         return stats

@@ -3,7 +3,8 @@
 # leaves the others their time, and every step's rows written as it ends:
 #
 #   tools/device-checks.sh cuda OUT_DIR        first call: the Triton kernels' tests on the GPU, the 8B GGUF in
-#                                              blocks against bf16, the 35B-A3B hybrid in bf16 (graphs, eager)
+#                                              blocks against bf16, a verify step against a decode step (8B),
+#                                              the 35B-A3B hybrid in bf16 (graphs, eager)
 #   tools/device-checks.sh cuda-more OUT_DIR   second call, on the same warm machine: llama.cpp's CUDA build (its
 #                                              compile starts in the first call) on the 8B file, and the 35B-A3B
 #                                              file in Q4_K_M blocks against it
@@ -58,11 +59,13 @@ print('copy bandwidth GB/s (read):', roofline.measure_read_bandwidth(4 << 30, de
     XDIST=()
     if $PY -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi  # the kernels compile on 8 of the 16 cores
     run 80 pytest-gpu $PY -m pytest tests/gpu tests/runner/test_sampler.py -q -p no:cacheprovider "${XDIST[@]}"
-    run 220 gguf-8b $PY -m pagellm bench device-gguf --device cuda --shape 8b --npl 1,16,64 --pp 512 --tg 64 \
+    run 200 gguf-8b $PY -m pagellm bench device-gguf --device cuda --shape 8b --npl 1,16,64 --pp 512 --tg 64 \
       "${SAMPLE[@]}" "${COMMIT[@]}" --file /tmp/llama-8b-q4_k_m.gguf --out "$OUT/gguf-8b.json"
+    run 60 verify-8b $PY -m pagellm bench device-check --device cuda --shapes "" --skip-checks --serve-prompts 0 \
+      --verify-shape 8b --out "$OUT/verify-8b.json"
     run 100 hybrid-graphs $PY -m pagellm "${HYBRID[@]}" --modes graphs-async --npl 1,8,32,64,128 \
       --out "$OUT/hybrid-graphs.json"
-    run 80 hybrid-eager $PY -m pagellm "${HYBRID[@]}" --modes eager --npl 1,8,64,128 --out "$OUT/hybrid-eager.json"
+    run 70 hybrid-eager $PY -m pagellm "${HYBRID[@]}" --modes eager --npl 8,64,128 --out "$OUT/hybrid-eager.json"
     tail -n 3 /tmp/llama-build.log 2>/dev/null
     ;;
   cuda-more)
@@ -88,6 +91,8 @@ print('copy bandwidth GB/s (read):', roofline.measure_read_bandwidth(4 << 30, de
     unset TRITON_INTERPRET
     run 240 hybrid-tiny $PY -m pagellm bench device-check --device cpu --shapes tiny-hybrid --npl 1,2 --pp 16 \
       --tg 4 --peers none --modes async --out "$OUT/hybrid-tiny.json"
+    run 120 verify-tiny $PY -m pagellm bench device-check --device cpu --shapes "" --skip-checks --serve-prompts 0 \
+      --verify-shape tiny --out "$OUT/verify-tiny.json"
     run 240 hybrid-tiny-eager $PY -m pagellm bench device-check --device cpu --shapes tiny-hybrid --npl 1,2 \
       --pp 16 --tg 4 --peers none --modes eager --skip-checks --out "$OUT/hybrid-tiny-eager.json"
     ;;

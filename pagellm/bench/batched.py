@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass
 
 from pagellm.bench.report import Column
-from pagellm.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagellm.config import (CacheConfig, EngineConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                            SpeculativeConfig)
 from pagellm.engine import LLMEngine
 from pagellm.sampling_params import SamplingParams, StructuredOutputs
 
@@ -67,7 +68,8 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  parallel: ParallelConfig | None = None, cpu_isa: str | None = None,
                  with_tokenizer: bool = False, device: str = "cpu", load_format: str = "auto",
-                 enforce_eager: bool | None = None, async_scheduling: bool | None = None) -> LLMEngine:
+                 enforce_eager: bool | None = None, async_scheduling: bool | None = None,
+                 speculative: SpeculativeConfig | None = None) -> LLMEngine:
     """An engine that holds `max_batch` sequences at once; no tokenizer (benches feed token ids) unless
     grammars need its vocabulary; its max_model_len is what the longest sequence needs, so a KV budget sized for
     the bench's sequences holds one)."""
@@ -82,6 +84,7 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
                                   n_ubatch=min(64, batched_tokens), async_scheduling=async_scheduling),
         parallel=parallel or ParallelConfig(),
         kernels=KernelConfig() if cpu_isa is None else KernelConfig(cpu_isa=cpu_isa),
+        speculative=speculative,
     )
     engine = LLMEngine(config, skip_tokenizer_init=not with_tokenizer)
     check_capacity(engine, max_batch, max_prompt + max_new)

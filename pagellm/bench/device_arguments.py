@@ -30,6 +30,9 @@ def add_device_check_parser(kinds) -> None:
                             "CUDA)")
     check.add_argument("--skip-checks", action="store_true",
                        help="no parity, kernel or step-mode checks: the speed rows alone (a second run's)")
+    check.add_argument("--verify-shape", default=None,
+                       help="also time a B=1 verify step of 4 drafts against a decode step at this Llama shape, "
+                            "both replayed from graphs (speculative decoding; default: not timed)")
     check.add_argument("--peers", default="hf,hf-static",
                        help="hf (dynamic cache), hf-static, or none (default both)")
     check.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pagellm.bench import batched, device_steps, peers, report
+from pagellm.bench import batched, device_steps, device_verify, peers, report
 from pagellm.bench.hybrid_shapes import HYBRID_SHAPES, kv_fields, write_hybrid_shape
 from pagellm.bench.report import Column
 from pagellm.config import KernelConfig
@@ -248,7 +248,8 @@ def kv_gib_for(config: dict, args: argparse.Namespace) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    unknown = [s for s in [*args.shapes, args.serve_shape or "1b"] if s not in SHAPES and s not in HYBRID_SHAPES]
+    unknown = [s for s in [*args.shapes, args.serve_shape or "1b", args.verify_shape or "1b"]
+               if s not in SHAPES and s not in HYBRID_SHAPES]
     if unknown:
         raise ValueError(f"--shapes: unknown shape(s) {unknown}; known: {', '.join([*SHAPES, *HYBRID_SHAPES])}")
     if set(args.modes) - set(device_steps.MODES):
@@ -266,6 +267,10 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_checks:
             result["checks"] = checks(args.device, Path(tmp) / "parity")
+        if args.verify_shape:  # speculative decoding's verify step against a decode step, both replayed
+            result["checks"]["verify_cost"] = device_verify.verify_cost(
+                args, write_shape(args.verify_shape, Path(tmp) / "verify"))
+            print(f"verify step against decode step (B=1): {result['checks']['verify_cost']}")
         for shape in args.shapes:
             try:
                 write_shape(shape, Path(tmp) / shape)  # the step modes' engines read it when eager's has not run
@@ -298,7 +303,8 @@ def main(args: argparse.Namespace) -> int:
     found = result["checks"]
     serving_failed = any("error" in r or r.get("failed") or not 400 <= r.get("too_long_status", 400) < 500
                          for r in result.get("serving", {}).values())
-    failed = serving_failed or not found.get("parity", {"ok": True})["ok"] or any(
+    failed = serving_failed or not found.get("parity", {"ok": True})["ok"] or not found.get(
+        "verify_cost", {}).get("ok", True) or any(
         not r.get("ok", True) for check in ("attention", "layer_ops", "step_modes")
         for r in found.get(check, {}).values() if isinstance(r, dict))
     return 1 if failed or result["errors"] else 0

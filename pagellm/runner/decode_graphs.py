@@ -51,35 +51,37 @@ class CudaGraphRecorder:
 
 
 class DecodeGraphs:
-    """forward(input_ids, positions, meta) -> hidden [rows, E], replayed from a graph where one was captured for
-    the step's row count, else run as it is."""
+    """forward(input_ids, positions, meta) -> hidden [tokens, E], replayed from a graph where one was captured for
+    the step's shape, else run as it is. `inputs` names the shapes (graph_keys: a decode step's row count, or a
+    verify step's rows and draft length, runner/verify_inputs.py) and fills their buffers (capture_inputs)."""
 
-    def __init__(self, forward: Callable, inputs: DecodeInputs):
-        self.forward, self.inputs = forward, inputs
-        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+    def __init__(self, forward: Callable, inputs: DecodeInputs, kind: str = "decode"):
+        self.forward, self.inputs, self.kind = forward, inputs, kind
+        self.graphs: dict = {}  # shape -> (replay, hidden)
         self.replays = 0
-        self.summary = "none captured"  # LLM.stats()' "decode_graphs"
+        self.summary = "none captured"  # LLM.stats()' "decode_graphs" / "verify_graphs"
 
     def capture(self, recorder) -> None:
-        """Every bucket, largest first (the pool's largest buffers first, the rest fit in them), logged."""
+        """Every shape, largest first (the pool's largest buffers first, the rest fit in them), logged."""
         gc.collect()  # before the count: a collection frees what an earlier engine left, not the graphs' memory
         start, before = time.perf_counter(), _device_bytes()
         gc.disable()  # a collection mid-capture could free a tensor the graph records
         try:
-            for bucket in sorted(self.inputs.buckets, reverse=True):
-                input_ids, positions, meta = self.inputs.capture_inputs(bucket)
-                self.graphs[bucket] = recorder.record(  # the bucket's own buffers bound now, not the loop's last
+            for key in sorted(self.inputs.graph_keys(), reverse=True):
+                input_ids, positions, meta = self.inputs.capture_inputs(key)
+                self.graphs[key] = recorder.record(  # the shape's own buffers bound now, not the loop's last
                     lambda ids=input_ids, pos=positions, m=meta: self.forward(ids, pos, m))
         finally:
             gc.enable()
             self.inputs.invalidate()  # the capture left every row padded
-        self.summary = (f"{len(self.graphs)} buckets ({', '.join(map(str, sorted(self.graphs)))}) captured in "
+        what = "buckets" if self.kind == "decode" else "shapes (rows, drafts)"
+        self.summary = (f"{len(self.graphs)} {what} ({', '.join(map(str, sorted(self.graphs)))}) captured in "
                         f"{time.perf_counter() - start:.1f} s, {(_device_bytes() - before) / 2**20:.0f} MiB")
-        logger.info("decode graphs: %s", self.summary)
+        logger.info("%s graphs: %s", self.kind, self.summary)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, bool]:
-        """(hidden, whether a graph replayed it)."""
-        entry = self.graphs.get(input_ids.shape[0])
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, key=None) -> tuple[torch.Tensor, bool]:
+        """(hidden, whether a graph replayed it); key: the step's shape (default: its row count)."""
+        entry = self.graphs.get(input_ids.shape[0] if key is None else key)
         if entry is None:
             return self.forward(input_ids, positions, meta), False
         replay, hidden = entry
@@ -102,9 +104,9 @@ def capture_or_run_eagerly(graphs: DecodeGraphs, recorder, required: bool) -> De
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if required:
-            raise RuntimeError(f"capturing the decode graphs failed ({exc}); --enforce-eager runs without "
+            raise RuntimeError(f"capturing the {graphs.kind} graphs failed ({exc}); --enforce-eager runs without "
                                "them") from exc
-        logger.warning("decode graphs: capture failed (%s); running eagerly", exc)
+        logger.warning("%s graphs: capture failed (%s); running eagerly", graphs.kind, exc)
         return None
     return graphs
 

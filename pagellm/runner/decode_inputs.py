@@ -107,6 +107,10 @@ class DecodeInputs:
         logits_rows = self.query_start_loc[:num_seqs]  # every request's row samples; padded rows never do
         return self.input_ids[:rows_run], self.positions[:rows_run], meta, logits_rows, reused
 
+    def graph_keys(self) -> tuple[int, ...]:
+        """The shapes graphs are captured at: the buckets."""
+        return self.buckets
+
     def capture_inputs(self, bucket: int):
         """(input_ids, positions, meta) of a step whose `bucket` rows are all padding: what a graph is captured
         over (the buffers' addresses, as every later step of that bucket fills them). The next step rebuilds."""

@@ -35,6 +35,7 @@ from pagellm.runner.pooling import pool_rows
 from pagellm.runner.sampled_tokens import LaunchedStep, SampledTokens, hand_out
 from pagellm.runner.sampler import Sampler
 from pagellm.runner.speculative import sampling_rows
+from pagellm.runner.verify_inputs import VerifyInputs, draft_buckets
 
 logger = logging.getLogger("pagellm.runner")
 
@@ -129,14 +130,32 @@ class ModelRunner:
         self.state_layers = state_layers_of(model)
         self.state_pages = self._bind_states(setup.num_state_slots + setup.num_snapshot_slots
                                              + setup.num_draft_state_rows)
+        recorder = CudaGraphRecorder() if graphs and backend.captures_graphs else None  # one pool for all
         if graphs and self.plan.bound is not None:
             self.decode_graphs = DecodeGraphs(self._bound_forward, self.decode_inputs)
-            if backend.captures_graphs:
+            if recorder is not None:
                 with torch.inference_mode():  # as every step runs
-                    self.decode_graphs = capture_or_run_eagerly(self.decode_graphs, CudaGraphRecorder(),
+                    self.decode_graphs = capture_or_run_eagerly(self.decode_graphs, recorder,
                                                                 backend.graphs_required)
         if graphs and self.decode_graphs is None:  # asked for, none to replay (no bound plan, failed capture)
             self.decode_inputs = DecodeInputs(max_num_seqs, block_size, self.device, (), None, None)
+        self.verify_graphs = self._verify_graphs(config, setup, recorder)
+
+    def _verify_graphs(self, config: EngineConfig, setup: RunnerSetup, recorder) -> DecodeGraphs | None:
+        """Speculative decoding's verify steps replayed from graphs wherever decode steps are (runner/verify_inputs.py):
+        attention-only models, at the batch buckets up to the first that stops speculation."""
+        spec, buckets = config.speculative, self.decode_inputs.buckets
+        if spec is None or self.decode_graphs is None or self.state_layers or not buckets:
+            return None
+        rows = tuple(b for b in buckets if b < spec.disable_by_batch_size) + tuple(
+            b for b in buckets if b >= spec.disable_by_batch_size)[:1]
+        inputs = VerifyInputs(rows, draft_buckets(spec.num_speculative_tokens), self.block_size, self.device,
+                              setup.num_blocks, self.decode_inputs.block_tables.shape[1], setup.max_model_len)
+        graphs = DecodeGraphs(self._bound_forward, inputs, kind="verify")
+        if recorder is None:
+            return graphs
+        with torch.inference_mode():
+            return capture_or_run_eagerly(graphs, recorder, self.backend.graphs_required)
 
     def _bind_kv_caches(self, num_blocks: int) -> HostPages:
         """Every attention layer's K and V pools, [num_blocks, block_size, kv_heads, head_dim] each: reserved
@@ -189,24 +208,33 @@ class ModelRunner:
         if not output.scheduled:  # an idle engine's last step: only memory to give back
             self.backend.settle()  # what steps keep for the next one, every rank's own
             return LaunchedStep(StepTimings(), done=ModelOutput((), ()))
-        reused = False
+        graphs, key, reused = None, None, False
         pure_decode = self.decode_inputs is not None and _is_pure_decode(output)
         if pure_decode:
-            t_copy = t0
+            t_copy, graphs = t0, self.decode_graphs  # its bucket's graph, if one was captured
             input_ids, positions, meta, logits_rows, reused = self.decode_inputs.prepare(output.scheduled, states)
+            offsets = range(len(output.scheduled))
         else:
             if self.decode_inputs is not None:
                 self.decode_inputs.invalidate()
-            host_lists = self._gather_inputs(output, states)
-            t_copy = time.perf_counter()
-            input_ids, positions, meta, logits_rows = self._build_input_tensors(*host_lists)
-        self._fill_placeholders(output.scheduled, input_ids)
+            key = self.verify_graphs.inputs.key_for(output.scheduled) \
+                if self.verify_graphs is not None and _is_verify(output) else None
+            if key is not None:  # a verify step padded to its graph's shape
+                t_copy, graphs = t0, self.verify_graphs
+                input_ids, positions, meta, logits_rows, offsets = graphs.inputs.prepare(output.scheduled, states,
+                                                                                        key)
+            else:
+                host_lists = self._gather_inputs(output, states)
+                t_copy = time.perf_counter()
+                input_ids, positions, meta, logits_rows = self._build_input_tensors(*host_lists)
+                offsets = itertools.accumulate((len(item.token_ids) for item in output.scheduled[:-1]), initial=0)
+        self._fill_placeholders(output.scheduled, input_ids, offsets)
         t1 = time.perf_counter()
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
         self._restore_snapshots(output)
         replayed = False
-        if self.decode_graphs is not None and pure_decode:  # its bucket's graph, if one was captured
-            hidden, replayed = self.decode_graphs.run(input_ids, positions, meta)  # [rows, hidden]
+        if graphs is not None:
+            hidden, replayed = graphs.run(input_ids, positions, meta, key)  # [tokens, hidden]
         else:
             hidden = self.model(input_ids, positions, meta, plan=self.plan.bound)  # [T, hidden]
         if not self.samples:  # a tensor-parallel worker: only its share of a vocab-parallel LM head
@@ -248,14 +276,14 @@ class ModelRunner:
         timings = dataclasses.replace(step.timings, sample_ms=step.timings.sample_ms + _ms_since(t0))
         return hand_out(step, token_ids, logprobs, timings)
 
-    def _fill_placeholders(self, items, input_ids: torch.Tensor) -> None:
-        """input_ids [T]: each PLACEHOLDER replaced, on the device, by its request's sample of the last launch."""
-        targets, sources, offset = [], [], 0
-        for item in items:
+    def _fill_placeholders(self, items, input_ids: torch.Tensor, offsets) -> None:
+        """input_ids [T]: each PLACEHOLDER replaced, on the device, by its request's sample of the last launch;
+        offsets: each item's first row in input_ids."""
+        targets, sources = [], []
+        for item, offset in zip(items, offsets):
             if item.token_ids[-1] == PLACEHOLDER:  # only ever a decode's one token (the scheduler's rule)
                 targets.append(offset + len(item.token_ids) - 1)
                 sources.append(self._last_samples[1][item.request_id])
-            offset += len(item.token_ids)
         if targets:
             samples = self._last_samples[0].index_select(0, to_device(sources, torch.int64, self.device))
             input_ids.index_copy_(0, to_device(targets, torch.int64, self.device), samples)
@@ -263,8 +291,9 @@ class ModelRunner:
     def replan(self) -> LayerPlan:
         """Choose how the layers run (at start, or again after a layer changed), log it and keep it."""
         self.plan = plan_model(self.model, self.plan_settings)
-        if getattr(self, "decode_graphs", None) is not None:  # they hold the old plan's kernels
-            self.decode_graphs.drop()
+        for graphs in (getattr(self, "decode_graphs", None), getattr(self, "verify_graphs", None)):
+            if graphs is not None:  # they hold the old plan's kernels
+                graphs.drop()
         logger.info("layers: %s", self.plan.description)
         return self.plan
 
@@ -332,6 +361,13 @@ def _state_writes(item) -> tuple[tuple[int, int], ...]:
 
 def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1e3
+
+
+def _is_verify(output: SchedulerOutput) -> bool:
+    """Every request feeds its decode token and its drafts (some have drafts), none new, none snapshotting."""
+    return output.num_prefill_tokens == 0 and any(item.num_draft for item in output.scheduled) and all(
+        item.new is None and len(item.token_ids) == 1 + item.num_draft and item.sample and not item.snapshot_writes
+        for item in output.scheduled)
 
 
 def _is_pure_decode(output: SchedulerOutput) -> bool:

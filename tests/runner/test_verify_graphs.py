@@ -1,0 +1,109 @@
+"""Verify steps of speculative decoding padded to one shape per (rows, drafts) and replayed from graphs
+(runner/verify_inputs.py, runner/decode_graphs.py): on a CPU with the replaying stand-in for CUDA graphs, the
+greedy ids of a run without speculation, drafts accepted and rejected, padding written only where no request reads
+it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagellm.engine as engine_module
+from pagellm import LLM, SamplingParams
+from pagellm.core.types import ScheduledRequest
+from pagellm.runner.input_batch import SlotState
+from pagellm.runner.verify_inputs import VerifyInputs, draft_buckets
+from tests.models.tiny_checkpoints import write_hybrid_checkpoint, write_tiny_checkpoint
+from tests.runner.test_decode_buckets import ReplayingRecorder, _runner_with
+from tests.runner.test_speculative_engine import NGRAM, PROMPTS
+
+
+def test_draft_buckets_double_up_to_the_most_drafts():
+    assert draft_buckets(16) == (1, 2, 4, 8, 16) and draft_buckets(5) == (1, 2, 4, 5) and draft_buckets(1) == (1,)
+    assert draft_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_a_verify_step_pads_its_tokens_to_the_shape_and_its_table_to_the_scratch_block():
+    """Blocks of 4, scratch block 99, a fixed table of 5 blocks: request 0 verifies 2 drafts at position 6 (its
+    blocks 10, 11), request 1 decodes one token at position 3 (block 20); drafts bucket 4 (Q = 5), rows bucket 4."""
+    inputs = VerifyInputs((1, 2, 4), (1, 2, 4), 4, torch.device("cpu"), scratch_block=99, max_blocks=5,
+                          max_model_len=20)
+    items = (ScheduledRequest("a", 0, (7, 30, 31), 6, (), True, num_draft=2),
+             ScheduledRequest("b", 1, (8,), 3, (), True))
+    states = [SlotState("a", SamplingParams(), [1], [], block_ids=[10, 11]),
+              SlotState("b", SamplingParams(), [1], [], block_ids=[20])]
+    key = inputs.key_for(items)
+    assert key == (2, 2)  # the most drafts (2) fit bucket 2: Q = 3
+    ids, positions, meta, logits_rows, offsets = inputs.prepare(items, states, key)
+    assert ids.tolist() == [7, 30, 31, 8, 0, 0] and positions.tolist() == [6, 7, 8, 3, 4, 5]
+    # request a's position 8 falls in its third block: not its own, the scratch block's
+    assert meta.slot_mapping.tolist() == [11 * 4 + 2, 11 * 4 + 3, 99 * 4 + 0, 20 * 4 + 3, 99 * 4 + 0, 99 * 4 + 1]
+    assert meta.block_tables.tolist() == [[10, 11, 99, 99, 99], [20, 99, 99, 99, 99]]
+    assert meta.seq_lens.tolist() == [9, 6] and meta.query_start_loc.tolist() == [0, 3, 6]
+    assert logits_rows.tolist() == [0, 1, 2, 3] and offsets == [0, 3] and inputs.padded_tokens == 2
+    ids, positions, meta, _, _ = inputs.prepare(items[:1], states[:1], (4, 2))  # three padded rows
+    assert ids.tolist()[3:] == [0] * 9 and positions.tolist()[3:] == [0, 1, 2] * 3
+    assert meta.block_tables.tolist()[1:] == [[99] * 5] * 3 and meta.seq_lens.tolist() == [9, 3, 3, 3]
+    assert inputs.key_for(items[:1] * 5) is None  # no rows bucket that large
+    assert inputs.key_for((ScheduledRequest("c", 2, (1,) * 5, 6, (), True, num_draft=4),)) == (1, 4)
+    assert inputs.key_for((ScheduledRequest("c", 2, (1,) * 5, 16, (), True, num_draft=4),)) is None  # past 20
+    assert inputs.key_for((ScheduledRequest("c", 2, (1, 2), 6, (), True, num_draft=1, state_slot=0),)) is None
+    with pytest.raises(ValueError, match="must ascend from 1"):
+        VerifyInputs((2, 1), (1,), 4, torch.device("cpu"), 0, 2, 8)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _ids(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("speculative", [NGRAM, {**NGRAM, "num_speculative_tokens": 5, "adaptive": True}],
+                         ids=["k3", "k5-adaptive"])
+def test_verify_steps_replayed_from_recorded_graphs_give_the_ids_without_speculation(tmp_path, monkeypatch,
+                                                                                    speculative):
+    """Four requests, blocks of 4 (drafts and their padding cross block boundaries), prefix caching on: every
+    (rows, drafts) shape recorded once, verify steps replayed, ids as without speculation."""
+    write_tiny_checkpoint("llama", tmp_path, redraw=True)
+    args = dict(skip_tokenizer_init=True, kv_cache_memory=0.01, block_size=4, max_num_seqs=8)
+    with LLM(str(tmp_path), **args) as llm:
+        plain = _ids(llm, PROMPTS, _greedy(24))
+    monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True))
+    with LLM(str(tmp_path), speculative_config=speculative, **args) as llm:
+        runner = llm.engine.runner
+        graphs, recorder = runner.verify_graphs, ReplayingRecorder()
+        rows, drafts = (1, 2, 4, 8), draft_buckets(speculative["num_speculative_tokens"])
+        assert graphs.inputs.row_buckets == rows and graphs.inputs.drafts == drafts and graphs.graphs == {}
+        runner.decode_graphs.capture(recorder)
+        graphs.capture(recorder)
+        assert sorted(graphs.graphs) == sorted((r, k) for r in rows for k in drafts)
+        ids, stats = _ids(llm, PROMPTS, _greedy(24)), llm.stats()
+    assert ids == plain
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats  # accepted and rejected both
+    assert graphs.replays > 0 and graphs.inputs.padded_tokens > 0
+    assert stats["verify_graphs"].startswith(f"{len(rows) * len(drafts)} shapes (rows, drafts)")
+
+
+def test_the_draft_models_decode_steps_replay_graphs_as_the_targets_do(tmp_path, monkeypatch):
+    """Method draft_model: the draft engine runs with the target's step settings, so its decodes pad and replay
+    too; the self-draft accepts everything."""
+    write_tiny_checkpoint("llama", tmp_path, redraw=True)
+    monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True))
+    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, speculative_config=spec) as llm:
+        draft_runner = llm.engine.drafter.engine.runner
+        assert draft_runner.decode_graphs is not None and draft_runner.verify_graphs is None  # it never verifies
+        llm.engine.runner.verify_graphs.capture(ReplayingRecorder())
+        ids, stats = _ids(llm, PROMPTS[:2], _greedy(12)), llm.stats()
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0
+    assert llm.engine.runner.verify_graphs.replays > 0 and len(ids) == 2
+
+
+def test_models_with_recurrent_state_verify_eagerly(tmp_path, monkeypatch):
+    """A padding token would advance a Gated DeltaNet state past the drafts: no verify graphs."""
+    write_hybrid_checkpoint("qwen3-next", tmp_path)
+    monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True))
+    with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, speculative_config=NGRAM) as llm:
+        assert llm.engine.runner.verify_graphs is None and llm.stats()["verify_graphs"] == "off (eager)"
