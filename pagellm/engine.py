@@ -313,7 +313,7 @@ class LLMEngine:
         """Launch the next step now? Only where its decodes need nothing of `current`'s tokens on the host:
         penalties count them and grammars advance on them."""
         return (self._async and not self.scheduler.held
-                and not needs_host_tokens(current.output, self.scheduler.requests))
+                and not needs_host_tokens(current.output, self.scheduler.requests, self.scheduler.speculation))
 
     def _recover(self, failed: InFlightStep, exc: Exception, also: InFlightStep | None = None) -> None:
         """A step failed: it, `also` (the step before it, when it fails at launch: that one's tokens are never read)

@@ -231,3 +231,19 @@ def test_a_failed_step_forgets_the_blocks_of_a_request_aborted_while_it_ran(chec
         assert not [h for h in hashes if h in engine.kv_cache.pool.cached]
         while engine.has_unfinished_requests():
             engine.step()
+
+
+def test_requests_that_may_speculate_wait_for_their_tokens_and_the_rest_launch_ahead(checkpoint):
+    """A decode launched ahead cannot look its drafts up (its last token is on its way): with speculation on, a
+    step whose requests may propose is not launched ahead, so verify steps happen and the ids stand; past
+    disable_by_batch_size decodes nothing speculates and steps launch ahead again."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False,
+            "disable_by_batch_size": 2}
+    repeating = {0: [("add", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], _greedy(16)), ("add", [3, 4] * 6, _greedy(16))]}
+    plain, _, _ = _run(checkpoint, False, repeating)
+    overlapped, stats, _ = _run(checkpoint, True, repeating, speculative_config=spec)
+    assert overlapped == plain and stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    crowded = {0: [("add", [5 + i, 6, 7, 8] * 3, _greedy(8)) for i in range(3)]}  # three decodes a step
+    plain, _, _ = _run(checkpoint, False, crowded)
+    overlapped, stats, _ = _run(checkpoint, True, crowded, speculative_config=spec)
+    assert overlapped == plain and stats["spec_draft_tokens"] == 0 and stats["steps_launched_ahead"] > 0

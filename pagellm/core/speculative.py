@@ -72,8 +72,8 @@ class DraftLength:
         """(chance the first draft is accepted, chance a draft after an accepted one is)."""
         return self._first[1] / self._first[0], self._next[1] / self._next[0]
 
-    def next_k(self) -> int:
-        """Drafts to propose this step (0: a plain decode)."""
+    def best_k(self) -> int:
+        """The draft length that pays best by the measured rates (0: none beats a plain decode)."""
         if not self.adaptive:
             return self.max_k
         first, after = self.rates()
@@ -83,6 +83,15 @@ class DraftLength:
             chance *= after
             if emitted / (1.0 + self.cost * k) > best:
                 best_k, best = k, emitted / (1.0 + self.cost * k)
+        return best_k
+
+    def may_propose(self) -> bool:
+        """Whether next_k would propose at the next decode (no state changes): what async scheduling waits for."""
+        return self.best_k() > 0 or self._idle_steps + 1 >= _PROBE_AFTER
+
+    def next_k(self) -> int:
+        """Drafts to propose this step (0: a plain decode)."""
+        best_k = self.best_k()
         if best_k:
             return best_k
         self._idle_steps += 1
@@ -124,6 +133,12 @@ class Speculation:
         # the emitted tokens (drafts + 1) must fit max_tokens and the context
         room = min(params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens) - 1
         return max(0, min(lengths.next_k(), room, max_drafts))
+
+    def may_propose(self, request: Request) -> bool:
+        """Whether the request's next decode would look for drafts (a new request does): async scheduling then
+        waits for its token instead of launching that decode ahead, where no lookup can run."""
+        lengths = self._lengths.get(request.request_id)
+        return lengths is None or lengths.may_propose()
 
     def record(self, request_id: str, proposed: int, accepted: int, running: bool) -> None:
         """A verify step's outcome; `running`: the request goes on (its draft length learns from it)."""

@@ -60,14 +60,17 @@ def _ids(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("speculative", [NGRAM, {**NGRAM, "num_speculative_tokens": 5, "adaptive": True}],
-                         ids=["k3", "k5-adaptive"])
+@pytest.mark.parametrize("speculative, async_scheduling", [
+    (NGRAM, False), ({**NGRAM, "num_speculative_tokens": 5, "adaptive": True}, False), (NGRAM, True)],
+    ids=["k3", "k5-adaptive", "k3-async"])
 def test_verify_steps_replayed_from_recorded_graphs_give_the_ids_without_speculation(tmp_path, monkeypatch,
-                                                                                    speculative):
+                                                                                    speculative, async_scheduling):
     """Four requests, blocks of 4 (drafts and their padding cross block boundaries), prefix caching on: every
-    (rows, drafts) shape recorded once, verify steps replayed, ids as without speculation."""
+    (rows, drafts) shape recorded once, verify steps replayed, ids as without speculation. Async scheduling: a
+    plain decode beside verify items feeds the token its last launch sampled (a placeholder) at its padded row."""
     write_tiny_checkpoint("llama", tmp_path, redraw=True)
-    args = dict(skip_tokenizer_init=True, kv_cache_memory=0.01, block_size=4, max_num_seqs=8)
+    args = dict(skip_tokenizer_init=True, kv_cache_memory=0.01, block_size=4, max_num_seqs=8,
+                async_scheduling=async_scheduling)
     with LLM(str(tmp_path), **args) as llm:
         plain = _ids(llm, PROMPTS, _greedy(24))
     monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True))
