@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from pagellm.kernels.cpu import gguf_blocks
 from pagellm.loader import gguf_repack
+from pagellm.kernels.reference.gguf_planes import dequantize as dequantize_planes, supports
 from pagellm.loader.gguf_planes import planes_of
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, header_of, read_gguf_header
@@ -89,7 +90,7 @@ def load_gguf_config(path: str | Path | GGUFHeader) -> TextModelConfig:
 def iter_gguf_weights(
     path: str | Path | GGUFHeader, config: TextModelConfig, progress: bool | None = None,
     quantized: Mapping[str, str] | None = None, blocks: RepackCache | None = None,
-    parameters: Iterable[str] | None = None,
+    parameters: Iterable[str] | None = None, dequantize_on: torch.device | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
 
@@ -100,6 +101,9 @@ def iter_gguf_weights(
     blocks: the file's entry of the repacked-blocks cache (loader/repack_cache.py): weights kept in their blocks
     ("gguf") come from it when it is whole, else are stored to it; None: repacked at every load.
     parameters: the HF names of the model's parameters (its state_dict's keys), when the caller has built it.
+    dequantize_on: a device that dequantizes the matrices kept whole (a GPU, where the model runs: its blocks
+    copied as planes and dequantized there by torch, the gguf package's values bit for bit, instead of by numpy
+    on one host core); None: numpy on the host.
     """
     header = _weights_only(header_of(path))
     arch = header.architecture
@@ -114,7 +118,7 @@ def iter_gguf_weights(
     try:
         for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
             yield _hf_weight(tensor, hf_names[tensor.name], arch, config, quantized.get(hf_names[tensor.name]),
-                             blocks)
+                             blocks, dequantize_on)
             tensor.release()  # the consumer has built its weight from the file's pages: out of the resident set
         completed = True
     finally:  # a load that stops early leaves no entry
@@ -123,13 +127,15 @@ def iter_gguf_weights(
 
 
 def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelConfig, scheme: str | None,
-               blocks: RepackCache | None = None
+               blocks: RepackCache | None = None, dequantize_on: torch.device | None = None
                ) -> tuple[str, torch.Tensor | GroupAffine | LazyRows | gguf_blocks.GGUFWeight]:
     """(HF name, the weight as the layer taking it wants it) of one tensor of the file."""
     permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
-    if scheme == "gguf_planes":
-        return hf_name, planes_of(_block_rows(tensor, config if permuted else None), tensor.ggml_type,
-                                  tuple(tensor.shape))
+    on_device = scheme is None and dequantize_on is not None and len(tensor.shape) == 2 and \
+        supports(tensor.ggml_type, *tensor.shape)
+    if scheme == "gguf_planes" or on_device:
+        planes = planes_of(_block_rows(tensor, config if permuted else None), tensor.ggml_type, tuple(tensor.shape))
+        return hf_name, dequantize_planes(planes.to(dequantize_on)) if on_device else planes  # [N, K] float32
     if scheme == "gguf":
         weight = blocks.get(tensor.name) if blocks is not None else None
         if weight is None:

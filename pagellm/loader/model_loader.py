@@ -174,7 +174,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if dummy:
         weights = dummy_weights(net, device)  # already this rank's shapes: the model was built with them
     elif is_gguf:
-        weights = iter_gguf_weights(header, hf_config, quantized=schemes, blocks=blocks, parameters=parameters)
+        weights = iter_gguf_weights(header, hf_config, quantized=schemes, blocks=blocks, parameters=parameters,
+                                    dequantize_on=torch.device(device) if on != "cpu" else None)
     else:
         weights = iter_safetensors_weights(path)
     if shard and not dummy:

@@ -39,15 +39,18 @@ MIXED_TYPES = {
 }
 
 
-def load_all(path, config=None):
+def load_all(path, config=None, dequantize_on=None):
     config = config or load_gguf_config(path)
-    return dict(iter_gguf_weights(path, config, progress=False))
+    return dict(iter_gguf_weights(path, config, progress=False, dequantize_on=dequantize_on))
 
 
+@pytest.mark.parametrize("dequantize_on", [None, torch.device("cpu")], ids=["numpy", "planes"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_weights_match_the_dequantized_stored_data(tmp_path, arch):
+def test_weights_match_the_dequantized_stored_data(tmp_path, arch, dequantize_on):
+    """numpy's dequantization on the host, or (dequantize_on: what a GPU load does) the blocks as planes on the
+    device, dequantized there: the same values bit for bit, llama's q/k rows unpermuted either way."""
     tiny = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, types=MIXED_TYPES)
-    got = load_all(tiny.path)
+    got = load_all(tiny.path, dequantize_on=dequantize_on)
     assert sorted(got) == sorted(tiny.expected)
     for name, weight in got.items():
         assert weight.dtype == torch.float32, name
