@@ -269,7 +269,7 @@ class SpeculativeConfig(_FromDict):
     sampled_row_cost: float = _help(
         "What sampling one more row costs relative to a decode step, added to draft_token_cost for a request that "
         "samples (temperature > 0: a softmax and a draw over the vocabulary per draft; measured: "
-        "docs/PERFORMANCE.md).", default=0.8)
+        "docs/PERFORMANCE.md).", default=0.25)
     model: str | None = _help("The draft model's GGUF file or HF directory (method draft_model).", default=None)
 
     def __post_init__(self):

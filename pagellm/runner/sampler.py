@@ -11,9 +11,10 @@ Each stage runs only if some row in the batch needs it:
     penalties (repetition over prompt + output; presence, frequency over output)
         ├─► argmax ───────────────────────────────────────────────────► greedy rows
         ▼
-    / temperature ─► top-k ─► top-p ─► softmax ─► min-p ─► argmax(probs / q) ─► sampled rows
-                                                   q ~ Exp(1): the row's own generator if it has a seed,
-                                                               else the sampler's generator
+    / temperature ─► top-k ─► top-p ─► softmax ─► min-p ─► a draw ────────────────► sampled rows
+                                                   on a CPU: the inverse of the cumulative mass at u ~ U[0, 1);
+                                                   elsewhere: argmax(probs / q), q ~ Exp(1); u and q from the
+                                                   row's own generator if it has a seed, else the sampler's
 
 Every decision is taken from host-side SamplingParams, never from tensor values, so __call__ does not
 wait on the device (no host sync; on a CPU, where a read costs nothing, top-p reads its candidates' mass); the
@@ -120,7 +121,8 @@ class Sampler:
             self._grammar_masks.apply(logits, [row.grammar for row in rows])
         if needs_penalties:
             logits = apply_penalties(logits, rows)
-        token_ids = self._pick_tokens(logits, rows)
+        # the sampling stages work in place where the logits are this call's or the caller gave them up
+        token_ids = self._pick_tokens(logits, rows, owned=overwrite or logits is not given)
         if raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None)
         num_top = max(p.logprobs or 0 for p in params)
@@ -128,28 +130,46 @@ class Sampler:
 
     # ---- internal helpers -------------------------------------------------------------------------
 
-    def _pick_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _pick_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow], owned: bool) -> torch.Tensor:
+        """owned: the logits may be changed in place."""
         greedy = [row.sampling_params.is_greedy for row in rows]
         if all(greedy):
             return self._argmax(logits)
-        sampled = self._sample(logits, rows)
-        if not any(greedy):
+        greedy_ids = self._argmax(logits) if any(greedy) else None  # before sampling overwrites the logits
+        sampled = self._sample(logits, rows, owned)
+        if greedy_ids is None:
             return sampled
-        is_greedy = to_device(greedy, torch.bool, logits.device)
-        return torch.where(is_greedy, self._argmax(logits), sampled)
+        return torch.where(to_device(greedy, torch.bool, logits.device), greedy_ids, sampled)
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Sample every row (greedy rows too; the caller discards those) from its filtered distribution."""
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow], owned: bool) -> torch.Tensor:
+        """Sample every row (greedy rows too; the caller discards those) from its filtered distribution; owned:
+        the logits may be overwritten."""
+        if logits.device.type == "cpu" and len(rows) > _ROWS_AT_ONCE:
+            return torch.cat([self._sample(logits[i : i + _ROWS_AT_ONCE], rows[i : i + _ROWS_AT_ONCE], owned)
+                              for i in range(0, len(rows), _ROWS_AT_ONCE)])
         params = [row.sampling_params for row in rows]
         device = logits.device
         # Greedy rows get temperature 1 only to stay finite; their samples are thrown away.
         temperature = _column([1.0 if p.is_greedy else p.temperature for p in params], logits.dtype, device)
-        logits = logits / temperature  # new tensor: the filters below may work in place
+        # the filters below work in place: on the logits when they are ours, else on a new tensor
+        logits = logits.div_(temperature) if owned else logits / temperature
         logits = _apply_top_k_top_p(logits, params)
-        probs = logits.softmax(dim=-1)
+        # unnormalised (the draws and min-p need only ratios), in place: a softmax's two more passes saved
+        probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
         if any(p.min_p > 0.0 for p in params):
             probs = _apply_min_p(probs, _column([p.min_p for p in params], probs.dtype, device))
+        if device.type == "cpu":  # one uniform a row: a CPU draws V exponentials in milliseconds (Gemma's 262144)
+            return sample_inverse_cdf(probs, self._uniforms(rows, device))
         return sample_exponential_race_no_sync(probs, self._exponential_noise(probs, rows), self._argmax)
+
+    def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+        """u ~ U[0, 1), [B]: a seeded row's from its own generator (its tokens whatever the batch), the rest in one
+        draw from the sampler's."""
+        u = torch.rand(len(rows), generator=self._generator(device), device=device)
+        for i, row in enumerate(rows):
+            if row.generator is not None and not row.sampling_params.is_greedy:
+                u[i] = torch.rand((), generator=row.generator, device=device)
+        return u
 
     def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """q ~ Exp(1), [B, V]. A seeded row's noise comes only from its own generator, so its tokens do
@@ -174,6 +194,11 @@ class Sampler:
         return generator
 
 
+# On a CPU rows are sampled this many at a time: each stage makes a [rows, V] temporary, and one of 32 Gemma rows
+# (32 MiB) is past glibc's largest mmap threshold, so every stage would fault its pages in afresh.
+_ROWS_AT_ONCE = 8
+
+
 def greedy_argmax(level: str | None):
     """logits [B, V] fp32 -> logits.argmax(dim=-1), natively where the CPU kernels' `level` has the kernel, else
     torch's (another device, no level), chosen once: torch's CPU argmax is slow on a batch of vocab-sized rows
@@ -190,6 +215,30 @@ def sample_exponential_race_no_sync(probs: torch.Tensor, noise: torch.Tensor, ar
     # argmax picks NaN. Flooring q keeps filtered tokens at 0 and only makes a kept token win outright.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return argmax(probs.div_(noise))
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """The token whose share of the row's cumulative mass holds u [B] (uniform in [0, 1)): token i with probability
+    probs[i] / sum(probs), a token of probability 0 never; probs need not be normalised. Two levels, so that no
+    [B, V] cumulative sum is made: the row's blocks of `block` tokens summed, the block holding u found among them,
+    then the token within it. The running sums are float64 (a few hundred block sums and one block a row: cheap),
+    so their rounding stays far below a tail token's share of a large vocabulary."""
+    rows, vocab = probs.shape
+    whole = vocab // block * block
+    # a block's sum in float32 is exact to its own rounding (relative); only the running sum needs float64
+    sums = probs[:, :whole].view(rows, -1, block).sum(-1).double()  # [B, V // block]
+    if whole < vocab:  # the last, shorter block
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True).double()], dim=1)
+    cdf = sums.cumsum(-1)  # [B, blocks]
+    target = (u.to(torch.float64) * cdf[:, -1]).unsqueeze(1)  # [B, 1], below the row's total
+    chosen = torch.searchsorted(cdf, target, right=True).clamp_max_(sums.shape[1] - 1)  # [B, 1], a block of mass
+    # where u falls within the chosen block, as a fraction of its mass, then among its tokens
+    fraction = ((target - (cdf.gather(1, chosen) - sums.gather(1, chosen))) / sums.gather(1, chosen))
+    columns = chosen * block + torch.arange(block, device=probs.device)  # [B, block]
+    inside = probs.gather(1, columns.clamp_max(vocab - 1)).to(torch.float64).masked_fill_(columns >= vocab, 0.0)
+    within = inside.cumsum(-1)
+    at = (fraction.clamp(0.0, 1.0 - 2.0**-52) * within[:, -1:])  # below the block's own total
+    return (chosen * block + torch.searchsorted(within, at, right=True)).squeeze(1)
 
 
 def apply_logit_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pagellm.kernels.build import native
-from pagellm.runner.sampler import Sampler, SamplerOutput, apply_penalties
+from pagellm.runner.sampler import Sampler, SamplerOutput, apply_penalties, sample_inverse_cdf
 from pagellm.sampling_params import SamplingParams
 
 
@@ -460,3 +460,38 @@ def test_top_p_among_candidates_equals_the_full_sort(scale, among_candidates):
     assert (_nucleus_among_candidates(logits.clone(), top_k, top_p) is not None) == among_candidates
     kept, full = _apply_top_k_top_p(logits.clone(), params), _nucleus_by_full_sort(logits.clone(), top_k, top_p)
     assert torch.equal(kept, full)
+
+
+# ---- the draw on a CPU ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab, block", [(10, 4), (12, 4), (7, 16), (3000, 1024)])
+def test_the_inverse_cdf_draw_finds_the_token_a_full_cumulative_sum_finds(vocab, block):
+    """Two levels (blocks, then a token within one) against one float64 cumulative sum over the whole row, for
+    u over a fine grid and at its ends: the same token, a token of probability 0 never (filtered tokens, a short
+    last block)."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(6, vocab, generator=generator) ** 4  # unnormalised, uneven
+    probs[:, ::3] = 0.0  # filtered tokens
+    probs[1, -2:] = 0.0  # the last block's tail empty
+    probs[2, : vocab // 2] = 0.0  # whole blocks empty
+    u = torch.cat([torch.linspace(0.0, 1.0 - 1e-9, 997, dtype=torch.float64),  # torch.rand's float32 values are
+                   torch.tensor([1.0 - 2.0**-24], dtype=torch.float64)])  # below 1: its largest is 1 - 2^-24
+    for row in range(probs.shape[0]):
+        cdf = probs[row].double().cumsum(0)
+        expected = torch.searchsorted(cdf, u * cdf[-1], right=True)
+        got = sample_inverse_cdf(probs[row].expand(len(u), -1).contiguous(), u, block=block)
+        assert (probs[row][got] > 0).all()
+        # a block's float32 sum and a float64 sum round apart: a u that lands between the two may move one token
+        assert (got != expected).float().mean() < 0.01 and ((got - expected).abs() <= 1).all()
+
+
+def test_a_large_vocabularys_tail_is_drawn_at_its_share():
+    """Half the mass on one token, half spread over the 262143 others (each under 2e-6, 256 blocks): the tail keeps
+    its half."""
+    vocab, draws = 262144, 4000
+    logits = torch.full((1, vocab), math.log(0.5 / (vocab - 1)))
+    logits[0, 0] = math.log(0.5)
+    ids = torch.cat([Sampler(seed=i)(logits.clone(), rows_of(1, temperature=1.0)).token_ids for i in range(draws)])
+    assert (ids == 0).float().mean().item() == pytest.approx(0.5, abs=0.03)
+    assert ids.max().item() > vocab // 2  # the far end of the row is reached
