@@ -178,6 +178,9 @@ def add_workload_arguments(serve: argparse.ArgumentParser, workload: str = "rand
     serve.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request (after the prefix)")
     serve.add_argument("--output-len", type=int, default=output_len,
                        help="tokens generated per request (ignore_eos; default %(default)s)")
+    serve.add_argument("--temperature", type=float, default=0.0,
+                       help="sampling temperature of every request (default 0: greedy); top-k and min-p off")
+    serve.add_argument("--top-p", type=float, default=1.0, help="top-p of sampled requests (default 1: off)")
     serve.add_argument("--shared-prefix-len", type=int, default=shared_prefix_len,
                        help="a system prompt of this many tokens shared by every request (default %(default)s)")
     serve.add_argument("--request-rate", type=float, default=request_rate,

@@ -104,10 +104,21 @@ def workload_prompts(args, tokenizer) -> list[str | list[int]]:
 DISCONNECT_AFTER_CHUNKS = 3
 
 
-async def _one_request(client, url: str, model: str, prompt: str | list[int], output_len: int, headers,
+def request_fields(args) -> dict:
+    """What every request asks besides its prompt: --output-len tokens, greedy unless --temperature; a sampled
+    request turns top-k and min-p off, so that every server samples the same distribution (llama-server would
+    apply its own defaults of 40 and 0.05)."""
+    temperature, top_p = getattr(args, "temperature", 0.0), getattr(args, "top_p", 1.0)
+    fields = {"max_tokens": args.output_len, "temperature": temperature}
+    if temperature > 0:
+        fields |= {"top_p": top_p, "top_k": 0, "min_p": 0.0}
+    return fields
+
+
+async def _one_request(client, url: str, model: str, prompt: str | list[int], fields: dict, headers,
                        tokenizer, disconnect: bool = False) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": prompt, **fields, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
     prompt_len = len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
     result = RequestResult(ok=False, prompt_len=prompt_len)
     pieces = []
@@ -144,7 +155,7 @@ async def _one_request(client, url: str, model: str, prompt: str | list[int], ou
     return result
 
 
-async def _run_clients(url, model, prompts, output_len, rate: float, concurrency: int | None, headers, seed,
+async def _run_clients(url, model, prompts, fields: dict, rate: float, concurrency: int | None, headers, seed,
                        tokenizer, disconnect_fraction: float = 0.0, chunk_timeout: float | None = None):
     httpx = _httpx()
     rng = random.Random(seed + 1)
@@ -154,7 +165,7 @@ async def _run_clients(url, model, prompts, output_len, rate: float, concurrency
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         async def limited(prompt, disconnect):
             async with limit:
-                return await _one_request(client, url, model, prompt, output_len, headers, tokenizer, disconnect)
+                return await _one_request(client, url, model, prompt, fields, headers, tokenizer, disconnect)
 
         tasks = []
         for i, prompt in enumerate(prompts):
@@ -301,7 +312,7 @@ def run(url: str, args, headers: dict, tokenizer, prompts, request_rate: float |
     before = scrape_metrics(url, headers)
     t0 = time.perf_counter()
     rate = args.request_rate if request_rate is None else request_rate
-    results = asyncio.run(_run_clients(url, model, prompts, args.output_len, rate, args.concurrency, headers,
+    results = asyncio.run(_run_clients(url, model, prompts, request_fields(args), rate, args.concurrency, headers,
                                        args.seed, tokenizer, args.disconnect_fraction, args.chunk_timeout))
     duration = time.perf_counter() - t0
     after = scrape_metrics(url, headers)
@@ -352,6 +363,9 @@ def check_workload(args) -> None:
         raise ValueError(f"--chunk-timeout must be > 0 seconds, got {args.chunk_timeout}")
     if not 0 <= args.disconnect_fraction <= 1:
         raise ValueError(f"--disconnect-fraction must be in [0, 1], got {args.disconnect_fraction}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and "
+                         f"{args.top_p}")
 
 
 def main(args) -> int:
@@ -359,8 +373,8 @@ def main(args) -> int:
         raise ValueError(f"--out {args.out}: bench serve writes JSON, the file name must end in .json")
     check_workload(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    settings = {k: getattr(args, k) for k in ("workload", "num_prompts", "input_len", "output_len",
-                                              "shared_prefix_len", "request_rate", "concurrency", "seed")}
+    settings = {k: getattr(args, k) for k in ("workload", "num_prompts", "input_len", "output_len", "temperature",
+                                              "top_p", "shared_prefix_len", "request_rate", "concurrency", "seed")}
     tokenizer = client_tokenizer(args.tokenizer or args.model)
     prompts = workload_prompts(args, tokenizer)
     server = None

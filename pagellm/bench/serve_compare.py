@@ -170,7 +170,8 @@ def main(args) -> int:
         print(format_table(server_rows, COLUMNS), file=sys.stderr, flush=True)  # progress of a long run
         print(_rss_line(server_rows[0]), file=sys.stderr, flush=True)
     print(f"model {model}; {args.slots} sequences at once, {args.ctx} tokens each; workload {args.workload}, "
-          f"{args.num_prompts} requests, shared prefix {args.shared_prefix_len} tokens, {args.output_len} out")
+          f"{args.num_prompts} requests, shared prefix {args.shared_prefix_len} tokens, {args.output_len} out, "
+          + (f"temperature {args.temperature:g}, top-p {args.top_p:g}" if args.temperature > 0 else "greedy"))
     print(torch_build())
     print(format_table(rows, COLUMNS))
     for name in requests:
@@ -180,7 +181,7 @@ def main(args) -> int:
             rate = held_rate([r for r in rows if r["server"] == name], args.ttft_bound)
             print(f"{name}: highest rate held with p99 TTFT <= {args.ttft_bound:g} s: {rate:g} req/s")
     if args.out:
-        report.write_json(args.out, {"rows": rows, "requests": {
+        report.write_json(args.out, {"rows": rows, "sampling": serve.request_fields(args), "requests": {
             name: {load: [r.__dict__ for r in results] for load, results in by_load.items()}
             for name, by_load in requests.items()}})
     if args.plot:

@@ -22,12 +22,15 @@ def test_serve_bench_reports_latencies_throughput_and_prefix_hits(tmp_path, caps
     text = run_cli(capsys, "serve", "--start-server", "--model", str(model),
                    "--serve-args", "--kv-cache-memory 0.01 --max-model-len 128",
                    "--num-prompts", "6", "--input-len", "8", "--output-len", "4", "--shared-prefix-len", "48",
-                   "--concurrency", "3", "--out", str(out), "--plot", str(png))
+                   "--concurrency", "3", "--temperature", "0.8", "--top-p", "0.9", "--out", str(out),
+                   "--plot", str(png))
     assert "completed 6, dropped by their client 0, failed 0" in text
     for metric in ("TTFT", "TPOT", "ITL", "E2E"):
         assert re.search(rf"\|\s*{metric} \|", text), metric
     assert "prefix cache hit ratio" in text and "preemptions" in text
-    summary = json.loads(out.read_text())["summary"]
+    written = json.loads(out.read_text())
+    summary = written["summary"]
+    assert written["settings"]["temperature"] == 0.8 and written["settings"]["top_p"] == 0.9
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["output_token_throughput"] > 0 and summary["request_throughput"] > 0
     for metric in ("ttft", "tpot", "itl", "e2e"):
@@ -65,3 +68,19 @@ def test_a_server_that_logs_much_is_not_blocked_on_its_stderr():
         assert "x" * 1000 in server.log_tail(400_000)  # all of it kept, in the file
     finally:
         server.stop()
+
+
+def test_sampled_requests_turn_off_what_a_server_would_add():
+    """Greedy by default; --temperature samples, top-k and min-p off on every server (llama-server's own defaults
+    would narrow its distribution); a bad value is a ValueError naming the flag."""
+    from types import SimpleNamespace
+
+    from pagellm.bench import serve
+
+    assert serve.request_fields(SimpleNamespace(output_len=8)) == {"max_tokens": 8, "temperature": 0.0}
+    sampled = SimpleNamespace(output_len=8, temperature=0.7, top_p=0.95)
+    assert serve.request_fields(sampled) == {"max_tokens": 8, "temperature": 0.7, "top_p": 0.95, "top_k": 0,
+                                             "min_p": 0.0}
+    args = SimpleNamespace(request_rate=1.0, chunk_timeout=1.0, disconnect_fraction=0.0, temperature=0.7, top_p=0.0)
+    with pytest.raises(ValueError, match="--top-p"):
+        serve.check_workload(args)
