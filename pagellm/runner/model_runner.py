@@ -144,9 +144,10 @@ class ModelRunner:
     def _verify_graphs(self, config: EngineConfig, setup: RunnerSetup, recorder) -> DecodeGraphs | None:
         """Speculative decoding's verify steps replayed from graphs wherever decode steps are (runner/verify_inputs.py):
         attention-only models, at the batch buckets up to the first that stops speculation."""
-        spec, buckets = config.speculative, self.decode_inputs.buckets
-        if spec is None or self.decode_graphs is None or self.state_layers or not buckets:
+        spec = config.speculative
+        if spec is None or self.decode_graphs is None or self.state_layers or not self.decode_inputs.buckets:
             return None
+        buckets = self.decode_inputs.buckets
         rows = tuple(b for b in buckets if b < spec.disable_by_batch_size) + tuple(
             b for b in buckets if b >= spec.disable_by_batch_size)[:1]
         inputs = VerifyInputs(rows, draft_buckets(spec.num_speculative_tokens), self.block_size, self.device,

@@ -11,7 +11,7 @@ Each stage runs only if some row in the batch needs it:
     penalties (repetition over prompt + output; presence, frequency over output)
         ├─► argmax ───────────────────────────────────────────────────► greedy rows
         ▼
-    / temperature ─► top-k ─► top-p ─► softmax ─► min-p ─► a draw ────────────────► sampled rows
+    / temperature ─► top-k ─► top-p ─► exp (unnormalised) ─► min-p ─► a draw ─────────► sampled rows
                                                    on a CPU: the inverse of the cumulative mass at u ~ U[0, 1);
                                                    elsewhere: argmax(probs / q), q ~ Exp(1); u and q from the
                                                    row's own generator if it has a seed, else the sampler's
