@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 from pagellm.config import SchedulerConfig, SpeculativeConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.speculative import Speculation, ngram_proposal
+from pagellm.core.speculative import Speculation
 from pagellm.core.state_pool import StatePool
 from pagellm.core.types import PLACEHOLDER, ModelOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.request import Request, RequestStatus
@@ -232,9 +232,7 @@ class Scheduler:
         if spec.method == "draft_model":  # proposed before the step, at the lengths draft_requests() chose
             drafts = list(self._proposals.get(request.request_id, ())[:max_drafts])
         else:
-            k = self.speculation.draft_length(request, max_drafts, self.max_model_len)
-            drafts = ngram_proposal(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k) if k \
-                else []
+            drafts = self.speculation.lookup(request, max_drafts, self.max_model_len)
         if not drafts or (new_blocks := self.kv_cache.allocate(request, 1 + len(drafts))) is None:
             return None
         return self._make_item(request, 1 + len(drafts), new_blocks, drafts=tuple(drafts))

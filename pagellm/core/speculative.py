@@ -67,6 +67,8 @@ class DraftLength:
         self._first = [float(_PRIOR_STEPS), _PRIOR_STEPS * 0.5]
         self._next = [float(_PRIOR_STEPS), _PRIOR_STEPS * 0.8]
         self._idle_steps = 0
+        self._misses = 0  # lookups in a row that found nothing to propose
+        self._launched_ahead = 0  # async steps launched since may_propose last let a lookup run
 
     def rates(self) -> tuple[float, float]:
         """(chance the first draft is accepted, chance a draft after an accepted one is)."""
@@ -86,8 +88,20 @@ class DraftLength:
         return best_k
 
     def may_propose(self) -> bool:
-        """Whether next_k would propose at the next decode (no state changes): what async scheduling waits for."""
+        """Whether the next decode may propose: what async scheduling waits for. A request whose lookups keep
+        finding nothing (text that does not repeat) lets steps launch ahead, and waits for one every _PROBE_AFTER
+        of them to look again."""
+        if self._misses >= _PROBE_AFTER:
+            self._launched_ahead += 1
+            if self._launched_ahead < _PROBE_AFTER:
+                return False
+            self._launched_ahead = 0
+            return True
         return self.best_k() > 0 or self._idle_steps + 1 >= _PROBE_AFTER
+
+    def looked_up(self, found: bool) -> None:
+        """A lookup ran for the request's decode: whether it found a proposal."""
+        self._misses = 0 if found else self._misses + 1
 
     def next_k(self) -> int:
         """Drafts to propose this step (0: a plain decode)."""
@@ -139,6 +153,15 @@ class Speculation:
         waits for its token instead of launching that decode ahead, where no lookup can run."""
         lengths = self._lengths.get(request.request_id)
         return lengths is None or lengths.may_propose()
+
+    def lookup(self, request: Request, max_drafts: int, max_model_len: int) -> list[int]:
+        """Method ngram: the request's proposal, at most draft_length tokens (none: a plain decode)."""
+        k = self.draft_length(request, max_drafts, max_model_len)
+        if not k:
+            return []
+        drafts = ngram_proposal(request.all_token_ids, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k)
+        self._lengths[request.request_id].looked_up(bool(drafts))
+        return drafts
 
     def record(self, request_id: str, proposed: int, accepted: int, running: bool) -> None:
         """A verify step's outcome; `running`: the request goes on (its draft length learns from it)."""

@@ -37,3 +37,18 @@ def test_fixed_length_when_not_adaptive():
     lengths = DraftLength(SpeculativeConfig(num_speculative_tokens=5, adaptive=False))
     lengths.record(5, 0)
     assert lengths.next_k() == 5
+
+
+def test_lookups_that_keep_missing_let_async_steps_launch_ahead_and_look_again_now_and_then():
+    """may_propose is what async scheduling waits for: a request whose lookups found nothing 16 times in a row
+    stops holding steps back, but lets one in 16 wait so that its lookup runs again; a hit holds them again."""
+    lengths = DraftLength(SpeculativeConfig())
+    assert lengths.may_propose()
+    for _ in range(15):
+        lengths.looked_up(False)
+    assert lengths.may_propose()  # 15 misses: still worth waiting for
+    lengths.looked_up(False)
+    decisions = [lengths.may_propose() for _ in range(32)]
+    assert decisions == ([False] * 15 + [True]) * 2
+    lengths.looked_up(True)
+    assert all(lengths.may_propose() for _ in range(5))
