@@ -154,8 +154,11 @@ class Sampler:
         # the filters below work in place: on the logits when they are ours, else on a new tensor
         logits = logits.div_(temperature) if owned else logits / temperature
         logits = _apply_top_k_top_p(logits, params)
-        # unnormalised (the draws and min-p need only ratios), in place: a softmax's two more passes saved
-        probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        # unnormalised (the draws and min-p need only ratios), in place: a softmax's two more passes saved. Finite
+        # first: an infinite logit (a tiny temperature) would give inf - inf, a row all -inf -inf + inf
+        finite = torch.finfo(logits.dtype).max
+        logits.clamp_(max=finite)
+        probs = logits.sub_(logits.amax(dim=-1, keepdim=True).clamp_min_(-finite)).exp_()
         if any(p.min_p > 0.0 for p in params):
             probs = _apply_min_p(probs, _column([p.min_p for p in params], probs.dtype, device))
         if device.type == "cpu":  # one uniform a row: a CPU draws V exponentials in milliseconds (Gemma's 262144)
@@ -238,7 +241,8 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) 
     inside = probs.gather(1, columns.clamp_max(vocab - 1)).to(torch.float64).masked_fill_(columns >= vocab, 0.0)
     within = inside.cumsum(-1)
     at = (fraction.clamp(0.0, 1.0 - 2.0**-52) * within[:, -1:])  # below the block's own total
-    return (chosen * block + torch.searchsorted(within, at, right=True)).squeeze(1)
+    # a row without mass (every token filtered) finds no block: it still gets a token of the vocabulary
+    return (chosen * block + torch.searchsorted(within, at, right=True)).squeeze(1).clamp_max_(vocab - 1)
 
 
 def apply_logit_bias_and_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -320,7 +324,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     if not any_top_p:
         largest = logits.topk(max(top_k), dim=-1).values  # [B, max k], descending
         return logits.masked_fill_(logits < _kth_largest(largest, k), float("-inf"))
-    top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
+    # a top_p below float32's smallest normal (5e-324, say) would round to 0 and drop the top token too
+    top_p = [max(p.top_p, _SMALLEST_TOP_P) if p.top_p < 1.0 else float("inf") for p in params]
     # (on a CPU, where reading the candidates' mass back costs nothing; every row's support among them)
     if logits.device.type == "cpu" and vocab > 2 * _NUCLEUS_CANDIDATES and max(top_k) <= _NUCLEUS_CANDIDATES \
             and all(p < 1.0 or k_ for p, k_ in zip(top_p, top_k)):
@@ -329,6 +334,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
             return kept
     return _nucleus_by_full_sort(logits, k, top_p)
 
+
+_SMALLEST_TOP_P = float(torch.finfo(torch.float32).tiny)
 
 # Top-p first looks for the nucleus among each row's most likely tokens: sorting a large vocabulary (262144
 # tokens: Gemma 3) costs tens of milliseconds a row on a CPU, the candidates' top-k a fraction of that.

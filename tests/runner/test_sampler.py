@@ -495,3 +495,15 @@ def test_a_large_vocabularys_tail_is_drawn_at_its_share():
     ids = torch.cat([Sampler(seed=i)(logits.clone(), rows_of(1, temperature=1.0)).token_ids for i in range(draws)])
     assert (ids == 0).float().mean().item() == pytest.approx(0.5, abs=0.03)
     assert ids.max().item() > vocab // 2  # the far end of the row is reached
+
+
+def test_degenerate_rows_draw_a_token_of_the_vocabulary():
+    """A top_p that rounds to 0 in float32 keeps the top token; a row with no mass left (every logit -inf) or
+    infinite logits (a tiny temperature) draws a token inside the vocabulary, never past it."""
+    probs = [0.1, 0.6, 0.3]
+    out = Sampler(seed=0)(logits_for(probs, 50), rows_of(50, temperature=1.0, top_p=5e-324))
+    assert set(out.token_ids.tolist()) == {1}
+    logits = torch.full((2, 5), float("-inf"))
+    logits[1] = torch.tensor([0.0, 1.0, 3.0, 2.0, 1.0])
+    out = Sampler(seed=0)(logits, rows_of(2, temperature=1e-30))
+    assert out.token_ids.tolist()[1] == 2 and 0 <= out.token_ids.tolist()[0] < 5

@@ -63,7 +63,9 @@ def test_required_calls_stream_as_tool_call_deltas(client):
     calls: dict[int, dict] = {}
     finish = None
     for chunk in client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER, TIME], stream=True,
-                                                tool_choice="required", temperature=1.0, seed=3, max_tokens=120):
+                                                # seed 0: two calls from this random model within 120 tokens (the
+                                                # array of calls goes on past them under some seeds)
+                                                tool_choice="required", temperature=1.0, seed=0, max_tokens=120):
         ChatCompletionChunk.model_validate(chunk.model_dump(exclude_unset=True))
         for choice in chunk.choices:
             assert not choice.delta.content
