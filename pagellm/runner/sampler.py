@@ -197,8 +197,8 @@ class Sampler:
         return generator
 
 
-# On a CPU rows are sampled this many at a time: each stage makes a [rows, V] temporary, and one of 32 Gemma rows
-# (32 MiB) is past glibc's largest mmap threshold, so every stage would fault its pages in afresh.
+# On a CPU rows are sampled this many at a time: each stage makes a [rows, V] temporary, kept below glibc's largest
+# mmap threshold for a large vocabulary so that the heap reuses its pages instead of faulting them in afresh.
 _ROWS_AT_ONCE = 8
 
 
