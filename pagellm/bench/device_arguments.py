@@ -13,18 +13,26 @@ def _names(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
+def _add_rows_arguments(parser: argparse.ArgumentParser) -> None:
+    """What both device runs share: the device, and llama-batched-bench's rows (B, PP, TG) in a dtype."""
+    parser.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    parser.add_argument("--npl", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
+    parser.add_argument("--pp", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    parser.add_argument("--tg", type=int, default=64, help="generated tokens per sequence (default 64)")
+    parser.add_argument("--repeats", type=int, default=1, help="measurements of each figure (median reported)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute dtype (default auto: bfloat16 on CUDA)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+
+
 def add_device_check_parser(kinds) -> None:
     """`bench device-check`: the GPU run for the model families and the step modes (bench/device_check.py)."""
     check = kinds.add_parser("device-check", help="parity, the Triton attention and speed rows on a device, "
                              "at real shapes with random weights (rehearse with --device cpu --shapes tiny)")
-    check.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    _add_rows_arguments(check)
     check.add_argument("--shapes", type=_names,
                        default=["1b", "8b"], help="Llama shapes tiny, 1b, 8b; the hybrid ones tiny-hybrid, "
                        "qwen3.5-35b-a3b, qwen3.5-27b (default 1b,8b)")
-    check.add_argument("--npl", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
-    check.add_argument("--pp", type=int, default=512, help="prompt tokens per sequence (default 512)")
-    check.add_argument("--tg", type=int, default=64, help="generated tokens per sequence (default 64)")
-    check.add_argument("--repeats", type=int, default=1, help="measurements of each figure (median reported)")
     check.add_argument("--modes", type=_names, default=["eager", "graphs", "async", "graphs-async"],
                        help="step modes measured: eager, graphs, async, graphs-async (default all; graphs only on "
                             "CUDA)")
@@ -35,10 +43,7 @@ def add_device_check_parser(kinds) -> None:
                             "both replayed from graphs (speculative decoding; default: not timed)")
     check.add_argument("--peers", default="hf,hf-static",
                        help="hf (dynamic cache), hf-static, or none (default both)")
-    check.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                       help="compute dtype (default auto: bfloat16 on CUDA)")
     check.add_argument("--kv-cache-memory", type=float, default=None, help="pagellm KV budget in GiB")
-    check.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     check.add_argument("--serve-prompts", type=int, default=None,
                        help="requests of the serving run of each step mode, embedded model (default 32 on CUDA, "
                             "0 = none elsewhere)")
@@ -58,16 +63,9 @@ def add_device_gguf_parser(kinds) -> None:
     """`bench device-gguf`: the GPU run for GGUF blocks (bench/device_gguf.py)."""
     gguf = kinds.add_parser("device-gguf", help="GGUF blocks on a GPU: the Triton matmuls on real tensors, their "
                             "crossovers, and rows of a Q4_K_M file in blocks, dequantized, and llama.cpp's")
-    gguf.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    _add_rows_arguments(gguf)
     gguf.add_argument("--shape", default="8b", help="shape of the file written: Llama tiny, 1b, 8b; Qwen3.5-MoE "
                       "tiny-hybrid, qwen3.5-35b-a3b (default 8b)")
-    gguf.add_argument("--npl", type=int_list, default=[1, 16, 64], help="batch sizes (default 1,16,64)")
-    gguf.add_argument("--pp", type=int, default=512, help="prompt tokens per sequence (default 512)")
-    gguf.add_argument("--tg", type=int, default=64, help="generated tokens per sequence (default 64)")
-    gguf.add_argument("--repeats", type=int, default=1, help="measurements of each figure (median reported)")
-    gguf.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                      help="compute dtype (default auto: bfloat16 on CUDA)")
-    gguf.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     gguf.add_argument("--sample", default=None, help="a GGUF of real tensors for the numerics (--write-sample)")
     gguf.add_argument("--write-sample", default=None, metavar="FILE",
                       help="write a sample of a real GGUF's Q4_K, Q5_0 and Q6_K tensors to FILE, and stop")

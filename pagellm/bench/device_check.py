@@ -195,8 +195,9 @@ def _bound(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
-    """llama-batched-bench rows of each engine at one shape: medians of --repeats, engines alternating."""
-    engine = batched.build_engine(str(write_shape(shape, directory)), args.dtype, max(args.npl), args.pp, args.tg,
+    """llama-batched-bench rows of each engine at one shape (its config.json in `directory`, write_shape's):
+    medians of --repeats, engines alternating."""
+    engine = batched.build_engine(str(directory), args.dtype, max(args.npl), args.pp, args.tg,
                                   kv_cache_memory=args.kv_cache_memory or kv_gib(shape, args), device=args.device,
                                   load_format="dummy", **device_steps.MODES["eager"])
     try:
@@ -273,7 +274,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"verify step against decode step (B=1): {result['checks']['verify_cost']}")
         for shape in args.shapes:
             try:
-                write_shape(shape, Path(tmp) / shape)  # the step modes' engines read it when eager's has not run
+                write_shape(shape, Path(tmp) / shape)  # every engine of the shape reads it
                 measured = [*speed(args, shape, Path(tmp) / shape)] if "eager" in args.modes or args.peers else []
                 saved = len(result["rows"])
                 result["rows"] += measured

@@ -174,9 +174,10 @@ def main(args: argparse.Namespace) -> int:
               "rows": [], "errors": {}, "checks": {} if args.skip_checks else checks(args)}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.file) if args.file else Path(tmp) / f"llama-{args.shape}-q4_k_m.gguf"
-        if not path.exists():
-            write_hybrid_gguf(args.shape, path) if args.shape in HYBRID_SHAPES else \
-                gguf_files.write_llama_gguf(SHAPES[args.shape], path)  # a Qwen3.5-MoE's experts in blocks too
+        if not path.exists() and args.shape in HYBRID_SHAPES:  # a Qwen3.5-MoE: its experts in blocks too
+            write_hybrid_gguf(args.shape, path)
+        elif not path.exists():
+            gguf_files.write_llama_gguf(SHAPES[args.shape], path)
         result["file_gib"] = path.stat().st_size / 2**30
         for name, measure in (("pagellm", lambda: speed(args, path)),
                               ("llama.cpp", lambda: llama_cpp_rows(args.llama_batched_bench, path, args)

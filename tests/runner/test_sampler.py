@@ -15,7 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pagellm.kernels.build import native
-from pagellm.runner.sampler import Sampler, SamplerOutput, apply_penalties, sample_inverse_cdf
+from pagellm.runner.sampler import Sampler, SamplerOutput, apply_penalties
+from pagellm.runner.token_draws import sample_inverse_cdf
 from pagellm.sampling_params import SamplingParams
 
 
