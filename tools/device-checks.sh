@@ -5,9 +5,10 @@
 #   tools/device-checks.sh cuda OUT_DIR        first call: the Triton kernels' tests on the GPU, the 8B GGUF in
 #                                              blocks against bf16, a verify step against a decode step (8B),
 #                                              the 35B-A3B hybrid in bf16 (graphs, eager)
-#   tools/device-checks.sh cuda-more OUT_DIR   second call, on the same warm machine: llama.cpp's CUDA build (its
-#                                              compile starts in the first call) on the 8B file, and the 35B-A3B
-#                                              file in Q4_K_M blocks against it
+#   tools/device-checks.sh cuda-more OUT_DIR   second call, on the same warm machine: the Gated DeltaNet prefill
+#                                              rule (Triton, torch, fla-core), llama.cpp's CUDA build (its compile
+#                                              starts in the first call) on the 8B file, and the 35B-A3B file in
+#                                              Q4_K_M blocks against it
 #   tools/device-checks.sh cpu OUT_DIR         the rehearsal here, at tiny shapes
 #
 # Next, when the budget allows (each server start loads the model again): the original documents' serving run,
@@ -20,6 +21,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl gguf llguidance          (the versions .venv holds; docs/benchmarks name the whole list)
+#   python3 -m pip download --no-deps -d .whl fla-core==0.6.0 einops    (the prefill rule's peer)
 #   .venv/bin/python -m pagellm bench device-gguf --write-sample .whl/sample.gguf
 #   tools/llama-cpp-cuda.sh pack
 #   git rev-parse --short HEAD > .whl/commit
@@ -69,6 +71,8 @@ print('copy bandwidth GB/s (read):', roofline.measure_read_bandwidth(4 << 30, de
     tail -n 3 /tmp/llama-build.log 2>/dev/null
     ;;
   cuda-more)
+    run 90 delta-prefill $PY -m pagellm bench device-check --device cuda --shapes "" --skip-checks --serve-prompts 0 \
+      --peers none --delta-prefill-shape qwen3.5-35b-a3b --out "$OUT/delta-prefill.json"
     for _ in $(seq 20); do [ -x "$LLAMA_BIN" ] && break; sleep 1; done
     PEER=()
     if [ -x "$LLAMA_BIN" ]; then PEER=(--llama-batched-bench "$LLAMA_BIN"); else
@@ -91,6 +95,8 @@ print('copy bandwidth GB/s (read):', roofline.measure_read_bandwidth(4 << 30, de
     unset TRITON_INTERPRET
     run 240 hybrid-tiny $PY -m pagellm bench device-check --device cpu --shapes tiny-hybrid --npl 1,2 --pp 16 \
       --tg 4 --peers none --modes async --out "$OUT/hybrid-tiny.json"
+    run 60 delta-prefill-tiny env TRITON_INTERPRET=1 $PY -m pagellm bench device-check --device cpu --shapes "" \
+      --skip-checks --serve-prompts 0 --peers none --delta-prefill-shape tiny-hybrid --out "$OUT/delta-tiny.json"
     run 120 verify-tiny $PY -m pagellm bench device-check --device cpu --shapes "" --skip-checks --serve-prompts 0 \
       --verify-shape tiny --out "$OUT/verify-tiny.json"
     run 240 hybrid-tiny-eager $PY -m pagellm bench device-check --device cpu --shapes tiny-hybrid --npl 1,2 \

@@ -41,6 +41,9 @@ def add_device_check_parser(kinds) -> None:
     check.add_argument("--verify-shape", default=None,
                        help="also time a B=1 verify step of 4 drafts against a decode step at this Llama shape, "
                             "both replayed from graphs (speculative decoding; default: not timed)")
+    check.add_argument("--delta-prefill-shape", default=None,
+                       help="also time the Gated DeltaNet prefill rule at this hybrid shape's heads: the Triton "
+                            "kernel, torch a request at a time, fla-core where it imports (default: not timed)")
     check.add_argument("--peers", default="hf,hf-static",
                        help="hf (dynamic cache), hf-static, or none (default both)")
     check.add_argument("--kv-cache-memory", type=float, default=None, help="pagellm KV budget in GiB")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pagellm.bench import batched, device_steps, device_verify, peers, report
+from pagellm.bench import batched, device_delta, device_steps, device_verify, peers, report
 from pagellm.bench.hybrid_shapes import HYBRID_SHAPES, kv_fields, write_hybrid_shape
 from pagellm.bench.report import Column
 from pagellm.config import KernelConfig
@@ -253,6 +253,9 @@ def main(args: argparse.Namespace) -> int:
                if s not in SHAPES and s not in HYBRID_SHAPES]
     if unknown:
         raise ValueError(f"--shapes: unknown shape(s) {unknown}; known: {', '.join([*SHAPES, *HYBRID_SHAPES])}")
+    if args.delta_prefill_shape not in (None, *HYBRID_SHAPES):
+        raise ValueError(f"--delta-prefill-shape: {args.delta_prefill_shape!r} is not a hybrid shape "
+                         f"({', '.join(HYBRID_SHAPES)})")
     if set(args.modes) - set(device_steps.MODES):
         raise ValueError(f"--modes: unknown mode(s) {sorted(set(args.modes) - set(device_steps.MODES))}; "
                          f"known: {', '.join(device_steps.MODES)}")
@@ -272,6 +275,10 @@ def main(args: argparse.Namespace) -> int:
             result["checks"]["verify_cost"] = device_verify.verify_cost(
                 args, write_shape(args.verify_shape, Path(tmp) / "verify"))
             print(f"verify step against decode step (B=1): {result['checks']['verify_cost']}")
+        if args.delta_prefill_shape:  # the Gated DeltaNet prefill: our kernel, torch's, fla-core's
+            result["checks"]["delta_prefill"] = delta_prefill(args.delta_prefill_shape, args.device)
+            if args.out:
+                report.write_json(args.out, result)
         for shape in args.shapes:
             try:
                 write_shape(shape, Path(tmp) / shape)  # every engine of the shape reads it
@@ -304,11 +311,20 @@ def main(args: argparse.Namespace) -> int:
     found = result["checks"]
     serving_failed = any("error" in r or r.get("failed") or not 400 <= r.get("too_long_status", 400) < 500
                          for r in result.get("serving", {}).values())
-    failed = serving_failed or not found.get("parity", {"ok": True})["ok"] or not found.get(
-        "verify_cost", {}).get("ok", True) or any(
+    failed = serving_failed or not found.get("parity", {"ok": True})["ok"] or not all(
+        found.get(check, {}).get("ok", True) for check in ("verify_cost", "delta_prefill")) or any(
         not r.get("ok", True) for check in ("attention", "layer_ops", "step_modes")
         for r in found.get(check, {}).values() if isinstance(r, dict))
     return 1 if failed or result["errors"] else 0
+
+
+def delta_prefill(shape: str, device: str) -> dict:
+    """bench/device_delta.py's rows at a hybrid shape, with "ok": the Triton kernel within fp32's reach of torch."""
+    found = device_delta.prefill_costs(shape, device)
+    numerics = found["numerics"]
+    found["ok"] = numerics["triton"]["out"] <= 1e-3 * max(1.0, numerics["magnitude"])
+    print(f"gated delta prefill numerics (largest difference from torch): {numerics}")
+    return found
 
 
 def checks(device: str, directory: Path) -> dict:

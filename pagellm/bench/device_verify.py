@@ -57,14 +57,14 @@ def step_costs(engine, drafts: int, context: int, repeats: int) -> dict:
         times = {name: [] for name in steps}
         for _ in range(repeats + 1):
             for name, run in steps.items():
-                times[name].append(_timed_ms(run, runner.device))
+                times[name].append(timed_ms(run, runner.device))
     decode_ms, verify_ms = (statistics.median(times[name][1:]) for name in ("decode", "verify"))
     return {"context": context, "drafts": drafts, "padded_to": key, "decode_ms": decode_ms, "verify_ms": verify_ms,
             "ratio": verify_ms / decode_ms, "replayed": runner.verify_graphs.replays > 0,
             "ok": verify_ms <= 1.25 * decode_ms}
 
 
-def _timed_ms(run, device: torch.device) -> float:
+def timed_ms(run, device: torch.device) -> float:
     if device.type != "cuda":
         start = time.perf_counter()
         run()

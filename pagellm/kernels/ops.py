@@ -2,8 +2,9 @@
 
     native_ops(level, dtype)   a CPU: the C++ kernels at `level` for every op they take `dtype` in (kernels/cpu/),
                                the torch reference for the rest (no kernel built, native kernels off, fp16)
-    triton_ops()               CUDA: Triton norms, q/k/v preparation, act * up and paged attention
-                               (kernels/gpu/), rotary and the Gated DeltaNet in torch, cuBLAS matmuls
+    triton_ops()               CUDA: Triton norms, q/k/v preparation, act * up, paged attention, the Gated
+                               DeltaNet's decode and prefill, MoE routing and GGUF planes (kernels/gpu/), rotary
+                               in torch, cuBLAS matmuls
     REFERENCE                  torch ops (kernels/reference/): the oracle both are tested against
 
 Which implementation runs is decided here and by a plan, from what is known before a step: the device, the
@@ -90,6 +91,10 @@ class LayerOps:
     moe_route: Callable | None = None
     # the Gated DeltaNet's output norm: (x, gate, weight, eps) -> (w * rms_norm(x)) * silu(gate); None: torch's
     gated_rms_norm: Callable | None = None
+    # the Gated DeltaNet's prefill rule over a step's requests at once, states in place at their slots: (state,
+    # q, k, v, g, beta, [PrefillSequence]) -> [T, Hv, dv] fp32 (kernels/gpu/gated_delta_prefill.py); None: one
+    # request at a time in torch (layers/gated_delta_net.py)
+    gated_delta_prefill: Callable | None = None
 
     def gated_act(self, activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """gate_up [..., 2I] -> act(gate) * up [..., I] for an HF activation name: the fused kernel where this
@@ -153,6 +158,7 @@ def triton_ops() -> LayerOps:
     imported (the tests run them under the interpreter)."""
     from pagellm.kernels.gpu import attention as gpu_attention
     from pagellm.kernels.gpu import gated_delta as delta
+    from pagellm.kernels.gpu import gated_delta_prefill as delta_prefill
     from pagellm.kernels.gpu import gguf_matmul as gpu_gguf
     from pagellm.kernels.gpu import layer_ops as gpu_layer_ops
     from pagellm.kernels.gpu import moe as gpu_moe
@@ -163,4 +169,4 @@ def triton_ops() -> LayerOps:
                     DeltaDecode(delta.check_decode, delta.conv_decode_, delta.rule_decode_, skips_padding=True),
                     cuda_moe_path,
                     reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows, gpu_moe.planes_experts,
-                    gpu_moe.route, ops.gated_rms_norm)
+                    gpu_moe.route, ops.gated_rms_norm, delta_prefill.rule_prefill_)

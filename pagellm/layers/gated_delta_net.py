@@ -23,6 +23,9 @@ Request b uses slot meta.state_slots[b]. Its context before the step is
 seq_lens[b] - query_len[b]; 0 means a fresh request: it starts from zero state
 and its slot is only written, never read.
 
+Prefill: a device whose ops have a batched prefill (LayerOps.gated_delta_prefill: CUDA) runs every prefill request
+of the step at once (layers/gated_delta_prefill.py); elsewhere one request at a time (`_sequence`).
+
 Prefix caching (meta.snapshot_writes): the state after given block boundaries
 of a chunk is copied into snapshot rows of the same tensors. The rule then runs
 the chunk in pieces split at those boundaries (a piece's final state is the
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.layers.gated_delta_prefill import packed_prefill
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.kernels.reference.gated_delta import (chunked_gated_delta, gated_delta_step_, prepare_qk,
                                                    recurrent_gated_delta_)
@@ -178,12 +182,16 @@ class GatedDeltaNet(KernelUser, nn.Module):
             for i in decode:  # one token can only end on its boundary: copy the updated slot
                 for _, row in writes.get(i, ()):
                     self.copy_state([slots[i]], [row])
-        for i in sorted(set(range(meta.num_seqs)) - set(decode)):
+        prefill = [i for i in sorted(set(range(meta.num_seqs)) - set(decode)) if starts[i + 1] > starts[i]]
+        if prefill and self.ops.gated_delta_prefill is not None:  # every prefill request at once (a GPU)
+            rows, out = packed_prefill(self, mixed, g, beta, meta, prefill, writes)
+            core[rows] = out
+            prefill = []
+        for i in prefill:
             lo, hi = starts[i], starts[i + 1]
-            if hi > lo:
-                before = meta.seq_lens_host[i] - (hi - lo)  # context before the step; 0 = fresh
-                pieces = [(p - before, row) for p, row in writes.get(i, ())]
-                core[lo:hi] = self._sequence(mixed[lo:hi], g[lo:hi], beta[lo:hi], slots[i], before == 0, pieces)
+            before = meta.seq_lens_host[i] - (hi - lo)  # context before the step; 0 = fresh
+            pieces = [(p - before, row) for p, row in writes.get(i, ())]
+            core[lo:hi] = self._sequence(mixed[lo:hi], g[lo:hi], beta[lo:hi], slots[i], before == 0, pieces)
         out = self.norm(core, z)  # [T, Hv, dv]
         return self.out_proj(out.flatten(1))
 

@@ -99,3 +99,20 @@ def test_a_hybrid_shape_rehearses_beside_hf_and_serves_a_shared_prefix(tmp_path,
     assert all(r["completed"] == 6 and not r["failed"] and r["prefix_cache_hit_ratio"] > 0
                and len(r["memory_mib_after_each_round"]) == 2 and r["too_long_status"] == 400
                for r in result["serving"].values()), result["serving"]
+
+
+def test_the_delta_prefill_check_times_the_kernel_beside_torch_and_checks_it(tmp_path, capsys):
+    """--delta-prefill-shape rehearsed at the tiny hybrid's heads, the Triton kernel under the interpreter: a row per
+    engine and case, the kernel within fp32's reach of torch's (fla-core needs a GPU driver: not among them here)."""
+    from tests.gpu import interpreter
+
+    out = tmp_path / "delta.json"
+    with interpreter(True):
+        run_cli(capsys, "device-check", "--device", "cpu", "--shapes", "", "--skip-checks", "--serve-prompts", "0",
+                "--peers", "none", "--delta-prefill-shape", "tiny-hybrid", "--out", str(out))
+    found = json.loads(out.read_text())["checks"]["delta_prefill"]
+    assert found["ok"] and found["heads"] == {"Hk": 2, "Hv": 4, "dk": 16, "dv": 16}
+    assert {(r["engine"], r["requests"]) for r in found["rows"]} == {(e, n) for e in ("torch", "triton") for n in (1, 3)}
+    assert found["numerics"]["torch"] == {"out": 0.0, "state": 0.0} and 0 < found["numerics"]["triton"]["out"] < 1e-5
+    assert main(["bench", "device-check", "--device", "cpu", "--shapes", "", "--delta-prefill-shape", "8b"]) == 2
+    assert "--delta-prefill-shape: '8b' is not a hybrid shape" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Compile the Triton kernels (paged attention, the fused layer ops, the GGUF matmuls, the Gated DeltaNet decode) to
+"""Compile the Triton kernels (paged attention, the fused layer ops, the GGUF matmuls, the Gated DeltaNet) to
 GPU machine code without a GPU: Triton's own code generator and the ptxas its wheel ships, for an NVIDIA
 architecture named on the command line. The interpreter (tests/gpu) checks what the kernels compute; this that their
 code generates for a GPU, with this venv's Triton and 64-bit strides (a GPU run may specialise other argument
@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagellm.kernels.gpu import attention as triton_attention, gated_delta, gguf_matmul, moe
+from pagellm.kernels.gpu import attention as triton_attention, gated_delta, gated_delta_prefill, gguf_matmul, moe
 from pagellm.kernels.gpu import layer_ops as triton_layer_ops
 from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS, T
 
@@ -132,7 +132,8 @@ def compile_gguf_reduce(arch: int) -> int:
 
 
 def compile_gated_delta(arch: int) -> list[tuple[str, int]]:
-    """The Gated DeltaNet decode kernels at Qwen3.5's shapes: a bf16 conv of 4 taps, the rule on 128 x 128 heads."""
+    """The Gated DeltaNet kernels at Qwen3.5's shapes: the decode's bf16 conv of 4 taps and rule on 128 x 128 heads,
+    the chunked prefill rule."""
     conv = gated_delta._conv_decode_kernel
     constexprs = dict(TAPS=4, BLOCK=gated_delta.CONV_BLOCK)
     signature = {a: "constexpr" if a in constexprs else "*i64" if a == "slots_ptr" else "*bf16" if a.endswith("_ptr")
@@ -141,8 +142,15 @@ def compile_gated_delta(arch: int) -> list[tuple[str, int]]:
     rule_constexprs = dict(DK=128, DV=128, BLOCK_K=128, BLOCK_V=gated_delta.STATE_BLOCK_V)
     rule_signature = {a: "constexpr" if a in rule_constexprs else "*i64" if a == "slots_ptr" else "*fp32"
                       if a.endswith("_ptr") else "i32" for a in rule.arg_names}
+    prefill = gated_delta_prefill._chunked_rule_kernel
+    prefill_constexprs = dict(DK=128, DV=128, CHUNK=64, BLOCK_K=128, BLOCK_V=gated_delta_prefill.STATE_BLOCK_V,
+                              PRECISION=gated_delta_prefill.DOT_PRECISION)
+    prefill_signature = {a: "constexpr" if a in prefill_constexprs else "*fp32" if a in rule.arg_names
+                         and a.endswith("_ptr") or a == "out_ptr" else "*i64" if a.endswith("_ptr") else "i32"
+                         for a in prefill.arg_names}
     return [("_conv_decode_kernel", _cubin_size(conv, signature, constexprs, arch)),
-            ("_rule_decode_kernel", _cubin_size(rule, rule_signature, rule_constexprs, arch))]
+            ("_rule_decode_kernel", _cubin_size(rule, rule_signature, rule_constexprs, arch)),
+            ("_chunked_rule_kernel", _cubin_size(prefill, prefill_signature, prefill_constexprs, arch))]
 
 
 def compile_moe(arch: int) -> list[tuple[str, int]]:

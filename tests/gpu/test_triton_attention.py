@@ -178,7 +178,7 @@ def test_the_launch_is_a_torch_custom_op():
 
 def test_the_kernels_compile_for_hopper_and_ampere_gpus():
     """Triton's real code generator and ptxas (shipped in its wheel) need no GPU: every variant of the attention,
-    the layer ops, the GGUF matmuls, the Gated DeltaNet decode and the grouped MoE the model families use compile
+    the layer ops, the GGUF matmuls, the Gated DeltaNet's decode and prefill and the grouped MoE the model families use compile
     to a cubin for sm_90 (H100, H200) and sm_80 (A100). In a process of its own: this one imported triton under
     the interpreter (tests/conftest.py)."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -188,7 +188,7 @@ def test_the_kernels_compile_for_hopper_and_ampere_gpus():
     lines = [line.split() for line in result.stdout.splitlines()]
     # two architectures x (the five attention variants, the split reduce, seven layer ops, the GGUF matmuls: eight
     # formats' gemv, three formats' split gemv, tile kernel and dequantization, the split reduce; the Gated
-    # DeltaNet's conv update and delta rule; the grouped MoE launch over Q4_K and Q6_K, the router), each a real
-    # cubin
-    assert len(lines) == 2 * (5 + 1 + 7 + 8 + 9 + 1 + 2 + 3) and all(int(line[-1]) > 4_000 for line in lines), \
+    # DeltaNet's conv update, delta rule and chunked prefill; the grouped MoE launch over Q4_K and Q6_K, the router),
+    # each a real cubin
+    assert len(lines) == 2 * (5 + 1 + 7 + 8 + 9 + 1 + 3 + 3) and all(int(line[-1]) > 4_000 for line in lines), \
         result.stdout

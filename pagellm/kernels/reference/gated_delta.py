@@ -19,9 +19,23 @@ explicitly so callers decide where it lives.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 CHUNK_SIZE = 64
+
+
+class PrefillSequence(NamedTuple):
+    """One request of a batched prefill (kernels/gpu/gated_delta_prefill.py): its tokens' rows in the step's packed
+    inputs, its state slot, whether it starts from zero state (its slot then only written), and the rows its
+    state is copied to after given numbers of its tokens (ascending, each in 1..length)."""
+
+    start: int
+    length: int
+    slot: int
+    fresh: bool
+    snapshots: tuple[tuple[int, int], ...] = ()
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
