@@ -71,7 +71,7 @@ print('copy bandwidth GB/s (read):', roofline.measure_read_bandwidth(4 << 30, de
     tail -n 3 /tmp/llama-build.log 2>/dev/null
     ;;
   cuda-more)
-    run 90 delta-prefill $PY -m pagellm bench device-check --device cuda --shapes "" --skip-checks --serve-prompts 0 \
+    run 150 delta-prefill $PY -m pagellm bench device-check --device cuda --shapes "" --skip-checks --serve-prompts 0 \
       --peers none --delta-prefill-shape qwen3.5-35b-a3b --out "$OUT/delta-prefill.json"
     for _ in $(seq 20); do [ -x "$LLAMA_BIN" ] && break; sleep 1; done
     PEER=()

@@ -2,6 +2,7 @@
 measurement" between our Triton kernel and fla-core.
 
     triton      kernels/gpu/gated_delta_prefill.py: every request in one launch, states in place at their slots
+                (and triton-v*: the same kernel with other tiles, for the default's choice)
     torch       the module's own path on a device without it: the reference's chunked rule a request at a time
     fla-core    fla-core's chunk_gated_delta_rule over the same packed tokens (cu_seqlens), the requests' states
                 gathered from their slots before and scattered back after (it takes a dense batch of states);
@@ -54,7 +55,7 @@ def prefill_costs(shape: str, device: str, cases=None, repeats: int = 5) -> dict
             ms = statistics.median(times)
             result["rows"].append({"engine": name, "shape": shape, "requests": requests, "tokens": tokens,
                                    "ms": round(ms, 3), "tokens_per_s": round(requests * tokens / ms * 1e3, 1)})
-            print(f"delta prefill {name:8} N={requests:4} L={tokens:5}: {ms:9.3f} ms", flush=True)
+            print(f"delta prefill {name:26} N={requests:4} L={tokens:5}: {ms:9.3f} ms", flush=True)
         want_out, want_state = outputs["torch"]
         slots = case["slots"]
         for name, (out, state) in outputs.items():
@@ -84,8 +85,15 @@ def _case(requests: int, tokens: int, heads: tuple[int, int, int, int], device: 
             "cu_seqlens": torch.arange(0, total + 1, tokens, device=device)}
 
 
+# the Triton launch's other tiles timed beside its default: (value columns a program, dot precision, warps)
+TRITON_VARIANTS = ((64, "tf32x3", 4), (32, "tf32", 4), (32, "tf32x3", 8), (64, "tf32x3", 8))
+
+
 def _engines() -> dict:
     engines = {"torch": _torch_rule, "triton": _triton_rule()}
+    for block_v, precision, warps in TRITON_VARIANTS:
+        engines[f"triton-v{block_v}-{precision}-w{warps}"] = _triton_rule(block_v=block_v, precision=precision,
+                                                                          num_warps=warps)
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # noqa: BLE001 - not installed, or no GPU driver for it: the other two still answer
@@ -94,10 +102,10 @@ def _engines() -> dict:
     return engines
 
 
-def _triton_rule():
+def _triton_rule(**tile):
     kernel = importlib.import_module("pagellm.kernels.gpu.gated_delta_prefill").rule_prefill_
     return lambda state, case: kernel(state, case["q"], case["k"], case["v"], case["g"], case["beta"],
-                                      case["sequences"])
+                                      case["sequences"], **tile)
 
 
 def _torch_rule(state: torch.Tensor, case: dict) -> torch.Tensor:

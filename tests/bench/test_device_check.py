@@ -112,7 +112,9 @@ def test_the_delta_prefill_check_times_the_kernel_beside_torch_and_checks_it(tmp
                 "--peers", "none", "--delta-prefill-shape", "tiny-hybrid", "--out", str(out))
     found = json.loads(out.read_text())["checks"]["delta_prefill"]
     assert found["ok"] and found["heads"] == {"Hk": 2, "Hv": 4, "dk": 16, "dv": 16}
-    assert {(r["engine"], r["requests"]) for r in found["rows"]} == {(e, n) for e in ("torch", "triton") for n in (1, 3)}
+    engines = {"torch", "triton", "triton-v64-tf32x3-w4", "triton-v32-tf32-w4", "triton-v32-tf32x3-w8",
+               "triton-v64-tf32x3-w8"}
+    assert {(r["engine"], r["requests"]) for r in found["rows"]} == {(e, n) for e in engines for n in (1, 3)}
     assert found["numerics"]["torch"] == {"out": 0.0, "state": 0.0} and 0 < found["numerics"]["triton"]["out"] < 1e-5
     assert main(["bench", "device-check", "--device", "cpu", "--shapes", "", "--delta-prefill-shape", "8b"]) == 2
     assert "--delta-prefill-shape: '8b' is not a hybrid shape" in capsys.readouterr().err

@@ -126,11 +126,13 @@ def chunk_table(sequences: list[PrefillSequence], chunk: int = CHUNK_SIZE) -> tu
 
 
 def rule_prefill_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, sequences: list[PrefillSequence]) -> torch.Tensor:
+                  beta: torch.Tensor, sequences: list[PrefillSequence], block_v: int = STATE_BLOCK_V,
+                  precision: str = DOT_PRECISION, num_warps: int = 4) -> torch.Tensor:
     """The rule over each request's tokens from its slot's state (zeros when fresh), the slots and snapshot rows
     written in place -> out [T, Hv, dv] fp32. state [S, Hv, dk, dv] fp32; q, k [T, Hk, dk] fp32 (l2-normalised,
     q scaled), value head h reading key head h // (Hv / Hk); v [T, Hv, dv], g, beta [T, Hv] fp32; the requests'
-    token ranges (`start`, `length`) index T."""
+    token ranges (`start`, `length`) index T. block_v, precision, num_warps: the launch's tile (the device check
+    times others)."""
     _, v_heads, dk, dv = state.shape
     tokens, k_heads = q.shape[:2]
     tensors = (state, q, k, v, g, beta)
@@ -142,10 +144,10 @@ def rule_prefill_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     slots, fresh, firsts, starts, lengths, rows = chunk_table(sequences)
     table = torch.tensor([*slots, *fresh, *firsts, *starts, *lengths, *rows], dtype=torch.int64)
     table = table.to(q.device).split([len(slots), len(fresh), len(firsts), len(starts), len(lengths), len(rows)])
-    block_v = max(16, min(STATE_BLOCK_V, triton.next_power_of_2(dv)))
+    block_v = max(16, min(block_v, triton.next_power_of_2(dv)))
     _chunked_rule_kernel[(len(sequences), v_heads, triton.cdiv(dv, block_v))](
         state, q, k, v, g, beta, out, *table, v_heads // k_heads, state.stride(0), state.stride(1),
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
         DK=dk, DV=dv, CHUNK=CHUNK_SIZE, BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v,
-        PRECISION=DOT_PRECISION)
+        PRECISION=precision, num_warps=num_warps)
     return out
