@@ -12,9 +12,11 @@ Each stage runs only if some row in the batch needs it:
         ├─► argmax ───────────────────────────────────────────────────► greedy rows
         ▼
     / temperature ─► top-k ─► top-p ─► exp (unnormalised) ─► min-p ─► a draw ─────────► sampled rows
-                                                   on a CPU: the inverse of the cumulative mass at u ~ U[0, 1);
-                                                   elsewhere: argmax(probs / q), q ~ Exp(1); u and q from the
-                                                   row's own generator if it has a seed, else the sampler's
+                                                   on a CPU: the inverse of the cumulative mass at u ~ U[0, 1)
+                                                   (all five stages one kernel where the level has it:
+                                                   kernels/cpu/token_sampling.py); elsewhere: argmax(probs / q),
+                                                   q ~ Exp(1); u and q from the row's own generator if it has a
+                                                   seed, else the sampler's
 
 Every decision is taken from host-side SamplingParams, never from tensor values, so __call__ does not
 wait on the device (no host sync; on a CPU, where a read costs nothing, top-p reads its candidates' mass); the
@@ -34,6 +36,7 @@ import torch
 from pagellm.kernels.transfers import to_device
 from pagellm.kernels.build import native
 from pagellm.kernels.cpu import logits as logits_kernels
+from pagellm.kernels.cpu import token_sampling
 from pagellm.kernels.build.native import DEFAULT_LEVEL
 from pagellm.runner.grammar import GrammarMasks
 from pagellm.runner.token_draws import sample_exponential_race_no_sync, sample_inverse_cdf
@@ -96,6 +99,9 @@ class Sampler:
         self._seed = seed
         level = native.default_level() if kernel_level == DEFAULT_LEVEL else kernel_level
         self._argmax = greedy_argmax(level)
+        # a CPU's sampled rows in one kernel where the level has it (kernels/cpu/token_sampling.py)
+        self._native_draw = functools.partial(token_sampling.sample_rows, at=level) if token_sampling.available(
+            level) else None
         # Rows without a seed draw from here. One generator per device, made on first use because
         # the device is only known once logits arrive.
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -145,6 +151,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow], owned: bool) -> torch.Tensor:
         """Sample every row (greedy rows too; the caller discards those) from its filtered distribution; owned:
         the logits may be overwritten."""
+        if self._native_draw is not None and logits.device.type == "cpu":
+            return self._draw_natively(logits, rows)
         if logits.device.type == "cpu" and len(rows) > _ROWS_AT_ONCE:
             return torch.cat([self._sample(logits[i : i + _ROWS_AT_ONCE], rows[i : i + _ROWS_AT_ONCE], owned)
                               for i in range(0, len(rows), _ROWS_AT_ONCE)])
@@ -165,6 +173,17 @@ class Sampler:
         if device.type == "cpu":  # one uniform a row: a CPU draws V exponentials in milliseconds (Gemma's 262144)
             return sample_inverse_cdf(probs, self._uniforms(rows, device))
         return sample_exponential_race_no_sync(probs, self._exponential_noise(probs, rows), self._argmax)
+
+    def _draw_natively(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """_sample's stages in one kernel call, the logits only read; the same filters, and the same draw from the
+        same uniform (its sums in float64: a token at a boundary of the mass may differ by rounding)."""
+        params = [row.sampling_params for row in rows]
+        vocab = logits.shape[-1]
+        return self._native_draw(
+            logits.contiguous(), [1.0 if p.is_greedy else p.temperature for p in params],
+            [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+            [max(p.top_p, _SMALLEST_TOP_P) if p.top_p < 1.0 else 1.0 for p in params], [p.min_p for p in params],
+            self._uniforms(rows, logits.device))
 
     def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
         """u ~ U[0, 1), [B]: a seeded row's from its own generator (its tokens whatever the batch), the rest in one
