@@ -105,8 +105,8 @@ def _add_speculative_parser(kinds) -> None:
     spec.add_argument("--spec-config", default='{"method": "ngram"}',
                       help="pagellm's --speculative-config (default %(default)s)")
     spec.add_argument("--llama-server", default=None, metavar="PATH",
-                      help="the llama-server binary (`make peers` builds it under ~/.cache/llama-cpp-peer); none: "
-                           "pagellm only")
+                      help="the llama-server binary (`make peers` builds it under ~/.cache/llama-cpp-peer); "
+                           "without it, pagellm only")
     spec.add_argument("--llama-spec-types", default="ngram-simple,ngram-mod",
                       help="llama-server --spec-type values to run, comma-separated (default %(default)s; "
                            "ngram-map-k dropped its connection mid-run in the build measured)")
