@@ -33,39 +33,55 @@ CASES = ((1, 4096), (8, 512), (64, 128), (128, 128))  # (requests, tokens each):
 REHEARSAL_CASES = ((1, 70), (3, 20))  # a CPU's, under Triton's interpreter
 
 
-def prefill_costs(shape: str, device: str, cases=None, repeats: int = 5) -> dict:
-    """{"rows": [{engine, shape, requests, tokens, ms, tokens_per_s}], "numerics": {engine: {...}}, ...}."""
+def prefill_costs(shape: str, device: str, cases=None, repeats: int = 5, keep=None) -> dict:
+    """{"rows": [{engine, shape, requests, tokens, ms, tokens_per_s}], "numerics": {engine: {...}}, "errors": {...},
+    ...}; keep(result) after every row (a run cut short keeps what it measured)."""
     fields = HYBRID_SHAPES[shape]
     heads = (fields["linear_num_key_heads"], fields["linear_num_value_heads"], fields["linear_key_head_dim"],
              fields["linear_value_head_dim"])
     engines = _engines()
     cases = cases or (CASES if device.startswith("cuda") else REHEARSAL_CASES)
     result = {"shape": shape, "heads": dict(zip(("Hk", "Hv", "dk", "dv"), heads)), "engines": sorted(engines),
-              "rows": [], "numerics": {}}
+              "rows": [], "numerics": {}, "errors": {}}
     for requests, tokens in cases:
         case = _case(requests, tokens, heads, torch.device(device), seed=requests)
         outputs = {}
         for name, engine in engines.items():
-            state = case["state"].clone()
-            outputs[name] = engine(state, case), state  # the warm-up's result: the numerics
-            times = []
-            for _ in range(repeats):
-                state = case["state"].clone()
-                times.append(timed_ms(lambda: engine(state, case), torch.device(device)))
-            ms = statistics.median(times)
+            try:
+                outputs[name], ms = _timed(engine, case, torch.device(device), repeats)
+            except Exception as e:  # noqa: BLE001 - one engine's failure (a tile that does not build) spares the rest
+                result["errors"][f"{name} N={requests} L={tokens}"] = f"{type(e).__name__}: {e}"
+                continue
             result["rows"].append({"engine": name, "shape": shape, "requests": requests, "tokens": tokens,
                                    "ms": round(ms, 3), "tokens_per_s": round(requests * tokens / ms * 1e3, 1)})
             print(f"delta prefill {name:26} N={requests:4} L={tokens:5}: {ms:9.3f} ms", flush=True)
-        want_out, want_state = outputs["torch"]
-        slots = case["slots"]
-        for name, (out, state) in outputs.items():
-            errors = {"out": (out - want_out).abs().max().item(),
-                      "state": (state[slots] - want_state[slots]).abs().max().item()}
-            worst = result["numerics"].setdefault(name, {"out": 0.0, "state": 0.0})
-            for key, error in errors.items():
-                worst[key] = max(worst[key], error)
-        result["numerics"]["magnitude"] = max(result["numerics"].get("magnitude", 0.0), want_out.abs().max().item())
+            if keep is not None:
+                keep(result)
+        _add_numerics(result, outputs, case["slots"])
     return result
+
+
+def _timed(engine, case: dict, device: torch.device, repeats: int) -> tuple[tuple, float]:
+    """((the warm-up's output and final states: the numerics), the median of `repeats` timed runs in ms)."""
+    state = case["state"].clone()
+    first = engine(state, case), state
+    times = []
+    for _ in range(repeats):
+        state = case["state"].clone()
+        times.append(timed_ms(lambda: engine(state, case), device))
+    return first, statistics.median(times)
+
+
+def _add_numerics(result: dict, outputs: dict, slots: torch.Tensor) -> None:
+    """Each engine's largest difference from torch's path so far, in outputs and the slots' final states."""
+    if "torch" not in outputs:
+        return
+    want_out, want_state = outputs["torch"]
+    for name, (out, state) in outputs.items():
+        worst = result["numerics"].setdefault(name, {"out": 0.0, "state": 0.0})
+        worst["out"] = max(worst["out"], (out - want_out).abs().max().item())
+        worst["state"] = max(worst["state"], (state[slots] - want_state[slots]).abs().max().item())
+    result["numerics"]["magnitude"] = max(result["numerics"].get("magnitude", 0.0), want_out.abs().max().item())
 
 
 def _case(requests: int, tokens: int, heads: tuple[int, int, int, int], device: torch.device, seed: int) -> dict:

@@ -118,3 +118,20 @@ def test_the_delta_prefill_check_times_the_kernel_beside_torch_and_checks_it(tmp
     assert found["numerics"]["torch"] == {"out": 0.0, "state": 0.0} and 0 < found["numerics"]["triton"]["out"] < 1e-5
     assert main(["bench", "device-check", "--device", "cpu", "--shapes", "", "--delta-prefill-shape", "8b"]) == 2
     assert "--delta-prefill-shape: '8b' is not a hybrid shape" in capsys.readouterr().err
+
+
+def test_an_engine_that_fails_in_the_delta_prefill_check_spares_the_others(monkeypatch):
+    """A tile that does not build (or fla-core failing on a device) is an error of its own: the other engines'
+    rows and numerics still come, each row handed to `keep` as it is measured."""
+    from pagellm.bench import device_delta
+
+    def broken(state, case):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(device_delta, "_engines", lambda: {"torch": device_delta._torch_rule, "broken": broken})
+    kept = []
+    found = device_delta.prefill_costs("tiny-hybrid", "cpu", cases=((2, 9),), repeats=1,
+                                       keep=lambda result: kept.append(len(result["rows"])))
+    assert found["errors"] == {"broken N=2 L=9": "RuntimeError: out of resources"}
+    assert [r["engine"] for r in found["rows"]] == ["torch"] and kept == [1]
+    assert found["numerics"]["torch"] == {"out": 0.0, "state": 0.0}
