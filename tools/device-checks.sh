@@ -3,12 +3,13 @@
 # leaves the others their time, and every step's rows written as it ends:
 #
 #   tools/device-checks.sh cuda OUT_DIR        first call: the Triton kernels' tests on the GPU, the 8B GGUF in
-#                                              blocks against bf16, a verify step against a decode step (8B),
-#                                              the 35B-A3B hybrid in bf16 (graphs, eager)
-#   tools/device-checks.sh cuda-more OUT_DIR   second call, on the same warm machine: the Gated DeltaNet prefill
-#                                              rule (Triton, torch, fla-core), llama.cpp's CUDA build (its compile
-#                                              starts in the first call) on the 8B file, and the 35B-A3B file in
-#                                              Q4_K_M blocks against it
+#                                              blocks against bf16, the 35B-A3B hybrid in bf16 (graphs, eager), the
+#                                              Gated DeltaNet prefill rule (Triton, torch, fla-core)
+#   tools/device-checks.sh cuda-more OUT_DIR   second call, on the same warm machine if the budget still allows
+#                                              one (the first call and the start take most of 15 minutes): a
+#                                              verify step against a decode step (8B), llama.cpp's CUDA build (its
+#                                              compile starts in the first call) on the 8B file, and the 35B-A3B
+#                                              file in Q4_K_M blocks against it
 #   tools/device-checks.sh cpu OUT_DIR         the rehearsal here, at tiny shapes
 #
 # Next, when the budget allows (each server start loads the model again): the original documents' serving run,
@@ -63,16 +64,16 @@ print('copy bandwidth GB/s (read):', roofline.measure_read_bandwidth(4 << 30, de
     run 80 pytest-gpu $PY -m pytest tests/gpu tests/runner/test_sampler.py -q -p no:cacheprovider "${XDIST[@]}"
     run 200 gguf-8b $PY -m pagellm bench device-gguf --device cuda --shape 8b --npl 1,16,64 --pp 512 --tg 64 \
       "${SAMPLE[@]}" "${COMMIT[@]}" --file /tmp/llama-8b-q4_k_m.gguf --out "$OUT/gguf-8b.json"
-    run 60 verify-8b $PY -m pagellm bench device-check --device cuda --shapes "" --skip-checks --serve-prompts 0 \
-      --verify-shape 8b --out "$OUT/verify-8b.json"
     run 100 hybrid-graphs $PY -m pagellm "${HYBRID[@]}" --modes graphs-async --npl 1,8,32,64,128 \
       --out "$OUT/hybrid-graphs.json"
     run 70 hybrid-eager $PY -m pagellm "${HYBRID[@]}" --modes eager --npl 8,64,128 --out "$OUT/hybrid-eager.json"
+    run 90 delta-prefill $PY -m pagellm bench device-check --device cuda --shapes "" --skip-checks --serve-prompts 0 \
+      --peers none --delta-prefill-shape qwen3.5-35b-a3b --out "$OUT/delta-prefill.json"
     tail -n 3 /tmp/llama-build.log 2>/dev/null
     ;;
   cuda-more)
-    run 150 delta-prefill $PY -m pagellm bench device-check --device cuda --shapes "" --skip-checks --serve-prompts 0 \
-      --peers none --delta-prefill-shape qwen3.5-35b-a3b --out "$OUT/delta-prefill.json"
+    run 60 verify-8b $PY -m pagellm bench device-check --device cuda --shapes "" --skip-checks --serve-prompts 0 \
+      --verify-shape 8b --out "$OUT/verify-8b.json"
     for _ in $(seq 20); do [ -x "$LLAMA_BIN" ] && break; sleep 1; done
     PEER=()
     if [ -x "$LLAMA_BIN" ]; then PEER=(--llama-batched-bench "$LLAMA_BIN"); else
