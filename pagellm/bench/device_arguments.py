@@ -44,6 +44,9 @@ def add_device_check_parser(kinds) -> None:
     check.add_argument("--delta-prefill-shape", default=None,
                        help="also time the Gated DeltaNet prefill rule at this hybrid shape's heads: the Triton "
                             "kernel, torch a request at a time, fla-core where it imports (default: not timed)")
+    check.add_argument("--moe-tiles-shape", default=None,
+                       help="also time the grouped MoE launches' candidate tiles at this hybrid MoE shape and print "
+                            "the fastest as kernels/gpu/moe_tiles.json entries (default: not timed)")
     check.add_argument("--peers", default="hf,hf-static",
                        help="hf (dynamic cache), hf-static, or none (default both)")
     check.add_argument("--kv-cache-memory", type=float, default=None, help="pagellm KV budget in GiB")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import random
 import statistics
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pagellm.bench import batched, device_delta, device_steps, device_verify, peers, report
+from pagellm.bench import batched, device_delta, device_moe_tiles, device_steps, device_verify, peers, report
 from pagellm.bench.hybrid_shapes import HYBRID_SHAPES, kv_fields, write_hybrid_shape
 from pagellm.bench.report import Column
 from pagellm.config import KernelConfig
@@ -256,6 +257,10 @@ def main(args: argparse.Namespace) -> int:
     if args.delta_prefill_shape not in (None, *HYBRID_SHAPES):
         raise ValueError(f"--delta-prefill-shape: {args.delta_prefill_shape!r} is not a hybrid shape "
                          f"({', '.join(HYBRID_SHAPES)})")
+    moe_shapes = [name for name, fields in HYBRID_SHAPES.items() if "num_experts" in fields]
+    if args.moe_tiles_shape not in (None, *moe_shapes):
+        raise ValueError(f"--moe-tiles-shape: {args.moe_tiles_shape!r} is not a hybrid MoE shape "
+                         f"({', '.join(moe_shapes)})")
     if set(args.modes) - set(device_steps.MODES):
         raise ValueError(f"--modes: unknown mode(s) {sorted(set(args.modes) - set(device_steps.MODES))}; "
                          f"known: {', '.join(device_steps.MODES)}")
@@ -282,6 +287,14 @@ def main(args: argparse.Namespace) -> int:
                 if args.out:
                     report.write_json(args.out, result)
             keep_delta(delta_prefill(args.delta_prefill_shape, args.device, keep_delta))
+        if args.moe_tiles_shape:  # the grouped MoE launches' tiles, printed as moe_tiles.json entries
+
+            def keep_tiles(found):
+                result["checks"]["moe_tiles"] = found
+                if args.out:
+                    report.write_json(args.out, result)
+            keep_tiles(device_moe_tiles.sweep(args.moe_tiles_shape, args.device, keep_tiles))
+            print("moe_tiles.json entries:", json.dumps(result["checks"]["moe_tiles"]["entries"]))
         for shape in args.shapes:
             try:
                 write_shape(shape, Path(tmp) / shape)  # every engine of the shape reads it

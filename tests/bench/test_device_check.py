@@ -135,3 +135,29 @@ def test_an_engine_that_fails_in_the_delta_prefill_check_spares_the_others(monke
     assert found["errors"] == {"broken N=2 L=9": "RuntimeError: out of resources"}
     assert [r["engine"] for r in found["rows"]] == ["torch"] and kept == [1]
     assert found["numerics"]["torch"] == {"out": 0.0, "state": 0.0}
+
+
+def test_the_moe_tiles_sweep_writes_entries_the_kernel_reads(tmp_path, capsys, monkeypatch):
+    """--moe-tiles-shape rehearsed at the tiny hybrid's experts (dimensions rounded up to whole super-blocks), two
+    blocks of pairs and one tile, under the interpreter: a row per timing, and one entry per token count that
+    kernels/gpu/moe.tile_for reads back."""
+    from pagellm.bench import device_moe_tiles
+    from pagellm.kernels.reference.gguf_planes import T
+    from tests.gpu import interpreter
+
+    monkeypatch.setattr(device_moe_tiles, "REHEARSAL", dict(tokens=(3,), blocks_m=(16, 32), tiles=((32, 32, 4),)))
+    out = tmp_path / "tiles.json"
+    with interpreter(True):
+        text = run_cli(capsys, "device-check", "--device", "cpu", "--shapes", "", "--skip-checks", "--serve-prompts",
+                       "0", "--peers", "none", "--moe-tiles-shape", "tiny-hybrid", "--out", str(out))
+        from pagellm.kernels.gpu import moe
+    found = json.loads(out.read_text())["checks"]["moe_tiles"]
+    assert len(found["rows"]) == 2 * 3  # blocks x (gate/up Q4_K, down Q4_K and Q6_K)
+    (entry,) = found["entries"]
+    assert (entry["experts"], entry["hidden"], entry["intermediate"], entry["tokens"]) == (8, 256, 256, 3)
+    tile = moe.tile_for(8, 256, 256, 3, found["entries"])
+    assert tile.block_m == entry["block_m"] in (16, 32)
+    assert tile.launch("down", T.Q6_K) == tuple(entry["down"]["Q6_K"]) == (32, 32, 4)
+    assert "moe_tiles.json entries:" in text
+    assert main(["bench", "device-check", "--device", "cpu", "--shapes", "", "--moe-tiles-shape", "qwen3.5-27b"]) == 2
+    assert "--moe-tiles-shape: 'qwen3.5-27b' is not a hybrid MoE shape" in capsys.readouterr().err

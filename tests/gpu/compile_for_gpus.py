@@ -157,14 +157,17 @@ def compile_moe(arch: int) -> list[tuple[str, int]]:
     """The grouped MoE launch over planes as a Q4_K_M MoE runs it (gate/up Q4_K by token, down Q6_K weighted), and
     the router's top-k at Qwen3.5-35B-A3B's 256 experts."""
     kernel, sizes = moe._moe_planes_kernel, []
-    for ggml_type, by_token in ((T.Q4_K, True), (T.Q6_K, False)):
+    # the default tile for both launches, and the sweep's largest candidate (bench/device_moe_tiles.py)
+    for ggml_type, by_token, (bm, bn, bh) in ((T.Q4_K, True, (moe.BLOCK_M, *moe.TILE)),
+                                              (T.Q6_K, False, (moe.BLOCK_M, *moe.TILE)), (T.Q4_K, True, (64, 128, 32))):
         constexprs = dict(BY_TOKEN=by_token, WEIGHTED=not by_token, FMT=FORMATS.index(ggml_type),
-                          RUN=RUNS[ggml_type], BM=moe.BLOCK_M, BN=moe.TILE[0], BH=moe.TILE[1], PRECISION="tf32")
+                          RUN=RUNS[ggml_type], BM=bm, BN=bn, BH=bh, PRECISION="tf32")
         pointers = dict(_PLANE_POINTERS, sc_ptr="*i8" if ggml_type == T.Q6_K else "*u8", pairs_ptr="*i64",
                         experts_ptr="*i32")
         signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16") if a.endswith("_ptr")
                      else "i32" for a in kernel.arg_names}
-        sizes.append((f"_moe_planes_kernel {ggml_type.name}", _cubin_size(kernel, signature, constexprs, arch)))
+        sizes.append((f"_moe_planes_kernel {ggml_type.name} {bm}x{bn}x{bh}",
+                      _cubin_size(kernel, signature, constexprs, arch)))
     router, constexprs = moe._route_kernel, dict(TOP_K=8, NORMALIZE=True, BLOCK=256)  # 256 experts, 8 a token
     signature = {a: "constexpr" if a in constexprs else "*i64" if a == "ids_ptr" else "*bf16" if a.endswith("_ptr")
                  else "i32" for a in router.arg_names}

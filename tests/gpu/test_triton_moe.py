@@ -85,3 +85,35 @@ def test_the_fused_router_picks_and_weighs_as_torch(normalize):
     rows = [r for r in range(9) if r != 4]  # torch's order among ties is its own
     assert torch.equal(ids[rows], expected_ids[rows])
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+ENTRIES = ({"experts": 6, "hidden": 256, "intermediate": 256, "tokens": 1, "block_m": 16,
+            "gate_up": {"Q4_K": [64, 64, 4]}, "down": {"Q6_K": [64, 64, 4]}},
+           {"experts": 6, "hidden": 256, "intermediate": 256, "tokens": 32, "block_m": 32,
+            "gate_up": {"Q4_K": [32, 32, 4]}, "down": {"Q6_K": [128, 32, 8]}})
+
+
+def test_the_tile_is_the_measured_entry_of_the_shape_at_most_tokens_not_above():
+    moe = _moe()
+    assert moe.tile_for(6, 256, 256, 31, ENTRIES).block_m == 16 and moe.tile_for(6, 256, 256, 32, ENTRIES).block_m == 32
+    big = moe.tile_for(6, 256, 256, 4096, ENTRIES)
+    assert big.launch("gate_up", T.Q4_K) == (32, 32, 4) and big.launch("down", T.Q6_K) == (128, 32, 8)
+    assert big.launch("down", T.Q4_K) == (*moe.TILE, 4)  # a format the entry does not name: the default
+    assert moe.tile_for(7, 256, 256, 1, ENTRIES) is moe.DEFAULT_TILE  # a shape never measured
+    assert moe.tile_for(6, 256, 256, 0, ENTRIES).block_m == 16  # below every entry: the fewest tokens'
+    assert moe.measured_tiles() == ()  # the repository's file: no device has measured one yet
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_the_measured_tiles_compute_what_the_default_does(tokens):
+    """Blocks of 32 pairs, a 32 x 32 tile and a 128 x 32 one with 8 warps: the same experts' sum."""
+    moe = _moe()
+    (gate_up, down), dense = _experts(6, 256, 256)
+    generator = torch.Generator().manual_seed(tokens)
+    x = 0.01 * torch.randn(tokens, 256, generator=generator).to(DEVICE)
+    ids = torch.stack([torch.randperm(6, generator=generator)[:2] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, 2, generator=generator).to(DEVICE)
+    tile = moe.tile_for(6, 256, 256, 32, ENTRIES)
+    got = moe.planes_experts(x, weights, ids, gate_up, down, dense.act_mul(), tile)
+    expected = dense(x, weights, ids)
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-5

@@ -13,6 +13,11 @@ Import only where Triton kernels are wanted (kernels/gpu/layer_ops.py says why).
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +27,45 @@ from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS
 
 BLOCK_M = 16  # pairs a block holds: tl.dot's smallest
 TILE = (64, 64)  # BN, BH
+# The tiles measured per MoE shape on a device (bench/device_moe_tiles.py writes entries in this file's format)
+TILES_FILE = Path(__file__).with_name("moe_tiles.json")
+
+
+class MoeTile(NamedTuple):
+    """A MoE layer's launches: pairs a block holds (both launches share the alignment), and each launch's
+    (BN, BH, warps) by the format of its planes (a format not named: TILE with 4 warps)."""
+
+    block_m: int = BLOCK_M
+    gate_up: dict = {}
+    down: dict = {}
+
+    def launch(self, which: str, ggml_type) -> tuple[int, int, int]:
+        return tuple(getattr(self, which).get(ggml_type.name, (*TILE, 4)))
+
+
+DEFAULT_TILE = MoeTile()
+
+
+@functools.cache
+def measured_tiles(path: Path = TILES_FILE) -> tuple[dict, ...]:
+    """The file's entries: {"experts", "hidden", "intermediate", "tokens", "block_m", "gate_up": {format: [BN, BH,
+    warps]}, "down": {...}}; none where there is no file."""
+    if not path.exists():
+        return ()
+    return tuple(json.loads(path.read_text())["entries"])
+
+
+def tile_for(experts: int, hidden: int, intermediate: int, tokens: int, entries=None) -> MoeTile:
+    """The measured tile of this shape at the most tokens not above `tokens` (below every entry: the fewest);
+    DEFAULT_TILE for a shape never measured. From shapes alone: a captured step replays what it chose."""
+    entries = measured_tiles() if entries is None else entries
+    shape = [e for e in entries if (e["experts"], e["hidden"], e["intermediate"]) == (experts, hidden, intermediate)]
+    if not shape:
+        return DEFAULT_TILE
+    below = [e for e in shape if e["tokens"] <= tokens]
+    entry = max(below, key=lambda e: e["tokens"]) if below else min(shape, key=lambda e: e["tokens"])
+    return MoeTile(entry["block_m"], {k: tuple(v) for k, v in entry["gate_up"].items()},
+                   {k: tuple(v) for k, v in entry["down"].items()})
 
 
 @triton.jit
@@ -63,24 +107,24 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     return weights, ids
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (pairs [P + X (BM - 1)] int64: the pairs (t k + slot) grouped by expert, each expert's run
-    padded to whole blocks with P; experts [blocks] int32: each block's expert, -1 past the last). On the device,
-    in torch ops of static shapes (vLLM's moe_align_block_size, in one CUDA kernel there)."""
+    padded to whole blocks of `block_m` with P; experts [blocks] int32: each block's expert, -1 past the last). On
+    the device, in torch ops of static shapes (vLLM's moe_align_block_size, in one CUDA kernel there)."""
     flat = ids.flatten()
     pairs = flat.numel()
     counts = torch.bincount(flat, minlength=num_experts)  # [X]
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)  # [X] end row of each expert's run
     order = flat.argsort(stable=True)  # pairs by expert, token order kept within one
     sorted_experts = flat[order]
     first_of_expert = counts.cumsum(0) - counts  # [X] where each expert's pairs start in `order`
     rank = torch.arange(pairs, device=ids.device) - first_of_expert[sorted_experts]
     rows = ends[sorted_experts] - padded[sorted_experts] + rank
-    capacity = pairs + num_experts * (BLOCK_M - 1)
+    capacity = pairs + num_experts * (block_m - 1)
     aligned = torch.full((capacity,), pairs, dtype=torch.int64, device=ids.device)
     aligned[rows] = order
-    starts = torch.arange(0, capacity, BLOCK_M, device=ids.device)
+    starts = torch.arange(0, capacity, block_m, device=ids.device)
     experts = torch.searchsorted(ends, starts, right=True).to(torch.int32)  # [blocks]
     experts = torch.where(experts < num_experts, experts, -1)
     return aligned, experts
@@ -120,30 +164,38 @@ def _moe_planes_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, e_q
 
 def grouped_planes_matmul(x: torch.Tensor, planes: tuple[torch.Tensor, ...], ggml_type, n: int, k: int,
                           aligned: torch.Tensor, experts: torch.Tensor, top_k: int,
-                          weights: torch.Tensor | None = None) -> torch.Tensor:
+                          weights: torch.Tensor | None = None, block_m: int = BLOCK_M,
+                          tile: tuple[int, int, int] = (*TILE, 4)) -> torch.Tensor:
     """[P, n] = each pair's row of x (its token's when `weights` is None, else its own) times its expert's planes
-    [X, n, ...] (scaled by the pair's routing weight where `weights` [P] is given)."""
+    [X, n, ...] (scaled by the pair's routing weight where `weights` [P] is given); block_m: the alignment's, tile:
+    (BN, BH, warps)."""
     pairs = x.shape[0] * top_k if weights is None else x.shape[0]
     out = torch.empty((pairs, n), dtype=x.dtype, device=x.device)
-    bn, bh = TILE
+    bn, bh, warps = tile
     expert_strides = [t.stride(0) for t in planes]
     row_strides = [t.stride(1) if t.dim() == 3 else 0 for t in planes]
     _moe_planes_kernel[(experts.numel(), triton.cdiv(n, bn))](
         x, *planes, *expert_strides, aligned, experts, out if weights is None else weights, out, pairs, n, k, top_k,
         x.stride(0), *row_strides, out.stride(0), BY_TOKEN=weights is None, WEIGHTED=weights is not None,
-        FMT=FORMATS.index(ggml_type), RUN=RUNS[ggml_type], BM=BLOCK_M, BN=bn, BH=bh,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        FMT=FORMATS.index(ggml_type), RUN=RUNS[ggml_type], BM=block_m, BN=bn, BH=bh,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
     return out
 
 
-def planes_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down, act_mul) -> torch.Tensor:
+def planes_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down, act_mul,
+                   tile: MoeTile | None = None) -> torch.Tensor:
     """x [T, E], routing weights / ids [T, k] -> Σ_k w_k expert_k(x) [T, E]; gate_up, down: (planes [X, ...] x6,
-    format, rows, cols) of the stacked experts; act_mul: [P, 2I] -> [P, I]."""
+    format, rows, cols) of the stacked experts; act_mul: [P, 2I] -> [P, I]; tile: the launches' (None: the measured
+    one of this shape, tile_for)."""
     tokens, top_k = ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
-    aligned, experts = align_by_expert(ids, gate_up[0][0].shape[0])
+    num_experts = gate_up[0][0].shape[0]
+    tile = tile or tile_for(num_experts, x.shape[1], down[3], tokens)
+    aligned, experts = align_by_expert(ids, num_experts, tile.block_m)
     rows = x.contiguous()
-    hidden = act_mul(grouped_planes_matmul(rows, *gate_up, aligned, experts, top_k)).contiguous()  # [P, I]
-    out = grouped_planes_matmul(hidden, *down, aligned, experts, top_k, weights.flatten().contiguous())  # [P, E]
+    hidden = act_mul(grouped_planes_matmul(rows, *gate_up, aligned, experts, top_k, block_m=tile.block_m,
+                                           tile=tile.launch("gate_up", gate_up[1]))).contiguous()  # [P, I]
+    out = grouped_planes_matmul(hidden, *down, aligned, experts, top_k, weights.flatten().contiguous(),
+                                block_m=tile.block_m, tile=tile.launch("down", down[1]))  # [P, E]
     return out.view(tokens, top_k, -1).sum(1)
