@@ -12,6 +12,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 128
 MAX_STOP_LENGTH = 1024  # characters; a stream holds back this many minus one
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: +-100 bans or forces a token
+_GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -175,7 +176,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one below vLLM's _SAMPLING_EPS: dividing by it takes float32 logits past their range
+        (a tie among every positive logit), and the draw it would make is the argmax but for near-ties."""
+        return self.temperature < _GREEDY_BELOW
 
     @property
     def needs_logit_processing(self) -> bool:

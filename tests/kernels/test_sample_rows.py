@@ -149,3 +149,14 @@ def test_bad_calls_are_named(cpu_isa):
     with pytest.raises(ValueError, match="contiguous CPU fp32 logits"):
         token_sampling.sample_rows(torch.zeros(2, 4).double(), [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2,
                                    torch.zeros(2), level)
+
+
+@pytest.mark.across_levels
+def test_a_temperature_below_vllms_epsilon_is_greedy():
+    """1e-38 in float32 would scale every positive logit past its range (a tie among them all): such a request is
+    greedy, as in vLLM, whichever path samples."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]]).expand(64, -1).contiguous()
+    rows = [Row(SamplingParams(temperature=1e-38)) for _ in range(64)]
+    for level in [*LEVELS, None]:
+        assert set(Sampler(seed=0, kernel_level=level)(logits.clone(), rows).token_ids.tolist()) == {1}
+    assert not SamplingParams(temperature=1e-5).is_greedy
