@@ -38,6 +38,11 @@ class AttentionMetadata:
     # Hybrid models with prefix caching: (b, p, row) = copy request b's state after its first p
     # tokens (a block boundary inside this step's chunk) into state row `row` (a snapshot row).
     snapshot_writes: tuple[tuple[int, int, int], ...] = ()
+    # Hybrid models' verify steps replayed from graphs (runner/verify_inputs.py), every request's Q tokens at rows
+    # b Q + j: verify_slots[j, b] its state slot where token j is real (-1: padding), verify_rows[j, b] the row the
+    # state after that token is copied to (a draft's rollback row; -1: none). [Q, B] int64 each, on the device.
+    verify_slots: torch.Tensor | None = None
+    verify_rows: torch.Tensor | None = None
     # Built for a CUDA graph's capture: its replays run the kernels' launch choices for other contexts, so the
     # kernels make them from shapes alone (kernels/gpu/attention.py), not from the host values above.
     for_graph: bool = False

@@ -60,6 +60,9 @@ class DeltaDecode(NamedTuple):
     conv_: Callable  # (conv state [S, C, K-1], slots [B], x [B, C], weight [C, K]) -> silu(conv) [B, C]
     rule_: Callable  # (state [S, Hv, dk, dv], slots, q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv]) -> [B, Hv, dv]
     skips_padding: bool = False  # a negative slot (a padded row of a captured step) is read and written nowhere
+    # (conv state, recurrent state, src [B], dst [B]) -> None: rows src copied to rows dst in both, a negative either
+    # side skipped; a captured verify step's rollback rows (layers/gated_delta_net.py); None: not captured
+    copy_rows_: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,8 @@ def triton_ops() -> LayerOps:
     ops = gpu_layer_ops
     return LayerOps("the Triton kernels", ops.rms_norm, ops.add_rms_norm, reference.rotary, ops.act_mul,
                     gpu_attention.paged_attention_triton, ops.takes, ops.qkv_prepare, ops.takes,
-                    DeltaDecode(delta.check_decode, delta.conv_decode_, delta.rule_decode_, skips_padding=True),
+                    DeltaDecode(delta.check_decode, delta.conv_decode_, delta.rule_decode_, skips_padding=True,
+                                copy_rows_=delta.copy_state_rows_),
                     cuda_moe_path,
                     reference.logits_to_f32, gpu_gguf.BoundPlanesMatmul, gpu_gguf.rows, gpu_moe.planes_experts,
                     gpu_moe.route, ops.gated_rms_norm, delta_prefill.rule_prefill_)

@@ -165,6 +165,9 @@ class GatedDeltaNet(KernelUser, nn.Module):
         mixed, z, b, a = self._project(h)
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32, <= 0
+        if meta.verify_slots is not None:  # a verify step of one shape for every request (a graph's)
+            core = self._verify(mixed, g, beta, meta.verify_slots, meta.verify_rows)
+            return self.out_proj(self.norm(core, z).flatten(1))
         core = torch.empty(h.shape[0], self.num_v_heads, self.head_v_dim, dtype=h.dtype, device=h.device)
         starts, qlens, slots = meta.query_start_loc_host, meta.query_lens_host, meta.state_slots_host
         # Requests continuing with one token go through the batched, slot-indexed decode path;
@@ -194,6 +197,22 @@ class GatedDeltaNet(KernelUser, nn.Module):
             core[lo:hi] = self._sequence(mixed[lo:hi], g[lo:hi], beta[lo:hi], slots[i], before == 0, pieces)
         out = self.norm(core, z)  # [T, Hv, dv]
         return self.out_proj(out.flatten(1))
+
+    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+                rows: torch.Tensor) -> torch.Tensor:
+        """Every request's Q tokens at rows b Q + j (runner/verify_inputs.py) -> core output [T, Hv, dv]: token j
+        of every request a decode step at the slots of slots[j] (-1: padding, which the kernels skip, so a padded
+        token never advances a state), then the states copied to rows[j] (the drafts' rollback rows). Device
+        tensors only: a graph captured here replays any verify step of its shape."""
+        kernels = self.ops.gated_delta_decode
+        if kernels is None or not kernels.skips_padding or kernels.copy_rows_ is None:
+            raise RuntimeError("a hybrid verify step of one shape needs decode kernels that skip padded slots")
+        q = slots.shape[0]
+        core = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=mixed.dtype, device=mixed.device)
+        for j in range(q):
+            core[j::q] = self._decode_at(mixed[j::q], g[j::q], beta[j::q], slots[j], kernels)
+            kernels.copy_rows_(self.conv_state, self.recurrent_state, slots[j], rows[j])
+        return core
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[n, C] -> q, k [n, Hv, dk] fp32 (normalised, per value head), v [n, Hv, dv] fp32."""
@@ -258,11 +277,17 @@ class GatedDeltaNet(KernelUser, nn.Module):
         kernels/cpu/csrc/gated_delta_decode.cpp, on CUDA kernels/gpu/gated_delta.py): no gather, no write-back.
         The step is checked before either kernel touches a state: a conv update with no rule update after it would
         shift the conv state alone."""
-        weight = self.conv1d.weight[:, 0]  # [C, K], contiguous (a view of [C, 1, K])
-        kernels.check(self.conv_state, self.recurrent_state, x, weight, slots)
+        kernels.check(self.conv_state, self.recurrent_state, x, self.conv1d.weight[:, 0], slots)
         usable = (slot_index is not None and slot_index.numel() == len(slots) and slot_index.dtype == torch.int64
                   and slot_index.device == x.device and slot_index.is_contiguous())
         index = slot_index if usable else to_device(slots, torch.long, x.device)
+        return self._decode_at(x, g, beta, index, kernels)
+
+    def _decode_at(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, index: torch.Tensor,
+                   kernels) -> torch.Tensor:
+        """One token of each row at the slots of `index` (a device tensor; negative: padding, where the kernels
+        skip it) -> [B, Hv, dv]: the kernels' calls alone, nothing read from the host."""
+        weight = self.conv1d.weight[:, 0]  # [C, K], contiguous (a view of [C, 1, K])
         conv_out = kernels.conv_(self.conv_state, index, x.contiguous(), weight)
         n = conv_out.shape[0]
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

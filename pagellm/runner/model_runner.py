@@ -143,15 +143,19 @@ class ModelRunner:
 
     def _verify_graphs(self, config: EngineConfig, setup: RunnerSetup, recorder) -> DecodeGraphs | None:
         """Speculative decoding's verify steps replayed from graphs wherever decode steps are (runner/verify_inputs.py):
-        attention-only models, at the batch buckets up to the first that stops speculation."""
+        attention-only models, and hybrid ones where the Gated DeltaNet's kernels skip padded slots, at the batch
+        buckets up to the first that stops speculation."""
         spec = config.speculative
-        if spec is None or self.decode_graphs is None or self.state_layers or not self.decode_inputs.buckets:
+        recurrent = bool(self.state_layers)
+        if spec is None or self.decode_graphs is None or not self.decode_inputs.buckets or (
+                recurrent and not self.decode_inputs.pad_state_slots):
             return None
         buckets = self.decode_inputs.buckets
         rows = tuple(b for b in buckets if b < spec.disable_by_batch_size) + tuple(
             b for b in buckets if b >= spec.disable_by_batch_size)[:1]
         inputs = VerifyInputs(rows, draft_buckets(spec.num_speculative_tokens), self.block_size, self.device,
-                              setup.num_blocks, self.decode_inputs.block_tables.shape[1], setup.max_model_len)
+                              setup.num_blocks, self.decode_inputs.block_tables.shape[1], setup.max_model_len,
+                              recurrent)
         graphs = DecodeGraphs(self._bound_forward, inputs, kind="verify")
         if recorder is None:
             return graphs

@@ -132,8 +132,8 @@ def compile_gguf_reduce(arch: int) -> int:
 
 
 def compile_gated_delta(arch: int) -> list[tuple[str, int]]:
-    """The Gated DeltaNet kernels at Qwen3.5's shapes: the decode's bf16 conv of 4 taps and rule on 128 x 128 heads,
-    the chunked prefill rule."""
+    """The Gated DeltaNet kernels at Qwen3.5's shapes: the verify step's state-row copy, the decode's bf16 conv of 4
+    taps and rule on 128 x 128 heads, the chunked prefill rule."""
     conv = gated_delta._conv_decode_kernel
     constexprs = dict(TAPS=4, BLOCK=gated_delta.CONV_BLOCK)
     signature = {a: "constexpr" if a in constexprs else "*i64" if a == "slots_ptr" else "*bf16" if a.endswith("_ptr")
@@ -148,7 +148,11 @@ def compile_gated_delta(arch: int) -> list[tuple[str, int]]:
     prefill_signature = {a: "constexpr" if a in prefill_constexprs else "*fp32" if a in rule.arg_names
                          and a.endswith("_ptr") or a == "out_ptr" else "*i64" if a.endswith("_ptr") else "i32"
                          for a in prefill.arg_names}
-    return [("_conv_decode_kernel", _cubin_size(conv, signature, constexprs, arch)),
+    copy = gated_delta._copy_rows_kernel
+    copy_signature = {a: "constexpr" if a == "BLOCK" else "*i64" if a in ("src_ptr", "dst_ptr") else "*fp32"
+                      if a == "t_ptr" else "i32" for a in copy.arg_names}
+    return [("_copy_rows_kernel", _cubin_size(copy, copy_signature, dict(BLOCK=gated_delta.COPY_BLOCK), arch)),
+            ("_conv_decode_kernel", _cubin_size(conv, signature, constexprs, arch)),
             ("_rule_decode_kernel", _cubin_size(rule, rule_signature, rule_constexprs, arch)),
             ("_chunked_rule_kernel", _cubin_size(prefill, prefill_signature, prefill_constexprs, arch))]
 

@@ -72,3 +72,17 @@ def test_a_step_the_kernels_would_not_take_is_refused_before_any_state_moves():
         kernels.check_decode(conv, state.half(), torch.zeros(1, 8), torch.zeros(8, 4), [0])
     with pytest.raises(ValueError, match="slots: a \\[2\\] int64 tensor"):
         kernels.conv_decode_(conv, torch.tensor([0], device=conv.device), torch.zeros(2, 8), torch.zeros(8, 4))
+
+
+def test_state_rows_are_copied_where_both_rows_are_real():
+    """A captured verify step's rollback copies: rows src[b] -> dst[b] in both tensors, a -1 on either side
+    nothing (a padded token, a draft-less request)."""
+    kernels = _kernels()
+    conv, state = _rand(6, 40, 3, seed=8), _rand(6, 2, 24, 40, seed=9)  # 2 * 24 * 40 = 1920: two copy blocks
+    want_conv, want_state = conv.clone(), state.clone()
+    src, dst = [0, 2, -1, 3], [4, -1, 5, 1]
+    for s, d in zip(src, dst):
+        if s >= 0 and d >= 0:
+            want_conv[d], want_state[d] = conv[s], state[s]
+    kernels.copy_state_rows_(conv, state, torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE))
+    assert torch.equal(conv, want_conv) and torch.equal(state, want_state)

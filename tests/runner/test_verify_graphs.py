@@ -52,6 +52,24 @@ def test_a_verify_step_pads_its_tokens_to_the_shape_and_its_table_to_the_scratch
         VerifyInputs((2, 1), (1,), 4, torch.device("cpu"), 0, 2, 8)
 
 
+def test_a_hybrid_verify_step_names_each_tokens_slot_and_rollback_row():
+    """Request a (slot 2) verifies 2 drafts with rollback rows 7, 8; request b (slot 0) decodes one token: token j
+    of a row runs at its slot while real (-1 past it), and the state after token j goes to draft j's row."""
+    inputs = VerifyInputs((1, 2, 4), (1, 2, 4), 4, torch.device("cpu"), scratch_block=99, max_blocks=5,
+                          max_model_len=20, recurrent=True)
+    items = (ScheduledRequest("a", 0, (7, 30, 31), 6, (), True, num_draft=2, state_slot=2, draft_state_rows=(7, 8)),
+             ScheduledRequest("b", 1, (8,), 3, (), True, state_slot=0))
+    states = [SlotState("a", SamplingParams(), [1], [], block_ids=[10, 11]),
+              SlotState("b", SamplingParams(), [1], [], block_ids=[20])]
+    assert inputs.key_for(items) == (2, 2)
+    _, _, meta, _, _ = inputs.prepare(items, states, (4, 2))
+    assert meta.verify_slots.tolist() == [[2, 0, -1, -1], [2, -1, -1, -1], [2, -1, -1, -1]]
+    assert meta.verify_rows.tolist() == [[7, -1, -1, -1], [8, -1, -1, -1], [-1, -1, -1, -1]]
+    assert meta.state_slots.tolist() == [2, 0, -1, -1] and meta.state_slots_host == (2, 0, -1, -1)
+    _, _, captured = inputs.capture_inputs((2, 4))
+    assert captured.verify_slots.shape == (5, 2) and (captured.verify_slots == -1).all() and captured.for_graph
+
+
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
@@ -104,9 +122,42 @@ def test_the_draft_models_decode_steps_replay_graphs_as_the_targets_do(tmp_path,
     assert llm.engine.runner.verify_graphs.replays > 0 and len(ids) == 2
 
 
-def test_models_with_recurrent_state_verify_eagerly(tmp_path, monkeypatch):
-    """A padding token would advance a Gated DeltaNet state past the drafts: no verify graphs."""
+def test_models_with_recurrent_state_verify_eagerly_where_their_kernels_would_not_skip_padding(tmp_path,
+                                                                                                monkeypatch):
+    """The CPU's Gated DeltaNet decode reads every slot it is given: a padding token would advance a state past
+    the drafts, so no verify graphs."""
     write_hybrid_checkpoint("qwen3-next", tmp_path)
     monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True))
     with LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=0.01, speculative_config=NGRAM) as llm:
         assert llm.engine.runner.verify_graphs is None and llm.stats()["verify_graphs"] == "off (eager)"
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_a_hybrid_model_s_verify_steps_replay_graphs_where_its_kernels_skip_padded_slots(tmp_path, monkeypatch,
+                                                                                        family):
+    """On the CUDA table's Gated DeltaNet decode (Triton under its interpreter, CPU tensors), whose kernels skip
+    slot -1: verify steps of a hybrid model pad to their shapes and replay recorded graphs, each layer running
+    token j of every request as a decode step and copying the state after it to the draft's rollback row; ids as
+    the eager engine's without speculation, drafts accepted and rejected (so rollbacks read those rows)."""
+    from pagellm.kernels.ops import triton_ops
+    from pagellm.runner.backend import CpuBackend
+    from tests.gpu import interpreter
+
+    write_hybrid_checkpoint(family, tmp_path)
+    args = dict(skip_tokenizer_init=True, kv_cache_memory=0.01, max_num_seqs=4, dtype="float32")
+    with LLM(str(tmp_path), **args) as llm:
+        plain = _ids(llm, PROMPTS, _greedy(24))
+    with interpreter(True):
+        ops = triton_ops()
+        monkeypatch.setattr(CpuBackend, "layer_ops", lambda self: ops)
+        monkeypatch.setattr(engine_module, "ModelRunner", _runner_with(decode_graphs=True))
+        with LLM(str(tmp_path), speculative_config=NGRAM, **args) as llm:
+            runner = llm.engine.runner
+            graphs, recorder = runner.verify_graphs, ReplayingRecorder()
+            assert graphs is not None and graphs.inputs.recurrent
+            runner.decode_graphs.capture(recorder)
+            graphs.capture(recorder)
+            ids, stats = _ids(llm, PROMPTS, _greedy(24)), llm.stats()
+    assert ids == plain
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    assert graphs.replays > 0 and graphs.inputs.padded_tokens > 0

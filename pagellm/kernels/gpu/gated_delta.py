@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 CONV_BLOCK = 128  # channels a conv program updates
+COPY_BLOCK = 1024  # elements of a state row a copy program moves
 STATE_BLOCK_V = 32  # value columns of one head's state a rule program holds: [dk, 32] fp32 in registers
 
 
@@ -71,6 +72,35 @@ def _rule_decode_kernel(state_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_p
         s += k[:, None] * delta[None, :]
         tl.store(cells, s, mask=ok)
         tl.store(out_ptr + b * s_out + h * s_outh + vv, tl.sum(s * q[:, None], axis=0), mask=v_ok)
+
+
+@triton.jit
+def _copy_rows_kernel(t_ptr, src_ptr, dst_ptr, n, stride, BLOCK: tl.constexpr):
+    """Row dst[b] of t <- row src[b], BLOCK elements a program; nothing where either is negative."""
+    b, block = tl.program_id(0), tl.program_id(1)
+    src = tl.load(src_ptr + b)
+    dst = tl.load(dst_ptr + b)
+    if src >= 0:
+        if dst >= 0:
+            cols = block * BLOCK + tl.arange(0, BLOCK)
+            ok = cols < n
+            row = tl.load(t_ptr + src * stride + cols, mask=ok)
+            tl.store(t_ptr + dst * stride + cols, row, mask=ok)
+
+
+def copy_state_rows_(conv_state: torch.Tensor, recurrent_state: torch.Tensor, src: torch.Tensor,
+                     dst: torch.Tensor) -> None:
+    """Rows src[b] of both state tensors copied to rows dst[b] ([B] int64 each; a negative either side: nothing),
+    from device tensors alone (a captured verify step's rollback rows)."""
+    _slots_ok(src, dst.numel(), dst.device)
+    _slots_ok(dst, src.numel(), src.device)
+    for t in (conv_state, recurrent_state):
+        if not t.is_contiguous():
+            raise ValueError("copy_state_rows_: the state tensors must be contiguous")
+        per_row = t[0].numel()
+        if src.numel():
+            _copy_rows_kernel[(src.numel(), triton.cdiv(per_row, COPY_BLOCK))](t, src, dst, per_row, t.stride(0),
+                                                                               BLOCK=COPY_BLOCK)
 
 
 def check_decode(conv_state: torch.Tensor, recurrent_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
