@@ -72,7 +72,9 @@ class VerifyInputs:
     def key_for(self, items: tuple[ScheduledRequest, ...]) -> tuple[int, int] | None:
         """The shape a step of verify items and plain decodes pads to, or None: it runs eagerly (recurrent state
         where its kernels would not skip padding, no bucket that large, or padding that would pass max_model_len)."""
-        if not self.recurrent and any(item.state_slot is not None for item in items):
+        if any(item.state_slot is not None for item in items) and not self.recurrent:
+            return None
+        if any(item.snapshot_writes for item in items):  # prefix-cache snapshots: the eager step writes those
             return None
         most = max(item.num_draft for item in items)
         rows = next((b for b in self.row_buckets if b >= len(items)), None)

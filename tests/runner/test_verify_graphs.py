@@ -5,6 +5,8 @@ it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,6 +64,7 @@ def test_a_hybrid_verify_step_names_each_tokens_slot_and_rollback_row():
     states = [SlotState("a", SamplingParams(), [1], [], block_ids=[10, 11]),
               SlotState("b", SamplingParams(), [1], [], block_ids=[20])]
     assert inputs.key_for(items) == (2, 2)
+    assert inputs.key_for((dataclasses.replace(items[0], snapshot_writes=((8, 9),)),)) is None  # snapshots: eager
     _, _, meta, _, _ = inputs.prepare(items, states, (4, 2))
     assert meta.verify_slots.tolist() == [[2, 0, -1, -1], [2, -1, -1, -1], [2, -1, -1, -1]]
     assert meta.verify_rows.tolist() == [[7, -1, -1, -1], [8, -1, -1, -1], [-1, -1, -1, -1]]
