@@ -145,7 +145,7 @@ def test_the_moe_tiles_sweep_writes_entries_the_kernel_reads(tmp_path, capsys, m
     from pagellm.kernels.reference.gguf_planes import T
     from tests.gpu import interpreter
 
-    monkeypatch.setattr(device_moe_tiles, "REHEARSAL", dict(tokens=(3,), blocks_m=(16, 32), tiles=((32, 32, 4),)))
+    monkeypatch.setattr(device_moe_tiles, "REHEARSAL", dict(tokens=(3,), blocks_m=(16, 32), tiles=((64, 32, 4),)))
     out = tmp_path / "tiles.json"
     with interpreter(True):
         text = run_cli(capsys, "device-check", "--device", "cpu", "--shapes", "", "--skip-checks", "--serve-prompts",
@@ -157,7 +157,7 @@ def test_the_moe_tiles_sweep_writes_entries_the_kernel_reads(tmp_path, capsys, m
     assert (entry["experts"], entry["hidden"], entry["intermediate"], entry["tokens"]) == (8, 256, 256, 3)
     tile = moe.tile_for(8, 256, 256, 3, found["entries"])
     assert tile.block_m == entry["block_m"] in (16, 32)
-    assert tile.launch("down", T.Q6_K) == tuple(entry["down"]["Q6_K"]) == (32, 32, 4)
+    assert tile.launch("down", T.Q6_K) == tuple(entry["down"]["Q6_K"]) == (64, 32, 4)
     assert "moe_tiles.json entries:" in text
     assert main(["bench", "device-check", "--device", "cpu", "--shapes", "", "--moe-tiles-shape", "qwen3.5-27b"]) == 2
     assert "--moe-tiles-shape: 'qwen3.5-27b' is not a hybrid MoE shape" in capsys.readouterr().err
