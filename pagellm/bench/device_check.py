@@ -276,25 +276,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_checks:
             result["checks"] = checks(args.device, Path(tmp) / "parity")
-        if args.verify_shape:  # speculative decoding's verify step against a decode step, both replayed
-            result["checks"]["verify_cost"] = device_verify.verify_cost(
-                args, write_shape(args.verify_shape, Path(tmp) / "verify"))
-            print(f"verify step against decode step (B=1): {result['checks']['verify_cost']}")
-        if args.delta_prefill_shape:  # the Gated DeltaNet prefill: our kernel, torch's, fla-core's
-
-            def keep_delta(found):
-                result["checks"]["delta_prefill"] = found
-                if args.out:
-                    report.write_json(args.out, result)
-            keep_delta(delta_prefill(args.delta_prefill_shape, args.device, keep_delta))
-        if args.moe_tiles_shape:  # the grouped MoE launches' tiles, printed as moe_tiles.json entries
-
-            def keep_tiles(found):
-                result["checks"]["moe_tiles"] = found
-                if args.out:
-                    report.write_json(args.out, result)
-            keep_tiles(device_moe_tiles.sweep(args.moe_tiles_shape, args.device, keep_tiles))
-            print("moe_tiles.json entries:", json.dumps(result["checks"]["moe_tiles"]["entries"]))
+        shape_checks(args, result, Path(tmp))
         for shape in args.shapes:
             try:
                 write_shape(shape, Path(tmp) / shape)  # every engine of the shape reads it
@@ -332,6 +314,27 @@ def main(args: argparse.Namespace) -> int:
         not r.get("ok", True) for check in ("attention", "layer_ops", "step_modes")
         for r in found.get(check, {}).values() if isinstance(r, dict))
     return 1 if failed or result["errors"] else 0
+
+
+def shape_checks(args: argparse.Namespace, result: dict, directory: Path) -> None:
+    """The checks asked by shape, each into result["checks"], written as it goes: the verify step against a
+    decode step (both replayed), the Gated DeltaNet prefill (ours, torch's, fla-core's), the MoE launches' tiles
+    (printed as moe_tiles.json entries)."""
+    def keep(name):
+        def kept(found):
+            result["checks"][name] = found
+            if args.out:
+                report.write_json(args.out, result)
+        return kept
+    if args.verify_shape:
+        result["checks"]["verify_cost"] = device_verify.verify_cost(
+            args, write_shape(args.verify_shape, directory / "verify"))
+        print(f"verify step against decode step (B=1): {result['checks']['verify_cost']}")
+    if args.delta_prefill_shape:
+        keep("delta_prefill")(delta_prefill(args.delta_prefill_shape, args.device, keep("delta_prefill")))
+    if args.moe_tiles_shape:
+        keep("moe_tiles")(device_moe_tiles.sweep(args.moe_tiles_shape, args.device, keep("moe_tiles")))
+        print("moe_tiles.json entries:", json.dumps(result["checks"]["moe_tiles"]["entries"]))
 
 
 def delta_prefill(shape: str, device: str, keep=None) -> dict:
