@@ -42,8 +42,9 @@ def step_costs(engine, drafts: int, context: int, repeats: int) -> dict:
     """The two steps' median times over `repeats` alternating rounds (after one warm-up each)."""
     runner = engine.runner
     if runner.verify_graphs is None or runner.decode_graphs is None:
-        return {"not_run": "no verify graphs: they need decode graphs, a speculative_config and an attention-only "
-                           "model"}
+        return {"not_run": "no verify graphs: they need decode graphs and a speculative_config"}
+    if runner.state_layers:
+        return {"not_run": "a hybrid shape: this check gives its request no state slot (attention-only shapes)"}
     blocks = list(range(-(-(context + drafts + 1) // runner.block_size)))
     state = SlotState("cost", SamplingParams(), [0], [], block_ids=blocks)
     decode = ScheduledRequest("cost", 0, (1,), context, (), True)
