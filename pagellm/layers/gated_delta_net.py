@@ -214,13 +214,16 @@ class GatedDeltaNet(KernelUser, nn.Module):
             kernels.copy_rows_(self.conv_state, self.recurrent_state, slots[j], rows[j])
         return core
 
-    def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[n, C] -> q, k [n, Hv, dk] fp32 (normalised, per value head), v [n, Hv, dv] fp32."""
+    def split_heads(self, conv_out: torch.Tensor, per_key_head: bool = False) -> tuple[torch.Tensor, ...]:
+        """[n, C] -> q, k [n, Hv, dk] fp32 (normalised, per value head; per_key_head: [n, Hk, dk], contiguous, for
+        the kernels that map value head h to key head h // r themselves), v [n, Hv, dv] fp32."""
         n = conv_out.shape[0]
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        heads = self.num_k_heads if per_key_head else self.num_v_heads
         q, k = prepare_qk(q.view(n, self.num_k_heads, self.head_k_dim), k.view(n, self.num_k_heads, self.head_k_dim),
-                          self.num_v_heads)
-        return q, k, v.reshape(n, self.num_v_heads, self.head_v_dim).float()
+                          heads)
+        v = v.reshape(n, self.num_v_heads, self.head_v_dim).float()
+        return (q.contiguous(), k.contiguous(), v.contiguous()) if per_key_head else (q, k, v)
 
     def _sequence(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, fresh: bool,
                   snapshots=()) -> torch.Tensor:
@@ -237,7 +240,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
         conv_slot.copy_(window[:, -(kernel - 1):])
         for r, row in snapshots:
             self.conv_state[row].copy_(window[:, r : r + kernel - 1])  # window column j + K-1 is token j
-        q, k, v = self._split_heads(conv_out.t().to(x.dtype))
+        q, k, v = self.split_heads(conv_out.t().to(x.dtype))
         if fresh:
             state_slot.zero_()
         beta = beta.float()
@@ -289,14 +292,8 @@ class GatedDeltaNet(KernelUser, nn.Module):
         skip it) -> [B, Hv, dv]: the kernels' calls alone, nothing read from the host."""
         weight = self.conv1d.weight[:, 0]  # [C, K], contiguous (a view of [C, 1, K])
         conv_out = kernels.conv_(self.conv_state, index, x.contiguous(), weight)
-        n = conv_out.shape[0]
-        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        # One q, k per key head: the kernel maps value head h to key head h // r itself.
-        q, k = prepare_qk(q.view(n, self.num_k_heads, self.head_k_dim), k.view(n, self.num_k_heads, self.head_k_dim),
-                          self.num_k_heads)
-        v = v.reshape(n, self.num_v_heads, self.head_v_dim).float()
-        out = kernels.rule_(self.recurrent_state, index, q.contiguous(), k.contiguous(), v.contiguous(),
-                            g.float().contiguous(), beta.float().contiguous())
+        q, k, v = self.split_heads(conv_out, per_key_head=True)
+        out = kernels.rule_(self.recurrent_state, index, q, k, v, g.float().contiguous(), beta.float().contiguous())
         return out.to(x.dtype)
 
     def _decode_torch(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: list[int],
@@ -323,7 +320,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
             conv.copy_(window[:, :, 1:])
         else:
             self.conv_state.index_copy_(0, index, window[:, :, 1:].to(self.conv_state.dtype))
-        q, k, v = self._split_heads(conv_out)  # [B, Hv, d]
+        q, k, v = self.split_heads(conv_out)  # [B, Hv, d]
         state = self.recurrent_state[view] if view is not None else self.recurrent_state.index_select(0, index)
         flat = state.view(count * self.num_v_heads, self.head_k_dim, self.head_v_dim)  # [B*Hv, dk, dv]
         out = gated_delta_step_(flat, q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(),

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.kernels.attention_metadata import AttentionMetadata
-from pagellm.kernels.reference.gated_delta import PrefillSequence, prepare_qk
+from pagellm.kernels.reference.gated_delta import PrefillSequence
 from pagellm.kernels.transfers import to_device
 
 
@@ -69,12 +69,7 @@ def packed_prefill(layer, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tens
     contiguous = rows[-1] - rows[0] + 1 == len(rows)  # ascending and disjoint: no gap means one range
     index = slice(rows[0], rows[-1] + 1) if contiguous else to_device(rows, torch.long, mixed.device)
     conv_out = conv_prefill_(layer.conv_state, layer.conv1d.weight, mixed[index], sequences)
-    n = len(rows)
-    q, k, v = conv_out.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    # One q, k per key head: the kernel maps value head h to key head h // r itself.
-    q, k = prepare_qk(q.view(n, layer.num_k_heads, layer.head_k_dim), k.view(n, layer.num_k_heads, layer.head_k_dim),
-                      layer.num_k_heads)
-    v = v.reshape(n, layer.num_v_heads, layer.head_v_dim).float()
-    out = layer.ops.gated_delta_prefill(layer.recurrent_state, q.contiguous(), k.contiguous(), v.contiguous(),
-                                        g[index].float().contiguous(), beta[index].float().contiguous(), sequences)
+    q, k, v = layer.split_heads(conv_out, per_key_head=True)
+    out = layer.ops.gated_delta_prefill(layer.recurrent_state, q, k, v, g[index].float().contiguous(),
+                                        beta[index].float().contiguous(), sequences)
     return index, out.to(mixed.dtype)

@@ -181,8 +181,7 @@ class Sampler:
         vocab = logits.shape[-1]
         return self._native_draw(
             logits.contiguous(), [1.0 if p.is_greedy else p.temperature for p in params],
-            [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
-            [max(p.top_p, _SMALLEST_TOP_P) if p.top_p < 1.0 else 1.0 for p in params], [p.min_p for p in params],
+            _top_ks(params, vocab), _top_ps(params, off=1.0), [p.min_p for p in params],
             self._uniforms(rows, logits.device))
 
     def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
@@ -302,7 +301,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     top-k alone needs just torch.topk up to the largest k asked for.
     """
     vocab = logits.shape[-1]
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: off (also for k >= V)
+    top_k = _top_ks(params, vocab)
     any_top_p = any(p.top_p < 1.0 for p in params)
     if not any_top_p and not any(top_k):
         return logits
@@ -310,8 +309,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     if not any_top_p:
         largest = logits.topk(max(top_k), dim=-1).values  # [B, max k], descending
         return logits.masked_fill_(logits < _kth_largest(largest, k), float("-inf"))
-    # a top_p below float32's smallest normal (5e-324, say) would round to 0 and drop the top token too
-    top_p = [max(p.top_p, _SMALLEST_TOP_P) if p.top_p < 1.0 else float("inf") for p in params]
+    top_p = _top_ps(params, off=float("inf"))
     # (on a CPU, where reading the candidates' mass back costs nothing; every row's support among them)
     if logits.device.type == "cpu" and vocab > 2 * _NUCLEUS_CANDIDATES and max(top_k) <= _NUCLEUS_CANDIDATES \
             and all(p < 1.0 or k_ for p, k_ in zip(top_p, top_k)):
@@ -322,6 +320,17 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
 
 
 _SMALLEST_TOP_P = float(torch.finfo(torch.float32).tiny)
+
+
+def _top_ks(params: list[SamplingParams], vocab: int) -> list[int]:
+    """Each row's top-k, 0 where off (also for k >= V)."""
+    return [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+
+
+def _top_ps(params: list[SamplingParams], off: float) -> list[float]:
+    """Each row's top-p, `off` where off; a top_p below float32's smallest normal (5e-324, say) would round to 0
+    and drop the top token too, so it is held there."""
+    return [max(p.top_p, _SMALLEST_TOP_P) if p.top_p < 1.0 else off for p in params]
 
 # Top-p first looks for the nucleus among each row's most likely tokens: sorting a large vocabulary (262144
 # tokens: Gemma 3) costs tens of milliseconds a row on a CPU, the candidates' top-k a fraction of that.

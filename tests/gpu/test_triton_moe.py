@@ -101,7 +101,18 @@ def test_the_tile_is_the_measured_entry_of_the_shape_at_most_tokens_not_above():
     assert big.launch("down", T.Q4_K) == (*moe.TILE, 4)  # a format the entry does not name: the default
     assert moe.tile_for(7, 256, 256, 1, ENTRIES) is moe.DEFAULT_TILE  # a shape never measured
     assert moe.tile_for(6, 256, 256, 0, ENTRIES).block_m == 16  # below every entry: the fewest tokens'
-    assert moe.measured_tiles() == ()  # the repository's file: no device has measured one yet
+
+
+def test_the_measured_tiles_are_read_from_their_file(tmp_path):
+    """The file's entries (what device-check --moe-tiles-shape prints), none without a file; the repository's own
+    parses."""
+    import json
+
+    moe = _moe()
+    path = tmp_path / "moe_tiles.json"
+    path.write_text(json.dumps({"about": "", "measured_on": "a device", "entries": list(ENTRIES)}))
+    assert moe.measured_tiles(path) == ENTRIES and moe.measured_tiles(tmp_path / "none.json") == ()
+    assert all(isinstance(e["tokens"], int) for e in moe.measured_tiles())
 
 
 @pytest.mark.parametrize("tokens", [3, 40])
