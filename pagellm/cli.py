@@ -34,7 +34,8 @@ _UNSET_MEANS = {"model": "the embedded Gemma 3 270M", "enforce_eager": "unset: C
                 "speculative_config": "off", "config": "none", "api_key": "none, no key is asked for",
                 "api_key_file": "none", "chat_template": "the model's own", "seed": "none, unseeded"}
 _METAVARS = {"quantization": "SCHEME", "cpu_isa": "LEVEL", "kv_cache_dtype": "DTYPE", "load_format": "FORMAT",
-             "cache_dir": "DIR", "master_addr": "ADDR", "master_port": "PORT", "cuda_graph_sizes": "N"}
+             "mamba_ssm_cache_dtype": "DTYPE", "cache_dir": "DIR", "master_addr": "ADDR", "master_port": "PORT",
+             "cuda_graph_sizes": "N"}
 
 # The flags `--help` lists (`--help-all` lists every one), by dest, with a shorter text where the full one is
 # long; None keeps the full text.

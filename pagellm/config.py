@@ -93,6 +93,9 @@ class ModelConfig(_FromDict):
                              "enforce_eager")
 
 
+STATE_DTYPES = ("auto", "float32", "bfloat16")  # CacheConfig.mamba_ssm_cache_dtype's values
+
+
 @dataclass(frozen=True)
 class CacheConfig(_FromDict):
     block_size: int = _help("Tokens per KV block.", default=16)
@@ -127,6 +130,13 @@ class CacheConfig(_FromDict):
         "(default: enough for max_num_seqs requests).",
         default=None,
     )
+    mamba_ssm_cache_dtype: str = _help(
+        "Hybrid models: dtype the Gated DeltaNet's recurrent state is kept in between steps (vLLM's flag): auto "
+        "(the default: the checkpoint's mamba_ssm_dtype where its config names one, else float32, as llama.cpp "
+        "and SGLang keep it), float32 or bfloat16. bfloat16 halves the state's memory and the bytes a decode "
+        "step moves; the rule still computes in float32, rounding the state once per step (docs/PERFORMANCE.md "
+        "has its accuracy). The conv state stays in the model dtype.",
+        default="auto")
     state_snapshot_memory: float = _help(
         "Hybrid models: GiB for recurrent-state snapshots taken at KV block boundaries during prefill, which "
         "prefix caching restores on a hit (LRU-evicted like KV blocks; at most one per KV block). "
@@ -147,6 +157,9 @@ class CacheConfig(_FromDict):
             raise ValueError(f"prefix_cache_memory must be >= 0 GiB, got {self.prefix_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype must be one of {', '.join(STATE_DTYPES)}, got "
+                             f"{self.mamba_ssm_cache_dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
 

@@ -104,7 +104,8 @@ class LLMEngine:
         before = start_measuring(self.device) if from_device else None
         loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
                             quantization=mc.quantization, shard=shard, kernels=config.kernels,
-                            load_format=mc.load_format, cache_dir=mc.cache_dir or None)
+                            load_format=mc.load_format, cache_dir=mc.cache_dir or None,
+                            state_dtype=cc.mamba_ssm_cache_dtype)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         logits = None
         if parallel is not None:

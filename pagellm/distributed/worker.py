@@ -148,7 +148,8 @@ def run_worker(addr: str, port: int, rank: int, world_size: int, timeout: float,
     state.use_device(device, backend.collective)
     shard = ShardSpec(rank, world_size, config.parallel.enable_expert_parallel)
     model = load_model(mc.model, backend.compute_dtype, device, with_tokenizer=False, quantization=mc.quantization,
-                       shard=shard, kernels=config.kernels, load_format=mc.load_format).model
+                       shard=shard, kernels=config.kernels, load_format=mc.load_format,
+                       state_dtype=config.cache.mamba_ssm_cache_dtype).model
     install_all_reduce(model, state.all_reduce_)
     setup: RunnerSetup = pickle.loads(state.store.get(_RUNNER_KEY))
     # the head's decision on the LM head: same model and world

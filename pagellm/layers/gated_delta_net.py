@@ -7,7 +7,7 @@ key / value heads, dk / dv = their head dims, r = Hv / Hk, C = conv channels
     x [T, E] -> q, k [T, Hk, dk], v [T, Hv, dv], z [T, Hv, dv], b, a [T, Hv]
     cat(q, k, v) -> causal depthwise conv1d over each request's tokens -> SiLU
     beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)       (fp32)
-    gated delta rule per value head (kernels.gated_delta), state [Hv, dk, dv] fp32
+    gated delta rule per value head (kernels.gated_delta) in fp32, state [Hv, dk, dv]
     per-head RMSNorm over dv (weight w, not zero-centred), times silu(z); out_proj
 
 Projections. Qwen3-Next fuses them, interleaved per key-head group:
@@ -18,7 +18,10 @@ in_proj_b, in_proj_a. conv1d.weight is [C, 1, K] over channels [Q | K | V].
 State lives outside the layer, one slot per request, bound by the runner
 (`bind_state`, like PagedAttention.bind_kv_cache; sizes from `state_shapes`):
     conv_state      [S, C, K-1]     model dtype: the last K-1 pre-conv inputs
-    recurrent_state [S, Hv, dk, dv] fp32
+    recurrent_state [S, Hv, dk, dv] state_dtype: fp32 (default) or bf16 (CacheConfig.mamba_ssm_cache_dtype)
+A bf16 state is read into fp32, the rule runs in fp32, and the state is rounded to bf16 when it is written back:
+once per decode token, once per prefill chunk of a request, and at each snapshot, from which the chunk goes on (so
+a request resumed from a snapshot, or a verify step's accepted drafts, continue as the request that wrote it).
 Request b uses slot meta.state_slots[b]. Its context before the step is
 seq_lens[b] - query_len[b]; 0 means a fresh request: it starts from zero state
 and its slot is only written, never read.
@@ -62,7 +65,22 @@ class StateShapes(NamedTuple):
     conv_state: tuple[int, int]  # (C, K-1)
     conv_dtype: torch.dtype  # the model dtype
     recurrent_state: tuple[int, int, int]  # (Hv, dk, dv)
-    recurrent_dtype: torch.dtype  # always float32
+    recurrent_dtype: torch.dtype  # float32 or bfloat16 (GatedDeltaNet.state_dtype)
+
+
+STATE_FLOATS = (torch.float32, torch.bfloat16)  # the recurrent state's dtypes
+
+
+def recurrent_state_dtype(setting: str, hf_config) -> torch.dtype:
+    """CacheConfig.mamba_ssm_cache_dtype for a model: "auto" is the checkpoint's own mamba_ssm_dtype where its
+    config names float32 or bfloat16 (Qwen3.5's names float32), else float32."""
+    if setting == "auto":
+        named = getattr(hf_config, "mamba_ssm_dtype", None)
+        named = named or getattr(getattr(hf_config, "text_config", None), "mamba_ssm_dtype", None)
+        setting = named if named in ("float32", "bfloat16") else "float32"
+    if setting not in ("float32", "bfloat16"):
+        raise ValueError(f"mamba_ssm_cache_dtype must be auto, float32 or bfloat16, got {setting!r}")
+    return getattr(torch, setting)
 
 
 class GatedRMSNorm(KernelUser, nn.Module):
@@ -121,11 +139,12 @@ class GatedDeltaNet(KernelUser, nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.conv_state: torch.Tensor | None = None  # [S, C, K-1]
-        self.recurrent_state: torch.Tensor | None = None  # [S, Hv, dk, dv] fp32
+        self.recurrent_state: torch.Tensor | None = None  # [S, Hv, dk, dv] state_dtype
+        self.state_dtype = torch.float32  # set by the loader (recurrent_state_dtype) before the state is sized
 
     def state_shapes(self) -> StateShapes:
         return StateShapes((self.conv_dim, self.kernel_size - 1), self.conv1d.weight.dtype,
-                           (self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)
+                           (self.num_v_heads, self.head_k_dim, self.head_v_dim), self.state_dtype)
 
     def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         shapes = self.state_shapes()
@@ -133,8 +152,8 @@ class GatedDeltaNet(KernelUser, nn.Module):
         if got != (shapes.conv_state, shapes.recurrent_state):
             raise ValueError(f"state shapes {tuple(conv_state.shape)}, {tuple(recurrent_state.shape)} do not match "
                              f"[S, {shapes.conv_state}], [S, {shapes.recurrent_state}]")
-        if recurrent_state.dtype != torch.float32:
-            raise ValueError("recurrent_state must be float32")
+        if recurrent_state.dtype != self.state_dtype:
+            raise ValueError(f"recurrent_state must be {self.state_dtype}, got {recurrent_state.dtype}")
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
 
     def copy_state(self, sources: list[int], targets: list[int]) -> None:
@@ -241,16 +260,22 @@ class GatedDeltaNet(KernelUser, nn.Module):
         for r, row in snapshots:
             self.conv_state[row].copy_(window[:, r : r + kernel - 1])  # window column j + K-1 is token j
         q, k, v = self.split_heads(conv_out.t().to(x.dtype))
+        # the rule runs on an fp32 state: the slot's own view, or a bf16 slot's copy written back at the end
+        work = state_slot if state_slot.dtype == torch.float32 else state_slot.float()
         if fresh:
-            state_slot.zero_()
+            work.zero_()
         beta = beta.float()
         outs, lo = [], 0
         for hi, row in (*snapshots, (x.shape[0], None)):
             if hi > lo:
-                outs.append(self._rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state_slot))
+                outs.append(self._rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], work))
             if row is not None:
-                self.recurrent_state[row].copy_(state_slot)
+                self.recurrent_state[row].copy_(work)
+                if work is not state_slot:  # on from the rounded snapshot, as a request resumed from it goes on
+                    work.copy_(self.recurrent_state[row])
             lo = hi
+        if work is not state_slot:
+            state_slot.copy_(work)
         return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(x.dtype)
 
     @staticmethod
@@ -321,10 +346,13 @@ class GatedDeltaNet(KernelUser, nn.Module):
         else:
             self.conv_state.index_copy_(0, index, window[:, :, 1:].to(self.conv_state.dtype))
         q, k, v = self.split_heads(conv_out)  # [B, Hv, d]
-        state = self.recurrent_state[view] if view is not None else self.recurrent_state.index_select(0, index)
+        held = self.recurrent_state[view] if view is not None else self.recurrent_state.index_select(0, index)
+        state = held.float()  # the rule in fp32: held itself when it is (a view or the gathered copy)
         flat = state.view(count * self.num_v_heads, self.head_k_dim, self.head_v_dim)  # [B*Hv, dk, dv]
         out = gated_delta_step_(flat, q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(),
                                 beta.float().flatten())
         if view is None:
-            self.recurrent_state.index_copy_(0, index, state)
+            self.recurrent_state.index_copy_(0, index, state.to(held.dtype))
+        elif state is not held:  # a bf16 view: rounded back into its slots
+            held.copy_(state)
         return out.view(count, self.num_v_heads, self.head_v_dim).to(x.dtype)

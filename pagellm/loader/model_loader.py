@@ -21,6 +21,7 @@ from pagellm.loader.repack_cache import RepackCache
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.kernels.build import native
 from pagellm.kernels.cpu import quant_gemv
+from pagellm.layers.gated_delta_net import recurrent_state_dtype
 from pagellm.layers.quantized import Int4Linear
 from pagellm.loader.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from pagellm.models.registry import build_model
@@ -121,7 +122,8 @@ class WeightShard(Protocol):
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                with_tokenizer: bool = True, quantization: str = "none", shard: WeightShard | None = None,
                kernels: KernelConfig | None = None, load_format: str = "auto",
-               cache_dir: str | None = None, gguf_layout: str | None = None) -> LoadedModel:
+               cache_dir: str | None = None, gguf_layout: str | None = None,
+               state_dtype: str = "auto") -> LoadedModel:
     """quantization: none | int8 | int4 | auto (GGUF as stored; see loader/quantization.py), applied as weights
     stream in.
 
@@ -135,6 +137,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     (loader/tokenizer_cache.py) and a GGUF's blocks in the kernels' layout (loader/repack_cache.py); None: not kept.
     gguf_layout: which device's layout a GGUF's blocks are kept in, "cpu" (repacked for the CPU kernels) or "cuda"
     (planes for a GPU's); None: the device's own (a test plans a GPU's layout on a CPU).
+    state_dtype: a hybrid model's recurrent state's dtype (CacheConfig.mamba_ssm_cache_dtype), set on its layers
+    before the runner sizes and binds the state.
     """
     kernels = kernels or KernelConfig()
     # the CPU kernels' level the layouts are chosen for (the runner's plan binds the modules to the same)
@@ -153,6 +157,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     hf_config = load_gguf_config(header) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None
     net = build_model(shard.model_config(hf_config) if shard else hf_config, dtype, device)
+    for layer in getattr(net, "state_layers", list)():
+        layer.state_dtype = recurrent_state_dtype(state_dtype, hf_config)
     # HF's names, which a GGUF's tensors are matched to (a shard's are the same): read once, here
     parameters = tuple(net.state_dict()) if is_gguf else None
     if shard:

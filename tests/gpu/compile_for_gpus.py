@@ -133,7 +133,7 @@ def compile_gguf_reduce(arch: int) -> int:
 
 def compile_gated_delta(arch: int) -> list[tuple[str, int]]:
     """The Gated DeltaNet kernels at Qwen3.5's shapes: the verify step's state-row copy, the decode's bf16 conv of 4
-    taps and rule on 128 x 128 heads, the chunked prefill rule."""
+    taps and rule on 128 x 128 heads, the chunked prefill rule; both rules over fp32 and bf16 states."""
     conv = gated_delta._conv_decode_kernel
     constexprs = dict(TAPS=4, BLOCK=gated_delta.CONV_BLOCK)
     signature = {a: "constexpr" if a in constexprs else "*i64" if a == "slots_ptr" else "*bf16" if a.endswith("_ptr")
@@ -151,10 +151,14 @@ def compile_gated_delta(arch: int) -> list[tuple[str, int]]:
     copy = gated_delta._copy_rows_kernel
     copy_signature = {a: "constexpr" if a == "BLOCK" else "*i64" if a in ("src_ptr", "dst_ptr") else "*fp32"
                       if a == "t_ptr" else "i32" for a in copy.arg_names}
+    bf16_state = {"state_ptr": "*bf16"}  # CacheConfig.mamba_ssm_cache_dtype="bfloat16"
     return [("_copy_rows_kernel", _cubin_size(copy, copy_signature, dict(BLOCK=gated_delta.COPY_BLOCK), arch)),
             ("_conv_decode_kernel", _cubin_size(conv, signature, constexprs, arch)),
             ("_rule_decode_kernel", _cubin_size(rule, rule_signature, rule_constexprs, arch)),
-            ("_chunked_rule_kernel", _cubin_size(prefill, prefill_signature, prefill_constexprs, arch))]
+            ("_rule_decode_kernel bf16 state", _cubin_size(rule, rule_signature | bf16_state, rule_constexprs, arch)),
+            ("_chunked_rule_kernel", _cubin_size(prefill, prefill_signature, prefill_constexprs, arch)),
+            ("_chunked_rule_kernel bf16 state", _cubin_size(prefill, prefill_signature | bf16_state,
+                                                            prefill_constexprs, arch))]
 
 
 def compile_moe(arch: int) -> list[tuple[str, int]]:

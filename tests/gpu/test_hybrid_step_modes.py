@@ -22,15 +22,18 @@ def test_each_step_mode_gives_eagers_greedy_ids(family, tmp_path):
 @pytest.mark.skipif(not ON_GPU, reason="captures CUDA graphs; tests/runner/test_verify_graphs.py checks the same "
                                        "logic on a CPU with the replaying stand-in")
 @pytest.mark.parametrize("family", ["qwen3.5-moe", "qwen3-next"])
-def test_speculative_verify_steps_replay_graphs_with_the_greedy_ids(family, tmp_path):
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_speculative_verify_steps_replay_graphs_with_the_greedy_ids(family, state_dtype, tmp_path):
     """On the device's defaults (graphs, async scheduling): a hybrid model's verify steps replay their graphs, the
-    DeltaNet's state rolled back from the rows those graphs wrote, with the ids of a run without speculation."""
+    DeltaNet's state rolled back from the rows those graphs wrote, with the ids of a run without speculation (a
+    bf16 state too: a verify step rounds it after each token, as decode steps do)."""
     from pagellm import LLM, SamplingParams
     from tests.runner.test_speculative_engine import NGRAM, PROMPTS
 
     write_hybrid_checkpoint(family, tmp_path)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    args = dict(skip_tokenizer_init=True, device=DEVICE, dtype="float32", kv_cache_memory=0.05)
+    args = dict(skip_tokenizer_init=True, device=DEVICE, dtype="float32", kv_cache_memory=0.05,
+                mamba_ssm_cache_dtype=state_dtype)
     with LLM(str(tmp_path), **args) as llm:
         plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     with LLM(str(tmp_path), speculative_config=NGRAM, **args) as llm:

@@ -63,6 +63,24 @@ def test_the_rule_updates_each_slot_in_place_and_skips_padding():
     assert torch.equal(state[[1, 2, 4]], expected_state[[1, 2, 4]])  # untouched slots: bit for bit
 
 
+def test_a_bf16_state_is_read_widened_and_written_rounded():
+    """The rule over a bf16 state and over its values in fp32: the same outputs, bit for bit, and each slot
+    written the fp32 one rounded; a padded row touches nothing."""
+    kernels = _kernels()
+    slots, v_heads, k_heads, dk, dv = [3, -1, 0], 4, 2, 24, 40
+    state = torch.full((5, v_heads, dk, dv), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    state[[3, 0]] = _rand(2, v_heads, dk, dv, seed=4).to(torch.bfloat16)
+    wide = state.float()
+    q, k = F.normalize(_rand(3, k_heads, dk, seed=5), dim=-1) * dk**-0.5, F.normalize(_rand(3, k_heads, dk, seed=6),
+                                                                                      dim=-1)
+    v, g, beta = _rand(3, v_heads, dv, seed=7), -torch.rand(3, v_heads).to(DEVICE), torch.rand(3, v_heads).to(DEVICE)
+    index = torch.tensor(slots, device=DEVICE)
+    out = kernels.rule_decode_(state, index, q, k, v, g, beta)
+    assert torch.equal(out, kernels.rule_decode_(wide, index, q, k, v, g, beta))
+    assert torch.equal(state.view(torch.int16)[[3, 0]], wide[[3, 0]].to(torch.bfloat16).view(torch.int16))
+    assert state[[1, 2, 4]].isnan().all()
+
+
 def test_a_step_the_kernels_would_not_take_is_refused_before_any_state_moves():
     kernels = _kernels()
     conv, state = torch.zeros(2, 8, 3), torch.zeros(2, 1, 4, 4)

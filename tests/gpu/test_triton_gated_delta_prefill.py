@@ -50,16 +50,17 @@ def _oracle(state, q, k, v, g, beta, sequences):
     return out, state
 
 
-@pytest.mark.parametrize("case", ["mixed", "verify-like"])
-def test_the_prefill_equals_each_request_through_the_reference(case):
-    kernels = _kernels()
-    if case == "mixed":  # (length, slot, fresh, snapshots): a chunk and one token, two chunks and one, ...
-        layout = [(65, 3, True, ((16, 9), (64, 10))), (1, 0, False, ()), (130, 5, False, ((128, 11), (130, 12))),
-                  (7, 1, True, ()), (64, 6, False, ((3, 13),))]
-    else:  # a speculative verify step: 1 + 3 tokens, the state kept after the decode and each draft
-        layout = [(4, 2, False, ((1, 9), (2, 10), (3, 11))), (4, 0, False, ((1, 12), (2, 13), (3, 14)))]
+LAYOUTS = {  # (length, slot, fresh, snapshots) per request
+    "mixed": [(65, 3, True, ((16, 9), (64, 10))), (1, 0, False, ()), (130, 5, False, ((128, 11), (130, 12))),
+              (7, 1, True, ()), (64, 6, False, ((3, 13),))],  # a chunk and one token, two chunks and one, ...
+    # a speculative verify step: 1 + 3 tokens, the state kept after the decode and each draft
+    "verify-like": [(4, 2, False, ((1, 9), (2, 10), (3, 11))), (4, 0, False, ((1, 12), (2, 13), (3, 14)))]}
+
+
+def _requests(case: str, state_dtype: torch.dtype = torch.float32):
+    """The case's sequences, their tokens' count, and 16 state rows: NaN but the continued requests' slots."""
     sequences, start = [], 0
-    for length, slot, fresh, snapshots in layout:
+    for length, slot, fresh, snapshots in LAYOUTS[case]:
         sequences.append(PrefillSequence(start, length, slot, fresh, snapshots))
         start += length
     gen = torch.Generator().manual_seed(7)
@@ -67,7 +68,13 @@ def test_the_prefill_equals_each_request_through_the_reference(case):
     for seq in sequences:
         if not seq.fresh:
             state[seq.slot] = torch.randn(V_HEADS, DK, DV, generator=gen) * 0.3
-    state = state.to(DEVICE)
+    return sequences, start, state.to(state_dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_the_prefill_equals_each_request_through_the_reference(case):
+    kernels = _kernels()
+    sequences, start, state = _requests(case)
     q, k, v, g, beta = _inputs(start, seed=8)
     want_out, want_state = _oracle(state, q, k, v, g, beta, sequences)
     out = kernels.rule_prefill_(state, q, k, v, g, beta, sequences)
@@ -76,6 +83,44 @@ def test_the_prefill_equals_each_request_through_the_reference(case):
     torch.testing.assert_close(state[written], want_state[written], atol=2e-5, rtol=1e-4)
     untouched = [row for row in range(16) if row not in written]
     assert state[untouched].isnan().all()
+
+
+def test_a_bf16_state_is_read_widened_and_written_rounded():
+    """The same launch over a bf16 state and over its values in fp32 (no snapshots): the same outputs, bit for bit,
+    and every slot written the fp32 one rounded (once per launch, not per token or chunk)."""
+    kernels = _kernels()
+    sequences, start, state = _requests("mixed", torch.bfloat16)
+    sequences = [seq._replace(snapshots=()) for seq in sequences]
+    wide = state.float()
+    q, k, v, g, beta = _inputs(start, seed=8)
+    out = kernels.rule_prefill_(state, q, k, v, g, beta, sequences)
+    assert torch.equal(out, kernels.rule_prefill_(wide, q, k, v, g, beta, sequences))
+    written = sorted(seq.slot for seq in sequences)
+    assert torch.equal(state[written].view(torch.int16), wide[written].to(torch.bfloat16).view(torch.int16))
+    assert state[[row for row in range(16) if row not in written]].isnan().all()
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_a_bf16_state_goes_on_from_each_rounded_snapshot(case):
+    """Past a snapshot a request goes on from the row as written (rounded), as one resumed from it would: the
+    launch equals each request's pieces between its snapshots launched one by one, bit for bit (a verify step's
+    accepted drafts then continue as decode steps would have)."""
+    kernels = _kernels()
+    sequences, start, state = _requests(case, torch.bfloat16)
+    pieces_state = state.clone()
+    q, k, v, g, beta = _inputs(start, seed=8)
+    out = kernels.rule_prefill_(state, q, k, v, g, beta, sequences)
+    pieces_out = torch.zeros_like(out)
+    for seq in sequences:
+        lo = 0
+        for end, row in (*seq.snapshots, (seq.length, None)):
+            if end > lo:
+                piece = PrefillSequence(seq.start + lo, end - lo, seq.slot, seq.fresh and lo == 0,
+                                        ((end - lo, row),) if row is not None else ())
+                pieces_out += kernels.rule_prefill_(pieces_state, q, k, v, g, beta, [piece])
+            lo = end
+    assert torch.equal(out, pieces_out)
+    assert torch.equal(state.view(torch.int16), pieces_state.view(torch.int16))  # NaN rows: the same bits
 
 
 def test_the_chunk_table_cuts_at_snapshots_then_every_chunk():
@@ -99,18 +144,9 @@ def test_inputs_the_kernel_would_not_take_are_refused():
 
 
 def _layer(seed: int):
-    from transformers import Qwen3NextConfig
+    from tests.layers.tiny_delta import tiny_gated_delta_net
 
-    from pagellm.layers.gated_delta_net import GatedDeltaNet
-
-    config = Qwen3NextConfig(hidden_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
-                             linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=4,
-                             num_hidden_layers=1, layer_types=["linear_attention"])
-    torch.manual_seed(seed)
-    layer = GatedDeltaNet(config, fused_projections=True).eval()
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.add_(torch.randn_like(param) * 0.2)
+    layer = tiny_gated_delta_net(seed)
     shapes = layer.state_shapes()
     layer.bind_state(torch.full((12, *shapes.conv_state), float("nan"), dtype=shapes.conv_dtype),
                      torch.full((12, *shapes.recurrent_state), float("nan")))

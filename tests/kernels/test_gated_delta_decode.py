@@ -3,7 +3,8 @@
 Two levels: the rule kernel against gated_delta_step_ on the same slots, and the layer's
 native decode (conv + rule) against its torch decode (`_decode_torch`, the oracle) on two
 copies of the same layer and state, over several steps, for scattered, consecutive and
-single slots, GQA ratio 1 and 2, fp32 and bf16 inputs.
+single slots, GQA ratio 1 and 2, fp32 and bf16 inputs, fp32 and bf16 recurrent states (a bf16 state is widened,
+updated in fp32 and rounded back once a step: the reference does the same on an fp32 copy).
 """
 
 from __future__ import annotations
@@ -45,28 +46,41 @@ def _rule_inputs(batch, hk, hv, dk, dv, seed):
     return q, k, v, g, beta
 
 
+STATE_TOLERANCE = {torch.float32: dict(atol=1e-6, rtol=1e-5),
+                   # a bf16 state: a one-ulp rounding flip where the fp32 sums differ in their last bit
+                   torch.bfloat16: dict(atol=1e-6, rtol=2 ** -7)}
+
+
 @pytest.mark.parametrize("slots", SLOTS.values(), ids=SLOTS.keys())
 @pytest.mark.parametrize("hk,hv", [(4, 4), (2, 4)], ids=["r1", "r2"])
 @pytest.mark.parametrize("dk,dv", [(32, 64), (16, 12), (128, 128)], ids=["tile", "scalar-tail", "qwen"])
-def test_rule_kernel_matches_step_in_place(slots, hk, hv, dk, dv, cpu_isa):
-    state = _pattern((NUM_SLOTS, hv, dk, dv))
-    state[slots] = torch.randn(len(slots), hv, dk, dv, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["state-fp32", "state-bf16"])
+def test_rule_kernel_matches_step_in_place(slots, hk, hv, dk, dv, state_dtype, cpu_isa):
+    state = _pattern((NUM_SLOTS, hv, dk, dv), state_dtype)
+    state[slots] = torch.randn(len(slots), hv, dk, dv, generator=torch.Generator().manual_seed(0)).to(state_dtype)
     reference, before, address = state.clone(), state.clone(), state.data_ptr()
     index = torch.tensor(slots)
     for step in range(4):
+        if state_dtype == torch.bfloat16:  # each step from the kernel's state: a flip would grow in later steps
+            reference = state.clone()
         q, k, v, g, beta = _rule_inputs(len(slots), hk, hv, dk, dv, seed=step)
         out = gated_delta_decode.rule_decode_(state, index, q, k, v, g, beta, cpu_isa)
         qr, kr = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
-        for b, slot in enumerate(slots):  # the reference, one request at a time on its slot's view
-            expected = gated_delta_step_(reference[slot], qr[b], kr[b], v[b], g[b], beta[b])
+        for b, slot in enumerate(slots):  # the reference, one request at a time on its slot (in fp32)
+            held = reference[slot].float()
+            expected = gated_delta_step_(held, qr[b], kr[b], v[b], g[b], beta[b])
+            reference[slot] = held.to(state_dtype)
             torch.testing.assert_close(out[b], expected, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(state, reference, atol=1e-6, rtol=1e-5, equal_nan=True)
+        torch.testing.assert_close(state, reference, **STATE_TOLERANCE[state_dtype], equal_nan=True)
+        if state_dtype == torch.bfloat16:  # rounded to nearest as torch rounds: flips are rare, not half the cells
+            assert (_bits(state[slots]) != _bits(reference[slots])).float().mean() < 0.01
     untouched = [s for s in range(NUM_SLOTS) if s not in slots]
     assert torch.equal(_bits(state[untouched]), _bits(before[untouched]))
     assert state.data_ptr() == address
 
 
-def _layer(hk: int, hv: int, dtype: torch.dtype, level: str | None, dk: int = 16, dv: int = 16) -> GatedDeltaNet:
+def _layer(hk: int, hv: int, dtype: torch.dtype, level: str | None, dk: int = 16, dv: int = 16,
+           state_dtype: torch.dtype = torch.float32) -> GatedDeltaNet:
     """A layer calling the kernels at `level`, its state bound to NUM_SLOTS slots of NaN."""
     config = SimpleNamespace(hidden_size=32, linear_num_key_heads=hk, linear_num_value_heads=hv,
                              linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=4,
@@ -79,9 +93,10 @@ def _layer(hk: int, hv: int, dtype: torch.dtype, level: str | None, dk: int = 16
     layer.to(dtype)
     layer.A_log.data = layer.A_log.data.float()  # as loaded: the gate parameters stay fp32
     layer.dt_bias.data = layer.dt_bias.data.float()
+    layer.state_dtype = state_dtype
     shapes = layer.state_shapes()
-    conv, rec = _pattern((NUM_SLOTS, *shapes.conv_state), shapes.conv_dtype), _pattern((NUM_SLOTS,
-                                                                                        *shapes.recurrent_state))
+    conv = _pattern((NUM_SLOTS, *shapes.conv_state), shapes.conv_dtype)
+    rec = _pattern((NUM_SLOTS, *shapes.recurrent_state), shapes.recurrent_dtype)
     layer.bind_state(conv, rec)
     bind_kernel_level(layer, level)
     return layer
@@ -91,7 +106,8 @@ def _fill_slots(layer: GatedDeltaNet, slots: list[int]) -> None:
     gen = torch.Generator().manual_seed(2)
     for slot in slots:  # a continuing request: finite conv history and state
         layer.conv_state[slot] = torch.randn(layer.conv_state.shape[1:], generator=gen).to(layer.conv_state.dtype)
-        layer.recurrent_state[slot] = torch.randn(layer.recurrent_state.shape[1:], generator=gen) * 0.3
+        layer.recurrent_state[slot] = (torch.randn(layer.recurrent_state.shape[1:], generator=gen) * 0.3).to(
+            layer.recurrent_state.dtype)
 
 
 def _step_inputs(layer: GatedDeltaNet, batch: int, dtype: torch.dtype, seed: int):
@@ -122,18 +138,24 @@ _METADATA_ONLY = {"__get__", "data_ptr", "is_contiguous", "size", "dim"}
 
 @pytest.mark.parametrize("slots", SLOTS.values(), ids=SLOTS.keys())
 @pytest.mark.parametrize("hk,hv", [(2, 2), (2, 4)], ids=["r1", "r2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_layer_native_decode_matches_torch_decode(slots, hk, hv, dtype, cpu_isa):
-    native, reference = _layer(hk, hv, dtype, cpu_isa), _layer(hk, hv, dtype, cpu_isa)
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16", "bf16-state-bf16", "fp32-state-bf16"])
+def test_layer_native_decode_matches_torch_decode(slots, hk, hv, dtype, state_dtype, cpu_isa):
+    native, reference = (_layer(hk, hv, dtype, cpu_isa, state_dtype=state_dtype) for _ in range(2))
     _fill_slots(native, slots)
     _fill_slots(reference, slots)
     conv_before, rec_before = native.conv_state.clone(), native.recurrent_state.clone()
     addresses = (native.conv_state.data_ptr(), native.recurrent_state.data_ptr())
     # bf16: the conv output is rounded to bf16 before q/k/v, and a rare one-ulp difference in
     # the fp32 sum of the 4 taps can flip that rounding; everything after is fp32.
+    # A bf16 state: one-ulp flips of its rounding, where the kernel's fp32 sums and torch's differ in a last bit.
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    state_tol = tol if state_dtype == torch.float32 else STATE_TOLERANCE[torch.bfloat16]
     with torch.inference_mode():
         for step in range(5):
+            if state_dtype == torch.bfloat16:  # each step from the kernel's state: a flip would grow in later steps
+                reference.recurrent_state.copy_(native.recurrent_state)
             x, g, beta = _step_inputs(native, len(slots), dtype, seed=10 + step)
             recorder = _StateOps(native.conv_state, native.recurrent_state)
             with recorder:
@@ -142,7 +164,7 @@ def test_layer_native_decode_matches_torch_decode(slots, hk, hv, dtype, cpu_isa)
             assert out is not None and out.dtype == dtype
             torch.testing.assert_close(out, expected, **tol)
             torch.testing.assert_close(native.conv_state, reference.conv_state, **tol, equal_nan=True)
-            torch.testing.assert_close(native.recurrent_state, reference.recurrent_state, **tol, equal_nan=True)
+            torch.testing.assert_close(native.recurrent_state, reference.recurrent_state, **state_tol, equal_nan=True)
             # No copy of the batch's states: the kernel is handed the whole bound tensors and the
             # slot indices, so no torch op ever reads state[slots] (which would gather) or writes it
             # back. We can only observe this from the outside: no torch op other than metadata reads
@@ -206,10 +228,11 @@ def _assert_levels_agree(results: dict) -> None:
 @pytest.mark.across_levels
 @pytest.mark.parametrize("dk,dv", [(32, 64), (16, 12), (128, 128), (24, 40), (8, 200), (64, 7)],
                          ids=["tile", "scalar-tail", "qwen", "avx2-tile+tail", "wide", "narrow"])
-def test_rule_kernel_is_the_same_bits_at_every_level(dk, dv):
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["state-fp32", "state-bf16"])
+def test_rule_kernel_is_the_same_bits_at_every_level(dk, dv, state_dtype):
     hk, hv, slots = 2, 4, [5, 1, 3]
-    state0 = _pattern((NUM_SLOTS, hv, dk, dv))
-    state0[slots] = torch.randn(len(slots), hv, dk, dv, generator=torch.Generator().manual_seed(0))
+    state0 = _pattern((NUM_SLOTS, hv, dk, dv), state_dtype)
+    state0[slots] = torch.randn(len(slots), hv, dk, dv, generator=torch.Generator().manual_seed(0)).to(state_dtype)
 
     def run(at):
         state, outs = state0.clone(), []

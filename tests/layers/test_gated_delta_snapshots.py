@@ -10,25 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3NextConfig
 
 from pagellm.layers.gated_delta_net import GatedDeltaNet
 from pagellm.kernels.attention_metadata import AttentionMetadata
+from tests.layers.tiny_delta import tiny_gated_delta_net
 
 NUM_ROWS = 16  # running slots 0-3, snapshot rows 4-15 (the runner's layout: slots first)
 
 
 @pytest.fixture(scope="module")
 def layer() -> GatedDeltaNet:
-    config = Qwen3NextConfig(hidden_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
-                             linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=4,
-                             num_hidden_layers=1, layer_types=["linear_attention"])
-    torch.manual_seed(0)
-    ours = GatedDeltaNet(config, fused_projections=True).eval()
-    with torch.no_grad():
-        for param in ours.parameters():
-            param.add_(torch.randn_like(param) * 0.2)
-    return ours
+    return tiny_gated_delta_net()
 
 
 def _bind(layer: GatedDeltaNet) -> None:

@@ -105,3 +105,21 @@ def test_shared_prefix_resumes_from_a_state_snapshot(checkpoint):
     assert first == again == expected[3]
     assert llm.stats()["prefix_cache_hit_tokens"] == (len(PROMPTS[3]) - 1) // 4 * 4  # 68 of 70 tokens
     assert llm.stats()["state_snapshots_used"] == 0
+
+
+def test_a_bf16_state_halves_its_bytes_and_keeps_greedy_ids(checkpoint):
+    """mamba_ssm_cache_dtype="bfloat16": the recurrent state is stored in bf16 (the rule still runs in fp32; its
+    rounding is checked bit for bit in tests/layers/test_gated_delta_state_dtype.py). On these checkpoints the
+    greedy ids stay HF's, whole prompts or chunked, and a repeated prompt resumes from a bf16 snapshot."""
+    from pagellm.runner.model_runner import state_bytes_per_slot
+
+    path, expected = checkpoint
+    wide, narrow = _llm(path), _llm(path, mamba_ssm_cache_dtype="bfloat16", enable_prefix_caching=True)
+    layers = narrow.engine.model.state_layers()
+    assert {layer.recurrent_state.dtype for layer in layers} == {torch.bfloat16}
+    halved = sum(layer.recurrent_state[0].numel() * 2 for layer in layers)
+    assert state_bytes_per_slot(wide.engine.model) - state_bytes_per_slot(narrow.engine.model) == halved
+    assert _generate(narrow) == expected
+    assert _generate(narrow) == expected  # the same prompts again: from the snapshots
+    assert narrow.stats()["prefix_cache_hit_tokens"] > 0
+    assert _generate(_llm(path, mamba_ssm_cache_dtype="bfloat16", max_num_batched_tokens=16, n_ubatch=8)) == expected

@@ -20,9 +20,9 @@ _CONV = Function("pagellm_gdn_conv_decode", (
     Tensor("conv_state", FLOATS), Tensor("slots", _SLOTS), Tensor("x", FLOATS), Tensor("weight", FLOATS),
     Tensor("out", FLOATS), Int("batch"), Int("channels"), Int("taps"), DtypeCode("x")))
 _RULE = Function("pagellm_gdn_rule_decode", (
-    Tensor("state", _F32), Tensor("slots", _SLOTS),
+    Tensor("state", FLOATS), Tensor("slots", _SLOTS),
     *(Tensor(name, _F32) for name in ("q", "k", "v", "g", "beta", "out")),
-    Int("batch"), Int("k_heads"), Int("v_heads"), Int("dk"), Int("dv")))
+    Int("batch"), Int("k_heads"), Int("v_heads"), Int("dk"), Int("dv"), DtypeCode("state")))
 _LIBRARY = native.Library("gated_delta_decode", [_CONV, _RULE], "Gated DeltaNet decode")
 LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
 _SYMBOLS = {"conv": _CONV.symbol, "rule": _RULE.symbol}
@@ -76,9 +76,9 @@ def rule_decode_(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: t
                  g: torch.Tensor, beta: torch.Tensor, at: str) -> torch.Tensor:
     """One token of the gated delta rule on state[slots[b], h] in place -> out [B, Hv, dv] fp32.
 
-    state [S, Hv, dk, dv] fp32; q, k [B, Hk, dk] fp32, already l2-normalised (q scaled), one
-    per key head (value head h reads key head h // (Hv / Hk)); v [B, Hv, dv], g, beta [B, Hv]
-    fp32.
+    state [S, Hv, dk, dv] fp32 or bf16 (computed in fp32, rounded once when written back); q, k [B, Hk, dk]
+    fp32, already l2-normalised (q scaled), one per key head (value head h reads key head h // (Hv / Hk));
+    v [B, Hv, dv], g, beta [B, Hv] fp32.
     """
     if not _RULE.accepts(state=state, q=q, k=k, v=v, g=g, beta=beta, slots=slots) or slots.dim() != 1:
         raise refuse("rule_decode_", f"state {state.dtype}, q {q.dtype}, v {v.dtype}")

@@ -18,6 +18,19 @@ import triton.language as tl
 CONV_BLOCK = 128  # channels a conv program updates
 COPY_BLOCK = 1024  # elements of a state row a copy program moves
 STATE_BLOCK_V = 32  # value columns of one head's state a rule program holds: [dk, 32] fp32 in registers
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent state's, read into fp32 and rounded back
+
+
+@triton.jit
+def stored_state(s, state_ptr):
+    """s (fp32) as the state's dtype: a bf16 state rounded to nearest even by its bits, as torch and the CPU
+    kernels round (a GPU's cast does too; the interpreter's truncates, and its tests check these bits)."""
+    if state_ptr.dtype.element_ty == tl.bfloat16:
+        bits = s.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return s
 
 
 @triton.jit
@@ -67,10 +80,10 @@ def _rule_decode_kernel(state_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_p
         beta = tl.load(beta_ptr + b * s_g + h)
         cells = state_ptr + slot.to(tl.int64) * s_state_slot + h * s_state_head + kk[:, None] * DV + vv[None, :]
         ok = k_ok[:, None] & v_ok[None, :]
-        s = tl.load(cells, mask=ok, other=0.0) * decay  # [BLOCK_K, BLOCK_V]
+        s = tl.load(cells, mask=ok, other=0.0).to(tl.float32) * decay  # [BLOCK_K, BLOCK_V] fp32, whatever is held
         delta = beta * (v - tl.sum(s * k[:, None], axis=0))  # [BLOCK_V]
         s += k[:, None] * delta[None, :]
-        tl.store(cells, s, mask=ok)
+        tl.store(cells, stored_state(s, state_ptr), mask=ok)  # a bf16 state rounded once a step
         tl.store(out_ptr + b * s_out + h * s_outh + vv, tl.sum(s * q[:, None], axis=0), mask=v_ok)
 
 
@@ -106,8 +119,8 @@ def copy_state_rows_(conv_state: torch.Tensor, recurrent_state: torch.Tensor, sr
 def check_decode(conv_state: torch.Tensor, recurrent_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  slots: list[int]) -> None:
     """Raises unless both kernels take this decode step (before either touches a state): one dtype for the conv
-    state, x and weight, an fp32 recurrent state, every slot below the states' count (negative: padding)."""
-    if not (conv_state.dtype == weight.dtype == x.dtype and recurrent_state.dtype == torch.float32 and slots):
+    state, x and weight, an fp32 or bf16 recurrent state, every slot below the states' count (negative: padding)."""
+    if not (conv_state.dtype == weight.dtype == x.dtype and recurrent_state.dtype in STATE_DTYPES and slots):
         raise ValueError(f"gated delta decode: conv state {conv_state.dtype}, x {x.dtype}, weight {weight.dtype}, "
                          f"state {recurrent_state.dtype}, {len(slots)} slots")
     num_slots = min(conv_state.shape[0], recurrent_state.shape[0])
@@ -119,6 +132,14 @@ def _slots_ok(slots: torch.Tensor, count: int, device: torch.device) -> None:
     if slots.dtype != torch.int64 or slots.dim() != 1 or slots.numel() != count or slots.device != device:
         raise ValueError(f"slots: a [{count}] int64 tensor on {device} is needed, got {slots.dtype} "
                          f"{list(slots.shape)} on {slots.device}")
+
+
+def not_rule_inputs(state: torch.Tensor, *fp32: torch.Tensor) -> bool:
+    """Whether the rule kernels refuse these: a state of STATE_DTYPES and the rest fp32, all contiguous, q and k
+    (the first two of fp32) of one stride."""
+    tensors = (state, *fp32)
+    return (state.dtype not in STATE_DTYPES or any(t.dtype != torch.float32 for t in fp32)
+            or not all(t.is_contiguous() for t in tensors) or fp32[0].stride() != fp32[1].stride())
 
 
 def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -139,14 +160,14 @@ def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
 def rule_decode_(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """One token of the gated delta rule on state[slots[b], h] in place -> out [B, Hv, dv] fp32. state [S, Hv, dk,
-    dv] fp32; q, k [B, Hk, dk] fp32 (l2-normalised, q scaled), value head h reading key head h // (Hv / Hk);
-    v [B, Hv, dv], g, beta [B, Hv] fp32."""
+    dv] fp32 or bf16 (computed in fp32); q, k [B, Hk, dk] fp32 (l2-normalised, q scaled), value head h reading
+    key head h // (Hv / Hk); v [B, Hv, dv], g, beta [B, Hv] fp32."""
     _, v_heads, dk, dv = state.shape
     batch, k_heads = q.shape[:2]
     _slots_ok(slots, batch, q.device)
-    tensors = (state, q, k, v, g, beta)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or k.stride() != q.stride():
-        raise ValueError("rule_decode_: state, q, k, v, g and beta must be contiguous fp32")
+    if not_rule_inputs(state, q, k, v, g, beta):
+        raise ValueError("rule_decode_: q, k, v, g and beta must be contiguous fp32, the state contiguous fp32 or "
+                         "bf16")
     out = torch.empty(batch, v_heads, dv, dtype=torch.float32, device=q.device)
     if batch:
         block_v = min(STATE_BLOCK_V, triton.next_power_of_2(dv))

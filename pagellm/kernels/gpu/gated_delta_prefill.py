@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.gpu.gated_delta import not_rule_inputs, stored_state
 from pagellm.kernels.reference.gated_delta import CHUNK_SIZE, PrefillSequence
 
 STATE_BLOCK_V = 32  # value columns of one head's state a program holds: [dk, 32] fp32
@@ -63,7 +64,8 @@ def _chunked_rule_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
     cells = h * s_state_head + kk[:, None] * DV + vv[None, :]  # [BLOCK_K, BLOCK_V] within a state row
     slot_cells = state_ptr + tl.load(seq_slot_ptr + seq).to(tl.int64) * s_state_slot + cells
     stale = tl.full([BLOCK_K, BLOCK_V], tl.load(seq_fresh_ptr + seq), tl.int64) == 0
-    s = tl.load(slot_cells, mask=ok & stale, other=0.0)  # a fresh request starts from zeros: its slot is not read
+    # a fresh request starts from zeros: its slot is not read; a bf16 state is widened, the rule runs in fp32
+    s = tl.load(slot_cells, mask=ok & stale, other=0.0).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     for c in range(tl.load(seq_chunks_ptr + seq), tl.load(seq_chunks_ptr + seq + 1)):
@@ -96,8 +98,10 @@ def _chunked_rule_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_pt
         s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision=PRECISION)
         snapshot = tl.load(chunk_row_ptr + c)
         if snapshot >= 0:  # a block boundary (or a draft) ends here: the state after it, to its row
-            tl.store(state_ptr + snapshot.to(tl.int64) * s_state_slot + cells, s, mask=ok)
-    tl.store(slot_cells, s, mask=ok)
+            kept = stored_state(s, state_ptr)
+            tl.store(state_ptr + snapshot.to(tl.int64) * s_state_slot + cells, kept, mask=ok)
+            s = kept.to(tl.float32)  # on from what a request resumed from the row reads (a bf16 state: rounded)
+    tl.store(slot_cells, stored_state(s, state_ptr), mask=ok)  # a bf16 state rounded once, at the end
 
 
 def chunk_table(sequences: list[PrefillSequence], chunk: int = CHUNK_SIZE) -> tuple[list[int], ...]:
@@ -129,15 +133,15 @@ def rule_prefill_(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                   beta: torch.Tensor, sequences: list[PrefillSequence], block_v: int = STATE_BLOCK_V,
                   precision: str = DOT_PRECISION, num_warps: int = 4) -> torch.Tensor:
     """The rule over each request's tokens from its slot's state (zeros when fresh), the slots and snapshot rows
-    written in place -> out [T, Hv, dv] fp32. state [S, Hv, dk, dv] fp32; q, k [T, Hk, dk] fp32 (l2-normalised,
-    q scaled), value head h reading key head h // (Hv / Hk); v [T, Hv, dv], g, beta [T, Hv] fp32; the requests'
-    token ranges (`start`, `length`) index T. block_v, precision, num_warps: the launch's tile (the device check
-    times others)."""
+    written in place -> out [T, Hv, dv] fp32. state [S, Hv, dk, dv] fp32 or bf16 (computed in fp32); q, k [T, Hk,
+    dk] fp32 (l2-normalised, q scaled), value head h reading key head h // (Hv / Hk); v [T, Hv, dv], g, beta [T, Hv]
+    fp32; the requests' token ranges (`start`, `length`) index T. block_v, precision, num_warps: the launch's tile
+    (the device check times others)."""
     _, v_heads, dk, dv = state.shape
     tokens, k_heads = q.shape[:2]
-    tensors = (state, q, k, v, g, beta)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or k.stride() != q.stride():
-        raise ValueError("rule_prefill_: state, q, k, v, g and beta must be contiguous fp32")
+    if not_rule_inputs(state, q, k, v, g, beta):
+        raise ValueError("rule_prefill_: q, k, v, g and beta must be contiguous fp32, the state contiguous fp32 or "
+                         "bf16")
     out = torch.zeros(tokens, v_heads, dv, dtype=torch.float32, device=q.device)
     if not sequences:
         return out

@@ -9,7 +9,9 @@
 // Two entry points, each one call per layer per decode step:
 //   pagellm_gdn_conv_decode:  causal depthwise conv + SiLU over [conv_state[s] | x], then
 //                             x shifted into conv_state[s] (fp32 or bf16, as the layer).
-//   pagellm_gdn_rule_decode:  the gated delta rule on recurrent_state[s, h] (fp32).
+//   pagellm_gdn_rule_decode:  the gated delta rule on recurrent_state[s, h] (fp32, or bf16: each head's matrix
+//                             widened into an fp32 scratch, updated there as an fp32 one is, then rounded back,
+//                             as the torch reference does; half the bytes read and written per step).
 //
 // The rule follows pagellm/kernels/gated_delta.py:gated_delta_step_ operation by operation
 // (so the two agree to fp32 rounding):
@@ -285,22 +287,31 @@ void pagellm_gdn_conv_decode(void* conv_state, const int64_t* slots, const void*
         conv_decode<0>(conv_state, slots, x, weight, out, batch, channels, taps);
 }
 
-// state [S, Hv, dk, dv] fp32 (updated in place for the given slots only); q, k [B, Hk, dk]
+// state [S, Hv, dk, dv] fp32 or bf16 (state_bf16; updated in place for the given slots only); q, k [B, Hk, dk]
 // fp32 (normalised / scaled; value head h reads key head h / (Hv / Hk)); v, out [B, Hv, dv];
-// g, beta [B, Hv]; all fp32 and contiguous.
-void pagellm_gdn_rule_decode(float* state, const int64_t* slots, const float* q, const float* k, const float* v,
+// g, beta [B, Hv]; all but the state fp32, all contiguous.
+void pagellm_gdn_rule_decode(void* state, const int64_t* slots, const float* q, const float* k, const float* v,
                              const float* g, const float* beta, float* out, int64_t batch, int64_t k_heads,
-                             int64_t v_heads, int64_t dk, int64_t dv) {
-    const int64_t ratio = v_heads / k_heads;
+                             int64_t v_heads, int64_t dk, int64_t dv, int state_bf16) {
+    const int64_t ratio = v_heads / k_heads, cells = dk * dv;
     // One head is ~dk*dv*2 FMAs; fork only when there is more than a couple of heads' work.
 #pragma omp parallel if (batch * v_heads > 1)
     {
-        float* scratch = new float[3 * dv];
+        float* scratch = new float[3 * dv + (state_bf16 ? cells : 0)];
+        float* widened = scratch + 3 * dv;  // a bf16 head's matrix in fp32
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < batch * v_heads; ++i) {
             const int64_t b = i / v_heads, h = i % v_heads, kh = b * k_heads + h / ratio;
-            float* S = state + (slots[b] * v_heads + h) * dk * dv;
-            rule_head(S, q + kh * dk, k + kh * dk, v + i * dv, g[i], beta[i], out + i * dv, dk, dv, scratch);
+            const int64_t at = (slots[b] * v_heads + h) * cells;
+            if (!state_bf16) {
+                rule_head(static_cast<float*>(state) + at, q + kh * dk, k + kh * dk, v + i * dv, g[i], beta[i],
+                          out + i * dv, dk, dv, scratch);
+                continue;
+            }
+            uint16_t* held = static_cast<uint16_t*>(state) + at;
+            for (int64_t c = 0; c < cells; ++c) widened[c] = bf16_to_f32(held[c]);
+            rule_head(widened, q + kh * dk, k + kh * dk, v + i * dv, g[i], beta[i], out + i * dv, dk, dv, scratch);
+            for (int64_t c = 0; c < cells; ++c) held[c] = f32_to_bf16(widened[c]);
         }
         delete[] scratch;
     }
