@@ -10,7 +10,8 @@
 #                                              verify step against a decode step (8B), llama.cpp's CUDA build (its
 #                                              compile starts in the first call) on the 8B file, the grouped MoE
 #                                              launches' tiles at 35B-A3B (kernels/gpu/moe_tiles.json's entries),
-#                                              and the 35B-A3B file in Q4_K_M blocks against llama.cpp
+#                                              the 35B-A3B's rows with its recurrent state in bf16, and the
+#                                              35B-A3B file in Q4_K_M blocks against llama.cpp
 #   tools/device-checks.sh cpu OUT_DIR         the rehearsal here, at tiny shapes
 #
 # Next, when the budget allows (each server start loads the model again): the original documents' serving run,
@@ -86,6 +87,8 @@ print('copy bandwidth GB/s (read):', roofline.measure_read_bandwidth(4 << 30, de
     fi
     run 150 moe-tiles $PY -m pagellm bench device-check --device cuda --shapes "" --skip-checks --serve-prompts 0 \
       --peers none --moe-tiles-shape qwen3.5-35b-a3b --out "$OUT/moe-tiles.json"   # entries for moe_tiles.json
+    run 60 hybrid-bf16-state $PY -m pagellm "${HYBRID[@]}" --modes graphs-async --npl 1,64,128 \
+      --mamba-ssm-cache-dtype bfloat16 --out "$OUT/hybrid-bf16-state.json"   # against hybrid-graphs' fp32 rows
     run 200 gguf-35b-a3b $PY -m pagellm bench device-gguf --device cuda --shape qwen3.5-35b-a3b --npl 1,8,32 \
       --pp 128 --tg 128 --skip-checks --engines pagellm-gguf,llama.cpp "${PEER[@]}" "${COMMIT[@]}" \
       --file /tmp/qwen3.5-35b-a3b-q4_k_m.gguf --out "$OUT/gguf-35b-a3b.json"

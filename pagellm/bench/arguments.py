@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from pagellm.config import STATE_DTYPES
+
 
 def int_list(text: str) -> list[int]:
     try:
@@ -49,3 +51,8 @@ def add_collectives_arguments(parser) -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="E, hidden size (default 1024)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5, help="rounds of 10 combines; the best is reported")
+
+
+def add_state_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=STATE_DTYPES,
+                        help="hybrid models' recurrent state (default auto: the checkpoint's, else float32)")

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pagellm.bench.arguments import add_collectives_arguments, add_output_arguments, int_list
+from pagellm.bench.arguments import (add_collectives_arguments, add_output_arguments, add_state_dtype_argument,
+                                     int_list)
 from pagellm.bench.device_arguments import add_device_check_parser, add_device_gguf_parser
 from pagellm.eval.cli import add_model_mode_args, set_threads
 
@@ -21,6 +22,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="pagellm K/V storage (default auto: float16 for a GGUF as stored, bfloat16 under another "
                              "auto float32, else the dtype)")
+    add_state_dtype_argument(parser)
+
 
 
 def _add_device(parser: argparse.ArgumentParser) -> None:
@@ -94,8 +97,30 @@ def add_bench_parser(subparsers) -> None:
                                    "all-reduce vs all-to-all (the MoE expert-parallel choice)")
     add_collectives_arguments(collectives)
     collectives.set_defaults(func=_run_collectives)
+    _add_state_dtype_parser(kinds)
     _add_serve_parsers(kinds)
     _add_speculative_parser(kinds)
+
+
+def _add_state_dtype_parser(kinds) -> None:
+    state = kinds.add_parser("state-dtype", help="a hybrid model's recurrent state in bf16 against fp32: the decode "
+                             "rule's time per step on this CPU, and the outputs' drift by decay")
+    state.add_argument("--npl", type=int_list, default=[1, 8, 32], help="requests a step (default 1,8,32)")
+    state.add_argument("--layers", type=int, default=30, help="DeltaNet layers a step (default 30, the 35B-A3B's)")
+    state.add_argument("--repeats", type=int, default=5, help="timed steps of each figure (median)")
+    state.add_argument("--rounds", type=int, default=2, help="the two dtypes alternated this many times")
+    state.add_argument("--tokens", type=int, default=4096, help="decode tokens of each drift row (default 4096)")
+    state.add_argument("--decays", type=lambda text: [float(x) for x in text.split(",")],
+                       default=[0.9, 0.99, 0.999, 0.9999], help="decays e^g of the drift rows")
+    state.add_argument("--seed", type=int, default=0)
+    add_output_arguments(state, "state-dtype", "write the rows to FILE.json")
+    state.set_defaults(func=_run_state_dtype)
+
+
+def _run_state_dtype(args: argparse.Namespace) -> int:
+    from pagellm.bench import state_dtype
+
+    return state_dtype.main(args)
 
 
 def _add_speculative_parser(kinds) -> None:
@@ -209,6 +234,7 @@ def _run_batched(args: argparse.Namespace) -> int:
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), max(args.pp), max(args.tg),
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                                   kv_cache_dtype=args.kv_cache_dtype,
+                                  mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                                   quantization=args.quantization, cpu_isa=args.cpu_isa,
                                   device=args.device, load_format=args.load_format,
                                   enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,

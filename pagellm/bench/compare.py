@@ -148,6 +148,7 @@ def main(args: argparse.Namespace) -> int:
     engine = batched.build_engine(args.model, args.dtype, max(args.npl), args.pp, args.tg,
                                   block_size=args.block_size, kv_cache_memory=kv_cache_memory,
                                   kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                                  mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                                   cpu_isa=args.cpu_isa, device=args.device, load_format=args.load_format,
                                   enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     machine = report.machine_info(report.dtype_name(engine.dtype), engine.kernels)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagellm.bench.arguments import add_output_arguments, int_list
+from pagellm.bench.arguments import add_output_arguments, add_state_dtype_argument, int_list
 
 
 def _names(text: str) -> list[str]:
@@ -23,6 +23,7 @@ def _add_rows_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute dtype (default auto: bfloat16 on CUDA)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    add_state_dtype_argument(parser)
 
 
 def add_device_check_parser(kinds) -> None:

@@ -200,9 +200,10 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
     medians of --repeats, engines alternating."""
     engine = batched.build_engine(str(directory), args.dtype, max(args.npl), args.pp, args.tg,
                                   kv_cache_memory=args.kv_cache_memory or kv_gib(shape, args), device=args.device,
-                                  load_format="dummy", **device_steps.MODES["eager"])
+                                  load_format="dummy", mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                                  **device_steps.MODES["eager"])
     try:
-        runners, model = {}, None
+        runners, model, state = {}, None, device_steps.state_dtype_of(engine)
         if "eager" in args.modes:
             runners["pagellm-eager"] = functools.partial(batched.timed_run, engine)
         for peer in args.peers:
@@ -215,6 +216,7 @@ def speed(args: argparse.Namespace, shape: str, directory: Path) -> list[dict]:
     finally:
         engine.shutdown()
     return [{"shape": shape, "B": b, "engine": name, "PP": args.pp, "TG": args.tg, **figure,
+             "state": state if name == "pagellm-eager" else None,  # HF's runs its own
              "gpu_idle_ms_per_step": idle.get(b) if name == "pagellm-eager" else None}
             for (name, b), figure in figures.items()]
 

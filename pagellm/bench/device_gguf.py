@@ -128,7 +128,8 @@ def speed(args: argparse.Namespace, path: Path) -> list[dict]:
     kv = device_check.kv_gib(args.shape, args) if args.shape in HYBRID_SHAPES else \
         device_check.kv_gib_for(SHAPES[args.shape], args)
     engines = {name: batched.build_engine(str(path), args.dtype, max(args.npl), args.pp, args.tg, device=args.device,
-                                          kv_cache_memory=kv, quantization=q, **mode)
+                                          kv_cache_memory=kv, quantization=q,
+                                          mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, **mode)
                for name, q in ENGINES.items() if name in args.engines}
     if not engines:
         return []
@@ -137,13 +138,14 @@ def speed(args: argparse.Namespace, path: Path) -> list[dict]:
         vocab = next(iter(engines.values())).hf_config.vocab_size
         figures = device_check.alternated(args, args.shape, runners, vocab, random.Random(args.seed))
         held = {name: engine.memory["weight_bytes"] / 2**30 for name, engine in engines.items()}
+        state = device_steps.state_dtype_of(next(iter(engines.values())))
         weights = {name: "q4_k_m" if ENGINES[name] == "auto" else f"q4_k_m as {report.engine_dtypes(engine)}"
                    for name, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.shutdown()
     return [{"engine": name, "shape": args.shape, "weights": weights[name], "B": b, "PP": args.pp, "TG": args.tg,
-             "weight_gib": held[name], **figure} for (name, b), figure in figures.items()]
+             "weight_gib": held[name], "state": state, **figure} for (name, b), figure in figures.items()]
 
 
 def llama_cpp_rows(binary: str, path: Path, args: argparse.Namespace) -> list[dict]:

@@ -109,6 +109,12 @@ class _flagged_syncs:
             self.count = sum("synchroniz" in str(w.message) for w in self._records)
 
 
+def state_dtype_of(engine) -> str | None:
+    """A hybrid model's recurrent state's dtype ("float32"), None for a model without one: a row's "state"."""
+    layers = getattr(engine.model, "state_layers", list)()
+    return str(layers[0].state_dtype).removeprefix("torch.") if layers else None
+
+
 def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: float, errors: dict[str, str],
                measured=lambda rows: None) -> list[dict]:
     """llama-batched-bench rows of each step mode of --modes at `shape`, engine after engine (medians of
@@ -128,7 +134,8 @@ def speed_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: f
 def _mode_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: float, mode: str) -> list[dict]:
     rows = []
     engine = batched.build_engine(str(config_dir), args.dtype, max(args.npl), args.pp, args.tg,
-                                  kv_cache_memory=kv_gib, device=args.device, load_format="dummy", **MODES[mode])
+                                  kv_cache_memory=kv_gib, device=args.device, load_format="dummy",
+                                  mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, **MODES[mode])
     try:
         rng, vocab = random.Random(args.seed), engine.hf_config.vocab_size
         for b in args.npl:  # warm-up at every measured shape
@@ -142,6 +149,7 @@ def _mode_rows(args: argparse.Namespace, shape: str, config_dir: Path, kv_gib: f
             after = engine.stats()
             decode_steps = sum(after[k] - before[k] for k in ("step_reuse_hits", "step_reuse_misses"))
             row = {"shape": shape, "B": b, "engine": f"pagellm-{mode}", "PP": args.pp, "TG": args.tg,
+                   "state": state_dtype_of(engine),
                    **{k: statistics.median(r[k] for r in figures) for k in ("S_PP", "S_TG")},
                    "graph_replay_rate": (after["decode_graph_replays"] - before["decode_graph_replays"])
                    / max(decode_steps, 1),

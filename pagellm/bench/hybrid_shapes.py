@@ -2,7 +2,8 @@
 shapes): Qwen3.5-35B-A3B (Gated DeltaNet and gated attention, 256 experts) and Qwen3.5-27B (the same layout,
 dense MLP), from their published configurations (the model cards: 40 / 64 layers, three Gated DeltaNet layers to
 one of gated attention, 16 key and 32 / 48 value heads of 128 in the DeltaNet, 16 / 24 query and 2 / 4 KV heads of
-256 in attention, a quarter of each head rotated, vocabulary 248320); "tiny-hybrid" rehearses them on a CPU."""
+256 in attention, a quarter of each head rotated, vocabulary 248320); "tiny-hybrid" rehearses them on a CPU, and
+"qwen3.5-35b-a3b-4-layers" measures the 35B-A3B's layers on one."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ HYBRID_SHAPES = {
                             linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
                             num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                             shared_expert_intermediate_size=512, vocab_size=248320, rope_theta=10000000.0),
+    # its first four layers (three DeltaNet, one attention) and a 32000 vocabulary: its layers on a CPU's memory
+    "qwen3.5-35b-a3b-4-layers": dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=4,
+                                     num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                     linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                                     linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                                     moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=32000,
+                                     rope_theta=10000000.0),
     "qwen3.5-27b": dict(model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=64, num_attention_heads=24,
                         num_key_value_heads=4, head_dim=256, intermediate_size=17408, linear_key_head_dim=128,
                         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48,

@@ -87,14 +87,15 @@ def test_a_hybrid_shape_rehearses_beside_hf_and_serves_a_shared_prefix(tmp_path,
     """The hybrid MoE shape on the CPU: pagellm eager and with async scheduling, HF transformers' own
     implementation of the same weights, and a serving run of that shape whose prompts share 100 tokens (prefix
     hits through the state snapshots), twice against each server (memory read after each), then a prompt too long
-    for any context: a 400."""
+    for any context: a 400. pagellm's rows keep the recurrent state in bf16, and say so."""
     out = tmp_path / "check.json"
     run_cli(capsys, "device-check", "--device", "cpu", "--shapes", "tiny-hybrid", "--npl", "1", "--pp", "8",
             "--tg", "2", "--peers", "hf", "--serve-prompts", "6", "--serve-shape", "tiny-hybrid",
             "--serve-shared-prefix", "100", "--serve-max-seqs", "4", "--serve-rate", "50", "--serve-rounds", "2",
-            "--out", str(out))
+            "--mamba-ssm-cache-dtype", "bfloat16", "--out", str(out))
     result = json.loads(out.read_text())
     assert {r["engine"] for r in result["rows"]} == {"pagellm-eager", "pagellm-async", "hf-transformers"}
+    assert {r["state"] for r in result["rows"] if r["engine"].startswith("pagellm")} == {"bfloat16"}
     assert not result["errors"] and set(result["serving"]) == {"eager", "async"}
     assert all(r["completed"] == 6 and not r["failed"] and r["prefix_cache_hit_ratio"] > 0
                and len(r["memory_mib_after_each_round"]) == 2 and r["too_long_status"] == 400
