@@ -3,9 +3,10 @@ a CPU at tiny shapes.
 
     1. numerics: the Triton matmuls on real tensors (a sample of a real GGUF's Q4_K, Q5_0 and Q6_K tensors,
        --sample, carried to the device) at every kernel's M, against the exact product of the dequantized weights
-       in fp64: the worst error over bf16's rounding bound (on a CPU: fp32 under TRITON_INTERPRET=1);
-    2. crossovers: each kernel timed per M at an 8B MLP matrix, per format: the fastest, and where it changes
-       (CUDA only);
+       in fp64: the worst error over bf16's rounding bound (on a CPU: fp32 under TRITON_INTERPRET=1), plus the
+       activations' rounding for the int8 gemv, and each kernel's relative error (the accuracy beside its speed);
+    2. crossovers: each kernel timed per M at an 8B MLP matrix, per format: the fastest, and where it changes,
+       and where the int8 gemv beats the bf16 one (CUDA only);
     3. speed: a Q4_K_M Llama (or Qwen3.5-MoE: bench/hybrid_gguf.py) of the shape written on the machine itself,
        then llama-batched-bench rows (PP, TG, npl) for the file in planes, the same file dequantized to bf16
        (--quantization none), graphs on, engines alternating; and llama.cpp's own `llama-batched-bench` on the
@@ -69,15 +70,21 @@ def numerics(device: str, sample: Path | None) -> dict:
         planes = planes_of(tensor.data, kind, (rows, int(tensor.shape[0]))).to(device)
         weight = gguf_planes.dequantize(planes).double()
         crossovers = gguf_matmul.CROSSOVERS[kind]
-        for name, m in (("gemv", 1), ("gemv", crossovers.gemv_max), ("dot", crossovers.gemv_max + 8),
-                        ("dense", crossovers.dot_max + 8)):
+        for name, m in (("gemv", 1), ("gemv", crossovers.gemv_max), ("gemv-q8", 1), ("gemv-q8", crossovers.gemv_max),
+                        ("dot", crossovers.gemv_max + 8), ("dense", crossovers.dot_max + 8)):
             x = torch.randn(m, planes.cols, generator=generator).to(device, dtype)
-            got = gguf_matmul.BoundPlanesMatmul([planes], None)(x).double()
+            int8 = name == "gemv-q8"
+            got = gguf_matmul.BoundPlanesMatmul([planes], None, int8_activations=int8)(x).double()
             exact = x.double() @ weight.T
             # bf16: the output's rounding, and the dot/dense kernels' weights rounded to bf16: 2^-8 of |x| |w|
             bound = (2.0**-8 if dtype == torch.bfloat16 else 1e-6) * (x.double().abs() @ weight.abs().T) + 1e-30
+            if int8:  # each activation within half its group's step (kernels/gpu/gguf_gemv_q8.py)
+                step = gguf_planes.quantize_rows(x)[1].double().repeat_interleave(32, dim=1) / 2
+                bound = bound + step @ weight.abs().T
             worst = ((got - exact).abs() / bound).max().item()
-            results[f"{tensor.name} {kind.name} {name} M={m}"] = {"worst_error_over_bound": worst, "ok": worst <= 1}
+            results[f"{tensor.name} {kind.name} {name} M={m}"] = {
+                "worst_error_over_bound": worst, "ok": worst <= 1,
+                "relative_error": ((got - exact).norm() / exact.norm()).item()}  # the accuracy beside the speed
     return results
 
 
@@ -85,7 +92,7 @@ def crossovers(device: str, shape: dict) -> dict:
     """Each kernel's time per M at the shape's gate/up matrix [I, E], per format, and the fastest per M."""
     if torch.device(device).type != "cuda":
         return {"not_run": "timing the kernels needs CUDA"}
-    from pagellm.kernels.gpu import gguf_matmul
+    from pagellm.kernels.gpu import gguf_gemv_q8, gguf_matmul
     from pagellm.loader.gguf_planes import planes_of
 
     rng, result = np.random.default_rng(0), {}
@@ -97,14 +104,17 @@ def crossovers(device: str, shape: dict) -> dict:
             x = torch.randn(m, cols, device=device, dtype=torch.bfloat16)
             out = torch.empty(m, rows, device=device, dtype=torch.bfloat16)
             kernels = {"dense": lambda: bound._dense(x, out)}
-            if m <= 8:
+            if m <= 8:  # the int8 gemv's time includes quantizing the activations
                 kernels["gemv"] = lambda: bound._gemv(x, planes, None, out)
+                kernels["gemv-q8"] = lambda: bound._gemv(x, planes, None, out, gguf_gemv_q8.quantize_rows(x))
             if m >= 16:
                 kernels["dot"] = lambda: bound._dot(x, planes, None, out)
             times[m] = {name: _cuda_ms(run) for name, run in kernels.items()}
         fastest = {m: min(t, key=t.get) for m, t in times.items()}
         result[kind.name] = {"ms": times, "fastest": fastest,
-                             "gemv_max": max([m for m, k in fastest.items() if k == "gemv"], default=0),
+                             "gemv_max": max([m for m, k in fastest.items() if k.startswith("gemv")], default=0),
+                             "int8_gemv_faster_at": [m for m, t in times.items() if "gemv" in t
+                                                     and t["gemv-q8"] < t["gemv"]],
                              "dot_max": max([m for m, k in fastest.items() if k == "dot"], default=0)}
     return result
 
@@ -203,7 +213,8 @@ def checks(args: argparse.Namespace) -> dict:
              "crossovers": crossovers(args.device, SHAPES.get(args.shape, SHAPES["8b"]))}
     print(f"numerics (Triton on real tensors vs fp64): {found['numerics']}")
     crossed = found["crossovers"]
-    print("crossovers:", crossed.get("not_run") or {kind: (v["gemv_max"], v["dot_max"]) for kind, v in crossed.items()})
+    print("crossovers (gemv to M, tiles to M, int8 gemv faster at M):", crossed.get("not_run") or {
+        kind: (v["gemv_max"], v["dot_max"], v["int8_gemv_faster_at"]) for kind, v in crossed.items()})
     return found
 
 

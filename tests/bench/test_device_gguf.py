@@ -43,7 +43,10 @@ def test_the_cpu_rehearsal_checks_a_sample_and_measures_both_engines(tmp_path, c
                 "2", "--sample", str(tmp_path / "sample.gguf"), "--commit", "abc", "--out", str(out))
     result = json.loads(out.read_text())
     numerics = result["checks"]["numerics"]
-    assert len(numerics) == 4 * 4 and all(r["ok"] for r in numerics.values())  # each tensor at each kernel's M
+    assert len(numerics) == 4 * 6 and all(r["ok"] for r in numerics.values())  # each tensor at each kernel's M
+    int8, bf16 = (max(r["relative_error"] for k, r in numerics.items() if f" {name} " in k) for name in ("gemv-q8",
+                                                                                                    "gemv"))
+    assert bf16 < 1e-5 < int8 < 0.02  # the activations' rounding shows, and stays small
     assert "not_run" in result["checks"]["crossovers"]  # timing needs CUDA
     rows = {(r["engine"], r["B"]): r for r in result["rows"]}
     assert set(rows) == {(e, b) for e in ("pagellm-gguf", "pagellm-dequantized") for b in (1, 2)}

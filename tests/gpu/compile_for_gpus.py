@@ -15,7 +15,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagellm.kernels.gpu import attention as triton_attention, gated_delta, gated_delta_prefill, gguf_matmul, moe
+from pagellm.kernels.gpu import attention as triton_attention, gated_delta, gated_delta_prefill
+from pagellm.kernels.gpu import gguf_gemv_q8, gguf_matmul, moe
 from pagellm.kernels.gpu import layer_ops as triton_layer_ops
 from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS, T
 
@@ -98,16 +99,17 @@ def compile_layer_op(name: str, constexprs: dict, arch: int) -> int:
 # its largest M, the tile kernel and the dequantization (bf16 activations)
 GGUF_VARIANTS = [("_gemv_kernel", t, 1, True) for t in FORMATS] + [
     (kernel, t, 8, False) for t in (T.Q4_K, T.Q6_K, T.Q8_0)
-    for kernel in ("_gemv_kernel", "_dot_kernel", "_dequant_kernel")]
+    for kernel in ("_gemv_kernel", "_dot_kernel", "_dequant_kernel")] + [
+    ("_gemv_q8_kernel", t, 1, True) for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0)] + [("_gemv_q8_kernel", T.Q4_K, 8, False)]
 _PLANE_POINTERS = {"qs_ptr": "*u8", "qh_ptr": "*u8", "sc_ptr": "*u8", "mn_ptr": "*u8", "d_ptr": "*fp16",
-                   "dm_ptr": "*fp16", "part_ptr": "*fp32", "ids_ptr": "*i64"}
+                   "dm_ptr": "*fp16", "part_ptr": "*fp32", "ids_ptr": "*i64", "a_ptr": "*i8", "dx_ptr": "*fp32"}
 
 
 def compile_gguf(name: str, ggml_type, block_m: int, direct: bool, arch: int) -> int:
     """The cubin size of one GGUF kernel over `ggml_type`'s planes, as BoundPlanesMatmul launches it."""
-    kernel = getattr(gguf_matmul, name)
+    kernel = getattr(gguf_gemv_q8 if name == "_gemv_q8_kernel" else gguf_matmul, name)
     fmt = dict(FMT=FORMATS.index(ggml_type), RUN=RUNS[ggml_type])
-    if name == "_gemv_kernel":
+    if name in ("_gemv_kernel", "_gemv_q8_kernel"):
         constexprs = dict(HAS_BIAS=False, DIRECT=direct, BM=block_m, BN=gguf_matmul.GEMV_TILES[block_m][1],
                           BH=gguf_matmul.GEMV_TILES[block_m][2], **fmt)
     elif name == "_dot_kernel":
@@ -120,6 +122,15 @@ def compile_gguf(name: str, ggml_type, block_m: int, direct: bool, arch: int) ->
                     sc_ptr="*i8" if ggml_type == T.Q6_K else "*u8")
     signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "*bf16") if arg.endswith("_ptr")
                  else "i32" for arg in kernel.arg_names}
+    return _cubin_size(kernel, signature, constexprs, arch)
+
+
+def compile_gguf_quantize(arch: int) -> int:
+    """The int8 gemv's activation quantization, from bf16."""
+    kernel = gguf_gemv_q8._quantize_kernel
+    constexprs = dict(GROUPS=gguf_gemv_q8.QUANTIZE_GROUPS, ROUND=gguf_gemv_q8.ROUNDER)
+    pointers = {"x_ptr": "*bf16", "q_ptr": "*i8", "d_ptr": "*fp32"}
+    signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "i32") for arg in kernel.arg_names}
     return _cubin_size(kernel, signature, constexprs, arch)
 
 
@@ -192,5 +203,6 @@ if __name__ == "__main__":
         for name, ggml_type, block_m, direct in GGUF_VARIANTS:
             print(arch, name, ggml_type.name, block_m, compile_gguf(name, ggml_type, block_m, direct, arch), flush=True)
         print(arch, "_reduce_kernel", compile_gguf_reduce(arch), flush=True)
+        print(arch, "_quantize_kernel", compile_gguf_quantize(arch), flush=True)
         for name, size in compile_gated_delta(arch) + compile_moe(arch):
             print(arch, name, size, flush=True)

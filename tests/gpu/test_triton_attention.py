@@ -178,8 +178,8 @@ def test_the_launch_is_a_torch_custom_op():
 
 def test_the_kernels_compile_for_hopper_and_ampere_gpus():
     """Triton's real code generator and ptxas (shipped in its wheel) need no GPU: every variant of the attention,
-    the layer ops, the GGUF matmuls, the Gated DeltaNet's decode and prefill and the grouped MoE the model families use compile
-    to a cubin for sm_90 (H100, H200) and sm_80 (A100). In a process of its own: this one imported triton under
+    the layer ops, the GGUF matmuls, the Gated DeltaNet's decode and prefill and the grouped MoE the model families
+    use compile to a cubin for sm_90 (H100, H200) and sm_80 (A100). In a process of its own: this one imported triton under
     the interpreter (tests/conftest.py)."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "tests.gpu.compile_for_gpus", "90", "80"], cwd=ROOT,
@@ -187,8 +187,9 @@ def test_the_kernels_compile_for_hopper_and_ampere_gpus():
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
     # two architectures x (the five attention variants, the split reduce, seven layer ops, the GGUF matmuls: eight
-    # formats' gemv, three formats' split gemv, tile kernel and dequantization, the split reduce; the Gated
-    # DeltaNet's state-row copy, conv update, delta rule and chunked prefill; the grouped MoE launch over Q4_K and
-    # Q6_K and at the tile sweep's largest candidate, the router), each a real cubin
-    assert len(lines) == 2 * (5 + 1 + 7 + 8 + 9 + 1 + 4 + 4) and all(int(line[-1]) > 4_000 for line in lines), \
+    # formats' gemv, three formats' split gemv, tile kernel and dequantization, four formats' int8-activation gemv
+    # and its split one, the split reduce, the activations' quantization; the Gated DeltaNet's state-row copy,
+    # conv update, delta rule and chunked prefill, both rules over a bf16 state too; the grouped MoE launch over
+    # Q4_K and Q6_K and at the tile sweep's largest candidate, the router), each a real cubin
+    assert len(lines) == 2 * (5 + 1 + 7 + 8 + 9 + 5 + 1 + 1 + 6 + 4) and all(int(line[-1]) > 4_000 for line in lines), \
         result.stdout

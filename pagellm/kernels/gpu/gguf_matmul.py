@@ -7,7 +7,8 @@ Three kernels, chosen by the number of rows M of the activations (`Crossovers`, 
     dot    middle M: tiles of weights dequantized to the activations' dtype feed tensor cores (tl.dot).
     dense  large M (prefill): the segment dequantized into a scratch weight of the activations' dtype, then one
            cuBLAS GEMM; at large M the dequantization is paid once for many rows.
-Activations stay in their dtype (bf16 on a GPU); sums are fp32. Every launch grid follows from shapes alone, so a
+Activations stay in their dtype (bf16 on a GPU), or the gemv's go to int8 per 32 columns (int8_activations:
+kernels/gpu/gguf_gemv_q8.py); sums are fp32. Every launch grid follows from shapes alone, so a
 decode step that calls these can be captured as a CUDA graph.
 
 Import only where Triton kernels are wanted (kernels/gpu/layer_ops.py says why).
@@ -22,93 +23,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pagellm.kernels.gpu.gguf_gemv_q8 import launch_gemv_q8, quantize_rows
+from pagellm.kernels.gpu.gguf_tiles import dot_step, store_gemv, tile
 from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS, GGUFPlanes, T
-
-# FMT: a format's index in FORMATS (0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0, 5 Q4_K, 6 Q5_K, 7 Q6_K)
-
-
-@triton.jit
-def _factors(cc, r, ok, d_ptr, dm_ptr, sc_ptr, mn_ptr, s_d, s_dm, s_sc, s_mn, FMT: tl.constexpr):
-    """(scale, offset) [BN, C, 1] of the 16-column chunks starting at columns cc [C, 1] of rows r [BN, 1, 1]: a
-    weight is scale (q - zero) + offset. One load per chunk, not per weight: a decode gemv runs short of
-    instructions before it runs short of arithmetic."""
-    if FMT == 5 or FMT == 6:  # Q4_K, Q5_K: d sc, -(dmin mn)
-        d = tl.load(d_ptr + r * s_d + (cc // 256)[None], mask=ok, other=0.0).to(tl.float32)
-        sc = tl.load(sc_ptr + r * s_sc + (cc // 32)[None], mask=ok, other=0).to(tl.float32)
-        dm = tl.load(dm_ptr + r * s_dm + (cc // 256)[None], mask=ok, other=0.0).to(tl.float32)
-        mn = tl.load(mn_ptr + r * s_mn + (cc // 32)[None], mask=ok, other=0).to(tl.float32)
-        return d * sc, -(dm * mn)
-    if FMT == 7:  # Q6_K: d sc per 16 columns
-        d = tl.load(d_ptr + r * s_d + (cc // 256)[None], mask=ok, other=0.0).to(tl.float32)
-        sc = tl.load(sc_ptr + r * s_sc + (cc // 16)[None], mask=ok, other=0).to(tl.float32)
-        return d * sc, tl.zeros_like(d)
-    d = tl.load(d_ptr + r * s_d + (cc // 32)[None], mask=ok, other=0.0).to(tl.float32)
-    if FMT == 1 or FMT == 3:  # Q4_1, Q5_1: d, m
-        return d, tl.load(dm_ptr + r * s_dm + (cc // 32)[None], mask=ok, other=0.0).to(tl.float32)
-    return d, tl.zeros_like(d)
-
-
-@triton.jit
-def _high_bits(q_lo, q_hi, c_lo, c_hi, cc_lo, r, ok, ok_chunks, qh_ptr, s_qh, FMT: tl.constexpr):
-    """The codes' bits above 4 added (a nibble pair's two columns share their high byte or word)."""
-    if FMT == 2 or FMT == 3:  # Q5_0, Q5_1: a word per 32 columns, bit c % 32
-        word = tl.load(qh_ptr + r * s_qh + (cc_lo // 32)[None], mask=ok_chunks, other=0)  # [BN, C, 1]
-        q_lo = q_lo | (((word >> (c_lo % 32)[None]) & 1) << 4)
-        q_hi = q_hi | (((word >> (c_hi % 32)[None]) & 1) << 4)
-    if FMT == 6:  # Q5_K: bit (c % 256) // 32 of byte 32 (c // 256) + c % 32
-        byte = tl.load(qh_ptr + r * s_qh + ((c_lo // 256) * 32 + c_lo % 32)[None], mask=ok, other=0).to(tl.int32)
-        q_lo = q_lo | (((byte >> ((c_lo % 256) // 32)[None]) & 1) << 4)
-        q_hi = q_hi | (((byte >> ((c_hi % 256) // 32)[None]) & 1) << 4)
-    if FMT == 7:  # Q6_K: 2 bits at 2 ((c % 128) // 32) of byte 64 (c // 256) + 32 ((c % 256) // 128) + c % 32
-        at = (c_lo // 256) * 64 + 32 * ((c_lo % 256) // 128) + c_lo % 32
-        byte = tl.load(qh_ptr + r * s_qh + at[None], mask=ok, other=0).to(tl.int32)
-        q_lo = q_lo | (((byte >> (2 * ((c_lo % 128) // 32))[None]) & 3) << 4)
-        q_hi = q_hi | (((byte >> (2 * ((c_hi % 128) // 32))[None]) & 3) << 4)
-    return q_lo, q_hi
-
-
-@triton.jit
-def _tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, n_ok, k0, K, s_qs, s_qh, s_sc, s_mn, s_d, s_dm,
-          FMT: tl.constexpr, RUN: tl.constexpr, BH: tl.constexpr):
-    """Columns k0 .. k0 + 2 BH of rows `rows` [BN], as two halves in 16-column chunks, each chunk within one group
-    of factors: (w_lo, w_hi [BN, BH / 16, 16] fp32, their columns c_lo, c_hi [BH / 16, 16]). A nibble format's
-    halves are the low and high nibbles of BH bytes (k0 a multiple of 2 RUN); Q8_0's, the first and second BH
-    columns."""
-    first = 16 * tl.arange(0, BH // 16)[:, None]  # each chunk's first byte (Q8_0: column) in the tile, [C, 1]
-    at = first + tl.arange(0, 16)[None, :]  # [C, 16]
-    r = rows[:, None, None].to(tl.int64)
-    rows_ok = n_ok[:, None, None]
-    if FMT == 4:
-        c_lo = k0 + at
-        cc_lo = k0 + first
-        c_hi = c_lo + BH
-        cc_hi = cc_lo + BH
-        ok_lo = rows_ok & (c_lo < K)[None]
-        ok_hi = rows_ok & (c_hi < K)[None]
-        q_lo = tl.load(qs_ptr + r * s_qs + c_lo[None], mask=ok_lo, other=0).to(tl.int32)
-        q_hi = tl.load(qs_ptr + r * s_qs + c_hi[None], mask=ok_hi, other=0).to(tl.int32)
-    else:
-        byte = k0 // 2 + at
-        c_lo = (byte // RUN) * (2 * RUN) + byte % RUN
-        chunk = k0 // 2 + first
-        cc_lo = (chunk // RUN) * (2 * RUN) + chunk % RUN
-        c_hi = c_lo + RUN
-        cc_hi = cc_lo + RUN
-        ok_lo = rows_ok & (c_lo < K)[None]  # K is whole runs of 2 RUN columns: c_hi < K with c_lo
-        ok_hi = ok_lo
-        packed = tl.load(qs_ptr + r * s_qs + byte[None], mask=ok_lo, other=0).to(tl.int32)
-        q_lo = packed & 15
-        q_hi = (packed >> 4) & 15
-    ok_chunks_lo = rows_ok & (cc_lo < K)[None]
-    ok_chunks_hi = rows_ok & (cc_hi < K)[None]
-    q_lo, q_hi = _high_bits(q_lo, q_hi, c_lo, c_hi, cc_lo, r, ok_lo, ok_chunks_lo, qh_ptr, s_qh, FMT)
-    zero = 8.0 if FMT == 0 else 16.0 if FMT == 2 else 32.0 if FMT == 7 else 0.0
-    scale, offset = _factors(cc_lo, r, ok_chunks_lo, d_ptr, dm_ptr, sc_ptr, mn_ptr, s_d, s_dm, s_sc, s_mn, FMT)
-    w_lo = scale * (q_lo.to(tl.float32) - zero) + offset
-    scale, offset = _factors(cc_hi, r, ok_chunks_hi, d_ptr, dm_ptr, sc_ptr, mn_ptr, s_d, s_dm, s_sc, s_mn, FMT)
-    w_hi = scale * (q_hi.to(tl.float32) - zero) + offset
-    return w_lo, w_hi, c_lo, c_hi
-
 
 @triton.jit
 def _gemv_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, bias_ptr, out_ptr, part_ptr,
@@ -127,19 +44,13 @@ def _gemv_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, bias_ptr,
     acc = tl.zeros([BM, BN, BH // 16, 16], dtype=tl.float32)
     start = split * k_per_split
     for k0 in range(start, tl.minimum(start + k_per_split, K), 2 * BH):
-        w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, n_ok, k0, K,
+        w_lo, w_hi, c_lo, c_hi = tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, n_ok, k0, K,
                                        s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
         x_lo = tl.load(x_rows + c_lo[None, None], mask=x_ok & (c_lo < K)[None, None], other=0.0).to(tl.float32)
         x_hi = tl.load(x_rows + c_hi[None, None], mask=x_ok & (c_hi < K)[None, None], other=0.0).to(tl.float32)
         acc += w_lo[None] * x_lo + w_hi[None] * x_hi  # [BM, BN, C, 16]
     out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BM, BN]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None].to(tl.int64) * s_out + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.store(part_ptr + (split * M + m[:, None]).to(tl.int64) * N + rows[None, :], out, mask=ok)
+    store_gemv(out, m, m_ok, rows, n_ok, split, M, N, bias_ptr, out_ptr, part_ptr, s_out, HAS_BIAS, DIRECT)
 
 
 @triton.jit
@@ -158,19 +69,6 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, s_out, SPLITS: tl.constexp
 
 
 @triton.jit
-def _dot_step(acc, x_rows, m_ok, w_lo, w_hi, c_lo, c_hi, K, BN: tl.constexpr, BH: tl.constexpr,
-              PRECISION: tl.constexpr):
-    """acc [BM, BN] += the activation rows x_rows [BM, 1] (m_ok: live) times a tile's two halves, on tensor cores:
-    the weights rounded to the activations' dtype."""
-    c_lo, c_hi = tl.reshape(c_lo, (BH,)), tl.reshape(c_hi, (BH,))
-    x_lo = tl.load(x_rows + c_lo[None, :], mask=m_ok[:, None] & (c_lo < K)[None, :], other=0.0)
-    x_hi = tl.load(x_rows + c_hi[None, :], mask=m_ok[:, None] & (c_hi < K)[None, :], other=0.0)
-    w_lo, w_hi = tl.reshape(w_lo, (BN, BH)).to(x_lo.dtype), tl.reshape(w_hi, (BN, BH)).to(x_lo.dtype)
-    acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
-    return tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
-
-
-@triton.jit
 def _dot_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, bias_ptr, out_ptr, M, N, K,
                 s_x, s_qs, s_qh, s_sc, s_mn, s_d, s_dm, s_out, HAS_BIAS: tl.constexpr, FMT: tl.constexpr,
                 RUN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
@@ -184,9 +82,9 @@ def _dot_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, bias_ptr, 
     x_rows = x_ptr + m[:, None].to(tl.int64) * s_x
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, 2 * BH):
-        w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, n_ok, k0, K,
+        w_lo, w_hi, c_lo, c_hi = tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, n_ok, k0, K,
                                        s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
-        acc = _dot_step(acc, x_rows, m_ok, w_lo, w_hi, c_lo, c_hi, K, BN, BH, PRECISION)
+        acc = dot_step(acc, x_rows, m_ok, w_lo, w_hi, c_lo, c_hi, K, BN, BH, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
@@ -204,7 +102,7 @@ def _dequant_kernel(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, ids_ptr, out_
         rows = tl.load(ids_ptr + i, mask=i_ok, other=0)
     else:
         rows = i
-    w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, i_ok, tl.program_id(1) * 2 * BH,
+    w_lo, w_hi, c_lo, c_hi = tile(qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, i_ok, tl.program_id(1) * 2 * BH,
                                    K, s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
     out_rows = out_ptr + i[:, None, None].to(tl.int64) * s_out
     dtype = out_ptr.dtype.element_ty
@@ -250,8 +148,11 @@ class BoundPlanesMatmul:
     """y = x W^T + b for W one or more segments side by side (each one format's planes), bound once: the kernel
     each M takes, and how far each segment's K is split, follow from shapes alone (graph capture)."""
 
-    def __init__(self, segments: list[GGUFPlanes], bias: torch.Tensor | None, target_programs: int | None = None):
-        self.segments, self.bias = segments, bias
+    def __init__(self, segments: list[GGUFPlanes], bias: torch.Tensor | None, target_programs: int | None = None,
+                 int8_activations: bool = False):
+        """int8_activations: the gemv quantizes the activations to int8 per 32 columns (kernels/gpu/gguf_gemv_q8.py;
+        off until a device measures it faster than bf16)."""
+        self.segments, self.bias, self.int8_activations = segments, bias, int8_activations
         self.in_features = segments[0].cols
         self.out_features = sum(s.rows for s in segments)
         device = segments[0].qs.device
@@ -280,25 +181,32 @@ class BoundPlanesMatmul:
             if m > crossovers.dot_max:
                 self._dense(rows, out)
             else:
+                # the activations quantized once for every segment (a fused q/k/v's, gate/up's)
+                quantized = quantize_rows(rows) if self.int8_activations and m <= crossovers.gemv_max else None
                 for segment, offset in zip(self.segments, self.offsets):
                     bias = None if self.bias is None else self.bias[offset:offset + segment.rows]
                     target = out[:, offset:offset + segment.rows]
                     if m <= crossovers.gemv_max:
-                        self._gemv(rows, segment, bias, target)
+                        self._gemv(rows, segment, bias, target, quantized)
                     else:
                         self._dot(rows, segment, bias, target)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _gemv(self, x: torch.Tensor, w: GGUFPlanes, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    def _gemv(self, x: torch.Tensor, w: GGUFPlanes, bias: torch.Tensor | None, out: torch.Tensor,
+              quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """quantized: x's int8 codes and scales (gguf_gemv_q8.quantize_rows), multiplied in integers instead."""
         m, n = x.shape[0], w.rows
         bm, bn, bh = GEMV_TILES[_gemv_block_m(m)]
         splits, per_split = self.splits(w, bm)
         direct = splits == 1
         part = out if direct else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-        _gemv_kernel[(triton.cdiv(n, bn), splits)](
-            x, *w.tensors(), out if bias is None else bias, out, part, m, n, w.cols, per_split, x.stride(0),
-            *_strides(w), out.stride(0), HAS_BIAS=bias is not None, DIRECT=direct, FMT=FORMATS.index(w.ggml_type),
-            RUN=RUNS[w.ggml_type], BM=bm, BN=bn, BH=bh)
+        if quantized is not None:
+            launch_gemv_q8(quantized, w, bias, out, part, (bm, bn, bh), splits, per_split, _strides(w))
+        else:
+            _gemv_kernel[(triton.cdiv(n, bn), splits)](
+                x, *w.tensors(), out if bias is None else bias, out, part, m, n, w.cols, per_split, x.stride(0),
+                *_strides(w), out.stride(0), HAS_BIAS=bias is not None, DIRECT=direct,
+                FMT=FORMATS.index(w.ggml_type), RUN=RUNS[w.ggml_type], BM=bm, BN=bn, BH=bh)
         if not direct:
             _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
                 part, out if bias is None else bias, out, m, n, out.stride(0), SPLITS=splits,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.gpu.gguf_matmul import _dot_step, _tile
+from pagellm.kernels.gpu.gguf_tiles import dot_step, tile
 from pagellm.kernels.reference.gguf_planes import FORMATS, RUNS
 
 BLOCK_M = 16  # pairs a block holds: tl.dot's smallest
@@ -151,10 +151,10 @@ def _moe_planes_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, dm_ptr, e_q
         x_rows = x_ptr + row[:, None] * s_x
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, 2 * BH):
-            w_lo, w_hi, c_lo, c_hi = _tile(qs_ptr + expert * e_qs, qh_ptr + expert * e_qh, sc_ptr + expert * e_sc,
+            w_lo, w_hi, c_lo, c_hi = tile(qs_ptr + expert * e_qs, qh_ptr + expert * e_qh, sc_ptr + expert * e_sc,
                                            mn_ptr + expert * e_mn, d_ptr + expert * e_d, dm_ptr + expert * e_dm,
                                            cols, n_ok, k0, K, s_qs, s_qh, s_sc, s_mn, s_d, s_dm, FMT, RUN, BH)
-            acc = _dot_step(acc, x_rows, live, w_lo, w_hi, c_lo, c_hi, K, BN, BH, PRECISION)
+            acc = dot_step(acc, x_rows, live, w_lo, w_hi, c_lo, c_hi, K, BN, BH, PRECISION)
         dtype = out_ptr.dtype.element_ty
         if WEIGHTED:  # rounded to the model dtype first, then scaled in it, as HF's expert loop
             acc = acc.to(dtype).to(tl.float32) * tl.load(weights_ptr + pair, mask=live, other=0.0).to(tl.float32)[

@@ -115,6 +115,16 @@ def dequantize(planes: GGUFPlanes) -> torch.Tensor:
     return d * (q - {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 0}[t])
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> int8 codes [M, K] and fp32 scales [M, K / 32]: per 32 columns d = max |x| / 127 and codes x / d
+    rounded half to even (0 where d is), as the CPU kernels quantize activations (the oracle of
+    kernels/gpu/gguf_gemv_q8.quantize_rows)."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    d = groups.abs().amax(-1) / 127
+    scaled = groups / torch.where(d > 0, d, 1.0)[..., None]
+    return torch.round(scaled).clamp(-127, 127).to(torch.int8).reshape(x.shape), d
+
+
 class ReferencePlanesMatmul:
     """y = x W^T + b over segments of planes side by side, through the dense weight dequantized at each call:
     the oracle of kernels/gpu/gguf_matmul.BoundPlanesMatmul (the same contract), and a CPU's way through a
