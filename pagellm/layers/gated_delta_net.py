@@ -138,6 +138,8 @@ class GatedDeltaNet(KernelUser, nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        # a Qwen3.5 GGUF's out_proj takes value heads in the file's tiled order (loader/gguf_hybrid.OUT_PROJ_TILED)
+        self.out_tiled = getattr(config, "linear_out_proj_tiled", False) and self.num_v_heads > self.num_k_heads
         self.conv_state: torch.Tensor | None = None  # [S, C, K-1]
         self.recurrent_state: torch.Tensor | None = None  # [S, Hv, dk, dv] state_dtype
         self.state_dtype = torch.float32  # set by the loader (recurrent_state_dtype) before the state is sized
@@ -186,7 +188,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32, <= 0
         if meta.verify_slots is not None:  # a verify step of one shape for every request (a graph's)
             core = self._verify(mixed, g, beta, meta.verify_slots, meta.verify_rows)
-            return self.out_proj(self.norm(core, z).flatten(1))
+            return self._project_out(self.norm(core, z))
         core = torch.empty(h.shape[0], self.num_v_heads, self.head_v_dim, dtype=h.dtype, device=h.device)
         starts, qlens, slots = meta.query_start_loc_host, meta.query_lens_host, meta.state_slots_host
         # Requests continuing with one token go through the batched, slot-indexed decode path;
@@ -214,8 +216,14 @@ class GatedDeltaNet(KernelUser, nn.Module):
             before = meta.seq_lens_host[i] - (hi - lo)  # context before the step; 0 = fresh
             pieces = [(p - before, row) for p, row in writes.get(i, ())]
             core[lo:hi] = self._sequence(mixed[lo:hi], g[lo:hi], beta[lo:hi], slots[i], before == 0, pieces)
-        out = self.norm(core, z)  # [T, Hv, dv]
-        return self.out_proj(out.flatten(1))
+        return self._project_out(self.norm(core, z))
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """out [T, Hv, dv], value heads in grouped order (head g r + j reads key head g) -> out_proj's [T, E]; the
+        heads moved to tiled order (j Hk + g) first where out_proj's columns are a Qwen3.5 GGUF's."""
+        if self.out_tiled:
+            out = out.view(out.shape[0], self.num_k_heads, -1, self.head_v_dim).transpose(1, 2)  # [T, r, Hk, dv]
+        return self.out_proj(out.reshape(out.shape[0], -1))
 
     def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
                 rows: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,9 @@ Tensor transforms of the converter, each undone here (Qwen3-MoE has none):
   as ssm_in, unchanged (in_proj_ba stays interleaved as ssm_ba either way);
 - Qwen3.5, when key heads Hk != value heads: value heads are moved from grouped order (v-head g*r + j reads
   key head g) to tiled order (j*Hk + g), in the V rows of attn_qkv and ssm_conv1d, in the rows of attn_gate,
-  ssm_beta, ssm_alpha, ssm_a and ssm_dt, and in the columns of ssm_out;
+  ssm_beta, ssm_alpha, ssm_a and ssm_dt, and in the columns of ssm_out. Rows move back freely (blocks are
+  per row); ssm_out's columns stay as stored and the layer puts its output in the file's order instead
+  (OUT_PROJ_TILED), so the weight keeps its blocks;
 - experts are stacked per layer: ffn_{gate,up,down}_exps [X, I, E] / [X, E, I], or ffn_gate_up_exps
   [X, 2I, E] (gate rows first). We yield them per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`, and
   the model stacks them in its own dtype as they arrive (layers/moe.py), so no float32 copy of a whole
@@ -67,6 +69,11 @@ HYBRID_ARCHITECTURES: dict[str, tuple[str, str]] = {
 }
 _LINEAR_ATTENTION_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe"})  # also: norms stored as w + 1
 _TILED_VALUE_HEAD_ARCHS = frozenset({"qwen35", "qwen35moe"})
+# The config field saying a Gated DeltaNet's out_proj takes its inputs in the file's tiled value-head order: moving
+# its columns to HF's order would take the weight out of its blocks (a dense copy read every token), where putting
+# the layer's output in the file's order is a copy of T x Hv x dv activations. Off for tensor-parallel shards,
+# which split out_proj's columns in HF's order (loader/model_loader.py).
+OUT_PROJ_TILED = "linear_out_proj_tiled"
 _DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's, for files that state neither the interval nor the layers
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -111,6 +118,8 @@ def hybrid_config_fields(header: GGUFHeader, common: dict[str, Any], rope: dict[
         fields.update(_moe_fields(header))
     if arch in _LINEAR_ATTENTION_ARCHS:
         fields.update(_linear_attention_fields(header, num_layers))
+        if arch in _TILED_VALUE_HEAD_ARCHS and fields["linear_num_value_heads"] != fields["linear_num_key_heads"]:
+            fields[OUT_PROJ_TILED] = True  # ssm_out's columns stay in the file's order (GatedDeltaNet gathers)
         rotary_dims = md.get(f"{arch}.rope.dimension_count", common["head_dim"])  # llama.cpp: all, if absent
         rope = {**rope, "partial_rotary_factor": rotary_dims / common["head_dim"]}
     fields["rope_parameters"] = rope
@@ -336,8 +345,8 @@ class _RecipeBuilder:
             return [TensorRecipe(prefix + "A_log", (tensor,), self.head_rows, _log_of_negated)]
         if suffix == "ssm_conv1d.weight":
             return [TensorRecipe(prefix + "conv1d.weight", (tensor,), self.qkv_rows, _with_channel_axis)]
-        if suffix == "ssm_out.weight":
-            columns = self.value_rows
+        if suffix == "ssm_out.weight":  # its columns in HF's order only where the model does not take the file's
+            columns = None if getattr(self.config, OUT_PROJ_TILED, False) else self.value_rows
             return [TensorRecipe(prefix + "out_proj.weight", (tensor,),
                                  finish=None if columns is None else lambda w: w[:, columns])]
         return None

@@ -15,6 +15,7 @@ from pagellm.config import KernelConfig
 from pagellm.loader.dummy import dummy_weights
 from pagellm.platform import release_freed_heap
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
+from pagellm.loader.gguf_hybrid import OUT_PROJ_TILED
 from pagellm.loader.gguf_file import read_gguf_header
 from pagellm.loader.quantization import load_quantized, plan_quantization, weight_bytes, weight_schemes
 from pagellm.loader.repack_cache import RepackCache
@@ -156,6 +157,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     release_freed_heap()  # the tokenizer's parsing temporaries: not resident under the weights
     hf_config = load_gguf_config(header) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None
+    if shard is not None and getattr(hf_config, OUT_PROJ_TILED, False):
+        hf_config = hf_config.replace(**{OUT_PROJ_TILED: False})  # a shard splits out_proj's columns in HF's order
     net = build_model(shard.model_config(hf_config) if shard else hf_config, dtype, device)
     for layer in getattr(net, "state_layers", list)():
         layer.state_dtype = recurrent_state_dtype(state_dtype, hf_config)

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as T
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.gguf_moe import GGUFMoeExperts
 from pagellm.loader.gguf import iter_gguf_weights, load_gguf_config, read_gguf_header
+from pagellm.loader.gguf_hybrid import OUT_PROJ_TILED, grouped_from_tiled
 from pagellm.loader.model_loader import load_model
 from pagellm.loader.safetensors import iter_safetensors_weights, load_hf_config
 from pagellm.models.registry import build_model
@@ -78,10 +79,20 @@ def test_config_matches_the_hf_config(case):
 
 
 def test_every_weight_comes_back_as_the_checkpoint_holds_it(case):
-    """Per-expert names included (the model stacks them), MTP layers left out."""
-    ours = dict(iter_gguf_weights(case.gguf, load_gguf_config(case.gguf), progress=False))
+    """Per-expert names included (the model stacks them), MTP layers left out. A Qwen3.5 DeltaNet's out_proj with
+    more value heads than key heads keeps the file's column order (its layer takes its inputs in that order):
+    its columns in HF's order are the stored ones picked by grouped_from_tiled."""
+    config = load_gguf_config(case.gguf)
+    ours = dict(iter_gguf_weights(case.gguf, config, progress=False))
     theirs = dict(iter_safetensors_weights(case.hf_dir, progress=False))
     assert sorted(ours) == sorted(theirs)
+    if getattr(config, OUT_PROJ_TILED, False):
+        columns = grouped_from_tiled(config.linear_num_key_heads,
+                                     config.linear_num_value_heads // config.linear_num_key_heads,
+                                     config.linear_value_head_dim)
+        for name in [n for n in ours if n.endswith("linear_attn.out_proj.weight")]:
+            assert not torch.equal(ours[name], theirs[name]), name  # the file's order, not HF's
+            ours[name] = ours[name][:, columns]
     for name, expected in theirs.items():
         assert ours[name].dtype == torch.float32, name
         if name.endswith(ROUNDED):
@@ -135,8 +146,8 @@ def test_unknown_tensor_is_named_before_anything_is_read(tmp_path):
 def test_auto_quantization_keeps_the_files_blocks_through_reorder_and_merge(tmp_path, family, layers):
     """attn_qkv / attn_gate stored Q4_0: Qwen3.5's in_proj_qkv and in_proj_z (value rows reordered) and Qwen3-Next's
     in_proj_qkvz (two tensors merged, rows interleaved) keep the stored blocks, rows moved whole; so does the
-    Q8_0 ssm_out, except Qwen3.5's, whose columns are reordered: that one is dequantized at load. Each holds
-    exactly the dense model's weights."""
+    Q8_0 ssm_out, Qwen3.5's too: its columns stay in the file's order, which its layer takes (OUT_PROJ_TILED).
+    Each holds exactly the dense model's weights."""
     types = {"blk.0.attn_qkv.weight": T.Q4_0, "blk.0.attn_gate.weight": T.Q4_0, "blk.0.ssm_out.weight": T.Q8_0}
     converted = convert(tmp_path, family, Conversion(types=types))
     dense = load_model(str(converted.gguf), torch.float32, torch.device("cpu"), with_tokenizer=False)
@@ -146,8 +157,8 @@ def test_auto_quantization_keeps_the_files_blocks_through_reorder_and_merge(tmp_
     assert loaded.quantization == dict.fromkeys(names, "gguf")
     for name in names:
         module = loaded.model.get_submodule(name)
-        assert isinstance(module, torch.nn.Linear) == (family == "qwen3.5" and name.endswith("out_proj"))
-        weight = module.weight if isinstance(module, torch.nn.Linear) else module.dequantize()
+        assert isinstance(module, GGUFLinear), name
+        weight = module.dequantize()
         assert torch.equal(weight, dense.model.get_submodule(name).weight)
 
 
@@ -225,3 +236,20 @@ def test_experts_without_a_block_kernel_are_dequantized_with_a_warning(tmp_path)
     with pytest.warns(RuntimeWarning, match="Q3_K tensor"):
         loaded = load_model(str(tmp_path / "model.gguf"), torch.float32, torch.device("cpu"), False, "auto")
     assert not any(scheme == "gguf_experts" for scheme in loaded.quantization.values())
+
+
+def test_a_tensor_parallel_shard_takes_out_proj_in_hf_order(tmp_path):
+    """A shard splits out_proj's columns in HF's order (value heads grouped by key head), so a shard of a Qwen3.5
+    GGUF gets them moved back at load and its layer does not move its output: rank 1's out_proj is the HF
+    weight's second half of columns."""
+    from pagellm.distributed.sharding import ShardSpec
+
+    converted = convert(tmp_path, "qwen3.5", Conversion())
+    config = load_gguf_config(converted.gguf)
+    assert getattr(config, OUT_PROJ_TILED) and config.linear_num_value_heads > config.linear_num_key_heads
+    shard = load_model(str(converted.gguf), torch.float32, torch.device("cpu"), with_tokenizer=False,
+                       shard=ShardSpec(1, 2)).model
+    layer = shard.get_submodule("model.layers.0.linear_attn")
+    assert not layer.out_tiled
+    hf = dict(iter_safetensors_weights(converted.hf_dir, progress=False))["model.layers.0.linear_attn.out_proj.weight"]
+    assert torch.equal(layer.out_proj.weight, hf[:, hf.shape[1] // 2:])
