@@ -123,7 +123,8 @@ class LLMEngine:
         prefix_caching = cc.enable_prefix_caching and (self.state_pool is None or snapshots is not None)
         idle_budget = idle_budget_blocks(cc.prefix_cache_memory, num_blocks, self.kv_bytes_per_block,
                                          self.backend.host_memory)
-        self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots, idle_budget)
+        self.kv_cache = KVCacheManager(num_blocks, cc.block_size, prefix_caching, snapshots, idle_budget,
+                                       cc.snapshot_interval())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.state_pool,
                                    config.speculative)
         setup = self._runner_setup()

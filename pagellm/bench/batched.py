@@ -65,6 +65,7 @@ def batched_row(pp: int, tg: int, b: int, t_pp: float, t_tg: float, shared_promp
 def build_engine(model: str | None, dtype: str | None, max_batch: int, max_prompt: int, max_new: int, *,
                  block_size: int = 16, kv_cache_memory: float | None = None, kv_cache_dtype: str = "auto",
                  quantization: str = "auto", mamba_ssm_cache_dtype: str = "auto",
+                 state_snapshot_interval: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  parallel: ParallelConfig | None = None, cpu_isa: str | None = None,
                  with_tokenizer: bool = False, device: str = "cpu", load_format: str = "auto",
@@ -79,7 +80,8 @@ def build_engine(model: str | None, dtype: str | None, max_batch: int, max_promp
                           load_format=load_format, max_model_len=max(max_prompt + max_new, 32) + 1,  # 32: warm_up's
                           enforce_eager=enforce_eager),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                          enable_prefix_caching=enable_prefix_caching, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype),
+                          enable_prefix_caching=enable_prefix_caching, mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+                          state_snapshot_interval=state_snapshot_interval),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=batched_tokens,
                                   n_ubatch=min(64, batched_tokens), async_scheduling=async_scheduling),
         parallel=parallel or ParallelConfig(),

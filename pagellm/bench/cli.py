@@ -54,6 +54,8 @@ def add_bench_parser(subparsers) -> None:
     batched.add_argument("--max-num-batched-tokens", type=int, default=None,
                          help="token budget per step (default max(npl)*max(pp): a row's prefill is one step)")
     batched.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    batched.add_argument("--state-snapshot-interval", type=int, default=None,
+                         help="hybrid models: tokens between a prompt's state snapshots (default: the engine's)")
     batched.add_argument("--tensor-parallel-size", type=int, default=1,
                          help="ranks the model is split over (local worker processes share this host's cores)")
     batched.add_argument("--enable-expert-parallel", action="store_true", help="MoE: shard whole experts")
@@ -235,6 +237,7 @@ def _run_batched(args: argparse.Namespace) -> int:
                                   block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                                   kv_cache_dtype=args.kv_cache_dtype,
                                   mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                                  state_snapshot_interval=args.state_snapshot_interval,
                                   quantization=args.quantization, cpu_isa=args.cpu_isa,
                                   device=args.device, load_format=args.load_format,
                                   enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,

@@ -29,10 +29,17 @@ from pagellm.request import Request
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 snapshots: SnapshotPool | None = None, idle_budget: int | None = None):
+                 snapshots: SnapshotPool | None = None, idle_budget: int | None = None,
+                 snapshot_interval: int | None = None):
         """idle_budget: blocks no request holds that may stay resident, the prefix cache's budget (None: no
-        limit); past it blocks are released (core/block_pool.py), and their snapshots with them."""
+        limit); past it blocks are released (core/block_pool.py), and their snapshots with them.
+        snapshot_interval: tokens between the state snapshots of a prompt (a multiple of block_size; None: every
+        block), besides the one at its last full block."""
         self.block_size = block_size
+        self.snapshot_interval = snapshot_interval or block_size
+        if self.snapshot_interval % block_size:
+            raise ValueError(f"state_snapshot_interval {self.snapshot_interval} is not a multiple of the block size "
+                             f"{block_size}")
         self.enable_caching = enable_caching
         self.snapshots = snapshots if enable_caching else None  # hybrid models: state at block boundaries
         on_evict = self.snapshots.discard if self.snapshots is not None else None
@@ -97,7 +104,9 @@ class KVCacheManager:
         return any(self.snapshots.is_pending(h) for h in request.block_hashes[num_cached_blocks:max_blocks])
 
     def plan_snapshots(self, request: Request, start: int, end: int) -> tuple[tuple[int, int], ...]:
-        """Pending snapshot rows for the block boundaries p, start < p <= end, of the request's prompt.
+        """Pending snapshot rows for the boundaries p, start < p <= end, of the request's prompt: every
+        snapshot_interval tokens, and its last full block (where a follow-up prompt that extends it, a chat's next
+        turn, branches off).
 
         Returns ((p, row), ...) ascending. Boundaries that already have a snapshot are
         skipped. When rows run short the deepest boundaries win: they give the longest
@@ -105,10 +114,14 @@ class KVCacheManager:
         """
         if self.snapshots is None:
             return ()
-        bs = self.block_size
-        last = min(end, request.num_prompt_tokens) // bs * bs  # generated tokens get no snapshots
+        bs, every = self.block_size, self.snapshot_interval
+        last = min(end, request.num_prompt_tokens) // every * every  # generated tokens get no snapshots
+        boundaries = list(range(last, start, -every))
+        prompt_end = request.num_prompt_tokens // bs * bs
+        if start < prompt_end <= end and prompt_end % every:
+            boundaries.insert(0, prompt_end)
         writes = []
-        for p in range(last, start, -bs):
+        for p in boundaries:
             block_hash = request.block_hashes[p // bs - 1]
             if self.snapshots.contains(block_hash):
                 continue

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagellm.config import SchedulerConfig
+from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
@@ -125,6 +125,23 @@ def test_plan_snapshots_skips_existing_and_prefers_deepest_when_short():
     a.append_output_token(6)
     a.append_output_token(7)  # 24 tokens: block 5 is full, but generated tokens get no snapshots
     assert kv.plan_snapshots(a, 21, 24) == ()
+
+
+def test_snapshots_every_interval_and_at_the_prompts_last_full_block():
+    """state_snapshot_interval 8 over 4-token blocks: a 30-token prompt in two chunks gets snapshots at 8 and 16,
+    then 24 and 28 (its last full block, where a chat's next turn branches off); a request sharing 26 tokens
+    resumes at 24, one extending the whole prompt at 28."""
+    kv = KVCacheManager(16, 4, snapshots=SnapshotPool(8, first_row=4), snapshot_interval=8)
+    a = make_request("a", range(30))
+    assert [p for p, _ in _prefill(kv, a, 20)] == [8, 16]
+    assert [p for p, _ in _prefill(kv, a)] == [24, 28]
+    assert kv.find_cached_prefix(make_request("b", list(range(26)) + [99] * 4))[1] == 24
+    assert kv.find_cached_prefix(make_request("c", list(range(30)) + [5, 6]))[1] == 28
+    with pytest.raises(ValueError, match="not a multiple of the block size"):
+        KVCacheManager(16, 4, snapshot_interval=6)
+    with pytest.raises(ValueError, match="state_snapshot_interval must be a positive multiple of block_size 16"):
+        CacheConfig(state_snapshot_interval=24)
+    assert CacheConfig().snapshot_interval() == 64 and CacheConfig(block_size=128).snapshot_interval() == 128
 
 
 def test_pending_snapshot_makes_newcomers_wait():

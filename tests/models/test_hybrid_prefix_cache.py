@@ -44,14 +44,16 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _llm(path, block_size: int, **kwargs) -> LLM:
-    return LLM(model=str(path), skip_tokenizer_init=True, block_size=block_size,
+    """A snapshot at every block boundary (state_snapshot_interval: the block size; the default is sparser)."""
+    return LLM(model=str(path), skip_tokenizer_init=True, block_size=block_size, state_snapshot_interval=block_size,
                **{"kv_cache_memory": 0.01, "dtype": "float32", **kwargs})  # compared with HF fp32
 
 
 def _llm_with_snapshot_budget(path, block_size: int, gib: float) -> LLM:
     """LLM() has no state_snapshot_memory argument: build its engine from an EngineConfig."""
     config = EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
-                          cache=CacheConfig(block_size=block_size, kv_cache_memory=0.01, state_snapshot_memory=gib))
+                          cache=CacheConfig(block_size=block_size, kv_cache_memory=0.01, state_snapshot_memory=gib,
+                                            state_snapshot_interval=block_size))
     llm = LLM.__new__(LLM)
     llm.engine = LLMEngine(config, skip_tokenizer_init=True)
     return llm
