@@ -148,24 +148,24 @@ class CacheConfig(_FromDict):
     state_snapshot_interval: int | None = _help(
         "Hybrid models: tokens between the state snapshots of a prompt, a multiple of block_size (besides one at "
         "its last full block, where a chat's next turn branches off). A prefix hit resumes at the last snapshot "
-        "within it. Default: 64 tokens (the block size where larger): a snapshot at every 16-token block made "
-        "prefill 1.3-1.4x slower on a CPU (docs/PERFORMANCE.md).", default=None)
+        "within it. Default: 64 tokens (the block size where larger); a snapshot at every block slows prefill "
+        "(docs/PERFORMANCE.md).", default=None)
 
     def snapshot_interval(self) -> int:
         """state_snapshot_interval, or its default."""
         return self.state_snapshot_interval or max(DEFAULT_SNAPSHOT_INTERVAL, self.block_size)
 
     def __post_init__(self):
-        if self.state_snapshot_interval is not None and (
-                self.state_snapshot_interval < 1 or self.state_snapshot_interval % self.block_size):
-            raise ValueError(f"state_snapshot_interval must be a positive multiple of block_size {self.block_size}, "
-                             f"got {self.state_snapshot_interval}")
         if self.state_cache_memory is not None and self.state_cache_memory <= 0:
             raise ValueError(f"state_cache_memory must be > 0 GiB, got {self.state_cache_memory}")
         if self.state_snapshot_memory < 0:
             raise ValueError(f"state_snapshot_memory must be >= 0 GiB, got {self.state_snapshot_memory}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.state_snapshot_interval is not None and (
+                self.state_snapshot_interval < 1 or self.state_snapshot_interval % self.block_size):
+            raise ValueError(f"state_snapshot_interval must be a positive multiple of block_size {self.block_size}, "
+                             f"got {self.state_snapshot_interval}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if self.prefix_cache_memory is not None and self.prefix_cache_memory < 0:

@@ -41,8 +41,6 @@ class LLM:
         quantization: str = "auto",
         state_cache_memory: float | None = None,
         state_snapshot_memory: float = 1.0,
-        mamba_ssm_cache_dtype: str = "auto",
-        state_snapshot_interval: int | None = None,
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         distributed_timeout: float = 60.0,
@@ -51,6 +49,8 @@ class LLM:
         enforce_eager: bool | None = None,
         cuda_graph_sizes: tuple[int, ...] = (),
         speculative_config: dict | SpeculativeConfig | None = None,
+        mamba_ssm_cache_dtype: str = "auto",
+        state_snapshot_interval: int | None = None,
     ):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, device=device,

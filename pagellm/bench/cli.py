@@ -22,8 +22,6 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="pagellm K/V storage (default auto: float16 for a GGUF as stored, bfloat16 under another "
                              "auto float32, else the dtype)")
-    add_state_dtype_argument(parser)
-
 
 
 def _add_device(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +52,7 @@ def add_bench_parser(subparsers) -> None:
     batched.add_argument("--max-num-batched-tokens", type=int, default=None,
                          help="token budget per step (default max(npl)*max(pp): a row's prefill is one step)")
     batched.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    add_state_dtype_argument(batched)
     batched.add_argument("--state-snapshot-interval", type=int, default=None,
                          help="hybrid models: tokens between a prompt's state snapshots (default: the engine's)")
     batched.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -68,6 +67,7 @@ def add_bench_parser(subparsers) -> None:
 
     compare = kinds.add_parser("compare", help="the same workloads on pagellm and peers, plus the roofline")
     _add_common(compare)
+    add_state_dtype_argument(compare)
     compare.add_argument("--npl", type=int_list, default=[1, 32],
                          help="batch sizes; 1 is the single-stream workload (default 1,32)")
     compare.add_argument("--pp", type=int, default=128, help="prompt tokens per sequence (default 128)")

@@ -68,10 +68,21 @@ def drift(decay: float, tokens: int, checkpoints: list[int], seed: int = 0) -> d
         narrow.copy_(held)  # rounded to nearest even once a token, as the kernels store it
         if t in checkpoints:
             errors[t] = ((rounded - exact).norm() / exact.norm()).item()
-    return {"decay": decay, "output_error": errors, "state_error": ((narrow.float() - wide).norm() / wide.norm()).item()}
+    state_error = ((narrow.float() - wide).norm() / wide.norm()).item()
+    return {"decay": decay, "output_error": errors, "state_error": state_error}
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """A ValueError naming the first argument out of range."""
+    for name in ("layers", "repeats", "rounds", "tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.decays or not all(0 < decay < 1 for decay in args.decays):
+        raise ValueError(f"--decays must be in (0, 1), got {args.decays}")
 
 
 def main(args: argparse.Namespace) -> int:
+    check_arguments(args)
     result = {"shape": f"{K_HEADS} key / {V_HEADS} value heads of {HEAD_DIM}", "layers": args.layers, "speed": [],
               "drift": []}
     print("| level | B | fp32 state ms/step | bf16 state ms/step | bf16 speed-up |\n|---|---|---|---|---|")

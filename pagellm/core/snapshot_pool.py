@@ -2,8 +2,10 @@ r"""SnapshotPool: recurrent-state snapshots at KV block boundaries, the state ha
 
 A hybrid model's KV prefix hit is only usable if the recurrent state after the
 same prefix can be restored too. So while a request's prompt is prefilled, the
-state after each full block is copied into a snapshot row, keyed by the chained
-hash of the block that ends there (the hash names the whole prefix):
+state at given block boundaries (every state_snapshot_interval tokens, and the
+prompt's last full block: KVCacheManager.plan_snapshots) is copied into a
+snapshot row, keyed by the chained hash of the block that ends there (the hash
+names the whole prefix); with 4-token blocks and an interval of 4:
 
     prompt:      [ blk 0 ][ blk 1 ][ blk 2 ][ bl..]
     snapshots:           ^ H(b0)  ^ H(b1)  ^ H(b2)     state after 4, 8, 12 tokens

@@ -139,7 +139,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         # a Qwen3.5 GGUF's out_proj takes value heads in the file's tiled order (loader/gguf_hybrid.OUT_PROJ_TILED)
-        self.out_tiled = getattr(config, "linear_out_proj_tiled", False) and self.num_v_heads > self.num_k_heads
+        self.out_tiled = getattr(config, "linear_out_proj_tiled", False) and self.num_v_heads != self.num_k_heads
         self.conv_state: torch.Tensor | None = None  # [S, C, K-1]
         self.recurrent_state: torch.Tensor | None = None  # [S, Hv, dk, dv] state_dtype
         self.state_dtype = torch.float32  # set by the loader (recurrent_state_dtype) before the state is sized

@@ -24,3 +24,12 @@ def test_the_state_dtype_bench_times_every_level_and_measures_drift(tmp_path, ca
         assert set(row["output_error"]) == {"40"}  # the checkpoints within --tokens: the last token alone
         assert 0 < row["output_error"]["40"] < 0.05 and 0 < row["state_error"] < 0.05
     assert "bf16 speed-up" in text and "output error @40" in text
+
+
+def test_arguments_out_of_range_are_named(capsys):
+    from pagellm.cli import main
+
+    for argv, named in ((["--tokens", "0"], "--tokens must be >= 1"), (["--decays", "0.5,1"], "--decays must be"),
+                        (["--repeats", "0"], "--repeats must be >= 1")):
+        assert main(["bench", "state-dtype", *argv]) == 2
+        assert named in capsys.readouterr().err

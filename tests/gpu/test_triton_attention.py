@@ -179,8 +179,8 @@ def test_the_launch_is_a_torch_custom_op():
 def test_the_kernels_compile_for_hopper_and_ampere_gpus():
     """Triton's real code generator and ptxas (shipped in its wheel) need no GPU: every variant of the attention,
     the layer ops, the GGUF matmuls, the Gated DeltaNet's decode and prefill and the grouped MoE the model families
-    use compile to a cubin for sm_90 (H100, H200) and sm_80 (A100). In a process of its own: this one imported triton under
-    the interpreter (tests/conftest.py)."""
+    use compile to a cubin for sm_90 (H100, H200) and sm_80 (A100). In a process of its own: this one imported
+    triton under the interpreter (tests/conftest.py)."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "tests.gpu.compile_for_gpus", "90", "80"], cwd=ROOT,
                             env=environment, capture_output=True, text=True, timeout=600)  # hang guard

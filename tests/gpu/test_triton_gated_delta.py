@@ -81,6 +81,38 @@ def test_a_bf16_state_is_read_widened_and_written_rounded():
     assert state[[1, 2, 4]].isnan().all()
 
 
+_stored_state = None  # the kernel module's stored_state, set by the test below for its jit kernel to call
+
+
+def test_the_bf16_rounding_is_torchs_and_keeps_nans():
+    """stored_state's rounding by bits against torch's cast: finite values, ties, the largest floats, infinities,
+    and NaNs of every payload (a GPU's canonical 0x7fffffff would carry into the sign without the guard)."""
+    globals()["_stored_state"] = _kernels().stored_state  # a jit function reads its module's globals, not closures
+
+    def build():
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def round_all(x_ptr, out_ptr, N: tl.constexpr):
+            cells = tl.arange(0, N)
+            tl.store(out_ptr + cells, _stored_state(tl.load(x_ptr + cells), out_ptr))
+        return round_all
+
+    round_all = under_interpreter(build)
+
+    special = [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000,
+               0x3F818000, 0x00000001, 0x80000000]
+    bits = torch.tensor(special + torch.randint(0, 2**32, (53,), generator=torch.Generator().manual_seed(0)).tolist(),
+                        dtype=torch.int64).to(torch.uint32).view(torch.float32)  # 64 values
+    out = torch.empty(64, dtype=torch.bfloat16)
+    under_interpreter(lambda: round_all[(1,)](bits, out, N=64))
+    want = bits.to(torch.bfloat16)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan) and nan[:4].all()
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_a_step_the_kernels_would_not_take_is_refused_before_any_state_moves():
     kernels = _kernels()
     conv, state = torch.zeros(2, 8, 3), torch.zeros(2, 1, 4, 4)

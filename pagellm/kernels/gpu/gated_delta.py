@@ -27,8 +27,9 @@ def stored_state(s, state_ptr):
     kernels round (a GPU's cast does too; the interpreter's truncates, and its tests check these bits)."""
     if state_ptr.dtype.element_ty == tl.bfloat16:
         bits = s.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # a NaN's add may carry into (or past) the sign
+        half = tl.where(s != s, (bits >> 16) | 0x40, rounded)  # a NaN stays one (quiet), as torch keeps it
+        return half.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return s
 

@@ -48,7 +48,7 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, K, s_x, GROUPS: tl.constexpr, ROUND: t
 def _chunk_sums(a_ptr, dx_ptr, m_ok, q, c, cc, scale, offset, K, zero, BN: tl.constexpr, C: tl.constexpr):
     """[BM, BN, C] fp32: each chunk's d_x (scale sum (q - zero) a + offset sum a) for one half of a tile."""
     a = tl.load(a_ptr + c[None], mask=m_ok[:, None, None] & (c < K)[None], other=0).to(tl.int32)  # [BM, C, 16]
-    dots = tl.sum((q - zero)[None] * a[:, None], axis=3)  # [BM, BN, C] int32: |q - zero| <= 63, |a| <= 127
+    dots = tl.sum((q - zero)[None] * a[:, None], axis=3)  # [BM, BN, C] int32: |q - zero| <= 128, |a| <= 127
     sums = tl.sum(a, axis=2)  # [BM, C]
     first = tl.reshape(cc, (C,))
     dx = tl.load(dx_ptr + (first // 32)[None, :], mask=m_ok[:, None] & (first < K)[None, :], other=0.0)  # [BM, C]
