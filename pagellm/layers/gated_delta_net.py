@@ -68,9 +68,6 @@ class StateShapes(NamedTuple):
     recurrent_dtype: torch.dtype  # float32 or bfloat16 (GatedDeltaNet.state_dtype)
 
 
-STATE_FLOATS = (torch.float32, torch.bfloat16)  # the recurrent state's dtypes
-
-
 def recurrent_state_dtype(setting: str, hf_config) -> torch.dtype:
     """CacheConfig.mamba_ssm_cache_dtype for a model: "auto" is the checkpoint's own mamba_ssm_dtype where its
     config names float32 or bfloat16 (Qwen3.5's names float32), else float32."""

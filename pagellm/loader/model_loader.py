@@ -160,8 +160,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if shard is not None and getattr(hf_config, OUT_PROJ_TILED, False):
         hf_config = hf_config.replace(**{OUT_PROJ_TILED: False})  # a shard splits out_proj's columns in HF's order
     net = build_model(shard.model_config(hf_config) if shard else hf_config, dtype, device)
-    for layer in getattr(net, "state_layers", list)():
-        layer.state_dtype = recurrent_state_dtype(state_dtype, hf_config)
+    state_layers = getattr(net, "state_layers", list)()
+    kept_in = recurrent_state_dtype(state_dtype, hf_config) if state_layers else None
+    for layer in state_layers:
+        layer.state_dtype = kept_in
     # HF's names, which a GGUF's tensors are matched to (a shard's are the same): read once, here
     parameters = tuple(net.state_dict()) if is_gguf else None
     if shard:
