@@ -272,7 +272,7 @@ class KernelConfig(_FromDict):
             raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")  # mtp: not built yet (refused by name, never ignored)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
@@ -280,9 +280,12 @@ class SpeculativeConfig(_FromDict):
     """vLLM's --speculative-config keys (those pagellm runs), plus the adaptive switches."""
 
     method: str = _help("How tokens are proposed: ngram (prompt lookup over the request's own tokens) | "
-                        "draft_model (greedy tokens of a smaller model with the same vocabulary: `model`).",
-                        default="ngram")
-    num_speculative_tokens: int = _help("Most tokens proposed per request and step (k).", default=16)
+                        "draft_model (greedy tokens of a smaller model with the same vocabulary: `model`) | "
+                        "mtp (greedy tokens of the checkpoint's own multi-token-prediction head: Qwen3-Next, "
+                        "Qwen3.5).", default="ngram")
+    num_speculative_tokens: int | None = _help(
+        "Most tokens proposed per request and step (k). Default: 16; mtp 1, as vLLM (each more token is one "
+        "more pass of the MTP head).", default=None)
     prompt_lookup_min: int = _help("Shortest suffix n-gram looked up.", default=2)
     prompt_lookup_max: int = _help("Longest suffix n-gram looked up (the longest with a match wins).", default=4)
     disable_by_batch_size: int = _help(
@@ -303,10 +306,12 @@ class SpeculativeConfig(_FromDict):
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method {self.method!r} is not supported; supported: "
-                             f"{', '.join(SPECULATIVE_METHODS)} (mtp is not built yet)")
+                             f"{', '.join(SPECULATIVE_METHODS)}")
         if (self.model is not None) != (self.method == "draft_model"):
             raise ValueError("speculative_config.model names the draft model of method draft_model, and only it")
-        if not 1 <= self.num_speculative_tokens <= 64:
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", 1 if self.method == "mtp" else 16)
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..64, got "
                              f"{self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

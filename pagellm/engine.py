@@ -27,7 +27,7 @@ from pagellm.distributed.executor import HeadExecutor, LocalExecutor
 from pagellm.distributed.parallel_state import DistributedError, ParallelState
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
 from pagellm.distributed.worker import publish_runner_setup, start_head
-from pagellm.engine_draft import DraftModel
+from pagellm.engine_draft import DraftModel, HeadDrafts
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
 from pagellm.engine_steps import InFlightStep, needs_host_tokens
@@ -105,7 +105,8 @@ class LLMEngine:
         loaded = load_model(mc.model, self.dtype, self.device, with_tokenizer=not skip_tokenizer_init,
                             quantization=mc.quantization, shard=shard, kernels=config.kernels,
                             load_format=mc.load_format, cache_dir=mc.cache_dir or None,
-                            state_dtype=cc.mamba_ssm_cache_dtype)
+                            state_dtype=cc.mamba_ssm_cache_dtype,
+                            mtp=config.speculative is not None and config.speculative.method == "mtp")
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         logits = None
         if parallel is not None:
@@ -147,10 +148,13 @@ class LLMEngine:
                     pool.num_blocks * pool.bytes_per_block / GIB, pool.num_blocks, cc.block_size)
         return pool.num_blocks
 
-    def _make_drafter(self, config: EngineConfig) -> DraftModel | None:
+    def _make_drafter(self, config: EngineConfig) -> DraftModel | HeadDrafts | None:
         """Method draft_model: a second engine on the draft model, alone on this process (no speculation, no
-        steps launched ahead), its KV sized as the target's settings say."""
+        steps launched ahead), its KV sized as the target's settings say. Method mtp: the model's own head, on
+        this process's runner (one rank: the loader refuses tensor parallel)."""
         spec = config.speculative
+        if spec is not None and spec.method == "mtp":
+            return HeadDrafts(self.runner, self.scheduler)
         if spec is None or spec.method != "draft_model":
             return None
         draft = dataclasses.replace(config, model=dataclasses.replace(config.model, model=spec.model),

@@ -1,5 +1,8 @@
-"""Speculative decoding's draft model (method draft_model): a second engine over a smaller model with the same
-vocabulary, its KV in its own blocks, proposing each speculating request's next tokens greedily.
+"""Speculative decoding's drafters of whole models: a draft model (method draft_model), and the model's own MTP
+head (method mtp: HeadDrafts, runner/mtp_drafter.py).
+
+A draft model is a second engine over a smaller model with the same vocabulary, its KV in its own blocks,
+proposing each speculating request's next tokens greedily.
 
 Each step, for the requests the scheduler lets speculate (Scheduler.draft_requests), the draft engine runs a
 request of their tokens so far for k greedy tokens. Its prefix cache holds the blocks of the round before, so a
@@ -74,3 +77,17 @@ class DraftModel:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+class HeadDrafts:
+    """Method mtp: the drafts of the model's MTP head, run by this process's runner, which catches the head up on
+    every running request first."""
+
+    def __init__(self, runner, scheduler):
+        self.runner, self.scheduler = runner, scheduler
+
+    def propose(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
+        return self.runner.propose_mtp(wanted, self.scheduler.running)
+
+    def shutdown(self) -> None:
+        pass

@@ -108,7 +108,7 @@ class Scheduler:
         return request
 
     def schedule(self, proposals: Mapping[str, tuple[int, ...]] | None = None) -> SchedulerOutput:
-        """proposals (method draft_model): each request's drafts, of the lengths draft_requests() asked for."""
+        """proposals (methods draft_model, mtp): each request's drafts, of the lengths draft_requests() asked for."""
         self.num_steps += 1
         self._proposals = proposals or {}
         scheduled: list[ScheduledRequest] = []
@@ -181,8 +181,9 @@ class Scheduler:
     # ---- one step, in three parts ---------------------------------------------------------
 
     def draft_requests(self) -> list[tuple[Request, int]]:
-        """Method draft_model: the running requests whose next decode speculates, and how many tokens each is to
-        be proposed (the engine has its draft model propose them, then passes them to schedule())."""
+        """Methods draft_model and mtp: the running requests whose next decode speculates, and how many tokens each
+        is to be proposed (the engine has its draft model or MTP head propose them, then passes them to
+        schedule())."""
         decodes = self._decodes()
         budget = self._draft_budget(decodes)
         wanted = []
@@ -229,7 +230,7 @@ class Scheduler:
         """The request's decode with its proposal of at most max_drafts, or None (no proposal, no room: a plain
         decode). Never preempts: lookahead blocks are only taken when free."""
         spec = self.speculation.config
-        if spec.method == "draft_model":  # proposed before the step, at the lengths draft_requests() chose
+        if spec.method != "ngram":  # draft_model, mtp: proposed before the step, at the lengths draft_requests() chose
             drafts = list(self._proposals.get(request.request_id, ())[:max_drafts])
         else:
             drafts = self.speculation.lookup(request, max_drafts, self.max_model_len)

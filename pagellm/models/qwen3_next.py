@@ -37,6 +37,7 @@ from pagellm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagellm.models.bound_hybrid import BoundHybridLayer
 from pagellm.models.bound_layers import BoundModel, PlannedBackbone
 from pagellm.models.llama import LlamaForCausalLM, Pending, head_dim_of, sliding_window_of
+from pagellm.models.mtp import MultiTokenPredictor, mtp_layers_of
 from pagellm.kernels.attention_metadata import AttentionMetadata
 
 MlpFactory = Callable[[object, int], nn.Module]  # (config, layer_idx) -> the layer's MLP
@@ -61,7 +62,7 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 class GatedAttention(KernelUser, nn.Module):
     """Full attention with an output gate from q_proj, zero-centred q/k norms, partial RoPE."""
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, sliding_window: int | None = None):
         super().__init__()
         hidden, head_dim, bias = config.hidden_size, head_dim_of(config), config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -73,7 +74,7 @@ class GatedAttention(KernelUser, nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, unit_offset=True)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, scale=head_dim**-0.5,
-                                   sliding_window=sliding_window_of(config, layer_idx))
+                                   sliding_window=sliding_window)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = h.shape[0]
@@ -88,13 +89,16 @@ class GatedAttention(KernelUser, nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, fused_projections: bool, mlp_factory: MlpFactory):
+    def __init__(self, config, layer_idx: int, fused_projections: bool, mlp_factory: MlpFactory,
+                 layer_type: str | None = None):
+        """layer_type: the config's for layer_idx unless given (an MTP layer, past the config's layers)."""
         super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
+        self.layer_type = layer_type or config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(config, fused_projections)
         elif self.layer_type == "full_attention":
-            self.self_attn = GatedAttention(config, layer_idx)
+            window = sliding_window_of(config, layer_idx) if layer_type is None else None
+            self.self_attn = GatedAttention(config, layer_idx, window)
         else:
             raise ValueError(f"layer {layer_idx}: unsupported layer type {self.layer_type!r}")
         self.mlp = mlp_factory(config, layer_idx)
@@ -156,15 +160,16 @@ def qwen3_next_mlp(config, layer_idx: int) -> nn.Module:
     return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
 
-def checkpoint_renames(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_renames(weights: Iterable[tuple[str, torch.Tensor]],
+                       keep_mtp: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Drop what HF drops for these text models, and accept the multimodal wrapper's prefix.
 
-    `mtp.*` (multi-token-prediction head) and `model.visual.*` are ignored by HF's
-    CausalLM classes; Qwen3.5 checkpoints saved from the vision-language wrapper
+    `mtp.*` (multi-token-prediction head: kept for a model built with it, models/mtp.py) and `model.visual.*`
+    are ignored by HF's CausalLM classes; Qwen3.5 checkpoints saved from the vision-language wrapper
     keep the text model under `model.language_model.`.
     """
     for name, tensor in weights:
-        if name.startswith(("mtp.", "model.visual.")):
+        if name.startswith("model.visual.") or name.startswith("mtp.") and not keep_mtp:
             continue
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
@@ -176,20 +181,40 @@ class HybridForCausalLM(LlamaForCausalLM):
 
     fused_projections = True
     mlp_factory: MlpFactory = staticmethod(qwen3_next_mlp)
-    # loader/quantization.py renames with it too, to match incoming names to the layers it quantizes
-    checkpoint_renames = staticmethod(checkpoint_renames)
 
     def build_backbone(self, config) -> nn.Module:  # an instance method here: reads the class's choices
         return HybridModel(config, self.fused_projections, type(self).mlp_factory)
 
+    def add_mtp(self) -> None:
+        """Build the checkpoint's MTP head (speculative_config method mtp: models/mtp.py) as `self.mtp` (the
+        loader does, as it builds the rest): its `mtp.*` weights are then loaded and required. A ValueError where
+        the config names no MTP layer."""
+        if not mtp_layers_of(self.config):
+            raise ValueError("speculative_config method mtp needs a checkpoint with an MTP head (its config's "
+                             "mtp_num_hidden_layers or num_nextn_predict_layers); this one has none")
+        mlp_factory = type(self).mlp_factory
+
+        def full_attention_layer(index: int) -> HybridDecoderLayer:
+            return HybridDecoderLayer(self.config, index, self.fused_projections, mlp_factory,
+                                      layer_type="full_attention")
+
+        self.mtp = MultiTokenPredictor(self.config, full_attention_layer)
+
+    def checkpoint_renames(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """loader/quantization.py renames with it too, to match incoming names to the layers it quantizes."""
+        return checkpoint_renames(weights, keep_mtp=getattr(self, "mtp", None) is not None)
+
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers if layer.layer_type == "full_attention"]
+        """The model's full-attention layers, then its MTP head's (its KV in the same blocks, sized with them)."""
+        mtp = getattr(self, "mtp", None)
+        layers = [*self.model.layers, *(mtp.layers if mtp is not None else ())]
+        return [layer.self_attn.attn for layer in layers if layer.layer_type == "full_attention"]
 
     def state_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.layer_type == "linear_attention"]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(stack_expert_weights(self, checkpoint_renames(weights), self.load_device))
+        super().load_weights(stack_expert_weights(self, self.checkpoint_renames(weights), self.load_device))
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):

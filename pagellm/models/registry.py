@@ -40,9 +40,15 @@ def model_class(hf_config) -> type[nn.Module]:
     return MODEL_CLASSES[name]
 
 
-def build_model(hf_config, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
-    """An empty model on the meta device; `model.load_weights(...)` puts real weights on `device`."""
+def build_model(hf_config, dtype: torch.dtype, device: torch.device | str = "cpu", mtp: bool = False) -> nn.Module:
+    """An empty model on the meta device; `model.load_weights(...)` puts real weights on `device`. mtp: with the
+    checkpoint's MTP head (models/mtp.py), a ValueError for a family without one."""
     cls = model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, load_device=device)
+        if mtp:
+            if not hasattr(model, "add_mtp"):
+                raise ValueError(f"speculative_config method mtp: {cls.__name__} has no MTP head (the Qwen3-Next "
+                                 f"and Qwen3.5 families have)")
+            model.add_mtp()
     return model.to(dtype=dtype).eval()

@@ -29,6 +29,7 @@ from pagellm.runner.decode_graphs import CudaGraphRecorder, DecodeGraphs, captur
 from pagellm.runner.decode_inputs import DecodeInputs, state_slots_of
 from pagellm.runner.grammar import Grammars
 from pagellm.runner.host_pages import HostPages, page_aligned_empty
+from pagellm.runner.mtp_drafter import MtpDrafter, mtp_scratch_blocks
 from pagellm.runner.input_batch import InputBatch, SlotState
 from pagellm.runner.prompt_logprobs import logits_passes, prompt_rows, score_prompt_rows
 from pagellm.runner.pooling import pool_rows
@@ -120,7 +121,13 @@ class ModelRunner:
         self.sampler = Sampler(kernel_level=self.kernel_level, pinned=not backend.host_memory)
         # the last launched step's sampled ids [B] (on the device) and each sampling request's row in them
         self._last_samples: tuple[torch.Tensor, dict[str, int]] = (torch.empty(0, dtype=torch.int64), {})
-        self.kv_pages = self._bind_kv_caches(setup.num_blocks + (1 if decode_buckets else 0))
+        first_scratch = setup.num_blocks + (1 if decode_buckets else 0)  # after the padded steps' one
+        scratch = range(first_scratch, first_scratch + mtp_scratch_blocks(config))
+        self.kv_pages = self._bind_kv_caches(scratch.stop)
+        self.mtp: MtpDrafter | None = None  # speculative_config method mtp: the model's MTP head proposes
+        if config.speculative is not None and config.speculative.method == "mtp":
+            self.mtp = MtpDrafter(model, self.compute_logits, block_size, self.device, scratch,
+                                  config.speculative.num_speculative_tokens)
         # How the layers run, chosen once for this device, level, dtype and cache: bound to the kernels, or the
         # modules (models/bound_layers.py); tensor parallel's all-reduce goes into a bound plan.
         self.plan_settings = PlanSettings(self.kernel_level, backend.compute_dtype, backend.kv_cache_dtype,
@@ -232,7 +239,8 @@ class ModelRunner:
                 host_lists = self._gather_inputs(output, states)
                 t_copy = time.perf_counter()
                 input_ids, positions, meta, logits_rows = self._build_input_tensors(*host_lists)
-                offsets = itertools.accumulate((len(item.token_ids) for item in output.scheduled[:-1]), initial=0)
+                offsets = list(itertools.accumulate((len(item.token_ids) for item in output.scheduled[:-1]),
+                                                    initial=0))
         self._fill_placeholders(output.scheduled, input_ids, offsets)
         t1 = time.perf_counter()
         host_ms, copy_ms = (t_copy - t0) * 1e3, (t1 - t_copy) * 1e3
@@ -242,6 +250,8 @@ class ModelRunner:
             hidden, replayed = graphs.run(input_ids, positions, meta, key)  # [tokens, hidden]
         else:
             hidden = self.model(input_ids, positions, meta, plan=self.plan.bound)  # [T, hidden]
+        if self.mtp is not None:
+            self.mtp.record(output.scheduled, hidden, offsets)
         if not self.samples:  # a tensor-parallel worker: only its share of a vocab-parallel LM head
             self._join_logits_gathers(output, hidden, logits_rows)
             timings = StepTimings(host_ms, copy_ms, _ms_since(t1), 0.0, 0, reused, replayed)
@@ -271,6 +281,11 @@ class ModelRunner:
         timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, _ms_since(t2), 1 + prompt_syncs, reused, replayed)
         return LaunchedStep(timings, sampled=sampled, drafts=drafts, rows=rows, tokens=SampledTokens(result),
                             prompt_logprobs=prompt_logprobs, pooled=pooled)
+
+    def propose_mtp(self, wanted, running) -> dict[str, tuple[int, ...]]:
+        """Method mtp: each wanted (request, k)'s drafts, the head caught up on the running requests first."""
+        tables = {state.request_id: state.block_ids for state in self.input_batch.slots if state is not None}
+        return self.mtp.propose(wanted, running, tables)
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Wait for a launched step's tokens (the step's one blocking wait) and hand them to their slots."""

@@ -173,7 +173,8 @@ def test_speculation_stays_off_for_large_batches_and_within_the_token_budget(che
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"method": "mtp"}', "mtp is not built yet"),
+    ('{"method": "eagle"}', "not supported; supported: ngram, draft_model, mtp"),
+    ('{"method": "mtp", "num_speculative_tokens": 1.5}', "num_speculative_tokens must be in 1..64"),
     ('{"method": "draft_model"}', "names the draft model of method draft_model"),
     ('{"model": "x.gguf"}', "names the draft model of method draft_model"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be in 1..64"),
