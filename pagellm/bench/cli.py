@@ -9,6 +9,7 @@ from pathlib import Path
 from pagellm.bench.arguments import (add_collectives_arguments, add_output_arguments, add_state_dtype_argument,
                                      int_list)
 from pagellm.bench.device_arguments import add_device_check_parser, add_device_gguf_parser
+from pagellm.bench.hybrid_shapes import HYBRID_SHAPES
 from pagellm.eval.cli import add_model_mode_args, set_threads
 
 
@@ -102,6 +103,30 @@ def add_bench_parser(subparsers) -> None:
     _add_state_dtype_parser(kinds)
     _add_serve_parsers(kinds)
     _add_speculative_parser(kinds)
+    _add_mtp_parser(kinds)
+
+
+def _add_mtp_parser(kinds) -> None:
+    mtp = kinds.add_parser("mtp", help="speculative decoding from a hybrid model's MTP head at a real shape: a "
+                           "head made to predict the model (the bound) and one that misses (the cost), beside plain")
+    mtp.add_argument("--shape", default="qwen3.5-35b-a3b-4-layers", choices=sorted(HYBRID_SHAPES),
+                     help="the hybrid shape (default %(default)s)")
+    mtp.add_argument("--device", default="cpu", help="torch device the engines run on (default cpu)")
+    mtp.add_argument("--npl", type=int_list, default=[1, 4], help="batch sizes B (default 1,4)")
+    mtp.add_argument("--pp", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    mtp.add_argument("--tg", type=int, default=128, help="generated tokens per sequence (default 128)")
+    mtp.add_argument("--k", type=int_list, default=[1, 2, 3], help="draft lengths of the predicting head")
+    mtp.add_argument("--rounds", type=int, default=2, help="every run once per round (default 2)")
+    mtp.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB (default 1)")
+    mtp.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    add_output_arguments(mtp, "mtp", "write the rows and the summary to FILE.json")
+    mtp.set_defaults(func=_run_mtp)
+
+
+def _run_mtp(args: argparse.Namespace) -> int:
+    from pagellm.bench import mtp
+
+    return mtp.main(args)
 
 
 def _add_state_dtype_parser(kinds) -> None:

@@ -3,7 +3,7 @@ shapes): Qwen3.5-35B-A3B (Gated DeltaNet and gated attention, 256 experts) and Q
 dense MLP), from their published configurations (the model cards: 40 / 64 layers, three Gated DeltaNet layers to
 one of gated attention, 16 key and 32 / 48 value heads of 128 in the DeltaNet, 16 / 24 query and 2 / 4 KV heads of
 256 in attention, a quarter of each head rotated, vocabulary 248320); "tiny-hybrid" rehearses them on a CPU, and
-"qwen3.5-35b-a3b-4-layers" measures the 35B-A3B's layers on one."""
+"qwen3.5-35b-a3b-4-layers" and "qwen3.5-27b-8-layers" measure their layers on one."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ HYBRID_SHAPES = {
                         num_key_value_heads=4, head_dim=256, intermediate_size=17408, linear_key_head_dim=128,
                         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48,
                         vocab_size=248320, rope_theta=10000000.0),
+    # its first eight layers and a 32000 vocabulary, as the 35B-A3B's four above
+    "qwen3.5-27b-8-layers": dict(model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=8,
+                                 num_attention_heads=24, num_key_value_heads=4, head_dim=256, intermediate_size=17408,
+                                 linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                                 linear_num_value_heads=48, vocab_size=32000, rope_theta=10000000.0),
 }
 _ARCHITECTURES = {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 

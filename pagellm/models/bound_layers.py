@@ -242,16 +242,17 @@ class PlanSettings:
     ops: LayerOps | None = None
 
 
-def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings,
-                  kernels: StepKernels | None = None) -> tuple[BoundModel | None, str]:
+def plan_backbone(backbone: nn.Module, norms_of, settings: PlanSettings, kernels: StepKernels | None = None,
+                  layer_class=None) -> tuple[BoundModel | None, str]:
     """(the bound plan, "") if every layer of `backbone` can run bound under `settings`, else (None, why not).
-    `kernels`: settings.kernels' unless given (tests run the Triton set on a CPU under its interpreter)."""
+    `kernels`: settings.kernels' unless given (tests run the Triton set on a CPU under its interpreter);
+    `layer_class`: what binds a layer, the backbone's own unless given (an MTP head's: its model's)."""
     if not settings.bound_layers:
         return None, "bound layers switched off (KernelConfig.bound_layers)"
     why, dtype, all_reduce = "", settings.dtype, settings.all_reduce
     if kernels is None:
         kernels, why = settings.kernels or native_step_kernels(settings.level)
-    layer_class = type(backbone).bound_layer or BoundLayer
+    layer_class = layer_class or getattr(type(backbone), "bound_layer", None) or BoundLayer
     why = (why or ("" if dtype in kernels.dtypes else f"{kernels.name} take {kernels.dtypes}, not {dtype}")
            or ("" if len(backbone.layers) else "no layers"))
     layers = []

@@ -50,10 +50,14 @@ class MultiTokenPredictor(nn.Module):
         self.norm = RMSNorm(hidden, eps, unit_offset=True)
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, step: int = 0) -> torch.Tensor:
+                meta: AttentionMetadata, step: int = 0, plan=None) -> torch.Tensor:
         """embedded [T, E]: the next tokens' embeddings; hidden [T, E]: the model's (or the last draft's) output at
-        the same positions; step: the draft's index (which MTP layer, round robin). Returns o [T, E], normed."""
+        the same positions; step: the draft's index (which MTP layer, round robin); plan: the layer and the final
+        norm bound to the kernels (models/bound_layers.plan_backbone, one layer only), else the modules run.
+        Returns o [T, E], normed."""
         x = torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1)  # [T, 2E]
         h, pending = self.fc(x), (None, None)  # [T, E]
+        if plan is not None:
+            return plan(h, [(cos, sin)], meta)  # [T, E]
         h, pending = self.layers[step % len(self.layers)](h, cos, sin, meta, pending)
         return self.norm.residual(h, *pending)[1]  # [T, E]

@@ -315,6 +315,8 @@ class ModelRunner:
             if graphs is not None:  # they hold the old plan's kernels
                 graphs.drop()
         logger.info("layers: %s", self.plan.description)
+        if self.mtp is not None:
+            logger.info("%s", self.mtp.replan(self.plan_settings))
         return self.plan
 
     def reset_step_reuse(self) -> None:

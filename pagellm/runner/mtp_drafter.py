@@ -24,6 +24,7 @@ import torch
 from pagellm.core.types import ScheduledRequest
 from pagellm.kernels.attention_metadata import AttentionMetadata
 from pagellm.kernels.transfers import to_device
+from pagellm.models.bound_layers import plan_backbone
 from pagellm.request import Request
 
 
@@ -52,6 +53,15 @@ class MtpDrafter:
         self.per_request = scratch_blocks_per_request(num_speculative_tokens, block_size)
         self.scratch = scratch
         self._rows: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (first position, hidden rows [n, E])
+        self.plan = None  # the head's layer bound to the kernels (replan), else its modules run
+
+    def replan(self, settings) -> str:
+        """Bind the head's layer as the model's are bound (PlanSettings), where it has one layer and can be;
+        returns how it runs, in words."""
+        backbone = type(self.backbone)
+        self.plan, why = (None, "more than one MTP layer") if len(self.head.layers) != 1 else plan_backbone(
+            self.head, backbone.norms_of, settings, layer_class=backbone.bound_layer)
+        return "MTP head bound to the kernels" if self.plan is not None else f"MTP head: modules ({why})"
 
     def record(self, items: Sequence[ScheduledRequest], hidden: torch.Tensor, offsets: Sequence[int]) -> None:
         """After a step's forward: each item's hidden rows [n, E] (copied out once: a graph's output is reused),
@@ -122,7 +132,7 @@ class MtpDrafter:
                                        self.block_size, self.device)
         embedded = self.backbone.embed_tokens(to_device(flat, torch.int64, self.device))  # [T, E]
         cos, sin = self.backbone.rotary_emb(positions, embedded.dtype)
-        return self.head(embedded, hidden.to(embedded.dtype), cos, sin, meta, step)
+        return self.head(embedded, hidden.to(embedded.dtype), cos, sin, meta, step, self.plan)
 
     def _draft(self, drafting: list[tuple[Request, int, int]], out: torch.Tensor,
                tables: Mapping[str, list[int]]) -> dict[str, tuple[int, ...]]:

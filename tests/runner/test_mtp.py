@@ -47,9 +47,12 @@ def family_checkpoint(request, tmp_path_factory):
     return path, write_mtp_checkpoint(request.param, path)
 
 
-def test_the_heads_first_drafts_are_the_reference_heads(family_checkpoint):
+@pytest.mark.parametrize("bound_layers", ["1", "0"])
+def test_the_heads_first_drafts_are_the_reference_heads(family_checkpoint, bound_layers, monkeypatch):
     """Two prompts of other lengths prefilled together: each request's first proposal (the head caught up on its
-    whole prompt, then two more passes through the scratch blocks) is the HF-built head's greedy drafts."""
+    whole prompt, then two more passes through the scratch blocks) is the HF-built head's greedy drafts, with the
+    head's layer bound to the kernels and with its modules."""
+    monkeypatch.setenv("PAGELLM_BOUND_LAYERS", bound_layers)
     path, reference = family_checkpoint
     prompts = [PROMPTS[0], PROMPTS[2]]
     first: dict[str, tuple[int, ...]] = {}
