@@ -171,6 +171,8 @@ def _add_speculative_parser(kinds) -> None:
     spec.add_argument("--batch", type=int, default=32, help="requests at once in the batch run (default %(default)s)")
     spec.add_argument("--ctx", type=int, default=2048, help="context tokens per sequence (default %(default)s)")
     spec.add_argument("--rounds", type=int, default=2, help="every server once per round (default %(default)s)")
+    spec.add_argument("--prompt-ids", type=int, default=0, metavar="N",
+                      help="each prompt N random token ids instead of its text (a file without a real vocabulary)")
     add_output_arguments(spec, "speculative", "write the rows (best round) and every round to FILE.json")
     spec.set_defaults(func=_run_speculative)
 

@@ -37,14 +37,27 @@ def tensor_type(name: str, cols: int, layers: int) -> T:
     return T.Q6_K if layer >= 0 and any(part in name for part in _WIDE) and more_bits(layer, layers) else T.Q4_K
 
 
-def _tensors(config) -> list[tuple[str, tuple[int, ...]]]:
-    """(GGUF name, shape as torch holds it) of every tensor of the model `config` describes."""
+# an MTP head's own tensors (the converter's names, conversion/qwen.py), in the block after the model's
+_NEXTN = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+          "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def _tensors(config, mtp: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, shape as torch holds it) of every tensor of the model `config` describes, with its MTP head's
+    (`mtp`) as block num_hidden_layers."""
     from pagellm.models.registry import build_model
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, config.num_hidden_layers)
+    layers = config.num_hidden_layers
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, layers + 1)
     out = []
-    for name, param in build_model(config, torch.bfloat16, "meta").state_dict().items():  # no memory
+    for name, param in build_model(config, torch.bfloat16, "meta", mtp=mtp).state_dict().items():  # no memory
         shape = tuple(param.shape)
+        if name in _NEXTN:
+            out.append((f"blk.{layers}.{_NEXTN[name]}", shape))
+            continue
+        if name.startswith("mtp.layers."):
+            index, rest = name[len("mtp.layers."):].split(".", 1)
+            name = f"model.layers.{layers + int(index)}.{rest}"
         if name.endswith(".dt_bias"):
             out.append((f"blk.{name.split('.')[2]}.ssm_dt.bias", shape))
         elif name.endswith("conv1d.weight"):
@@ -56,23 +69,31 @@ def _tensors(config) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def write_hybrid_gguf(shape: str, path: Path, seed: int = 0) -> dict[str, T]:
-    """The Q4_K_M qwen35moe GGUF of hybrid shape `shape` at `path`; returns {tensor name: type}."""
+def write_hybrid_gguf(shape: str, path: Path, seed: int = 0, mtp: bool = False,
+                      head_predicts: bool = False) -> dict[str, T]:
+    """The Q4_K_M qwen35moe GGUF of hybrid shape `shape` at `path`; returns {tensor name: type}. mtp: with an
+    MTP head (nextn_predict_layers 1); head_predicts: one made to predict the model (bench/mtp.py's way: every
+    block's output projection zero blocks, the head's fc [I | 0] in F32 and its final norm the model's)."""
     from pagellm.loader.safetensors import load_hf_config
 
     with tempfile.TemporaryDirectory() as tmp:
         config = load_hf_config(write_hybrid_shape(shape, Path(tmp)))
+    config = config.replace(mtp_num_hidden_layers=1) if mtp else config
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "qwen35moe")
     _metadata(writer, config, HYBRID_SHAPES[shape])
-    types = {}
-    for name, dims in _tensors(config):
+    types, kept = {}, {}
+    for name, dims in _tensors(config, mtp):
         kind = types[name] = tensor_type(name, dims[-1], config.num_hidden_layers)
+        if head_predicts and _predicting(writer, name, dims, kind, kept):
+            types[name] = T.F32 if "nextn" in name else kind
+            continue
         if kind == T.F32:
             values = (-rng.uniform(0.5, 8.0, dims) if name.endswith("ssm_a")  # -exp(A_log): decay rates
                       else 1.0 + 0.1 * rng.standard_normal(dims) if "norm" in name
                       else 0.02 * rng.standard_normal(dims))
             writer.add_tensor(name, values.astype(np.float32))
+            kept[name] = values
         else:
             rows = random_blocks(rng, kind, int(np.prod(dims[:-1])), dims[-1])
             writer.add_tensor(name, rows.reshape(*dims[:-1], -1), raw_dtype=kind)
@@ -83,10 +104,34 @@ def write_hybrid_gguf(shape: str, path: Path, seed: int = 0) -> dict[str, T]:
     return types
 
 
+_OUTPUTS = ("attn_output.", "ssm_out.", "ffn_down_exps.", "ffn_down_shexp.")
+
+
+def _predicting(writer: gguf.GGUFWriter, name: str, dims: tuple[int, ...], kind: T, kept: dict) -> bool:
+    """Write tensor `name` of a head made to predict the model, where it differs from a random one."""
+    if any(part in name for part in _OUTPUTS):  # zero blocks (every scale zero): zero weights
+        block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+        writer.add_tensor(name, np.zeros((*dims[:-1], dims[-1] // block_size * type_size), np.uint8), raw_dtype=kind)
+        return True
+    if name.endswith("nextn.eh_proj.weight"):
+        writer.add_tensor(name, np.eye(dims[0], dims[1], dtype=np.float32))
+    elif name.endswith("nextn.enorm.weight"):
+        writer.add_tensor(name, np.ones(dims, np.float32))  # stored + 1: a zero-centred weight of 0
+    elif name.endswith("nextn.shared_head_norm.weight"):
+        writer.add_tensor(name, kept["output_norm.weight"].astype(np.float32))
+    else:
+        return False
+    return True
+
+
 def _metadata(writer: gguf.GGUFWriter, config, fields: dict) -> None:
     """What loader/gguf_hybrid.py reads of a qwen35moe file (its docstring lists the keys)."""
     writer.add_name(f"pagellm-device-check-{fields['model_type']}")
-    for add, value in ((writer.add_block_count, config.num_hidden_layers), (writer.add_context_length, 4096),
+    mtp_layers = getattr(config, "mtp_num_hidden_layers", 0)
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
+    for add, value in ((writer.add_block_count, config.num_hidden_layers + mtp_layers),
+                       (writer.add_context_length, 4096),
                        (writer.add_embedding_length, config.hidden_size),
                        (writer.add_head_count, config.num_attention_heads),
                        (writer.add_head_count_kv, config.num_key_value_heads), (writer.add_key_length, config.head_dim),

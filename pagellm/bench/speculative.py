@@ -3,7 +3,7 @@
 Servers, each started in turn on a free port, in rounds (every server once per round: alternated):
 
     pagellm             `pagellm serve`, no speculation
-    pagellm-ngram       `pagellm serve --speculative-config` (--spec-config: n-gram lookup, adaptive length)
+    pagellm-<method>    `pagellm serve --speculative-config` (--spec-config: n-gram lookup by default, adaptive length)
     llama-server        no speculation
     llama-<type>        llama-server --spec-type <type> for each of --llama-spec-types (its n-gram kinds)
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import random
 import textwrap
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ def workloads(text_path: str = GPL3) -> dict[str, tuple[str, dict]]:
 def _servers(args, model: str) -> list[serve.Server]:
     common = ["--model", model, "--max-num-seqs", str(max(args.batch, 4)), "--max-model-len", str(args.ctx)]
     made = [serve.pagellm_server(common), serve.pagellm_server([*common, "--speculative-config", args.spec_config])]
-    made[1].name = "pagellm-ngram"
+    made[1].name = f"pagellm-{json.loads(args.spec_config).get('method', 'ngram')}"
     if args.llama_server:
         for spec in ["none", *args.llama_spec_types.split(",")]:
             peer = serve.Server("llama-server" if spec == "none" else f"llama-{spec}", [], serve.free_port())
@@ -131,8 +132,8 @@ def _workload_row(server: serve.Server, args, name: str, prompt: str, sampling: 
 def _batch_row(server: serve.Server, args, prose: str, sampling: dict) -> dict:
     """--batch prose requests at once: output tokens over the wall time."""
     before = serve.scrape_metrics(server.url, {})
-    results, wall = _run_sync(server.url, [f"{prose} (story {i})" for i in range(args.batch)], sampling,
-                              args.output_len, True)
+    prompts = [prose + [i] if isinstance(prose, list) else f"{prose} (story {i})" for i in range(args.batch)]
+    results, wall = _run_sync(server.url, prompts, sampling, args.output_len, True)
     after = serve.scrape_metrics(server.url, {})
     return {"server": server.name, "workload": f"prose B={args.batch}", "batch": args.batch,
             "tok_s": sum(n for n, _, _ in results) / wall, **_acceptance(before, after, [])}
@@ -178,6 +179,10 @@ def main(args) -> int:
 
     model = str(args.model or default_model_path())
     prompts = workloads(args.text)
+    if args.prompt_ids:  # a file whose vocabulary is a placeholder (bench/hybrid_gguf.py's): token ids, seeded
+        rng = random.Random(0)
+        prompts = {name: ([rng.randrange(1, 250) for _ in range(args.prompt_ids)], sampling)
+                   for name, (_, sampling) in prompts.items()}
     rounds: list[list[dict]] = []
     for round_ in range(args.rounds):
         rows = []

@@ -110,7 +110,7 @@ def iter_gguf_weights(
     show = sys.stderr.isatty() if progress is None else progress
     quantized = quantized or {}
     if arch in HYBRID_ARCHITECTURES:
-        yield from _iter_recipes(header, hybrid_recipes(header, config), show, quantized)
+        yield from _iter_recipes(header, hybrid_recipes(header, config, _has_mtp(parameters)), show, quantized)
         return
     hf_names = _gguf_to_hf_names(header, config, parameters)  # checks every tensor has an HF name, up front
     _check_dequantizable(header)
@@ -158,12 +158,17 @@ def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelCon
     return hf_name, weight
 
 
+def _has_mtp(parameters: Iterable[str] | None) -> bool:
+    """Whether the model built holds an MTP head (models/mtp.py), whose weights a hybrid file then gives."""
+    return parameters is not None and "mtp.fc.weight" in parameters
+
+
 def gguf_weight_types(path: str | Path | GGUFHeader, config: TextModelConfig,
                       parameters: Iterable[str] | None = None) -> dict[str, gguf.GGMLQuantizationType]:
     """{HF name: ggml type the file stores it in}, from the header alone (parameters: as iter_gguf_weights')."""
     header = _weights_only(header_of(path))
     if header.architecture in HYBRID_ARCHITECTURES:
-        return {r.hf_name: recipe_weight_type(r) for r in hybrid_recipes(header, config)}
+        return {r.hf_name: recipe_weight_type(r) for r in hybrid_recipes(header, config, _has_mtp(parameters))}
     hf_names = _gguf_to_hf_names(header, config, parameters)
     return {hf_names[t.name]: t.ggml_type for t in header.tensors}
 

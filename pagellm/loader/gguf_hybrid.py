@@ -18,7 +18,10 @@ Metadata, as llama.cpp's converter writes it (conversion/qwen.py) and its loader
     {arch}.attention.recurrent_layers (bools)     layer_types; without it {arch}.full_attention_interval
                                                   (default 4): layer i is full attention iff (i + 1) % interval == 0
     {arch}.rope.dimension_count                   partial_rotary_factor * head_dim
-    {arch}.nextn_predict_layers                   MTP layers, counted in block_count and stored last: skipped
+    {arch}.nextn_predict_layers                   mtp_num_hidden_layers: MTP layers, counted in block_count and
+                                                  stored last, read for a model built with its head (models/mtp.py)
+                                                  as blk.{L}.nextn.{eh_proj, enorm, hnorm, shared_head_norm} (fc
+                                                  and the three norms) and the layer's own tensors
 
 llama.cpp's graphs for these families renormalise the router's top-k weights whatever the HF config said and
 make every layer MoE, so the config we build says the same (norm_topk_prob, no mlp_only_layers).
@@ -83,6 +86,13 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 # per-layer GGUF suffix -> HF suffix, for tensors stored as they are (apart from the norms' + 1)
+# an MTP layer's own (converter's remapper, conversion/qwen.py): fc, and the zero-centred norms around it
+_NEXTN_NAMES = {
+    "nextn.eh_proj.weight": "mtp.fc.weight",
+    "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "nextn.shared_head_norm.weight": "mtp.norm.weight",
+}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",  # Qwen3-MoE
@@ -112,6 +122,8 @@ def hybrid_config_fields(header: GGUFHeader, common: dict[str, Any], rope: dict[
     arch, md = header.architecture, header.metadata
     num_layers = common["num_hidden_layers"] - md.get(f"{arch}.nextn_predict_layers", 0)
     fields: dict[str, Any] = {"num_hidden_layers": num_layers, "hidden_act": "silu"}
+    if md.get(f"{arch}.nextn_predict_layers", 0):
+        fields["mtp_num_hidden_layers"] = md[f"{arch}.nextn_predict_layers"]
     if arch == "qwen35" or f"{arch}.feed_forward_length" in md:  # MoE files may leave it out
         fields["intermediate_size"] = header.required(f"{arch}.feed_forward_length")
     if arch != "qwen35":
@@ -174,12 +186,13 @@ class TensorRecipe:
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None  # on the float32 result: -1, log(-x), a reshape
 
 
-def hybrid_recipes(header: GGUFHeader, config: TextModelConfig) -> list[TensorRecipe]:
-    """A recipe for every HF tensor the file holds, in file order; MTP layers are left out.
+def hybrid_recipes(header: GGUFHeader, config: TextModelConfig, mtp: bool = False) -> list[TensorRecipe]:
+    """A recipe for every HF tensor the file holds, in file order; MTP layers are left out unless `mtp` (a model
+    built with its head: their tensors under `mtp.*`).
 
     A tensor name this module does not know is a ValueError, raised before anything is read.
     """
-    builder = _RecipeBuilder(header, config)
+    builder = _RecipeBuilder(header, config, mtp)
     recipes, unknown = [], []
     for tensor in header.tensors:
         made = builder.recipes_of(tensor)
@@ -280,8 +293,8 @@ _PER_VALUE_HEAD = {"ssm_beta.weight": "in_proj_b.weight", "ssm_alpha.weight": "i
 class _RecipeBuilder:
     """The recipes of one GGUF tensor at a time: [] to leave it out, None when its name is unknown."""
 
-    def __init__(self, header: GGUFHeader, config: TextModelConfig):
-        self.arch, self.config = header.architecture, config
+    def __init__(self, header: GGUFHeader, config: TextModelConfig, mtp: bool = False):
+        self.arch, self.config, self.mtp = header.architecture, config, mtp
         self.by_name = {t.name: t for t in header.tensors}
         self.layer_types = getattr(config, "layer_types", None) if self.arch in _LINEAR_ATTENTION_ARCHS else None
         self.value_rows = self.head_rows = self.qkv_rows = None  # None: stored in HF order
@@ -302,16 +315,22 @@ class _RecipeBuilder:
         if match is None:
             return None
         layer, suffix = int(match[1]), match[2]
-        if layer >= self.config.num_hidden_layers:
-            return []  # an MTP (nextn) layer: HF's CausalLM classes leave it out as well
         prefix = f"model.layers.{layer}."
+        if layer >= self.config.num_hidden_layers:  # an MTP (nextn) layer: HF's CausalLM classes leave it out
+            if not self.mtp:
+                return []
+            prefix = f"mtp.layers.{layer - self.config.num_hidden_layers}."
+            if suffix in _NEXTN_NAMES:  # fc and the norms around it: zero-centred norms stored + 1
+                name = _NEXTN_NAMES[suffix]
+                return [TensorRecipe(name, (tensor,), finish=_minus_one if "norm" in name else None)]
         if suffix in _LAYER_NAMES:
             return [self._stored(prefix + _LAYER_NAMES[suffix], tensor)]
         if suffix == "ffn_gate_inp_shexp.weight":
             return [TensorRecipe(prefix + "mlp.shared_expert_gate.weight", (tensor,), finish=_as_router_row)]
         if suffix in _EXPERT_PROJECTIONS and len(tensor.shape) == 3:
             return self._experts(prefix + "mlp.experts.", tensor, _EXPERT_PROJECTIONS[suffix])
-        if self.layer_types is not None and self.layer_types[layer] == "linear_attention":
+        if self.layer_types is not None and layer < len(self.layer_types) and \
+                self.layer_types[layer] == "linear_attention":
             return self._linear_attention(prefix + "linear_attn.", tensor, suffix)
         return None  # e.g. a fused attn_qkv in a full-attention layer, which the converter never writes
 

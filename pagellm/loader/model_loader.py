@@ -140,8 +140,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     (planes for a GPU's); None: the device's own (a test plans a GPU's layout on a CPU).
     state_dtype: a hybrid model's recurrent state's dtype (CacheConfig.mamba_ssm_cache_dtype), set on its layers
     before the runner sizes and binds the state.
-    mtp: with the checkpoint's MTP head (speculative_config method mtp: models/mtp.py), from HF weights or dummy
-    ones on one rank.
+    mtp: with the checkpoint's MTP head (speculative_config method mtp: models/mtp.py), from HF weights, a hybrid
+    GGUF's nextn layers or dummy weights, on one rank.
     """
     kernels = kernels or KernelConfig()
     # the CPU kernels' level the layouts are chosen for (the runner's plan binds the modules to the same)
@@ -159,10 +159,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     release_freed_heap()  # the tokenizer's parsing temporaries: not resident under the weights
     hf_config = load_gguf_config(header) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None
-    if mtp and (is_gguf or shard is not None):
-        raise ValueError("speculative_config method mtp runs from HF checkpoints on one rank: "
-                         + ("a GGUF file's MTP (nextn) layers are not loaded yet" if is_gguf else
-                            "not with tensor parallel yet"))
+    if mtp and shard is not None:
+        raise ValueError("speculative_config method mtp runs on one rank: not with tensor parallel yet")
     if shard is not None and getattr(hf_config, OUT_PROJ_TILED, False):
         hf_config = hf_config.replace(**{OUT_PROJ_TILED: False})  # a shard splits out_proj's columns in HF's order
     net = build_model(shard.model_config(hf_config) if shard else hf_config, dtype, device, mtp=mtp)

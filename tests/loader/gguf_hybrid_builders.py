@@ -17,6 +17,7 @@ The loader under test must undo every one of them. Nothing here imports pagellm.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ class Conversion:
     fused_experts: bool = False  # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
     recurrent_layers_array: bool = False  # {arch}.attention.recurrent_layers instead of full_attention_interval
     mtp_layers: int = 0  # junk MTP (nextn) layers appended and counted in block_count, as --mtp files do
+    # (a checkpoint with a real head, tiny_mtp's mtp.safetensors: converted as the Qwen3.5 MTP mixin does)
     types: dict[str, T] = field(default_factory=dict)  # GGUF name -> storage type (default F32)
     extra_tensors: dict[str, np.ndarray] = field(default_factory=dict)  # written as they are, F32
     drop_metadata: tuple[str, ...] = ()  # keys left out of the file (to test the loader's error)
@@ -76,8 +78,15 @@ def convert_to_gguf(hf_dir: Path, path: Path, conversion: Conversion | None = No
     arch = FAMILY_ARCH[_family_of(config)]
     with safe_open(str(hf_dir / "model.safetensors"), framework="np") as f:
         hf = {name: f.get_tensor(name).astype(np.float32) for name in f.keys()}
+    head = hf_dir / "mtp.safetensors"
+    if head.exists():  # the MTP mixin: mtp.layers.i -> block L + i, fc and its norms -> the nextn names
+        with safe_open(str(head), framework="np") as f:
+            hf |= {_mtp_name(name, config.num_hidden_layers): f.get_tensor(name).astype(np.float32)
+                   for name in f.keys()}
+        conversion = dataclasses.replace(conversion, mtp_layers=1)
     tensors = _converted_tensors(arch, config, hf, conversion)
-    tensors.update(_mtp_tensors(config, conversion.mtp_layers))
+    if not head.exists():
+        tensors.update(_mtp_tensors(config, conversion.mtp_layers))
     tensors.update(conversion.extra_tensors)
     writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, arch, config, conversion)
@@ -114,14 +123,29 @@ def _family_of(config) -> str:
             "Qwen3_5ForCausalLM": "qwen3.5", "Qwen3_5MoeForCausalLM": "qwen3.5-moe"}[config.architectures[0]]
 
 
+_NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head_norm"}
+
+
+def _mtp_name(name: str, layers: int) -> str:
+    """The converter's name of an MTP head tensor: its layer as block L + i (the model's names after), fc and
+    the norms around it as blk.L.nextn.* (GGUF names already: the gguf package maps no nextn name)."""
+    parts = name.split(".")
+    if parts[1] == "layers":
+        return f"model.layers.{layers + int(parts[2])}." + ".".join(parts[3:])
+    return f"blk.{layers}.nextn.{_NEXTN[parts[1]]}.weight"
+
+
 def _converted_tensors(arch: str, config, hf: dict[str, np.ndarray], conversion: Conversion) -> dict[str, np.ndarray]:
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers + 1)
     hybrid = arch != "qwen3moe"
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, w in hf.items():
         if (match := _EXPERT.match(name)) is not None:
             experts.setdefault((int(match[1]), match[3]), {})[int(match[2])] = w
+            continue
+        if name.startswith("blk."):  # an MTP head's fc and norms, named already; its norms stored + 1
+            out[name] = w if name.endswith("eh_proj.weight") else w + 1.0
             continue
         if "linear_attn." in name and arch in ("qwen35", "qwen35moe"):
             w = _tile_value_heads(name, w, config)

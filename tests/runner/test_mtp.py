@@ -153,3 +153,31 @@ def test_rows_of_steps_whose_tokens_are_not_back_are_kept_and_a_position_fed_aga
         step(4, 3, 1)  # a verify step at 4..6, rows 1, 2, 3
         step(5, 2, 6)  # its drafts rejected after position 4; position 5 fed again: rows 6, 7
         assert drafter._rows["r"][0] == 3 and drafter._rows["r"][1][:, 0].tolist() == [5.0, 1.0, 6.0, 7.0]
+
+
+def test_a_gguf_files_head_drafts_as_the_checkpoints(tmp_path):
+    """The head converted to GGUF as llama.cpp's converter does (its layer as the block after the model's, fc and
+    its norms as nextn tensors, the norms stored + 1): the first drafts are the HF-built head's."""
+    from tests.loader.gguf_hybrid_builders import convert_to_gguf
+
+    reference = write_mtp_checkpoint("qwen3.5-moe", tmp_path / "hf")
+    convert_to_gguf(tmp_path / "hf", tmp_path / "model.gguf")
+    first: dict[str, tuple[int, ...]] = {}
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    ids, _ = _run(tmp_path / "model.gguf", prompts, _greedy(8), _mtp(3),
+                  spy=lambda wanted, proposals: [first.setdefault(rid, d) for rid, d in proposals.items()])
+    for i, prompt in enumerate(prompts):
+        token, drafts = reference.greedy(prompt, 3)
+        assert (ids[i][0], first[f"req-{i}"]) == (token, tuple(drafts))
+
+
+def test_a_written_qwen35moe_gguf_with_a_predicting_head_is_accepted(tmp_path):
+    """bench/hybrid_gguf.py's file with an MTP head (Q4_K_M's types, blocks as stored) made to predict the model:
+    every draft accepted, the ids of a run without speculation."""
+    from pagellm.bench.hybrid_gguf import write_hybrid_gguf
+
+    write_hybrid_gguf("tiny-hybrid", tmp_path / "model.gguf", mtp=True, head_predicts=True)
+    plain, _ = _run(tmp_path / "model.gguf", PROMPTS, _greedy(16))
+    spec, stats = _run(tmp_path / "model.gguf", PROMPTS, _greedy(16), _mtp(3))
+    assert spec == plain
+    assert stats["spec_acceptance_rate"] > 0.95, stats
