@@ -72,7 +72,7 @@ class LLMEngine:
                 workers.stop(grace=0)
             raise
         self.executor = HeadExecutor(self.runner, parallel, workers) if parallel else LocalExecutor(self.runner)
-        self.drafter = self._make_drafter(config)  # speculative_config method draft_model
+        self.drafter = self._make_drafter(config)  # speculative_config methods draft_model, mtp
         self.eos_token_ids = self._eos_ids()
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -150,8 +150,7 @@ class LLMEngine:
 
     def _make_drafter(self, config: EngineConfig) -> DraftModel | HeadDrafts | None:
         """Method draft_model: a second engine on the draft model, alone on this process (no speculation, no
-        steps launched ahead), its KV sized as the target's settings say. Method mtp: the model's own head, on
-        this process's runner (one rank: the loader refuses tensor parallel)."""
+        steps launched ahead), its KV sized as the target's settings say. Method mtp: the model's head, run here."""
         spec = config.speculative
         if spec is not None and spec.method == "mtp":
             return HeadDrafts(self.runner, self.scheduler)

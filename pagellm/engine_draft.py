@@ -87,7 +87,8 @@ class HeadDrafts:
         self.runner, self.scheduler = runner, scheduler
 
     def propose(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
-        return self.runner.propose_mtp(wanted, self.scheduler.running)
+        slots = [state for state in self.runner.input_batch.slots if state is not None]  # the runner's block ids
+        return self.runner.mtp.propose(wanted, self.scheduler.running, {s.request_id: s.block_ids for s in slots})
 
     def shutdown(self) -> None:
         pass

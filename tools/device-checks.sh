@@ -18,6 +18,9 @@
 #   python3 -m pagellm bench device-check --device cuda --shapes qwen3.5-35b-a3b --npl 1 --peers none \
 #     --modes graphs-async --skip-checks --serve-prompts 128 --serve-shape qwen3.5-35b-a3b \
 #     --serve-shared-prefix 1000 --serve-max-seqs 128 --serve-rounds 5   (a soak; then a too-long prompt: a 400)
+# and the MTP head's bound and cost (a head made to predict the model, then the random one; each run a new engine):
+#   python3 -m pagellm bench mtp --device cuda --shape qwen3.5-35b-a3b --npl 1,8 --pp 128 --tg 128 --k 1,3 \
+#     --rounds 1 --kv-cache-memory 8 --out OUT/mtp-35b-a3b.json
 #
 # Before a device run, on the host: the wheels its image lacks, a sample of real GGUF tensors, llama.cpp's
 # sources and the commit's name, all carried in .whl (an ignored path; the tree travels without .git):

@@ -112,6 +112,7 @@ def _add_mtp_parser(kinds) -> None:
     mtp.add_argument("--shape", default="qwen3.5-35b-a3b-4-layers", choices=sorted(HYBRID_SHAPES),
                      help="the hybrid shape (default %(default)s)")
     mtp.add_argument("--device", default="cpu", help="torch device the engines run on (default cpu)")
+    mtp.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: the device's")
     mtp.add_argument("--npl", type=int_list, default=[1, 4], help="batch sizes B (default 1,4)")
     mtp.add_argument("--pp", type=int, default=128, help="prompt tokens per sequence (default 128)")
     mtp.add_argument("--tg", type=int, default=128, help="generated tokens per sequence (default 128)")

@@ -43,10 +43,12 @@ def write_config(shape: str, directory: Path) -> Path:
 
 
 @torch.no_grad()
-def make_head_predict_the_model(model) -> int:
-    """In place, before the first step: every block's output projection zero, the head's fc [I | 0], its
-    embedding norm a weight of 1 and its final norm the model's. Returns the tensors zeroed."""
-    zeroed = 0
+def make_head_predict_the_model(engine) -> int:
+    """In place, before the first step: every block's output projection zero (the kernels and any captured
+    graph read these very tensors), the head's fc [I | 0], its embedding norm a weight of 1 and its final norm
+    the model's, then the head planned again (its norms' fp32 copies are made when it is planned). Returns the
+    tensors zeroed."""
+    model, zeroed = engine.model, 0
     for name, parameter in model.named_parameters():
         if name.endswith(_OUTPUTS) and not name.startswith("mtp.fc"):
             parameter.zero_()
@@ -55,8 +57,10 @@ def make_head_predict_the_model(model) -> int:
     hidden = head.fc.weight.shape[0]
     head.fc.weight.zero_()
     head.fc.weight[:, :hidden] = torch.eye(hidden, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
-    head.pre_fc_norm_embedding.weight.zero_()  # zero-centred: a weight of 1
-    head.norm.weight.copy_(model.model.norm.weight)
+    # new tensors, not writes into the old: a norm's fp32 copy is kept per tensor (layers/norm.py)
+    head.pre_fc_norm_embedding.weight.data = torch.zeros_like(head.pre_fc_norm_embedding.weight)  # a weight of 1
+    head.norm.weight.data = model.model.norm.weight.detach().clone()
+    engine.runner.mtp.replan(engine.runner.plan_settings)
     return zeroed
 
 
@@ -85,10 +89,10 @@ def _rounds(args: argparse.Namespace, directory: Path) -> list[dict]:
     rows = []
     for round_index in range(args.rounds):
         for name, spec, hits in runs(args.k):
-            engine = build_engine(str(directory), None, max(args.npl), args.pp, args.tg + 1, speculative=spec,
+            engine = build_engine(str(directory), args.dtype, max(args.npl), args.pp, args.tg + 1, speculative=spec,
                                   kv_cache_memory=args.kv_cache_memory, load_format="dummy", device=args.device)
             if spec is not None and hits:
-                make_head_predict_the_model(engine.model)
+                make_head_predict_the_model(engine)  # in bf16, normalising twice rounds: a few ties flip
             try:
                 for b in args.npl:
                     before = engine.stats()

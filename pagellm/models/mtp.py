@@ -13,7 +13,7 @@ normed inputs; the embedding and the LM head are the model's own (config mtp_use
 
 The layer attends over its own KV cache (one more attention layer in the model's paged blocks, at the same
 positions). A second draft feeds o_p back as the hidden input with the first draft's token (vLLM's way with one
-MTP layer: the same layer again).
+MTP layer, the only kind these checkpoints ship: the same layer again).
 """
 
 from __future__ import annotations
@@ -46,18 +46,19 @@ class MultiTokenPredictor(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, unit_offset=True)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, unit_offset=True)
-        self.layers = nn.ModuleList([make_layer(config.num_hidden_layers + i) for i in range(mtp_layers_of(config))])
+        if mtp_layers_of(config) != 1:  # Qwen3.5's and Qwen3-Next's have one; a second would need its own KV
+            raise ValueError(f"an MTP head of {mtp_layers_of(config)} layers is not supported (one is)")
+        self.layers = nn.ModuleList([make_layer(config.num_hidden_layers)])
         self.norm = RMSNorm(hidden, eps, unit_offset=True)
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, step: int = 0, plan=None) -> torch.Tensor:
+                meta: AttentionMetadata, plan=None) -> torch.Tensor:
         """embedded [T, E]: the next tokens' embeddings; hidden [T, E]: the model's (or the last draft's) output at
-        the same positions; step: the draft's index (which MTP layer, round robin); plan: the layer and the final
-        norm bound to the kernels (models/bound_layers.plan_backbone, one layer only), else the modules run.
-        Returns o [T, E], normed."""
+        the same positions; plan: the layer and the final norm bound to the kernels (models/bound_layers
+        .plan_backbone), else the modules run. Returns o [T, E], normed."""
         x = torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1)  # [T, 2E]
         h, pending = self.fc(x), (None, None)  # [T, E]
         if plan is not None:
             return plan(h, [(cos, sin)], meta)  # [T, E]
-        h, pending = self.layers[step % len(self.layers)](h, cos, sin, meta, pending)
+        h, pending = self.layers[0](h, cos, sin, meta, pending)
         return self.norm.residual(h, *pending)[1]  # [T, E]

@@ -216,6 +216,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         states = self.input_batch.apply(output.released_request_ids, output.scheduled)
         self.kv_pages.release(output.released_blocks)  # before the step, which may write them again
+        if self.mtp is not None:
+            self.mtp.forget(output.released_request_ids)
         self.state_pages.release(output.released_snapshot_rows)
         if not output.scheduled:  # an idle engine's last step: only memory to give back
             self.backend.settle()  # what steps keep for the next one, every rank's own
@@ -281,11 +283,6 @@ class ModelRunner:
         timings = StepTimings(host_ms, copy_ms, (t2 - t1) * 1e3, _ms_since(t2), 1 + prompt_syncs, reused, replayed)
         return LaunchedStep(timings, sampled=sampled, drafts=drafts, rows=rows, tokens=SampledTokens(result),
                             prompt_logprobs=prompt_logprobs, pooled=pooled)
-
-    def propose_mtp(self, wanted, running) -> dict[str, tuple[int, ...]]:
-        """Method mtp: each wanted (request, k)'s drafts, the head caught up on the running requests first."""
-        tables = {state.request_id: state.block_ids for state in self.input_batch.slots if state is not None}
-        return self.mtp.propose(wanted, running, tables)
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Wait for a launched step's tokens (the step's one blocking wait) and hand them to their slots."""

@@ -3,13 +3,14 @@ speculating request's next tokens from the model's own last hidden states.
 
 Every step's forward leaves its hidden rows here (record). Before the next step is scheduled, propose() runs the
 head over every running request's rows whose next token is known on the host (the row at position p and token
-p + 1: a prefill chunk's whole, a decode's one, a verify step's accepted ones), which writes the head's KV at
-those positions in the request's own blocks, as vLLM's drafter does for every request every step: a request
-that speculates later has its context whole. A request the scheduler lets speculate then gets its first draft
-from its last row's logits, and each further one from one more pass of the head over the draft before, its
-hidden input the head's own output (the drafts' KV past the request's computed blocks goes to scratch blocks
-after the cache's, and is written over by the next catch-up). Drafts are greedy (one-hot), so the target's
-verification keeps its exact distribution (runner/speculative.py).
+p + 1: a prefill chunk's, its last row once the token after it is; a decode's one; a verify step's accepted
+ones), which writes the head's KV at those positions in the request's own blocks, as vLLM's drafter does for
+every request every step: a request that speculates later has its context whole. A request the scheduler lets
+speculate then gets its first draft from its last row's logits, and each further one from one more pass of the
+head over the draft before, its hidden input the head's own output. Those passes write the head's KV in the
+request's last block where it has room (the next catch-up writes over it) and past it in scratch blocks after
+the cache's (the next round's). Drafts are greedy (one-hot), so the target's verification keeps its exact
+distribution (runner/speculative.py).
 
 A prefix-cache hit reads the head's KV the cached blocks' first request wrote; a block's last position was
 written from that request's next token, which a later request may not share: only the drafts can differ.
@@ -56,11 +57,10 @@ class MtpDrafter:
         self.plan = None  # the head's layer bound to the kernels (replan), else its modules run
 
     def replan(self, settings) -> str:
-        """Bind the head's layer as the model's are bound (PlanSettings), where it has one layer and can be;
-        returns how it runs, in words."""
+        """Bind the head's layer as the model's are bound (PlanSettings), where it can be; returns how it runs,
+        in words."""
         backbone = type(self.backbone)
-        self.plan, why = (None, "more than one MTP layer") if len(self.head.layers) != 1 else plan_backbone(
-            self.head, backbone.norms_of, settings, layer_class=backbone.bound_layer)
+        self.plan, why = plan_backbone(self.head, backbone.norms_of, settings, layer_class=backbone.bound_layer)
         return "MTP head bound to the kernels" if self.plan is not None else f"MTP head: modules ({why})"
 
     def record(self, items: Sequence[ScheduledRequest], hidden: torch.Tensor, offsets: Sequence[int]) -> None:
@@ -119,11 +119,12 @@ class MtpDrafter:
                 continue
             tokens = request.all_token_ids[first + 1 : end + 1]  # row p predicts from token p + 1
             batch.append((request, tokens, first, end, rows[: end - first]))
-            self._rows[request.request_id] = (end, rows[end - first :])
+            # a copy of what waits (a chunk's last row, rows of a step in flight): not a view keeping the step's
+            self._rows[request.request_id] = (end, rows[end - first :].clone())
         return batch
 
     def _run(self, tokens: list[list[int]], firsts: list[int], ends: list[int], tables: list[list[int]],
-             hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+             hidden: torch.Tensor) -> torch.Tensor:
         """One pass of the head over each request's tokens at positions first .. end - 1: [T, E]."""
         flat = [t for piece in tokens for t in piece]
         positions = to_device([p for first, end in zip(firsts, ends) for p in range(first, end)], torch.int64,
@@ -132,7 +133,7 @@ class MtpDrafter:
                                        self.block_size, self.device)
         embedded = self.backbone.embed_tokens(to_device(flat, torch.int64, self.device))  # [T, E]
         cos, sin = self.backbone.rotary_emb(positions, embedded.dtype)
-        return self.head(embedded, hidden.to(embedded.dtype), cos, sin, meta, step, self.plan)
+        return self.head(embedded, hidden.to(embedded.dtype), cos, sin, meta, self.plan)
 
     def _draft(self, drafting: list[tuple[Request, int, int]], out: torch.Tensor,
                tables: Mapping[str, list[int]]) -> dict[str, tuple[int, ...]]:
@@ -152,7 +153,7 @@ class MtpDrafter:
             positions = [request.num_tokens - 2 + step for request in requests]  # where the draft before goes
             hidden = self._run([[drafts[i][-1]] for i in active], positions, [p + 1 for p in positions],
                                [self._draft_table(drafting[i][0], tables[drafting[i][0].request_id], i)
-                                for i in active], hidden, step)  # [R', E]
+                                for i in active], hidden)  # [R', E]
             for i, token in zip(active, self.compute_logits(hidden).argmax(dim=-1).tolist()):
                 drafts[i].append(token)
         return {request.request_id: tuple(d) for (request, _, _), d in zip(drafting, drafts)}

@@ -10,7 +10,8 @@ from tests.bench.cli_runner import run_cli
 
 def test_the_predicting_head_is_accepted_and_the_random_one_missed(tmp_path, capsys):
     out = tmp_path / "mtp.json"
-    text = run_cli(capsys, "mtp", "--shape", "tiny-hybrid", "--npl", "1", "--pp", "8", "--tg", "8", "--k", "2",
+    text = run_cli(capsys, "mtp", "--shape", "tiny-hybrid", "--dtype", "float32", "--npl", "1", "--pp", "8", "--tg",
+                   "8", "--k", "2",
                    "--rounds", "1", "--kv-cache-memory", "0.02", "--out", str(out))
     summary = {row["run"]: row for row in json.loads(out.read_text())["summary"]}
     assert set(summary) == {"plain", "mtp k=2", "mtp k=1, head misses, adaptive", "mtp k=1, head misses, fixed"}

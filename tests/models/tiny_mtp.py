@@ -82,7 +82,8 @@ def write_mtp_checkpoint(family: str, directory: Path, seed: int = 0) -> Referen
     tensors = {f"mtp.{name}.weight" if name != "fc" else "mtp.fc.weight": getattr(head, name).weight
                for name in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
     with safe_open(str(directory / "donor" / "model.safetensors"), "pt") as f:
-        tensors |= {"mtp.layers.0." + key[len(prefix):]: f.get_tensor(key) for key in f.keys() if key.startswith(prefix)}
+        tensors |= {"mtp.layers.0." + key[len(prefix):]: f.get_tensor(key)
+                    for key in f.keys() if key.startswith(prefix)}
     for path in (directory / "donor").iterdir():
         path.unlink()
     (directory / "donor").rmdir()

@@ -181,3 +181,27 @@ def test_a_written_qwen35moe_gguf_with_a_predicting_head_is_accepted(tmp_path):
     spec, stats = _run(tmp_path / "model.gguf", PROMPTS, _greedy(16), _mtp(3))
     assert spec == plain
     assert stats["spec_acceptance_rate"] > 0.95, stats
+
+
+def test_no_rows_are_kept_for_requests_that_ended_or_were_aborted(family_checkpoint):
+    path, _ = family_checkpoint
+    with LLM(str(path), speculative_config=_mtp(2), **ENGINE) as llm:
+        engine = llm.engine
+        first, second = (engine.add_request(p, _greedy(12)) for p in PROMPTS[:2])
+        for _ in range(3):
+            engine.step()
+        assert {first, second} <= set(engine.runner.mtp._rows)
+        engine.abort(second)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.runner.mtp._rows == {}  # released with the idle engine's last step
+
+
+def test_a_head_of_two_layers_is_a_clear_error(tmp_path):
+    import json
+
+    write_mtp_checkpoint("qwen3.5", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="MTP head of 2 layers is not supported"):
+        LLM(str(tmp_path), speculative_config=_mtp(1), **ENGINE)
