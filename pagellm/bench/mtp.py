@@ -8,8 +8,9 @@ projection zero (the model's next token then a function of its current one) and 
 same norms. Its drafts are then accepted, all but rounding ties (the acceptance column checks it). The random
 head as drawn misses every draft: with a fixed draft length that is the floor (every draft verified in vain),
 with the adaptive default the cost that stays once drafting stops (the head still catches up on every token).
-The compute is the shape's with any weights; only the acceptance is chosen. Runs alternate in rounds; each is a
-fresh engine.
+The arithmetic is the shape's with any weights; only the acceptance is chosen (but for MoE: such a model's greedy
+text soon cycles, so a verify step's tokens may share experts more often than a trained model's would). Runs
+alternate in rounds; each is a fresh engine.
 """
 
 from __future__ import annotations
