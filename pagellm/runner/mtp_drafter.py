@@ -19,6 +19,7 @@ written from that request's next token, which a later request may not share: onl
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -26,7 +27,15 @@ from pagellm.core.types import ScheduledRequest
 from pagellm.kernels.attention_metadata import AttentionMetadata
 from pagellm.kernels.transfers import to_device
 from pagellm.models.bound_layers import plan_backbone
-from pagellm.request import Request
+
+
+class Request(Protocol):
+    """What the drafter reads of the engine's requests (pagellm/request.py's, on this process: one rank)."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_tokens: int
+    all_token_ids: list[int]
 
 
 def scratch_blocks_per_request(num_speculative_tokens: int, block_size: int) -> int:
