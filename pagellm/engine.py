@@ -11,14 +11,13 @@ N+1 while the device runs step N. Greedy ids are the same; a request that stops 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 
 import torch
 
-from pagellm.config import EngineConfig, ParallelConfig
+from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.snapshot_pool import SnapshotPool
@@ -27,7 +26,7 @@ from pagellm.distributed.executor import HeadExecutor, LocalExecutor
 from pagellm.distributed.parallel_state import DistributedError, ParallelState
 from pagellm.distributed.sharding import ShardSpec, install_all_reduce, vocab_parallel_logits
 from pagellm.distributed.worker import publish_runner_setup, start_head
-from pagellm.engine_draft import DraftModel, HeadDrafts
+from pagellm.engine_draft import make_drafter
 from pagellm.engine_errors import StepError
 from pagellm.engine_stats import EngineStats
 from pagellm.engine_steps import InFlightStep, needs_host_tokens
@@ -72,7 +71,7 @@ class LLMEngine:
                 workers.stop(grace=0)
             raise
         self.executor = HeadExecutor(self.runner, parallel, workers) if parallel else LocalExecutor(self.runner)
-        self.drafter = self._make_drafter(config)  # speculative_config methods draft_model, mtp
+        self.drafter = make_drafter(self, LLMEngine)  # speculative_config methods draft_model, mtp
         self.eos_token_ids = self._eos_ids()
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -147,20 +146,6 @@ class LLMEngine:
                     self.backend.ops_description(), self.backend.dtype_description(),
                     pool.num_blocks * pool.bytes_per_block / GIB, pool.num_blocks, cc.block_size)
         return pool.num_blocks
-
-    def _make_drafter(self, config: EngineConfig) -> DraftModel | HeadDrafts | None:
-        """Method draft_model: a second engine on the draft model, alone on this process (no speculation, no
-        steps launched ahead), its KV sized as the target's settings say. Method mtp: the model's head, run here."""
-        spec = config.speculative
-        if spec is not None and spec.method == "mtp":
-            return HeadDrafts(self.runner, self.scheduler)
-        if spec is None or spec.method != "draft_model":
-            return None
-        draft = dataclasses.replace(config, model=dataclasses.replace(config.model, model=spec.model),
-                                    speculative=None, parallel=ParallelConfig(),
-                                    scheduler=dataclasses.replace(config.scheduler, async_scheduling=False))
-        return DraftModel(LLMEngine(draft, skip_tokenizer_init=self.tokenizer is None), self.hf_config.vocab_size,
-                          self.tokenizer)
 
     def _runner_setup(self) -> RunnerSetup:
         """The cache sizes every runner (and, when parallel, every rank's) is built with."""
@@ -299,7 +284,7 @@ class LLMEngine:
             self.executor.execute(self.scheduler.schedule())
 
     def _launch_next(self, after: InFlightStep | None = None) -> InFlightStep | None:
-        proposals = self.drafter.propose(self.scheduler.draft_requests()) if self.drafter is not None else None
+        proposals = self._proposals(after) if self.drafter is not None else None
         t0 = time.perf_counter()
         output = self.scheduler.schedule(proposals)
         schedule_ms = (time.perf_counter() - t0) * 1e3
@@ -314,22 +299,35 @@ class LLMEngine:
             self._recover(step, exc, also=after)
         return step
 
+    def _proposals(self, after: InFlightStep | None) -> dict[str, tuple[int, ...]]:
+        """The drafter's (methods draft_model, mtp). One that fails fails as a launch does: `after` (launched, its
+        tokens unread) goes back to waiting, the StepError naming the requests the drafter ran for."""
+        try:
+            return self.drafter.propose(self.scheduler.draft_requests())
+        except DistributedError:
+            raise
+        except Exception as exc:
+            self._recover(None, exc, also=after, blamed=self.drafter.ran_for())
+
     def _runs_ahead(self, current: InFlightStep) -> bool:
         """Launch the next step now? Only where its decodes need nothing of `current`'s tokens on the host:
         penalties count them and grammars advance on them."""
         return (self._async and not self.scheduler.held
                 and not needs_host_tokens(current.output, self.scheduler.requests, self.scheduler.speculation))
 
-    def _recover(self, failed: InFlightStep, exc: Exception, also: InFlightStep | None = None) -> None:
+    def _recover(self, failed: InFlightStep | None, exc: Exception, also: InFlightStep | None = None,
+                 blamed: tuple[str, ...] = ()) -> None:
         """A step failed: it, `also` (the step before it, when it fails at launch: that one's tokens are never read)
         and any launched after it go back to waiting (recomputed from the prefix cache). The StepError names the
-        failed step's requests: the server looks for the culprit among them."""
+        failed step's requests (no step: `blamed`, a drafter's): the server looks for the culprit among them."""
         self.runner.reset_step_reuse()
         steps = [s for s in (failed, also, self._in_flight) if s is not None]
         self._in_flight = None
         for step in steps:
             self.scheduler.recover_failed_step(step.output)
-        raise StepError(tuple(item.request_id for item in failed.output.scheduled), exc) from exc
+        if failed is not None:
+            blamed = tuple(item.request_id for item in failed.output.scheduled)
+        raise StepError(blamed, exc) from exc
 
     def _process(self, output, schedule_ms: float, model_output) -> list[RequestOutput]:
         """A collected step: tokens to their requests, detokenized, stop strings and limits checked."""

@@ -13,9 +13,11 @@ distribution as it does for n-gram lookups (runner/speculative.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+from pagellm.config import ParallelConfig
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -39,6 +41,23 @@ class DraftEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
+def make_drafter(engine, engine_class) -> DraftModel | HeadDrafts | None:
+    """The drafter of `engine`'s speculative config. Method draft_model: a second engine (`engine_class`) on the
+    draft model, alone on this process (no speculation, no steps launched ahead), its KV sized as the target's
+    settings say. Method mtp: the model's head, on this process's runner."""
+    config = engine.config
+    spec = config.speculative
+    if spec is not None and spec.method == "mtp":
+        return HeadDrafts(engine.runner, engine.scheduler)
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft = dataclasses.replace(config, model=dataclasses.replace(config.model, model=spec.model),
+                                speculative=None, parallel=ParallelConfig(),
+                                scheduler=dataclasses.replace(config.scheduler, async_scheduling=False))
+    return DraftModel(engine_class(draft, skip_tokenizer_init=engine.tokenizer is None),
+                      engine.hf_config.vocab_size, engine.tokenizer)
+
+
 class DraftModel:
     def __init__(self, engine: DraftEngine, target_vocab_size: int, target_tokenizer):
         """A ValueError naming speculative_config.model when the draft's vocabulary is not the target's."""
@@ -50,11 +69,16 @@ class DraftModel:
                 engine.tokenizer.encode(_PROBE) != target_tokenizer.encode(_PROBE):
             raise ValueError("speculative_config.model's tokenizer gives other ids than the target's for the same "
                              "text: a draft model must share the target's vocabulary")
-        self._rounds = 0
+        self._rounds, self._ran_for = 0, ()
+
+    def ran_for(self) -> tuple[str, ...]:
+        """The requests of the last round (whose proposal failed, when it did)."""
+        return self._ran_for
 
     def propose(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
         """{request id: its k greedy draft tokens} for each (request, k); a request the draft cannot hold (past its
         context) gets none."""
+        self._ran_for = tuple(request.request_id for request, _ in wanted)
         self._rounds += 1
         target_of = {}
         for request, k in wanted:
@@ -88,7 +112,16 @@ class HeadDrafts:
 
     def propose(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
         slots = [state for state in self.runner.input_batch.slots if state is not None]  # the runner's block ids
-        return self.runner.mtp.propose(wanted, self.scheduler.running, {s.request_id: s.block_ids for s in slots})
+        return self.runner.mtp.propose(wanted, self._running(), {s.request_id: s.block_ids for s in slots})
+
+    def _running(self) -> list[Request]:
+        """The requests the head catches up on: the running ones but those held (LLMEngine.hold: a step's
+        failure being isolated, this one's too)."""
+        return [r for r in self.scheduler.running if r.request_id not in self.scheduler.held]
+
+    def ran_for(self) -> tuple[str, ...]:
+        """The requests a failed catch-up ran for."""
+        return tuple(request.request_id for request in self._running())
 
     def shutdown(self) -> None:
         pass

@@ -205,3 +205,35 @@ def test_a_head_of_two_layers_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 2}))
     with pytest.raises(ValueError, match="MTP head of 2 layers is not supported"):
         LLM(str(tmp_path), speculative_config=_mtp(1), **ENGINE)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_head_pass_that_fails_is_a_step_error_and_the_requests_go_on(family_checkpoint, async_scheduling):
+    """The head's catch-up raising fails as a launch does: a StepError naming the requests it ran for, the step
+    launched ahead (async) back to waiting; stepping on gives the ids of a run without speculation."""
+    from pagellm.engine_errors import StepError
+
+    path, _ = family_checkpoint
+    plain, _ = _run(path, PROMPTS[:2], _greedy(12), async_scheduling=async_scheduling)
+    with LLM(str(path), speculative_config=_mtp(2), async_scheduling=async_scheduling, **ENGINE) as llm:
+        engine, drafter = llm.engine, llm.engine.runner.mtp
+        ids = [engine.add_request(p, _greedy(12), request_id=f"r{i}") for i, p in enumerate(PROMPTS[:2])]
+        run, calls = drafter._run, []
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("the head failed")
+            return run(*args)
+
+        drafter._run = failing
+        outputs: dict[str, list[int]] = {}
+        failures = []
+        while engine.has_unfinished_requests():
+            try:
+                for out in engine.step():
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+            except StepError as error:
+                failures.append(error)
+        assert len(failures) == 1 and set(failures[0].request_ids) == set(ids)
+        assert [outputs[i] for i in ids] == plain
