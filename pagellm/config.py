@@ -279,13 +279,11 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 class SpeculativeConfig(_FromDict):
     """vLLM's --speculative-config keys (those pagellm runs), plus the adaptive switches."""
 
-    method: str = _help("How tokens are proposed: ngram (prompt lookup over the request's own tokens) | "
-                        "draft_model (greedy tokens of a smaller model with the same vocabulary: `model`) | "
-                        "mtp (greedy tokens of the checkpoint's own multi-token-prediction head: Qwen3-Next, "
-                        "Qwen3.5).", default="ngram")
-    num_speculative_tokens: int | None = _help(
-        "Most tokens proposed per request and step (k). Default: 16; mtp 1, as vLLM (each more token is one "
-        "more pass of the MTP head).", default=None)
+    method: str = _help("How tokens are proposed: ngram (prompt lookup over the request's own tokens) | draft_model "
+                        "(greedy tokens of a smaller model of the same vocabulary: `model`) | mtp (greedy tokens of "
+                        "the checkpoint's multi-token-prediction head: Qwen3-Next, Qwen3.5).", default="ngram")
+    num_speculative_tokens: int | None = _help("Most tokens proposed per request and step (k). Default: 16; mtp 1, "
+                                               "as vLLM (each more is one more pass of the head).", default=None)
     prompt_lookup_min: int = _help("Shortest suffix n-gram looked up.", default=2)
     prompt_lookup_max: int = _help("Longest suffix n-gram looked up (the longest with a match wins).", default=4)
     disable_by_batch_size: int = _help(
@@ -311,15 +309,13 @@ class SpeculativeConfig(_FromDict):
             raise ValueError("speculative_config.model names the draft model of method draft_model, and only it")
         if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", 1 if self.method == "mtp" else 16)
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..64, got "
-                             f"{self.num_speculative_tokens}")
+        if not isinstance(k := self.num_speculative_tokens, int) or not 1 <= k <= 64:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be in 1..64, got {k}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.disable_by_batch_size < 1:
-            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got "
-                             f"{self.disable_by_batch_size}")
+            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         for name in ("draft_token_cost", "sampled_row_cost"):
             if not 0.0 <= getattr(self, name) < 10.0:
                 raise ValueError(f"speculative_config.{name} must be in [0, 10), got {getattr(self, name)}")

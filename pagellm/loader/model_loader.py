@@ -120,6 +120,21 @@ class WeightShard(Protocol):
         """This rank's slice of each (HF name, weight) streamed in."""
 
 
+def _build_net(hf_config, dtype: torch.dtype, device, shard, state_dtype: str, mtp: bool):
+    """(the config the weights are read with, the model on the meta device): this rank's shapes, the recurrent
+    state's dtype set on its layers, its MTP head built when asked (one rank only)."""
+    if mtp and shard is not None:
+        raise ValueError("speculative_config method mtp runs on one rank: not with tensor parallel yet")
+    if shard is not None and getattr(hf_config, OUT_PROJ_TILED, False):
+        hf_config = hf_config.replace(**{OUT_PROJ_TILED: False})  # a shard splits out_proj's columns in HF's order
+    net = build_model(shard.model_config(hf_config) if shard else hf_config, dtype, device, mtp=mtp)
+    state_layers = getattr(net, "state_layers", list)()
+    kept_in = recurrent_state_dtype(state_dtype, hf_config) if state_layers else None
+    for layer in state_layers:
+        layer.state_dtype = kept_in
+    return hf_config, net
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                with_tokenizer: bool = True, quantization: str = "none", shard: WeightShard | None = None,
                kernels: KernelConfig | None = None, load_format: str = "auto",
@@ -159,15 +174,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     release_freed_heap()  # the tokenizer's parsing temporaries: not resident under the weights
     hf_config = load_gguf_config(header) if is_gguf else load_hf_config(path)
     shard = shard if shard is not None and shard.world_size > 1 else None
-    if mtp and shard is not None:
-        raise ValueError("speculative_config method mtp runs on one rank: not with tensor parallel yet")
-    if shard is not None and getattr(hf_config, OUT_PROJ_TILED, False):
-        hf_config = hf_config.replace(**{OUT_PROJ_TILED: False})  # a shard splits out_proj's columns in HF's order
-    net = build_model(shard.model_config(hf_config) if shard else hf_config, dtype, device, mtp=mtp)
-    state_layers = getattr(net, "state_layers", list)()
-    kept_in = recurrent_state_dtype(state_dtype, hf_config) if state_layers else None
-    for layer in state_layers:
-        layer.state_dtype = kept_in
+    hf_config, net = _build_net(hf_config, dtype, device, shard, state_dtype, mtp)
     # HF's names, which a GGUF's tensors are matched to (a shard's are the same): read once, here
     parameters = tuple(net.state_dict()) if is_gguf else None
     if shard:

@@ -18,6 +18,7 @@ written from that request's next token, which a later request may not share: onl
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -108,7 +109,7 @@ class MtpDrafter:
         out = self._run(list(tokens), list(firsts), list(ends), [tables[r.request_id] for r in requests],
                         torch.cat(rows))  # [T, E]
         lengths = {request.request_id: k for request, k in wanted}
-        last_rows = list(_accumulate(end - first for first, end in zip(firsts, ends)))
+        last_rows = list(itertools.accumulate(end - first for first, end in zip(firsts, ends)))
         # a request drafts from the row of its last computed position (the one whose logits gave its last token)
         drafting = [(request, last - 1, lengths[request.request_id])
                     for request, end, last in zip(requests, ends, last_rows)
@@ -172,10 +173,3 @@ class MtpDrafter:
         own = table[: (request.num_tokens - 2) // self.block_size + 1]
         first = share * self.per_request
         return own + list(self.scratch[first : first + self.per_request])
-
-
-def _accumulate(values: Iterable[int]) -> Iterable[int]:
-    total = 0
-    for value in values:
-        total += value
-        yield total
