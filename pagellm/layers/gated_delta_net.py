@@ -101,6 +101,16 @@ class GatedRMSNorm(KernelUser, nn.Module):
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
+def softplus_any_position(x: torch.Tensor) -> torch.Tensor:
+    """softplus(x) in x's dtype, the same bits whatever x's length and this value's place in it. Why not
+    F.softplus: on a CPU torch runs the tail of a tensor (past its last whole vectors) through the C library's log1p
+    and the rest through its vectorised one, and the two differ in the last bit often enough that a request resumed
+    from a snapshot, a chunk, or a verify step would decay its state by another g than the step it repeats. In fp64
+    the two may still differ in their last bit, which the rounding to fp32 hides unless it straddles a rounding
+    point of fp32."""
+    return F.softplus(x.double()).to(x.dtype)
+
+
 def _consecutive(slots: list[int]) -> bool:
     return all(b - a == 1 for a, b in zip(slots, slots[1:]))
 
@@ -182,7 +192,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
             raise ValueError("a hybrid model step needs AttentionMetadata.state_slots")
         mixed, z, b, a = self._project(h)
         beta = b.sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32, <= 0
+        g = -self.A_log.float().exp() * softplus_any_position(a.float() + self.dt_bias)  # [T, Hv] fp32, <= 0
         if meta.verify_slots is not None:  # a verify step of one shape for every request (a graph's)
             core = self._verify(mixed, g, beta, meta.verify_slots, meta.verify_rows)
             return self._project_out(self.norm(core, z))
