@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu import interpreter
+from tests.gpu import interpreter, list_language_members_once
 
 # Triton decorates its own language functions (tl.zeros, tl.max...) when it is first imported, under the
 # TRITON_INTERPRET of that moment, and other conftests and test modules import it indirectly (transformers,
@@ -17,6 +17,8 @@ with interpreter(not torch.cuda.is_available()):
         import triton  # noqa: F401
     except ImportError:  # e.g. PyTorch's CPU-only wheel, which does not bring triton: tests/gpu says so
         pass
+    else:
+        list_language_members_once()
 
 
 def pytest_configure(config):

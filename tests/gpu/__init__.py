@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 
 import torch
@@ -33,3 +34,28 @@ def under_interpreter(make):
     are decorated for it (`triton.jit` reads TRITON_INTERPRET then)."""
     with interpreter(not ON_GPU):
         return make()
+
+
+def list_language_members_once() -> None:
+    """Triton's interpreter patches its language functions before every launch and restores them after, finding
+    them each time with inspect.getmembers over its modules: about a quarter of the time an interpreted launch of
+    our kernels takes. The members found do not change between launches, so they are listed once per module and
+    the same ones patched. Left as it is where the interpreter has another shape (another Triton version)."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as triton_interpreter
+    except ImportError:
+        return
+    patch_builtin, patch_attr = (getattr(triton_interpreter, name, None) for name in ("_patch_builtin", "_patch_attr"))
+    if patch_builtin is None or patch_attr is None or not hasattr(tl.core, "is_builtin") \
+            or list(inspect.signature(patch_builtin).parameters) != ["pkg", "builder", "scope"]:
+        return
+    listed: dict = {}
+
+    def patch_listed(pkg, builder, scope):
+        if pkg not in listed:  # listed unpatched: each launch's patches are restored before the next
+            listed[pkg] = [(name, member) for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+        for name, member in listed[pkg]:
+            patch_attr(pkg, name, member, builder, scope)
+
+    triton_interpreter._patch_builtin = patch_listed
