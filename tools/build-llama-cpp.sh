@@ -41,9 +41,18 @@ step() {  # run a command, or under --dry-run only show it
   if [ "$DRY" = 1 ]; then say "would run: $*"; else "$@" >&2; fi
 }
 
+# On a CPU with AMX, llama.cpp is built without its AMX path: this release runs tile instructions on worker threads
+# that never asked the kernel for the tile state, which dies with SIGILL (seen on an Intel Xeon VM where AMX itself
+# works; llama.cpp's pull request 26954, open). Its AVX-512 VNNI path and weight repacking stay: the peer it ships.
+# GCC keeps an explicit -mno-* whatever -march=native says, in any order.
+EXTRA_FLAGS=""
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then EXTRA_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
+STAMP="$PREFIX/build/pagellm-extra-flags"  # the flags the cached build was made with: another set rebuilds
+
 tools_built() {
   local tool
   for tool in "${TOOLS[@]}"; do [ -x "$BIN/$tool" ] || return 1; done
+  [ "$(cat "$STAMP" 2>/dev/null || true)" = "$EXTRA_FLAGS" ]
 }
 
 fetch_sources() {
@@ -63,8 +72,9 @@ build_tools() {
   # is the GPU build). No curl: models are local files.
   step cmake -S "$SRC/vendor/llama.cpp" -B "$PREFIX/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF
+    -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_C_FLAGS="$EXTRA_FLAGS" -DCMAKE_CXX_FLAGS="$EXTRA_FLAGS"
   step cmake --build "$PREFIX/build" -j"$(nproc)" --target "${TOOLS[@]}"
+  if [ "$DRY" = 0 ]; then echo "$EXTRA_FLAGS" > "$STAMP"; fi
 }
 
 python_package_ready() {

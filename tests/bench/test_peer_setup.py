@@ -20,13 +20,21 @@ SCRIPT = CHECKOUT / "tools" / "build-llama-cpp.sh"
 TOOLS = ("llama-server", "llama-batched-bench", "llama-bench", "llama-perplexity")
 
 
-def _fake_tools(prefix: Path) -> Path:
-    """A peers cache whose tools are all built (empty executables)."""
+def _host_flags() -> str:
+    """The compiler flags the script builds llama.cpp with on this CPU: AMX off where the CPU has it."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        amx = re.search(r"\bamx_int8\b", cpuinfo.read()) is not None
+    return "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if amx else ""
+
+
+def _fake_tools(prefix: Path, flags: str | None = None) -> Path:
+    """A peers cache whose tools are all built (empty executables), with `flags` (default: this CPU's)."""
     bin_dir = prefix / "build" / "bin"
     bin_dir.mkdir(parents=True)
     for tool in TOOLS:
         (bin_dir / tool).write_text("#!/bin/sh\n")
         (bin_dir / tool).chmod(0o755)
+    (prefix / "build" / "pagellm-extra-flags").write_text((_host_flags() if flags is None else flags) + "\n")
     return bin_dir
 
 
@@ -95,6 +103,18 @@ def test_a_built_cache_is_used_at_once(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(bin_dir) and "cached: " + " ".join(TOOLS) in run.stderr
     assert "would run" not in run.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["build"]
+
+
+def test_a_build_made_with_other_flags_is_built_again(tmp_path):
+    """A cache built before AMX was switched off (or on another CPU) is rebuilt with this CPU's flags."""
+    version = re.search(r"^VERSION=(\S+)", SCRIPT.read_text(), re.M).group(1)
+    _fake_tools(tmp_path, flags="-mstale")
+    (tmp_path / f"llama_cpp_python-{version}.tar.gz").write_bytes(b"")  # sources cached: only the build is shown
+    (tmp_path / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp").mkdir(parents=True)
+    run = _script("--dry-run", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    configure = [line for line in run.stderr.splitlines() if "would run: cmake -S" in line]
+    assert len(configure) == 1 and f'-DCMAKE_CXX_FLAGS={_host_flags()}' in configure[0]
 
 
 def test_a_cold_cache_fetches_the_pinned_sdist_and_builds_once(tmp_path):
