@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagellm.config import KernelConfig
+from pagellm.layers.dense import DenseLinear, use_dense_kernels
 from pagellm.loader.dummy import dummy_weights
 from pagellm.platform import release_freed_heap
 from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
@@ -64,7 +65,7 @@ def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         owner, _, attr = path.rpartition(".")
         module = model.get_submodule(owner) if attr in ("qkv_proj", "gate_up_proj") else None
         joined = getattr(module, attr, None)
-        if module is not None and hasattr(module, "join_projections") and type(joined) is not nn.Linear:
+        if module is not None and hasattr(module, "join_projections") and type(joined) not in (nn.Linear, DenseLinear):
             raise ValueError(f"{owner}.{attr} is a joined {type(joined).__name__}: checkpoint_state_dict splits "
                              "dense projections only (dequantize first)")
         if attr == "qkv_proj" and hasattr(module, "num_kv_heads"):
@@ -207,6 +208,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         _log_gpu_weights(net, path, plan, dtype)
     settle_activations(net, kernels, level)
     join_projections(net)  # the layers' plan is the runner's (models/bound_layers.plan_model)
+    if on == "cpu":
+        use_dense_kernels(net)  # a few bf16 rows through the native kernel (layers/dense.py)
     if blocks is not None:
         blocks.release()  # after the joins: the blocks they copied never come back into the resident set
     net.eval()

@@ -34,6 +34,7 @@ from pagellm.kernels.build.binding import kv_cache_pairs
 from pagellm.kernels.cpu import attention, layer_ops
 from pagellm.kernels.cpu.gguf_blocks import BoundMatmul, BoundMLP
 from pagellm.kernels.ops import FUSED_ACTIVATIONS, LayerOps, native_ops
+from pagellm.layers.dense import DenseLinear
 from pagellm.layers.gguf_linear import GGUFLinear
 from pagellm.layers.gguf_planes import GGUFPlanesLinear
 from pagellm.layers.kernel_user import bind_kernel_level
@@ -84,6 +85,8 @@ def bound_linear(module: nn.Module):
     if type(module) is nn.Linear:
         weight, bias = module.weight, module.bias
         return lambda x: F.linear(x, weight, bias)
+    if type(module) is DenseLinear:
+        return module.bound_matmul()
     if type(module) is Int4Linear and module.int8_activations and module.dense_from_rows is None:
         return module.bound_matmul(True)
     if type(module) is GGUFLinear:

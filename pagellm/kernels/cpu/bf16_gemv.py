@@ -1,0 +1,68 @@
+"""Dense bf16 matmuls of a few activation rows through csrc/bf16_gemv.cpp: a decode step of a few requests, a
+verify step's drafts. Weights are the checkpoint's own [N, K] bf16 rows, read in place (no copy, no layout of
+its own). Where the kernel does not build (no AVX-512 BF16, native kernels off) torch's F.linear stays.
+
+A row's result is the same bits whatever the number of rows and the threads: up to MAX_ROWS, a verify step of up
+to three drafts gives the logits of the decode steps it stands for. measured:
+docs/benchmarks/2026-11-29-xeon-amx-host.md
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.kernels.build import native
+from pagellm.kernels.build.binding import FLOATS, DtypeCode, Function, Int, Tensor
+
+# Up to this many rows the kernel (one pass over each tile of weight rows), above it torch's GEMM: a second pass
+# reads each tile again, and torch's blocked GEMM was the faster at eight rows on every shape measured.
+MAX_ROWS = 4
+_BF16 = (torch.bfloat16,)
+_MATMUL = Function("pagellm_bf16_matmul", (
+    Tensor("x", _BF16), Int("M"), Int("K"), Tensor("weight", _BF16), Int("N"), Tensor("bias", _BF16, optional=True),
+    Tensor("out", FLOATS), DtypeCode("out")))
+_LIBRARY = native.Library("bf16_gemv", [_MATMUL], "bf16 x bf16 matmul of a few rows", levels=("avx512",),
+                          exports_if="pagellm_bf16_gemv_vectorized")  # AVX-512 BF16
+LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
+
+
+def available(at: str | None) -> bool:
+    """Whether the kernel runs at level `at` (avx512 with a compiler)."""
+    return _LIBRARY.available(at)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, at: str,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in out_dtype (bf16 or fp32; default bf16), all bf16 on
+    the CPU; any number of rows (MAX_ROWS is where torch's GEMM is the faster)."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"bf16_gemv takes bf16 x [..., {weight.shape[1]}] and a bf16 weight, got x {x.dtype} "
+                         f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    rows, (n, k) = x.numel() // x.shape[-1], weight.shape
+    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype or torch.bfloat16)
+    if rows:
+        _LIBRARY.checked(_MATMUL.symbol, at)(x, rows, k, weight, n, bias, out)
+    return out
+
+
+class SmallBatchLinear:
+    """x -> x W^T (+ bias) for a bf16 weight on the CPU: this kernel up to MAX_ROWS rows, torch's GEMM above, any
+    other input through F.linear. One callable for a module's forward and for the bound layer's step, so the two
+    give the same bits."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, at: str):
+        self.weight, self.bias = weight, bias
+        self._fn = _LIBRARY.unchecked(_MATMUL.symbol, at)
+        self._n, self._k = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self._k if x.dim() else 0
+        if (not 0 < rows <= MAX_ROWS or x.dtype != torch.bfloat16 or x.shape[-1] != self._k or not x.is_cpu
+                or not x.is_contiguous()):
+            return F.linear(x, self.weight, self.bias)
+        out = torch.empty(*x.shape[:-1], self._n, dtype=torch.bfloat16)
+        self._fn(x, rows, self._k, self.weight, self._n, self.bias, out)
+        return out
