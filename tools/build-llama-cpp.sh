@@ -72,7 +72,7 @@ build_tools() {
   # is the GPU build). No curl: models are local files.
   step cmake -S "$SRC/vendor/llama.cpp" -B "$PREFIX/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_C_FLAGS="$EXTRA_FLAGS" -DCMAKE_CXX_FLAGS="$EXTRA_FLAGS"
+    -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_C_FLAGS="$EXTRA_FLAGS ${CFLAGS:-}" -DCMAKE_CXX_FLAGS="$EXTRA_FLAGS ${CXXFLAGS:-}"
   step cmake --build "$PREFIX/build" -j"$(nproc)" --target "${TOOLS[@]}"
   if [ "$DRY" = 0 ]; then echo "$EXTRA_FLAGS" > "$STAMP"; fi
 }

@@ -23,17 +23,19 @@ class DenseLinear(KernelUser, nn.Linear):
         return self.bound_matmul()(x)
 
     def bound_matmul(self):
-        """x -> x W^T (+ b): bf16_gemv's SmallBatchLinear for a bf16 weight on the CPU where the level has the
-        kernel, else F.linear; made again once the weight's dtype or device (or either parameter) changed."""
+        """x -> x W^T (+ b): bf16_gemv's SmallBatchLinear for a contiguous bf16 weight (and bias) on the CPU where
+        the level has the kernel, else F.linear; made again once either parameter, its data, dtype, shape or
+        device changed (the kernel reads raw memory)."""
         weight, bias = self.weight, self.bias
-        key = (id(weight), id(bias), weight.dtype, weight.device)
+        key = tuple((id(t), t.data_ptr(), t.dtype, t.shape, t.device) if t is not None else None
+                    for t in (weight, bias))
         bound = self.bindings.get("matmul")
         if bound is None or bound[0] != key:
-            if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-                    and bf16_gemv.available(self.kernel_level)):
-                fn = bf16_gemv.SmallBatchLinear(weight, bias, self.kernel_level)
-            else:
-                fn = functools.partial(F.linear, weight=weight, bias=bias)
+            kernel = (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous()
+                      and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_cpu and bias.is_contiguous()))
+                      and bf16_gemv.available(self.kernel_level))
+            fn = (bf16_gemv.SmallBatchLinear(weight, bias, self.kernel_level) if kernel
+                  else functools.partial(F.linear, weight=weight, bias=bias))
             bound = self.bindings["matmul"] = (key, fn)
         return bound[1]
 
@@ -47,12 +49,15 @@ class DenseLinear(KernelUser, nn.Linear):
         return layer
 
 
-def use_dense_kernels(model: nn.Module) -> int:
-    """Every plain nn.Linear of `model` becomes a DenseLinear on the same parameters; returns how many."""
+def use_dense_kernels(model: nn.Module, level: str | None) -> int:
+    """Every plain nn.Linear of `model` becomes a DenseLinear on the same parameters, calling the kernels at `level`
+    (the loader's, as its quantized layers; the runner's plan binds them all again); returns how many."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, DenseLinear.of(child))
+                layer = DenseLinear.of(child)
+                layer.use_kernel_level(level)
+                setattr(parent, name, layer)
                 swapped += 1
     return swapped

@@ -209,7 +209,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     settle_activations(net, kernels, level)
     join_projections(net)  # the layers' plan is the runner's (models/bound_layers.plan_model)
     if on == "cpu":
-        use_dense_kernels(net)  # a few bf16 rows through the native kernel (layers/dense.py)
+        use_dense_kernels(net, level)  # a few bf16 rows through the native kernel (layers/dense.py)
     if blocks is not None:
         blocks.release()  # after the joins: the blocks they copied never come back into the resident set
     net.eval()

@@ -38,8 +38,8 @@ def under_interpreter(make):
 
 def list_language_members_once() -> None:
     """Triton's interpreter patches its language functions before every launch and restores them after, finding
-    them each time with inspect.getmembers over its modules: about a quarter of the time an interpreted launch of
-    our kernels takes. The members found do not change between launches, so they are listed once per module and
+    them each time with inspect.getmembers over its modules, a large part of an interpreted launch of our kernels
+    (docs/benchmarks/2026-11-29-xeon-amx-host.md). The members found do not change between launches, so they are listed once per module and
     the same ones patched. Left as it is where the interpreter has another shape (another Triton version)."""
     try:
         import triton.language as tl

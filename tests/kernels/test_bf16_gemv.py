@@ -61,14 +61,15 @@ def test_a_row_is_the_same_bits_at_any_place_in_any_batch(cpu_isa):
 
 def test_the_layer_runs_the_kernel_up_to_max_rows_then_torch(cpu_isa):
     x, weight, bias = _case(48, 256, seed=2)
-    linear = nn.Linear(256, 48).bfloat16()
+    linear = nn.Linear(256, 48).bfloat16().requires_grad_(False)  # as a loaded model's
     linear.weight.data.copy_(weight)
     linear.bias.data.copy_(bias)
     model = nn.Sequential(linear)
-    assert use_dense_kernels(model) == 1
+    assert use_dense_kernels(model, cpu_isa) == 1
     layer = model[0]
     assert type(layer) is DenseLinear and layer.weight is linear.weight  # the same parameters, no copy
     bind_kernel_level(model, cpu_isa)
+    assert isinstance(layer.bound_matmul(), bf16_gemv.SmallBatchLinear)
     for m in range(1, 10):
         expected = (bf16_gemv.matmul(x[:m], weight, bias, cpu_isa) if m <= bf16_gemv.MAX_ROWS
                     else F.linear(x[:m], weight, bias))
@@ -80,3 +81,18 @@ def test_the_layer_runs_the_kernel_up_to_max_rows_then_torch(cpu_isa):
     layer.bfloat16()
     assert torch.equal(layer(x[:2]), F.linear(x[:2], layer.weight, layer.bias))
     assert set(layer.state_dict()) == {"weight", "bias"}
+
+
+def test_weights_the_kernel_cannot_read_in_place_go_to_torch(cpu_isa):
+    """The kernel reads raw rows: a strided weight, or a replaced one of another shape, is never read as one."""
+    x, weight, bias = _case(48, 256, seed=3)
+    layer = DenseLinear(256, 48).bfloat16()
+    layer.use_kernel_level(cpu_isa)
+    layer.weight = nn.Parameter(torch.cat([weight, weight], dim=1)[:, ::2], requires_grad=False)  # strided
+    assert not layer.weight.is_contiguous()
+    assert torch.equal(layer(x[:2]), F.linear(x[:2], layer.weight, layer.bias))
+    layer.weight.data = weight[:40].clone()  # another shape in place: bound again
+    layer.bias.data = bias[:40].clone()
+    assert torch.equal(layer(x[:2]), bf16_gemv.matmul(x[:2], weight[:40], bias[:40], cpu_isa))
+    layer.weight.requires_grad_(True)  # autograd: torch's, with a graph
+    assert layer(x[:2]).requires_grad

@@ -2,9 +2,9 @@
 verify step's drafts. Weights are the checkpoint's own [N, K] bf16 rows, read in place (no copy, no layout of
 its own). Where the kernel does not build (no AVX-512 BF16, native kernels off) torch's F.linear stays.
 
-A row's result is the same bits whatever the number of rows and the threads: up to MAX_ROWS, a verify step of up
-to three drafts gives the logits of the decode steps it stands for. measured:
-docs/benchmarks/2026-11-29-xeon-amx-host.md
+A row's result is the same bits whatever the number of rows and the threads: a step of at most MAX_ROWS rows (one
+request verifying up to three drafts, two verifying one) gives the logits of the decode steps it stands for.
+measured: docs/benchmarks/2026-11-29-xeon-amx-host.md
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, at:
                          f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
     x, weight = x.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    rows, (n, k) = x.numel() // x.shape[-1], weight.shape
+    (n, k) = weight.shape
+    rows = x.numel() // k if k else 0
     out = torch.empty(*x.shape[:-1], n, dtype=out_dtype or torch.bfloat16)
     if rows:
         _LIBRARY.checked(_MATMUL.symbol, at)(x, rows, k, weight, n, bias, out)
@@ -49,9 +50,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, at:
 
 
 class SmallBatchLinear:
-    """x -> x W^T (+ bias) for a bf16 weight on the CPU: this kernel up to MAX_ROWS rows, torch's GEMM above, any
-    other input through F.linear. One callable for a module's forward and for the bound layer's step, so the two
-    give the same bits."""
+    """x -> x W^T (+ bias) for a contiguous bf16 weight (and bias) on the CPU, which the caller checks: this kernel
+    up to MAX_ROWS rows, torch's GEMM above, any other input through F.linear. One callable for a module's forward
+    and for the bound layer's step, so the two give the same bits."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, at: str):
         self.weight, self.bias = weight, bias
@@ -59,9 +60,10 @@ class SmallBatchLinear:
         self._n, self._k = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self._k if x.dim() else 0
+        rows = x.numel() // self._k if x.dim() and self._k else 0
         if (not 0 < rows <= MAX_ROWS or x.dtype != torch.bfloat16 or x.shape[-1] != self._k or not x.is_cpu
-                or not x.is_contiguous()):
+                or not x.is_contiguous()
+                or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):  # no autograd here
             return F.linear(x, self.weight, self.bias)
         out = torch.empty(*x.shape[:-1], self._n, dtype=torch.bfloat16)
         self._fn(x, rows, self._k, self.weight, self._n, self.bias, out)

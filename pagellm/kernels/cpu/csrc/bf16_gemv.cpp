@@ -8,9 +8,10 @@
 // measured: docs/benchmarks/2026-11-29-xeon-amx-host.md
 //
 // kRows weight rows at a time (several streams keep DRAM busier than one), each against up to kMaxRows activation
-// rows per pass: every product exact in fp32 (vdpbf16ps), one fp32 chain per (weight row, activation row) over
-// K in order, the bias added, one rounding into the output dtype. A row's result is thus the same bits whatever M
-// is, wherever it sits in the batch and whichever thread computes it: a verify step's rows are the decode steps'.
+// rows per pass: every product exact in fp32 (vdpbf16ps, denormals flushed), per (weight row, activation row) 16
+// lane sums over K in order and one fixed reduction, the bias added, one rounding into the output dtype. A row's
+// result is thus the same bits whatever M is, wherever it sits in the batch and whichever thread computes it: a
+// verify step's rows are the decode steps'.
 
 #include <algorithm>
 #include <cstdint>
@@ -38,9 +39,10 @@ void tile(const uint16_t* w, const uint16_t* x, int64_t K, float* sums) {
         __m512i wv[R];
         for (int i = 0; i < R; ++i) {
             // the next tile's row at this column, into L2: a distance within the row measured slower where rows
-            // are short (a vocabulary head of 2048 columns) and as fast elsewhere; past the last row it is only a
-            // hint (a prefetch never faults)
-            _mm_prefetch((const char*)(w + (R + i) * K + k), _MM_HINT_T1);
+            // are short (a vocabulary head of 2048 columns) and as fast elsewhere. Past the last row it is only a
+            // hint (a prefetch never faults); the address is formed as an integer, never as a pointer past the end.
+            _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(w + i * K + k) + 2 * R * K),
+                         _MM_HINT_T1);
             wv[i] = _mm512_maskz_loadu_epi16(mask, w + i * K + k);
         }
         for (int r = 0; r < MR; ++r) {
