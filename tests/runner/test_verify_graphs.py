@@ -135,7 +135,9 @@ def test_models_with_recurrent_state_verify_eagerly_where_their_kernels_would_no
         assert llm.engine.runner.verify_graphs is None and llm.stats()["verify_graphs"] == "off (eager)"
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+# one family: Qwen3-Next's differs from Qwen3.5's in its fused input projections only, which its eager verify steps
+# cover (test_speculative_engine), not in the padded, replayed step this checks; each run is long under the interpreter
+@pytest.mark.parametrize("family", ["qwen3.5"])
 def test_a_hybrid_model_s_verify_steps_replay_graphs_where_its_kernels_skip_padded_slots(tmp_path, monkeypatch,
                                                                                         family):
     """On the CUDA table's Gated DeltaNet decode (Triton under its interpreter, CPU tensors), whose kernels skip
