@@ -69,16 +69,22 @@ def test_the_layer_runs_the_kernel_up_to_max_rows_then_torch(cpu_isa):
     layer = model[0]
     assert type(layer) is DenseLinear and layer.weight is linear.weight  # the same parameters, no copy
     bind_kernel_level(model, cpu_isa)
-    assert isinstance(layer.bound_matmul(), bf16_gemv.SmallBatchLinear)
+    bound = layer.bound_matmul()
+    assert isinstance(bound, bf16_gemv.SmallBatchLinear)
+    calls, kernel = [], bound._fn
+    bound._fn = lambda *args: calls.append(args[1]) or kernel(*args)  # at this shape both paths give the same bits
     for m in range(1, 10):
         expected = (bf16_gemv.matmul(x[:m], weight, bias, cpu_isa) if m <= bf16_gemv.MAX_ROWS
                     else F.linear(x[:m], weight, bias))
         assert torch.equal(layer(x[:m]), expected)
         assert torch.equal(layer.bound_matmul()(x[:m]), expected)  # the bound step's callable is the module's
+    assert calls == [m for m in range(1, bf16_gemv.MAX_ROWS + 1) for _ in range(2)]  # the kernel up to MAX_ROWS only
     layer.float()  # the weight's dtype changed: bound again, to F.linear
+    assert not isinstance(layer.bound_matmul(), bf16_gemv.SmallBatchLinear)
     assert torch.equal(layer(x[:2].float()), F.linear(x[:2].float(), layer.weight, layer.bias))
     bind_kernel_level(model, None)  # native kernels off: torch's
     layer.bfloat16()
+    assert not isinstance(layer.bound_matmul(), bf16_gemv.SmallBatchLinear)
     assert torch.equal(layer(x[:2]), F.linear(x[:2], layer.weight, layer.bias))
     assert set(layer.state_dict()) == {"weight", "bias"}
 
