@@ -52,8 +52,12 @@ chromium:
 		  ( $$APT update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $$APT install -y -q chromium >/dev/null 2>&1 ) ) \
 		|| echo "make: could not install chromium; the chat page test will be skipped"; }
 
+# Two pytest-xdist workers, a test file each at a time, with OpenMP's threads asleep while they wait
+# (OMP_WAIT_POLICY=passive): one process kept the two cores about half busy (model loads, servers, the Triton
+# interpreter), and two processes whose thread pools spin at their barriers took twice the CPU for the same tests
+# (docs/benchmarks/2026-11-24-test-suite.md). tests/lower_levels.py runs its passes the same way.
 test: install chromium
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=passive $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
 	$(BIN)/python tests/lower_levels.py $(PYTEST_ARGS)
 
 generate: install

@@ -80,6 +80,14 @@ NATIVE_OFF = ["tests/models/test_hf_parity.py", "tests/models/test_hybrid_parity
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
 
 
+# The level passes on two pytest-xdist workers, as make test's main pass (the Makefile says why; OpenMP's threads
+# sleep at their barriers, or two workers' pools spinning on two cores double the CPU time). The native-off pass
+# stays in one process, its threads spinning as in production: most of its time is one file (tests/test_llm.py),
+# so a second worker only starts up.
+WORKERS = ["-n", "2", "--dist", "loadfile"]
+PASSIVE_OPENMP = {"OMP_WAIT_POLICY": "passive"}
+
+
 def run(name: str, environment: dict[str, str], suites: list[str], deselected: list[str], extra: list[str]) -> int:
     print(f"== tests {name}", flush=True)
     deselect = [f"--deselect={test}" for test in deselected]
@@ -92,8 +100,9 @@ def run(name: str, environment: dict[str, str], suites: list[str], deselected: l
 def run_passes(extra: list[str], shared: dict[str, str]) -> int:
     for level in native.host_levels()[1:]:
         code = run(f"at cpu_isa={level} (torch: {native.torch_env(level)})",
-                   {**shared, **native.torch_env(level), "PAGELLM_CPU_ISA": level, "PAGELLM_TEST_KERNELS": level},
-                   SUITES, HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE + DESELECT.get(level, []), extra)
+                   {**shared, **PASSIVE_OPENMP, **native.torch_env(level), "PAGELLM_CPU_ISA": level,
+                    "PAGELLM_TEST_KERNELS": level},
+                   SUITES, HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE + DESELECT.get(level, []), [*WORKERS, *extra])
         if code != 0:
             return code
     return run("with native kernels off (PAGELLM_NATIVE=0)",
