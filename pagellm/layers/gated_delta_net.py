@@ -46,6 +46,7 @@ from torch import nn
 
 from pagellm.layers.gated_delta_prefill import packed_prefill
 from pagellm.layers.kernel_user import KernelUser
+from pagellm.layers.position_exact import sigmoid_any_position, softplus_any_position
 from pagellm.kernels.reference.gated_delta import (chunked_gated_delta, gated_delta_step_, prepare_qk,
                                                    recurrent_gated_delta_)
 from pagellm.kernels.attention_metadata import AttentionMetadata
@@ -99,16 +100,6 @@ class GatedRMSNorm(KernelUser, nn.Module):
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
-
-
-def softplus_any_position(x: torch.Tensor) -> torch.Tensor:
-    """softplus(x) in x's dtype, the same bits whatever x's length and this value's place in it. Why not
-    F.softplus: on a CPU torch runs the tail of a tensor (past its last whole vectors) through the C library's log1p
-    and the rest through its vectorised one, and the two differ in the last bit often enough that a request resumed
-    from a snapshot, a chunk, or a verify step would decay its state by another g than the step it repeats. In fp64
-    the two may still differ in their last bit, which the rounding to fp32 hides unless it straddles a rounding
-    point of fp32."""
-    return F.softplus(x.double()).to(x.dtype)
 
 
 def _consecutive(slots: list[int]) -> bool:
@@ -191,7 +182,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
         if meta.state_slots is None or meta.state_slots_host is None:
             raise ValueError("a hybrid model step needs AttentionMetadata.state_slots")
         mixed, z, b, a = self._project(h)
-        beta = b.sigmoid()  # [T, Hv]
+        beta = sigmoid_any_position(b)  # [T, Hv]
         g = -self.A_log.float().exp() * softplus_any_position(a.float() + self.dt_bias)  # [T, Hv] fp32, <= 0
         if meta.verify_slots is not None:  # a verify step of one shape for every request (a graph's)
             core = self._verify(mixed, g, beta, meta.verify_slots, meta.verify_rows)

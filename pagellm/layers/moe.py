@@ -27,6 +27,7 @@ from torch import nn
 from pagellm.kernels.reference.layer_ops import ACTIVATION_FUNCTIONS
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.mlp import GatedMLP
+from pagellm.layers.position_exact import sigmoid_any_position
 
 # Dispatch (the device's, kernels/ops.py moe_path): on a CPU per-token for a single token
 # (PER_TOKEN_MAX_TOKENS), grouped otherwise. Everything is bound by reading expert weights. At one token
@@ -156,7 +157,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = routed(self.gate(x), self.top_k, self.normalize)  # [T, k] each
         out = self.experts(x, weights, ids, self.first_expert)
         if self.has_shared_expert:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + sigmoid_any_position(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] gate
         return out
 
 
