@@ -41,9 +41,6 @@ $(BYTECODE): $(STAMP) $(shell find pagellm -name '*.py')
 
 install: $(STAMP) $(BYTECODE)
 
-# The whole suite at the CPU's own instruction-set level (tests/kernels covers every level in process), then
-# the model, layer and engine tests again at each lower level the CPU can run, and the HF-parity and engine
-# tests once with native kernels off (tests/lower_levels.py).
 # The chat page's browser test drives Debian's Chromium; installed here when missing and possible (root or
 # password-less sudo), else that one test is skipped and says why.
 chromium:
@@ -52,13 +49,18 @@ chromium:
 		  ( $$APT update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $$APT install -y -q chromium >/dev/null 2>&1 ) ) \
 		|| echo "make: could not install chromium; the chat page test will be skipped"; }
 
-# Two pytest-xdist workers, a test file each at a time, with OpenMP's threads asleep while they wait
-# (OMP_WAIT_POLICY=passive): one process kept the two cores about half busy (model loads, servers, the Triton
-# interpreter), and two processes whose thread pools spin at their barriers took twice the CPU for the same tests
-# (docs/benchmarks/2026-11-24-test-suite.md). tests/lower_levels.py runs its passes the same way.
+# The whole suite at the CPU's own instruction-set level (tests/kernels covers every level in process), then
+# the model, layer and engine tests again at each lower level the CPU can run, and the HF-parity and engine
+# tests once with native kernels off (tests/lower_levels.py).
+# The main pass on TEST_WORKERS pytest-xdist workers, a test file each at a time, with OpenMP's threads asleep
+# while they wait (OMP_WAIT_POLICY=passive): on our 2-core hosts one process kept the cores about half busy (model
+# loads, servers, the Triton interpreter), and two processes whose thread pools spin at their barriers took twice
+# the CPU for the same tests (docs/benchmarks/2026-11-24-test-suite.md). tests/lower_levels.py runs its level
+# passes the same way. Each worker builds its own fixtures; TEST_WORKERS=0: one process (e.g. for --pdb).
+TEST_WORKERS ?= 2
 test: install chromium
-	OMP_WAIT_POLICY=passive $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
-	$(BIN)/python tests/lower_levels.py $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=passive $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python tests/lower_levels.py --workers=$(TEST_WORKERS) $(PYTEST_ARGS)
 
 generate: install
 	$(BIN)/pagellm generate --prompt "$(PROMPT)"

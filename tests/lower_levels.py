@@ -7,7 +7,7 @@ Then the HF-parity and engine tests once more with native kernels off (KernelCon
 its default set through PAGELLM_NATIVE=0): the torch reference ops everywhere, which is what a machine without
 a C++ compiler runs, and on CUDA every layer but attention (kernels/gpu/attention.py).
 
-    python tests/lower_levels.py [pytest args]      (make test runs it after the main pass)
+    python tests/lower_levels.py [--workers=N] [pytest args]      (make test runs it after the main pass)
 """
 
 from __future__ import annotations
@@ -80,12 +80,15 @@ NATIVE_OFF = ["tests/models/test_hf_parity.py", "tests/models/test_hybrid_parity
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
 
 
-# The level passes on two pytest-xdist workers, as make test's main pass (the Makefile says why; OpenMP's threads
-# sleep at their barriers, or two workers' pools spinning on two cores double the CPU time). The native-off pass
-# stays in one process, its threads spinning as in production: most of its time is one file (tests/test_llm.py),
-# so a second worker only starts up.
-WORKERS = ["-n", "2", "--dist", "loadfile"]
+# The level passes on --workers pytest-xdist workers (two by default), as make test's main pass (the Makefile
+# says why; OpenMP's threads sleep at their barriers, or two workers' pools spinning on two cores double the CPU
+# time). The native-off pass stays in one process, its threads spinning as in production: most of its time is one
+# file (tests/test_llm.py), so a second worker only starts up.
 PASSIVE_OPENMP = {"OMP_WAIT_POLICY": "passive"}
+
+
+def workers(count: int) -> list[str]:
+    return ["-n", str(count), "--dist", "loadfile"]
 
 
 def run(name: str, environment: dict[str, str], suites: list[str], deselected: list[str], extra: list[str]) -> int:
@@ -97,12 +100,12 @@ def run(name: str, environment: dict[str, str], suites: list[str], deselected: l
     return code
 
 
-def run_passes(extra: list[str], shared: dict[str, str]) -> int:
+def run_passes(extra: list[str], shared: dict[str, str], count: int) -> int:
     for level in native.host_levels()[1:]:
         code = run(f"at cpu_isa={level} (torch: {native.torch_env(level)})",
                    {**shared, **PASSIVE_OPENMP, **native.torch_env(level), "PAGELLM_CPU_ISA": level,
                     "PAGELLM_TEST_KERNELS": level},
-                   SUITES, HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE + DESELECT.get(level, []), [*WORKERS, *extra])
+                   SUITES, HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE + DESELECT.get(level, []), [*workers(count), *extra])
         if code != 0:
             return code
     return run("with native kernels off (PAGELLM_NATIVE=0)",
@@ -110,9 +113,13 @@ def run_passes(extra: list[str], shared: dict[str, str]) -> int:
                NATIVE_OFF, HOST_LOGIC + ONE_ENGINE_BELOW_NATIVE, extra)
 
 
-def main(extra: list[str]) -> int:
+def main(args: list[str]) -> int:
+    """args: pytest's, after an optional --workers=N (the level passes' xdist workers; 0: one process)."""
+    count = 2
+    if args and args[0].startswith("--workers="):
+        count, args = int(args[0].partition("=")[2]), args[1:]
     with tempfile.TemporaryDirectory(prefix="pagellm-test-cache-") as cache:
-        return run_passes(extra, {"PAGELLM_TEST_CACHE_DIR": cache})
+        return run_passes(args, {"PAGELLM_TEST_CACHE_DIR": cache}, count)
 
 
 if __name__ == "__main__":

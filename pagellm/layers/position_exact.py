@@ -2,14 +2,18 @@
 
 On a CPU torch runs a tensor's elements in whole vectors and the rest (a tail: past the last whole vector of the
 tensor, or of a thread's share of it) through the C library's scalar function, and for several functions (fp32
-sigmoid, silu, softplus and log1p on the AVX-512 hosts measured) the two differ in the last bit for a few percent
-of values. So a token's value would depend on how many tokens share its step and where it sits: after a prefix
+sigmoid, silu, softplus and log1p on the AVX-512 host measured) the two differ in the last bit for some of the
+values. So a token's value would depend on how many tokens share its step and where it sits: after a prefix
 hit, in a chunk, in a verify step beside other requests, where the engine promises the same bits. Computed in
 fp64 and rounded once to the input's dtype, the two paths can still differ in fp64's last bit, which the rounding
 hides unless the value straddles a rounding point of the narrower type.
 
-For the small per-token tensors of a step whose width leaves a tail ([T, 1], [T, heads]); wide activations (a
-multiple of the vector width per row) have no tail, and fp64 there would cost more than the step's matmuls.
+For the small per-token tensors of a step whose width leaves a tail ([T, 1], [T, heads]). Wide activations (the
+conv's and gated norm's silu, Qwen3-Next's attention gate) stay in torch: a row a multiple of the vector width
+leaves no tail as long as torch's thread shares (past 32768 elements) also start on vector boundaries, which two
+threads do for the models' widths but three, say, may not; fp64 there would cost more than the step's matmuls.
+Applied on every device alike (on a GPU two conversions of a tiny tensor). Measured: docs/benchmarks/
+2026-11-29-xeon-amx-host.md, section 1.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from pagellm.layers.position_exact import sigmoid_any_position, softplus_any_pos
 
 @pytest.mark.parametrize("exact, torch_fn", [(softplus_any_position, F.softplus),
                                              (sigmoid_any_position, torch.sigmoid)], ids=["softplus", "sigmoid"])
-@pytest.mark.parametrize("width", [1, 8])  # [T, 1] a shared-expert gate, [T, Hv] Gated DeltaNet's heads
+# [T, 1] a shared-expert gate, [T, Hv] Gated DeltaNet's heads; 23 rows of 12 leave a tail in fp32 and fp64 vectors
+@pytest.mark.parametrize("width", [1, 12])
 def test_a_value_does_not_depend_on_its_place(exact, torch_fn, width):
     """torch's own function on a CPU differs where a tensor's tail runs its scalar path; these do not."""
     x = torch.randn(400, width, generator=torch.Generator().manual_seed(1)) * 4  # the functions' whole range
