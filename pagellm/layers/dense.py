@@ -1,5 +1,7 @@
 """Dense linear layers on a CPU: nn.Linear, whose product of a few bf16 rows runs the native kernel
-(kernels/cpu/bf16_gemv.py) at the plan's level, and torch's F.linear otherwise.
+(kernels/cpu/bf16_gemv.py) at the plan's level, and torch's F.linear otherwise; and, for the layers a module names
+in its `row_exact_linears` (a MoE layer's router and shared-expert gate), an fp32 weight's product at every M
+through kernels/cpu/f32_rows.py, whose row bits do not depend on the batch.
 
 The loader makes every plain nn.Linear of a model it loads for a CPU one of these, sharing its parameters (after
 the q/k/v and gate/up joins): the same names, the same state dict, the same weights in place. A module's forward
@@ -14,11 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels.cpu import bf16_gemv
+from pagellm.kernels.cpu import bf16_gemv, f32_rows
 from pagellm.layers.kernel_user import KernelUser
 
 
 class DenseLinear(KernelUser, nn.Linear):
+    rows_exact = False  # an fp32 weight's rows through f32_rows at every M (use_dense_kernels sets it)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bound_matmul()(x)
 
@@ -31,11 +35,15 @@ class DenseLinear(KernelUser, nn.Linear):
                     for t in (weight, bias))
         bound = self.bindings.get("matmul")
         if bound is None or bound[0] != key:
-            kernel = (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous()
-                      and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_cpu and bias.is_contiguous()))
-                      and bf16_gemv.available(self.kernel_level))
-            fn = (bf16_gemv.SmallBatchLinear(weight, bias, self.kernel_level) if kernel
-                  else functools.partial(F.linear, weight=weight, bias=bias))
+            in_place = weight.device.type == "cpu" and weight.is_contiguous() and (
+                bias is None or (bias.dtype == weight.dtype and bias.is_cpu and bias.is_contiguous()))
+            if in_place and weight.dtype == torch.bfloat16 and bf16_gemv.available(self.kernel_level):
+                fn = bf16_gemv.SmallBatchLinear(weight, bias, self.kernel_level)
+            elif (in_place and self.rows_exact and weight.dtype == torch.float32
+                  and f32_rows.available(self.kernel_level)):
+                fn = f32_rows.RowExactLinear(weight, bias, self.kernel_level)
+            else:
+                fn = functools.partial(F.linear, weight=weight, bias=bias)
             bound = self.bindings["matmul"] = (key, fn)
         return bound[1]
 
@@ -51,12 +59,14 @@ class DenseLinear(KernelUser, nn.Linear):
 
 def use_dense_kernels(model: nn.Module, level: str | None) -> int:
     """Every plain nn.Linear of `model` becomes a DenseLinear on the same parameters, calling the kernels at `level`
-    (the loader's, as its quantized layers; the runner's plan binds them all again); returns how many."""
+    (the loader's, as its quantized layers; the runner's plan binds them all again); those its parent names in
+    `row_exact_linears` with rows_exact set. Returns how many."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 layer = DenseLinear.of(child)
+                layer.rows_exact = name in getattr(parent, "row_exact_linears", ())
                 layer.use_kernel_level(level)
                 setattr(parent, name, layer)
                 swapped += 1

@@ -140,6 +140,10 @@ class MoeExperts(KernelUser, nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router + experts, plus (Qwen3-Next, Qwen3.5-MoE) a shared expert scaled by sigmoid(x · w_sg)."""
 
+    # fp32 on a CPU through a kernel whose rows do not depend on the batch (layers/dense.py): a token's routing
+    # and gate the same alone, in a chunk, or in a verify step
+    row_exact_linears = ("gate", "shared_expert_gate")
+
     def __init__(self, config, *, normalize: bool, shared_expert: bool):
         super().__init__()
         hidden = config.hidden_size

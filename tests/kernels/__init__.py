@@ -13,7 +13,8 @@ requires_compiler = pytest.mark.skipif(
 # that silently stops being built, or one added without a test, changes what the level tests expect.
 EVERY_KERNEL = ("GGUF blocks x int8 matmul", "int4 x int8 matmul", "int4 weight layout", "int4/int8 x bf16 matmul",
                 "paged attention", "fused layer ops", "logits epilogue", "Gated DeltaNet decode", "RMS norm",
-                "rotary embedding", "sampled-token draw", "bf16 x bf16 matmul of a few rows")
+                "rotary embedding", "sampled-token draw", "bf16 x bf16 matmul of a few rows",
+                "fp32 matmul of batch-independent rows")
 # AVX-512 BF16 dot products; torch's matmul below
 AVX512_ONLY = frozenset({"int4/int8 x bf16 matmul", "bf16 x bf16 matmul of a few rows"})
 NOT_GENERIC = frozenset({"sampled-token draw"})  # emulated fma there: torch's own is faster

@@ -10,10 +10,10 @@ measured: docs/benchmarks/2026-11-29-xeon-amx-host.md
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagellm.kernels.build import native
 from pagellm.kernels.build.binding import FLOATS, DtypeCode, Function, Int, Tensor
+from pagellm.kernels.cpu.dense_rows import KernelLinear
 
 # Up to this many rows the kernel (one pass over each tile of weight rows), above it torch's GEMM: a second pass
 # reads each tile again, and torch's blocked GEMM was the faster at eight rows on every shape measured.
@@ -49,22 +49,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, at:
     return out
 
 
-class SmallBatchLinear:
+class SmallBatchLinear(KernelLinear):
     """x -> x W^T (+ bias) for a contiguous bf16 weight (and bias) on the CPU, which the caller checks: this kernel
-    up to MAX_ROWS rows, torch's GEMM above, any other input through F.linear. One callable for a module's forward
-    and for the bound layer's step, so the two give the same bits."""
+    up to MAX_ROWS rows, torch's GEMM above (dense_rows.KernelLinear)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, at: str):
-        self.weight, self.bias = weight, bias
-        self._fn = _LIBRARY.unchecked(_MATMUL.symbol, at)
-        self._n, self._k = weight.shape
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self._k if x.dim() and self._k else 0
-        if (not 0 < rows <= MAX_ROWS or x.dtype != torch.bfloat16 or x.shape[-1] != self._k or not x.is_cpu
-                or not x.is_contiguous()
-                or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):  # no autograd here
-            return F.linear(x, self.weight, self.bias)
-        out = torch.empty(*x.shape[:-1], self._n, dtype=torch.bfloat16)
-        self._fn(x, rows, self._k, self.weight, self._n, self.bias, out)
-        return out
+        super().__init__(_LIBRARY.unchecked(_MATMUL.symbol, at), weight, bias, torch.bfloat16, MAX_ROWS)

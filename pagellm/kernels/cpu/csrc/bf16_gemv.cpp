@@ -17,14 +17,14 @@
 #include <cstdint>
 
 #include "int4_common.h"
+#include "row_tiles.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 namespace {
 
-constexpr int kRows = 6;      // weight rows per tile: 6 x 4 accumulators, 6 weight loads and 1 x load in flight
-constexpr int kMaxRows = 4;   // activation rows per pass over a tile
+constexpr int kRows = 6;  // weight rows per tile: 6 x 4 accumulators, 6 weight loads and 1 x load in flight
 
 inline __m512 dot(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 
@@ -57,16 +57,6 @@ void tile(const uint16_t* w, const uint16_t* x, int64_t K, float* sums) {
         for (int r = 0; r < MR; ++r) sums[i * MR + r] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
-template <int R>
-void tile_any(int mr, const uint16_t* w, const uint16_t* x, int64_t K, float* sums) {
-    switch (mr) {
-        case 1: return tile<R, 1>(w, x, K, sums);
-        case 2: return tile<R, 2>(w, x, K, sums);
-        case 3: return tile<R, 3>(w, x, K, sums);
-        default: return tile<R, 4>(w, x, K, sums);
-    }
-}
-
 }  // namespace
 
 extern "C" int pagellm_bf16_gemv_vectorized() { return 1; }
@@ -74,24 +64,12 @@ extern "C" int pagellm_bf16_gemv_vectorized() { return 1; }
 // y[M, N] = x[M, K] W[N, K]^T (+ bias[N]); x, W and bias bf16, out bf16 or fp32 (out_bf16), all contiguous.
 extern "C" void pagellm_bf16_matmul(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                                     const uint16_t* bias, void* out, int out_bf16) {
-    const int64_t tiles = (N + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static) if (worth_threads(N * K * 2))
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t n = t * kRows;
-        const int rows = int(std::min<int64_t>(kRows, N - n));
-        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-            const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
-            float sums[kRows * kMaxRows];
-            if (rows == kRows)
-                tile_any<kRows>(mr, w + n * K, x + m0 * K, K, sums);
-            else  // the last rows of N, one at a time: each row's chain is the same as in a whole tile
-                for (int i = 0; i < rows; ++i) tile_any<1>(mr, w + (n + i) * K, x + m0 * K, K, sums + i * mr);
-            for (int i = 0; i < rows; ++i) {
-                const float b = bias ? bf16_to_f32(bias[n + i]) : 0.f;
-                for (int r = 0; r < mr; ++r) store_value(out, (m0 + r) * N + n + i, sums[i * mr + r] + b, out_bf16);
-            }
-        }
-    }
+    row_tiles<kRows>(
+        M, N, worth_threads(N * K * 2),
+        [&](auto R, auto MR, int64_t n, int64_t m0, float* sums) { tile<R, MR>(w + n * K, x + m0 * K, K, sums); },
+        [&](int64_t m, int64_t n, float sum) {
+            store_value(out, m * N + n, sum + (bias ? bf16_to_f32(bias[n]) : 0.f), out_bf16);
+        });
 }
 
 #else

@@ -1,0 +1,72 @@
+"""The fp32 matmul of batch-independent rows (kernels/cpu/f32_rows.py) against a float64 reference, a row's bits
+at any place in any batch and at every level, and the layers that take it (a MoE layer's router and shared-expert
+gate through layers/dense.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+from pagellm.kernels.build import native
+from pagellm.kernels.cpu import f32_rows
+from pagellm.layers.dense import DenseLinear, use_dense_kernels
+from tests.kernels import requires_compiler
+from tests.layers.test_moe import HIDDEN, _config, _hf_block, _ours_from
+
+pytestmark = requires_compiler
+
+
+def _case(rows: int, cols: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(40, cols, generator=g), torch.randn(rows, cols, generator=g), torch.randn(rows, generator=g)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 2048), (7, 31), (37, 999), (256, 64)])
+def test_products_are_the_exact_sums_within_fp32_rounding(cpu_isa, rows, cols):
+    x, weight, bias = _case(rows, cols)
+    out = f32_rows.matmul(x, weight, bias, cpu_isa)
+    exact = x.double() @ weight.double().t() + bias.double()
+    bound = (x.double().abs() @ weight.double().abs().t() + bias.double().abs()) * 2.0**-19  # fp32 products, sums
+    assert out.shape == (40, rows) and ((out.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 2048), (13, 100)])
+def test_a_row_is_the_same_bits_at_any_place_in_any_batch(cpu_isa, rows, cols):
+    x, weight, bias = _case(rows, cols, seed=1)
+    whole = f32_rows.matmul(x, weight, bias, cpu_isa)
+    for start in range(0, 30, 3):
+        for count in (1, 2, 3, 5, 9):
+            part = f32_rows.matmul(x[start:start + count], weight, bias, cpu_isa)
+            assert torch.equal(part, whole[start:start + count]), (start, count)
+
+
+@pytest.mark.across_levels
+def test_levels_bit_identical():
+    x, weight, bias = _case(37, 999, seed=2)
+    results = native.each_level(lambda at: f32_rows.matmul(x, weight, bias, at))
+    first = next(iter(results.values()))
+    assert all(torch.equal(first, y) for y in results.values()), list(results)
+
+
+def test_a_moe_layer_s_router_and_gate_take_it_and_their_rows_do_not_depend_on_the_batch(cpu_isa):
+    """use_dense_kernels gives the router and the shared-expert gate the kernel (the block names them); with
+    torch's F.linear a token's router logits change with the number of tokens beside it."""
+    config = _config(Qwen3NextConfig)
+    block = _ours_from(_hf_block(Qwen3NextSparseMoeBlock, config), config, shared=True, normalize=True)
+    use_dense_kernels(block, cpu_isa)
+    for name in ("gate", "shared_expert_gate"):
+        layer = getattr(block, name)
+        assert isinstance(layer, DenseLinear) and layer.rows_exact
+        assert isinstance(layer.bound_matmul(), f32_rows.RowExactLinear)
+    others = [m for m in block.shared_expert.modules() if isinstance(m, DenseLinear)]
+    assert others and not any(m.rows_exact for m in others)  # only the layers the block names
+    x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(3)) * 3
+    with torch.inference_mode():
+        whole = block.gate(x), block.shared_expert_gate(x)
+        for start in range(0, 40, 3):
+            for layer, full in zip((block.gate, block.shared_expert_gate), whole):
+                assert torch.equal(layer(x[start:start + 5]), full[start:start + 5])
+        torch.testing.assert_close(whole[0], F.linear(x, block.gate.weight), rtol=1e-5, atol=1e-5)
