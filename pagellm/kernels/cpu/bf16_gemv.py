@@ -51,7 +51,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, at:
 
 class SmallBatchLinear(KernelLinear):
     """x -> x W^T (+ bias) for a contiguous bf16 weight (and bias) on the CPU, which the caller checks: this kernel
-    up to MAX_ROWS rows, torch's GEMM above (dense_rows.KernelLinear)."""
+    up to max_rows rows (None: at every M, a layer whose rows must not depend on the batch), torch's GEMM above
+    (dense_rows.KernelLinear)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, at: str):
-        super().__init__(_LIBRARY.unchecked(_MATMUL.symbol, at), weight, bias, torch.bfloat16, MAX_ROWS)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, at: str, max_rows: int | None = MAX_ROWS):
+        super().__init__(_LIBRARY.unchecked(_MATMUL.symbol, at), weight, bias, torch.bfloat16, max_rows)

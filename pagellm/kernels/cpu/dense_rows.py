@@ -19,6 +19,8 @@ class KernelLinear:
         self._n, self._k = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.max_rows is None and x.is_cpu and not x.is_contiguous():  # rows that must not depend on the batch
+            x = x.contiguous()
         rows = x.numel() // self._k if x.dim() and self._k else 0
         if (rows == 0 or (self.max_rows is not None and rows > self.max_rows) or x.dtype != self.dtype
                 or x.shape[-1] != self._k or not x.is_cpu or not x.is_contiguous()

@@ -13,10 +13,8 @@
 // lanes at avx2) without reordering anything (-ffp-contract=off). Tiles of 4 weight rows x 4 activation rows share
 // their loads.
 
-#include <algorithm>
 #include <cstdint>
 
-#include <omp.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -55,7 +53,7 @@ void tile(const float* w, const float* x, int64_t K, float* sums) {
     };
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) step(k, __mmask16(0xFFFF));
-    if (k < K) step(k, __mmask16((1u << (K - k)) - 1));  // masked lanes add 0 * 0: no value changes (a -0 turns +0)
+    if (k < K) step(k, __mmask16((1u << (K - k)) - 1));  // masked lanes add 0 * 0: no value changes
     alignas(64) float a[kLanes];
     for (int i = 0; i < R; ++i)
         for (int r = 0; r < MR; ++r) {
@@ -83,7 +81,7 @@ void tile(const float* w, const float* x, int64_t K, float* sums) {
 extern "C" void pagellm_f32_rows_matmul(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                                         const float* bias, float* out) {
     row_tiles<kRows>(
-        M, N, worth_threads(M * N * K),
+        M, N, worth_threads(N * K * 4),  // the weight's bytes, as bf16_gemv.cpp
         [&](auto R, auto MR, int64_t n, int64_t m0, float* sums) { tile<R, MR>(w + n * K, x + m0 * K, K, sums); },
         [&](int64_t m, int64_t n, float sum) { out[m * N + n] = bias ? sum + bias[n] : sum; });
 }

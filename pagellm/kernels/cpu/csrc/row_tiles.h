@@ -8,8 +8,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <omp.h>
-
 namespace {
 
 constexpr int kMaxRows = 4;  // activation rows a tile
