@@ -13,7 +13,7 @@ import torch
 
 from pagellm.kernels.build import native
 from pagellm.kernels.build.binding import FLOATS, DtypeCode, Function, Int, Tensor
-from pagellm.kernels.cpu.dense_rows import KernelLinear
+from pagellm.kernels.cpu.dense_rows import KernelLinear, checked_matmul
 
 # Up to this many rows the kernel (one pass over each tile of weight rows), above it torch's GEMM: a second pass
 # reads each tile again, and torch's blocked GEMM was the faster at eight rows on every shape measured.
@@ -36,17 +36,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, at:
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in out_dtype (bf16 or fp32; default bf16), all bf16 on
     the CPU; any number of rows (MAX_ROWS is where torch's GEMM is the faster)."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"bf16_gemv takes bf16 x [..., {weight.shape[1]}] and a bf16 weight, got x {x.dtype} "
-                         f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    (n, k) = weight.shape
-    rows = x.numel() // k if k else 0
-    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype or torch.bfloat16)
-    if rows:
-        _LIBRARY.checked(_MATMUL.symbol, at)(x, rows, k, weight, n, bias, out)
-    return out
+    return checked_matmul(_LIBRARY.checked(_MATMUL.symbol, at), "bf16_gemv", torch.bfloat16, x, weight, bias,
+                          out_dtype or torch.bfloat16)
 
 
 class SmallBatchLinear(KernelLinear):

@@ -1,9 +1,28 @@
-"""The callable both dense CPU kernels bind to a layer (bf16_gemv.SmallBatchLinear, f32_rows.RowExactLinear)."""
+"""What both dense CPU kernels share (bf16_gemv, f32_rows): the checked product of any number of rows, and the
+callable they bind to a layer (SmallBatchLinear, RowExactLinear)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def checked_matmul(kernel, name: str, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in out_dtype through the kernel's checked caller
+    kernel(x, rows, K, weight, N, bias, out), x and weight of `dtype` on the CPU (a ValueError naming `name`
+    otherwise; a tensor the caller cannot take is a binding.KernelArgumentError)."""
+    if x.dtype != dtype or weight.dtype != dtype or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{name} takes {dtype} x [..., {weight.shape[1]}] and a {dtype} weight, got x {x.dtype} "
+                         f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    (n, k) = weight.shape
+    rows = x.numel() // k if k else 0
+    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
+    if rows:
+        kernel(x, rows, k, weight, n, bias, out)
+    return out
 
 
 class KernelLinear:

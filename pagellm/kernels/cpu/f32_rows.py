@@ -10,7 +10,7 @@ import torch
 
 from pagellm.kernels.build import native
 from pagellm.kernels.build.binding import Function, Int, Tensor
-from pagellm.kernels.cpu.dense_rows import KernelLinear
+from pagellm.kernels.cpu.dense_rows import KernelLinear, checked_matmul
 
 _F32 = (torch.float32,)
 _MATMUL = Function("pagellm_f32_rows_matmul", (
@@ -28,17 +28,8 @@ def available(at: str | None) -> bool:
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, at: str) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) -> [..., N], all fp32 on the CPU (the checked caller: a tensor it cannot
     take is a binding.KernelArgumentError)."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"f32_rows takes fp32 x [..., {weight.shape[1]}] and an fp32 weight, got x {x.dtype} "
-                         f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    (n, k) = weight.shape
-    rows = x.numel() // k if k else 0
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    if rows:
-        _LIBRARY.checked(_MATMUL.symbol, at)(x, rows, k, weight, n, bias, out)
-    return out
+    return checked_matmul(_LIBRARY.checked(_MATMUL.symbol, at), "f32_rows", torch.float32, x, weight, bias,
+                          torch.float32)
 
 
 class RowExactLinear(KernelLinear):
