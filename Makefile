@@ -57,10 +57,14 @@ chromium:
 # loads, servers, the Triton interpreter), and two processes whose thread pools spin at their barriers took twice
 # the CPU for the same tests (docs/benchmarks/2026-11-24-test-suite.md). tests/lower_levels.py runs its level
 # passes the same way. Each worker builds its own fixtures; TEST_WORKERS=0: one process (e.g. for --pdb).
+# PYTHONDONTWRITEBYTECODE is lifted for the tests: pytest rewrites every test module's asserts at each start unless
+# it may cache the result beside the module, which that variable forbids (about half of each process's collection).
 TEST_WORKERS ?= 2
+TEST_ENV := env -u PYTHONDONTWRITEBYTECODE
 test: install chromium
-	OMP_WAIT_POLICY=passive $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
-	$(BIN)/python tests/lower_levels.py --workers=$(TEST_WORKERS) $(PYTEST_ARGS)
+	$(TEST_ENV) OMP_WAIT_POLICY=passive $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 \
+		$(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/python tests/lower_levels.py --workers=$(TEST_WORKERS) $(PYTEST_ARGS)
 
 generate: install
 	$(BIN)/pagellm generate --prompt "$(PROMPT)"
