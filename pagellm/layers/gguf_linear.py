@@ -93,11 +93,25 @@ def merged_segments(segments: list[GGUFWeight]) -> list[GGUFWeight]:
 def _side_by_side(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """cat([a, b]); a view where b already starts where a ends in one storage (the block cache stores the parts
     of a join so: loader/repack_cache.py), which keeps mapped weights mapped rather than copied to the heap."""
-    if (a.numel() and b.numel() and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
-            and a.shape[1:] == b.shape[1:] and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.storage_offset() == a.storage_offset() + a.numel()):
+    if a.shape[1:] == b.shape[1:] and _follows(a, b):
         return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride(), a.storage_offset())
     return torch.cat([a, b])
+
+
+def stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack(parts); a view where each part starts where the one before ends in one storage (the block
+    cache stores a MoE layer's experts so), which keeps them mapped as _side_by_side does."""
+    first = parts[0]
+    if all(p.shape == first.shape for p in parts) and all(_follows(a, b) for a, b in zip(parts, parts[1:])):
+        return first.as_strided((len(parts), *first.shape), (first.numel(), *first.stride()), first.storage_offset())
+    return torch.stack(parts)
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b starts where a ends in one storage, both contiguous and of one dtype."""
+    return bool(a.numel() and b.numel() and a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
+                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                and b.storage_offset() == a.storage_offset() + a.numel())
 
 
 def concat_gguf_linears(parts: list[GGUFLinear]) -> GGUFLinear | None:

@@ -10,7 +10,7 @@ from pagellm.kernels.cpu.gguf_blocks import GGUFWeight
 from pagellm.kernels.ops import PER_TOKEN_MAX_TOKENS
 from pagellm.kernels.reference import gguf_planes
 from pagellm.kernels.reference.gguf_planes import PLANES, GGUFPlanes
-from pagellm.layers.gguf_linear import merged_segments
+from pagellm.layers.gguf_linear import merged_segments, stacked
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.moe import MoeExperts
 
@@ -56,7 +56,7 @@ class GGUFMoeExperts(MoeExperts):
                 raise ValueError(f"experts of one layer stored in several formats: {kinds}")
             self.formats[name] = weights[0].ggml_type
             for part, tensors in zip(self.PARTS, zip(*(w.tensors() for w in weights))):
-                self.register_buffer(f"{name}_{part}", torch.stack(tensors))  # [X, ...]
+                self.register_buffer(f"{name}_{part}", stacked(list(tensors)))  # [X, ...]
 
     @staticmethod
     def _joined(parts: list[GGUFWeight]) -> GGUFWeight:

@@ -109,17 +109,18 @@ def iter_gguf_weights(
     arch = header.architecture
     show = sys.stderr.isatty() if progress is None else progress
     quantized = quantized or {}
-    if arch in HYBRID_ARCHITECTURES:
-        yield from _iter_recipes(header, hybrid_recipes(header, config, _has_mtp(parameters)), show, quantized)
-        return
-    hf_names = _gguf_to_hf_names(header, config, parameters)  # checks every tensor has an HF name, up front
-    _check_dequantizable(header)
     completed = False
     try:
-        for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
-            yield _hf_weight(tensor, hf_names[tensor.name], arch, config, quantized.get(hf_names[tensor.name]),
-                             blocks, dequantize_on)
-            tensor.release()  # the consumer has built its weight from the file's pages: out of the resident set
+        if arch in HYBRID_ARCHITECTURES:
+            yield from _iter_recipes(header, hybrid_recipes(header, config, _has_mtp(parameters)), show, quantized,
+                                     blocks)
+        else:
+            hf_names = _gguf_to_hf_names(header, config, parameters)  # every tensor has an HF name: checked first
+            _check_dequantizable(header)
+            for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
+                yield _hf_weight(tensor, hf_names[tensor.name], arch, config, quantized.get(hf_names[tensor.name]),
+                                 blocks, dequantize_on)
+                tensor.release()  # the consumer has built its weight from the file's pages: out of the resident set
         completed = True
     finally:  # a load that stops early leaves no entry
         if blocks is not None:
@@ -361,10 +362,18 @@ def _check_dequantizable(header: GGUFHeader) -> None:
             ) from None
 
 
-def _iter_recipes(header: GGUFHeader, recipes: list[TensorRecipe], show: bool,
-                  quantized: Mapping[str, str]) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
+def _iter_recipes(header: GGUFHeader, recipes: list[TensorRecipe], show: bool, quantized: Mapping[str, str],
+                  blocks: RepackCache | None) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
+    """The recipes' tensors; those kept in blocks come from the cache's entry (under their HF names) when it is
+    whole, else are stored to it."""
     _check_dequantizable(header)
     for recipe in tqdm(recipes, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
-        yield recipe.hf_name, read_recipe(recipe, quantized.get(recipe.hf_name))
+        scheme = quantized.get(recipe.hf_name)
+        weight = blocks.get(recipe.hf_name) if blocks is not None and scheme == "gguf" else None
+        if weight is None:
+            weight = read_recipe(recipe, scheme)
+            if blocks is not None and isinstance(weight, gguf_blocks.GGUFWeight):
+                blocks.add(recipe.hf_name, weight)
+        yield recipe.hf_name, weight
 
 

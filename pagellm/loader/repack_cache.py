@@ -22,7 +22,12 @@ read as the kernels first touch them), as llama.cpp and vLLM keep what they deri
               also removed at every start
     layout    the tensors a layer joins (a layer's q/k/v, its gate/up) lie side by side, array by array, in the
               order the join takes them: layers/gguf_linear.merged_segments then views the joined range of the
-              map instead of copying the parts into the heap, so they stay file pages like every other block
+              map instead of copying the parts into the heap, so they stay file pages like every other block.
+              A MoE layer's experts lie so too, in the order layers/gguf_moe.py stacks them (each expert's gate
+              and up joined where they share a format): the stacked experts are views of the map, their pages
+              read only as the experts are routed to, as llama.cpp maps a file
+    names     a file's GGUF names; the MoE and hybrid families' files (loader/gguf_hybrid.py: their tensors are
+              split, reordered and stacked on the way) their HF names, and that module's source is in the key
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import numpy as np
 import torch
 
 from pagellm.kernels.cpu import gguf_blocks
-from pagellm.loader import gguf_repack
+from pagellm.layers.moe import EXPERT_KEY
+from pagellm.loader import gguf_hybrid, gguf_repack
 from pagellm.loader.cache_staging import PREFIX, remove_abandoned, staging_folder
 from pagellm.loader.gguf_file import GGUFHeader, drop_pages
 
@@ -48,22 +54,26 @@ logger = logging.getLogger("pagellm.loader")
 
 FORMAT = 2
 _ALIGN = 64  # each array starts on a cache line, as the kernels' own allocations do
-# the tensors of one layer that a model joins into one matmul (models/llama.py, layers/mlp.py), in join order
-_JOIN_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
-_JOIN_MEMBER = re.compile(r"^(blk\.\d+\.)(" + "|".join(r for g in _JOIN_GROUPS for r in g) + r")\.weight$")
+# the tensors of one layer that a model joins into one matmul (models/llama.py, layers/mlp.py), in join order:
+# (a member's name, the group's roles), under GGUF names and under the HF names of the hybrid families' files
+_JOINS = ((re.compile(r"^(blk\.\d+\.)(attn_q|attn_k|attn_v)\.weight$"), ("attn_q", "attn_k", "attn_v")),
+          (re.compile(r"^(blk\.\d+\.)(ffn_gate|ffn_up)\.weight$"), ("ffn_gate", "ffn_up")),
+          (re.compile(r"^(.+\.self_attn\.)(q|k|v)_proj\.weight$"), ("q", "k", "v")),
+          (re.compile(r"^(.+\.(?:mlp|shared_expert)\.)(gate|up)_proj\.weight$"), ("gate", "up")))
 
 
 class RepackCache:
     """One file's entry: `get` from it when it is whole, else `add` each repacked weight and `commit` at the end
     of the load (`abandon` when the load stops early)."""
 
-    def __init__(self, entry: Path, source: str | None = None):
+    def __init__(self, entry: Path, source: str | None = None, num_experts: int = 0):
         self.entry = entry
         self.source = source  # the GGUF file the entry is made from, recorded in its manifest
+        self.num_experts = num_experts  # a MoE layer's experts, stored as one group (0: none)
         self._blocks: np.ndarray | None = None  # blocks.bin mapped, when the entry is whole
         self._mapped: torch.Tensor | None = None  # the same map as one tensor: weights are views of its storage
         self._manifest: dict = {}
-        self._pending: dict[tuple[str, int], dict[str, tuple[str, gguf_blocks.GGUFWeight]]] = {}
+        self._pending: dict[tuple[str, str], dict[str, gguf_blocks.GGUFWeight]] = {}  # join groups arriving
         self._staging: Path | None = None
         self._out = None
         self._written: dict = {}
@@ -76,14 +86,18 @@ class RepackCache:
     @classmethod
     def for_file(cls, cache_dir: Path, path: Path, header: GGUFHeader) -> RepackCache:
         digest = hashlib.sha256(str(FORMAT).encode())
-        for source in (gguf_repack.__file__, gguf_blocks.__file__):  # the layout, as the code lays it out now
+        layout = [gguf_repack.__file__, gguf_blocks.__file__]  # the layout, as the code lays it out now
+        if header.architecture in gguf_hybrid.HYBRID_ARCHITECTURES:
+            layout.append(gguf_hybrid.__file__)  # which rows of which tensors each HF weight is
+        for source in layout:
             digest.update(Path(source).read_bytes())
         stat = path.stat()
         digest.update(f"{stat.st_size} {stat.st_mtime_ns}".encode())
         with open(path, "rb") as f:
             digest.update(f.read(header.data_start))
         remove_abandoned(cache_dir / "gguf-blocks")  # a load killed mid-write left it; a hit never commits
-        return cls(cache_dir / "gguf-blocks" / digest.hexdigest(), str(path.resolve()))
+        num_experts = header.metadata.get(f"{header.architecture}.expert_count", 0)
+        return cls(cache_dir / "gguf-blocks" / digest.hexdigest(), str(path.resolve()), num_experts)
 
     @property
     def hit(self) -> bool:
@@ -118,18 +132,15 @@ class RepackCache:
         member of a join group waits for the rest of its group (the file orders tensors by name, not by join)."""
         if self.hit or self._written is None:
             return
-        member = _JOIN_MEMBER.match(name)
-        if member is None:
+        group = _join_group(name, self.num_experts)
+        if group is None:
             self._write([(name, weight)])
             return
-        group = next(i for i, g in enumerate(_JOIN_GROUPS) if member[2] in g)
-        pending = self._pending.setdefault((member[1], group), {})
-        pending[member[2]] = (name, weight)
-        if len(pending) == len(_JOIN_GROUPS[group]):
-            self._write_group(self._pending.pop((member[1], group)), group)
-
-    def _write_group(self, members: dict[str, tuple[str, gguf_blocks.GGUFWeight]], group: int) -> None:
-        self._write([members[role] for role in _JOIN_GROUPS[group] if role in members])
+        key, size = group
+        pending = self._pending.setdefault(key, {})
+        pending[name] = weight
+        if len(pending) == size:
+            self._write(_in_join_order(self._pending.pop(key)))
 
     def _write(self, weights: list[tuple[str, gguf_blocks.GGUFWeight]]) -> None:
         """The weights' first arrays side by side, then their second, then their third (one weight: its three)."""
@@ -146,7 +157,7 @@ class RepackCache:
                 for name, weight in weights:
                     data = weight.tensors()[array].contiguous().numpy()
                     records[name]["arrays"].append((self._out.tell(), list(data.shape)))
-                    self._out.write(data.tobytes())
+                    self._out.write(data)  # the array's own bytes: no copy
             self._written.update(records)
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be written must not fail the load
             logger.warning("weight cache not written to %s: %s", self.entry, exc)
@@ -154,8 +165,8 @@ class RepackCache:
 
     def commit(self) -> None:
         """The entry renamed into place whole (another process's, written first, stands)."""
-        for (_, group), members in list(self._pending.items()):  # groups the file has only part of
-            self._write_group(members, group)
+        for members in self._pending.values():  # groups the file has only part of
+            self._write(_in_join_order(members))
         self._pending.clear()
         if self._out is None:
             return
@@ -218,3 +229,33 @@ class RepackCache:
             self._staging = None
         self._written = None  # nothing more is written for this load
 
+
+
+def _join_group(name: str, num_experts: int) -> tuple[tuple[str, str], int] | None:
+    """(the group's key, its size) of a tensor stored side by side with others, else None. A MoE layer's experts
+    form two groups: every expert's gate and up, and every expert's down."""
+    for pattern, roles in _JOINS:
+        member = pattern.match(name)
+        if member is not None:
+            return (member[1], roles[0]), len(roles)
+    expert = EXPERT_KEY.match(name)
+    if expert is None or num_experts == 0:
+        return None
+    down = expert["proj"] == "down_proj"
+    return (expert["prefix"], "down" if down else "gate_up"), num_experts * (1 if down else 2)
+
+
+def _in_join_order(members: dict[str, gguf_blocks.GGUFWeight]) -> list[tuple[str, gguf_blocks.GGUFWeight]]:
+    """A group's members in the order their consumer joins them: a layer's roles in _JOINS's order; experts by
+    index, each one's gate before its up where every gate and up share a format (layers/gguf_moe.py joins each
+    expert's then), else all the gates, then all the ups."""
+    one_format = len({w.ggml_type for w in members.values()}) == 1
+
+    def position(name: str) -> tuple[int, ...]:
+        expert = EXPERT_KEY.match(name)
+        if expert is None:
+            return (next(roles.index(m[2]) for pattern, roles in _JOINS if (m := pattern.match(name))),)
+        index, gate = int(expert["expert"]), int(expert["proj"] != "gate_proj")
+        return (index, gate) if one_format else (gate, index)
+
+    return sorted(members.items(), key=lambda item: position(item[0]))

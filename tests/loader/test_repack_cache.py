@@ -1,6 +1,6 @@
 """A GGUF's blocks in the kernels' layout kept on disk (loader/repack_cache.py): a second load maps them instead of
-repacking and gets the same weights and logits; a damaged entry is rebuilt, never used; a changed file gets a new
-entry; a load that stops early leaves none."""
+repacking and gets the same weights and logits (a MoE layer's experts and the joined layers as views of the map);
+a damaged entry is rebuilt, never used; a changed file gets a new entry; a load that stops early leaves none."""
 
 from __future__ import annotations
 
@@ -14,15 +14,21 @@ import sys
 import time
 from pathlib import Path
 
+import dataclasses
+
 import gguf
 import pytest
 import torch
 
-from pagellm.loader import gguf_repack, tokenizer_cache
+from pagellm.layers.gguf_moe import GGUFMoeExperts
+from pagellm.loader import gguf_hybrid, gguf_repack, tokenizer_cache
 from pagellm.loader.cache_staging import process_space
 from pagellm.loader.default_model import default_model_path
+from pagellm.loader.gguf import read_gguf_header
 from pagellm.loader.model_loader import load_model
+from pagellm.loader.repack_cache import RepackCache
 from tests.loader.gguf_builders import write_tiny_gguf
+from tests.loader.gguf_hybrid_builders import CASES, convert_to_gguf, write_hf_checkpoint
 
 T = gguf.GGMLQuantizationType
 # q/k rows permuted by llama.cpp (Q4_0, Q8_0), k-quants, legacy 5-bit, and the embedding: every kernel format
@@ -48,7 +54,9 @@ def _logits(model):
 
 def _counting_repacks(monkeypatch) -> list:
     calls, repack = [], gguf_repack.repack
-    monkeypatch.setattr(gguf_repack, "repack", lambda *a, **k: calls.append(1) or repack(*a, **k))
+    counting = lambda *a, **k: calls.append(1) or repack(*a, **k)  # noqa: E731
+    monkeypatch.setattr(gguf_repack, "repack", counting)
+    monkeypatch.setitem(gguf_hybrid._KEEPERS, "gguf", counting)  # the hybrid families' recipes repack through it
     return calls
 
 
@@ -200,3 +208,59 @@ def test_joined_layers_map_their_stored_blocks(tmp_path):
                 assert (layer.get_buffer(name).untyped_storage().nbytes() == mapped) is is_view, (layer, name)
     torch.testing.assert_close(_logits(second), reference, rtol=0, atol=0)
     torch.testing.assert_close(_logits(first), reference, rtol=0, atol=0)
+
+
+def _hybrid_gguf(tmp_path, case: str, expert_types: tuple[T, T, T]) -> str:
+    """CASES[case] with every 2-D weight Q8_0 and the experts' gate, up and down as `expert_types`."""
+    family, conversion = CASES[case]
+    write_hf_checkpoint(family, tmp_path / "hf")
+    probe = convert_to_gguf(tmp_path / "hf", tmp_path / "probe.gguf", conversion)
+    types = {n: T.Q8_0 for n, v in probe.items() if v.ndim >= 2 and v.shape[-1] % 32 == 0 and v.shape[-2] % 16 == 0}
+    for name in [n for n in types if "_exps." in n]:
+        gate, up, down = expert_types
+        types[name] = {"ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down,
+                       "ffn_gate_up_exps": gate}[name.split(".")[2]]
+    convert_to_gguf(tmp_path / "hf", tmp_path / "model.gguf", dataclasses.replace(conversion, types=types))
+    return str(tmp_path / "model.gguf")
+
+
+@pytest.mark.parametrize("case,expert_types", [
+    ("qwen3.5-moe-mtp-fused", (T.Q8_0, T.Q8_0, T.Q8_0)),  # DeltaNet + gated attention; gate_up stored fused
+    ("qwen3-moe", (T.Q8_0, T.Q4_0, T.Q5_0)),  # gate and up of two formats: stacked apart, not joined
+])
+def test_a_moe_file_s_second_load_maps_its_experts(tmp_path, monkeypatch, case, expert_types):
+    """The MoE and hybrid families' files (their tensors read through gguf_hybrid's recipes, under HF names) are
+    cached too: a second load repacks nothing, its stacked experts and joined layers are views of the stored
+    entry, not heap copies, and its logits are those of the uncached load, bit for bit."""
+    path = _hybrid_gguf(tmp_path, case, expert_types)
+    reference = _logits(_load(path, None))
+    calls = _counting_repacks(monkeypatch)
+    first = _load(path, tmp_path / "cache")
+    repacked = len(calls)
+    second = _load(path, tmp_path / "cache")
+    assert repacked > 0 and len(calls) == repacked  # none repacked again
+    (entry,) = (tmp_path / "cache" / "gguf-blocks").iterdir()
+    mapped = os.path.getsize(entry / "blocks.bin")
+    experts = [m for m in second.modules() if isinstance(m, GGUFMoeExperts)]
+    joined = [m for name, m in second.named_modules() if name.endswith(("qkv_proj", "gate_up_proj"))]
+    assert experts and joined
+    for module in experts + joined:
+        for name, buffer in module.named_buffers():  # (a format without sub-scales has an empty third array)
+            assert buffer.numel() == 0 or buffer.untyped_storage().nbytes() == mapped, (module, name)
+    assert {tuple(e.formats.values()) for e in experts} == (
+        {(T.Q8_0, T.Q8_0)} if expert_types[0] == expert_types[1] else {expert_types})
+    torch.testing.assert_close(_logits(first), reference, rtol=0, atol=0)
+    torch.testing.assert_close(_logits(second), reference, rtol=0, atol=0)
+
+
+def test_a_hybrid_file_s_entry_follows_the_recipes_source(tmp_path, monkeypatch):
+    """Which rows of which tensors an HF weight is comes from gguf_hybrid.py: a change there is a new entry for
+    a hybrid file, and no change for any other."""
+    hybrid = _hybrid_gguf(tmp_path, "qwen3-moe", (T.Q8_0,) * 3)
+    dense = write_tiny_gguf(tmp_path / "m.gguf", "llama", types=TYPES).path
+    before = [RepackCache.for_file(tmp_path, Path(p), read_gguf_header(p)).entry for p in (hybrid, dense)]
+    edited = tmp_path / "gguf_hybrid.py"
+    edited.write_text(Path(gguf_hybrid.__file__).read_text() + "\n# edited\n")
+    monkeypatch.setattr(gguf_hybrid, "__file__", str(edited))
+    after = [RepackCache.for_file(tmp_path, Path(p), read_gguf_header(p)).entry for p in (hybrid, dense)]
+    assert after[0] != before[0] and after[1] == before[1]
