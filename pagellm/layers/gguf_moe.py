@@ -7,7 +7,8 @@ import torch
 
 from pagellm.kernels.cpu import gguf_blocks
 from pagellm.kernels.cpu.gguf_blocks import GGUFWeight
-from pagellm.kernels.ops import PER_TOKEN_MAX_TOKENS
+from pagellm.kernels.cpu.layer_ops import ACTIVATIONS
+from pagellm.kernels.ops import FUSED_ACTIVATIONS, PER_TOKEN_MAX_TOKENS
 from pagellm.kernels.reference import gguf_planes
 from pagellm.kernels.reference.gguf_planes import PLANES, GGUFPlanes
 from pagellm.layers.gguf_linear import merged_segments, stacked
@@ -93,6 +94,17 @@ class GGUFMoeExperts(MoeExperts):
         gate_up, down = self._kernels(e)
         return down(self.act_mul()(gate_up(x)).contiguous())
 
+    def _per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One kernel call for all of a token's experts where gate and up are joined and x is fp32 (the bits of
+        MoeExperts' loop over the experts, tests/kernels/test_gguf_moe.py), else that loop."""
+        code = ACTIVATIONS.get(FUSED_ACTIVATIONS.get(self.activation, self.activation))
+        if x.dtype != torch.float32 or weights.dtype != torch.float32 or "gate_up" not in self.formats or code is None:
+            return super()._per_token(x, weights, ids)
+        blocks = {name: (gguf_blocks.FORMAT_IDS[self.formats[name]],
+                         *(self._buffers[f"{name}_{part}"] for part in self.PARTS)) for name in ("gate_up", "down")}
+        return gguf_blocks.moe(x.contiguous(), ids.contiguous(), weights.contiguous(), blocks["gate_up"],
+                               blocks["down"], code, self.kernel_level)
+
     def dispatch(self, x: torch.Tensor) -> str:
         return "per_token" if x.shape[0] <= PER_TOKEN_MAX_TOKENS else "grouped_loop"  # no grouped_mm on blocks
 
@@ -135,6 +147,9 @@ class GGUFPlanesExperts(GGUFMoeExperts):
         if grouped is None or first_expert is not None or "gate_up" not in self.formats:
             return super().forward(x, weights, ids, first_expert)
         return grouped(x, weights, ids, self._stacked("gate_up"), self._stacked("down"), self.act_mul())
+
+    def _per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return MoeExperts._per_token(self, x, weights, ids)  # planes: no CPU block kernel
 
     def _stacked(self, name: str) -> tuple:
         """(planes [X, rows, ...] x6, format, rows, cols) of one projection, as kernels/gpu/moe.py takes them."""

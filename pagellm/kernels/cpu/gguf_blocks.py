@@ -38,9 +38,17 @@ _MATMUL_ADD_NORM = Function("pagellm_gguf_matmul_add_norm", (
     Tensor("x", FLOATS), DtypeCode("x"), Int("M"), Int("K"), *_BLOCKS, Int("N"), Address("bias"), *_NORM_ARGS),
     returns=ctypes.c_int)
 _MLP_ADD_NORM = Function("pagellm_gguf_mlp_add_norm", (*_MLP.args[:-2], *_NORM_ARGS), returns=ctypes.c_int)
+# bytes from one expert's arrays to the next's
+_STRIDES = tuple(Int(f"{part}_stride") for part in ("qs", "gp", "sp"))
+_DOWN_STRIDES = tuple(Int(f"down_{part}_stride") for part in ("qs", "gp", "sp"))
+_FP32 = (torch.float32,)
+_MOE = Function("pagellm_gguf_moe", (
+    Tensor("x", _FP32), Int("T"), Int("K"), Tensor("ids", (torch.int64,)), Tensor("weights", _FP32), Int("k"),
+    Int("X"), *_BLOCKS, *_STRIDES, Int("I"), Flag("act"), Flag("down_format"), Tensor("down_qs"), Tensor("down_gp"),
+    Tensor("down_sp"), *_DOWN_STRIDES, Int("N"), Tensor("out", _FP32)), returns=ctypes.c_int)
 _ROWS = Function("pagellm_gguf_rows", (*_BLOCKS, Int("N"), Int("K"), Tensor("ids", (torch.int64,)), Int("T"),
                                        Tensor("out", FLOATS), DtypeCode("out")), returns=ctypes.c_int64)
-_KERNELS = native.Library("quant_gguf", [_MATMUL, _MATMUL_ADD_NORM, _MLP, _MLP_ADD_NORM, _ROWS,
+_KERNELS = native.Library("quant_gguf", [_MATMUL, _MATMUL_ADD_NORM, _MLP, _MLP_ADD_NORM, _MOE, _ROWS,
                                          native.RELEASE_SCRATCH],
                           "GGUF blocks x int8 matmul", extensions=("avx_vnni",))
 LIBRARIES = (_KERNELS,)  # for kernels/selection.py
@@ -230,3 +238,21 @@ def rows(weight: GGUFWeight, ids: torch.Tensor, at: str | None, dtype: torch.dty
 def matmul(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None, at: str | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, x quantized to int8 per 32 columns."""
     return BoundMatmul([weight], bias, at)(x)
+
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: tuple, down: tuple, activation: int,
+        at: str | None) -> torch.Tensor:
+    """Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]) [T, N] fp32 for a MoE layer's stacked experts, in one call
+    (csrc/quant_gguf.cpp's pagellm_gguf_moe): each expert computed as BoundMLP computes one row, summed in
+    ascending expert id (ids outside [0, X) skipped): the bits of the per-token loop over the experts.
+    gate_up, down: (format id, qs, gp, sp) of the stacked arrays [X, rows / 16, ...]; x, weights fp32."""
+    (format_id, *arrays), (down_format, *down_arrays) = gate_up, down
+    intermediate, hidden = arrays[0].shape[1] * BLOCK_ROWS // 2, down_arrays[0].shape[1] * BLOCK_ROWS
+    out = torch.empty(x.shape[0], hidden, dtype=torch.float32)
+    strides = [a.stride(0) * a.element_size() for a in (*arrays, *down_arrays)]
+    if _kernel(_MOE.symbol, at)(x, x.shape[0], x.shape[1], ids, weights, ids.shape[1], arrays[0].shape[0], format_id,
+                                *arrays, *strides[:3], intermediate, activation, down_format, *down_arrays,
+                                *strides[3:], hidden, out):
+        raise RuntimeError(f"pagellm_gguf_moe refused formats {format_id} and {down_format} or its shapes")
+    return out

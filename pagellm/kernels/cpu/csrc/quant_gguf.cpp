@@ -158,6 +158,88 @@ void gguf_mlp(const void* x, int x_bf16, int64_t M, int64_t K, const MlpWeights&
     }
 }
 
+// pagellm_gguf_moe's stacked experts: expert e's arrays start e * stride bytes into each
+struct MoeWeights {
+    const uint8_t *qs, *gp, *sp;
+    int64_t qs_stride, gp_stride, sp_stride, I;
+    int down_format;
+    const uint8_t *down_qs, *down_gp, *down_sp;
+    int64_t down_qs_stride, down_gp_stride, down_sp_stride, N;
+};
+
+// Row m of a (quantized as one row, M = 1) among rows laid out one after another: pagellm_gguf_moe's rows are
+// computed one at a time, as the per-token loop in layers/moe.py calls each expert with one row.
+inline QuantizedActivations row_of(const QuantizedActivations& a, int64_t m, int64_t K) {
+    const int64_t G = K / kGroup;
+    return {a.q + m * K / 4, a.scale + m * G, a.scaled_sum + m * G, a.half_sum + 2 * m * G};
+}
+
+// Each thread's share of `units` work units, split by pair (units_per_pair each): fn(pair, first, last) on the
+// pairs routed here (ids in [0, X)).
+template <class Fn>
+void pair_units(int64_t P, int64_t units_per_pair, const int64_t* ids, int64_t X, int64_t t, int64_t threads,
+                Fn&& fn) {
+    const int64_t units = P * units_per_pair, first = units * t / threads, last = units * (t + 1) / threads;
+    for (int64_t p = first / units_per_pair; p < P && p * units_per_pair < last; ++p) {
+        const int64_t lo = std::max(first, p * units_per_pair) - p * units_per_pair;
+        const int64_t hi = std::min(last, (p + 1) * units_per_pair) - p * units_per_pair;
+        if (ids[p] >= 0 && ids[p] < X && lo < hi) fn(p, lo, hi);
+    }
+}
+
+// One parallel region for a MoE layer's routed experts: x's rows quantized, every pair's gate/up groups with
+// HiddenEmit into its hidden row, a barrier, every pair's down blocks into its output row, a barrier, then each
+// token's rows summed in ascending expert id, out[t] += y * w in fp32 (two roundings each): the bits of the
+// per-token loop of pagellm_gguf_mlp-equal expert calls (layers/moe.py), in one call instead of one per expert.
+template <class F, int ACT>
+void gguf_moe(const float* x, int64_t T, int64_t K, const int64_t* ids, const float* weights, int64_t k, int64_t X,
+              const MoeWeights& w, float* out) {
+    const int64_t P = T * k, HG = w.I / kGroup, NB = w.N / kBlock;
+    const QuantizedActivations a = activation_buffers(T, K), h = activation_buffers<1>(P, w.I);
+    struct Rows {};
+    std::vector<float>& y = thread_scratch::scratch<Rows, float>();
+    y.resize(P * w.N);
+    std::vector<int64_t> order(P);  // each token's pairs by ascending expert id (top-k ids are distinct)
+    for (int64_t p = 0; p < P; ++p) order[p] = p;
+    for (int64_t t = 0; t < T; ++t)
+        std::sort(order.begin() + t * k, order.begin() + (t + 1) * k,
+                  [&](int64_t i, int64_t j) { return ids[i] < ids[j]; });
+    for (int64_t t = 0; t < T; ++t) quantize_rows(x + t * K, 0, 1, K, row_of(a, t, K), false);
+#pragma omp parallel if (worth_threads(P * w.I * K))
+    {
+        const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+        pair_units(P, HG, ids, X, t, threads, [&](int64_t p, int64_t g0, int64_t g1) {
+            HiddenEmit<float, ACT> emit{row_of(h, p, w.I), 1, w.I, nullptr, {}};
+            gguf_blocks<F>(2 * g0, 2 * g1, w.qs + ids[p] * w.qs_stride, w.gp + ids[p] * w.gp_stride,
+                           w.sp + ids[p] * w.sp_stride, row_of(a, p / k, K), 1, K, w.I / kBlock, emit);
+        });
+#pragma omp barrier
+        with_format(w.down_format, [&](auto f) {
+            pair_units(P, NB, ids, X, t, threads, [&](int64_t p, int64_t b0, int64_t b1) {
+                auto store = [&](int64_t m0, int mr, int64_t nb, const float (*total)[16], const float (*)[16]) {
+                    store_block(y.data() + p * w.N, w.N, nullptr, 0, m0, mr, nb, total);
+                };
+                gguf_blocks<decltype(f)>(b0, b1, w.down_qs + ids[p] * w.down_qs_stride,
+                                         w.down_gp + ids[p] * w.down_gp_stride,
+                                         w.down_sp + ids[p] * w.down_sp_stride, row_of(h, p, w.I), 1, w.I, 0, store);
+            });
+        });
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * w.N; ++i) {
+            const int64_t token = i / w.N, n = i % w.N;
+            float acc = 0.0f;
+            for (int64_t j = token * k; j < (token + 1) * k; ++j) {
+                const int64_t p = order[j];
+                if (ids[p] < 0 || ids[p] >= X) continue;  // expert parallel: another rank's expert
+                const float product = y[p * w.N + n] * weights[p];
+                acc = acc + product;
+            }
+            out[i] = acc;
+        }
+    }
+}
+
 // Row n's dequantized weights into out[K] (fp32 or bf16): scale * (q - zero) (+ min), as the gguf package.
 template <class F>
 void gguf_row(const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, int64_t n, int64_t K, void* out,
@@ -247,6 +329,27 @@ extern "C" int pagellm_gguf_mlp(const void* x, int x_bf16, int64_t M, int64_t K,
         else if (out_bf16) gguf_mlp<F, uint16_t, 0>(x, x_bf16, M, K, w, static_cast<uint16_t*>(out));
         else if (act == 1) gguf_mlp<F, float, 1>(x, x_bf16, M, K, w, static_cast<float*>(out));
         else gguf_mlp<F, float, 0>(x, x_bf16, M, K, w, static_cast<float*>(out));
+    }) ? 0 : -1;
+}
+
+// out[T, N] = sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]) for a MoE layer's stacked experts, fp32:
+// each expert a gated MLP as pagellm_gguf_mlp computes it on one row (gate/up [X, 2I, K] in `format`, down [X, N,
+// I] in `down_format`, expert e's arrays at e * stride bytes, no biases), the sum over j in ascending expert id;
+// ids outside [0, X) are skipped. Returns 0, or -1 for an unknown format or act, or I or K not a multiple of 32,
+// or N of 16 (nothing done).
+extern "C" int pagellm_gguf_moe(const float* x, int64_t T, int64_t K, const int64_t* ids, const float* weights,
+                                int64_t k, int64_t X, int format, const uint8_t* qs, const uint8_t* gp,
+                                const uint8_t* sp, int64_t qs_stride, int64_t gp_stride, int64_t sp_stride, int64_t I,
+                                int act, int down_format, const uint8_t* down_qs, const uint8_t* down_gp,
+                                const uint8_t* down_sp, int64_t down_qs_stride, int64_t down_gp_stride,
+                                int64_t down_sp_stride, int64_t N, float* out) {
+    if ((act != 0 && act != 1) || !with_format(down_format, [](auto) {})) return -1;
+    if (I % kGroup || K % kGroup || N % kBlock) return -1;
+    const MoeWeights w{qs, gp, sp, qs_stride, gp_stride, sp_stride, I, down_format, down_qs, down_gp, down_sp,
+                       down_qs_stride, down_gp_stride, down_sp_stride, N};
+    return with_format(format, [&](auto f) {
+        if (act == 1) gguf_moe<decltype(f), 1>(x, T, K, ids, weights, k, X, w, out);
+        else gguf_moe<decltype(f), 0>(x, T, K, ids, weights, k, X, w, out);
     }) ? 0 : -1;
 }
 

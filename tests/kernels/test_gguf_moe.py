@@ -1,0 +1,81 @@
+"""A MoE layer's routed experts in one call (pagellm_gguf_moe through GGUFMoeExperts' per-token path): the bits of
+the loop over the experts it replaces (each expert's gate/up, act * up, down, then out += y * w in ascending expert
+id), at every level, for the formats a Q4_K_M or Q8_0 file gives its experts; skipped pairs (expert parallel)
+and ties between routing weights included."""
+
+import pytest
+import torch
+
+from pagellm.kernels.cpu import gguf_blocks
+from pagellm.layers.gguf_moe import GGUFMoeExperts
+from pagellm.layers.moe import MoeExperts
+from pagellm.loader import gguf_repack
+from tests.kernels import requires_compiler
+from tests.kernels.gguf_blocks_builders import T, gguf_tensor
+
+pytestmark = requires_compiler
+
+EXPERTS, HIDDEN, INTERMEDIATE = 6, 256, 256
+
+
+def _experts(gate_up: T, down: T, level: str, activation: str = "silu", seed: int = 0) -> GGUFMoeExperts:
+    layer = GGUFMoeExperts(EXPERTS, HIDDEN, INTERMEDIATE, activation)
+    for e in range(EXPERTS):
+        for i, (proj, kind, rows, cols) in enumerate([("gate_proj", gate_up, INTERMEDIATE, HIDDEN),
+                                                      ("up_proj", gate_up, INTERMEDIATE, HIDDEN),
+                                                      ("down_proj", down, HIDDEN, INTERMEDIATE)]):
+            data = gguf_tensor(kind, rows, cols, seed=seed + 3 * e + i)
+            layer.put(e, proj, gguf_repack.repack(data, kind, (rows, cols)))
+    layer.use_kernel_level(level)
+    return layer
+
+
+@pytest.mark.parametrize("gate_up,down", [(T.Q4_K, T.Q6_K), (T.Q4_K, T.Q4_K), (T.Q8_0, T.Q8_0), (T.Q5_0, T.Q8_0)],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_one_call_is_the_loop_over_the_experts(gate_up, down, tokens, cpu_isa):
+    layer = _experts(gate_up, down, cpu_isa)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:4] for _ in range(tokens)])  # unsorted, as top-k gives
+    weights = torch.rand(tokens, 4, generator=g)
+    weights[0, 1] = weights[0, 0]  # a tie: the sum still runs in expert order
+    got = layer._per_token(x, weights, ids)
+    assert torch.equal(got, MoeExperts._per_token(layer, x, weights, ids))
+    assert torch.equal(got[:1], layer._per_token(x[:1], weights[:1], ids[:1]))  # a token's rows alone
+
+
+def test_experts_held_elsewhere_are_skipped(cpu_isa):
+    """Expert parallel: local ids outside [0, X) are another rank's, which adds them."""
+    layer = _experts(T.Q4_K, T.Q6_K, cpu_isa, activation="gelu_pytorch_tanh")
+    x, weights = torch.randn(2, HIDDEN), torch.rand(2, 3)
+    ids = torch.tensor([[5, -2, 1], [EXPERTS + 3, 0, -1]])
+    got = layer._per_token(x, weights, ids)
+    assert torch.equal(got, MoeExperts._per_token(layer, x, weights, ids))
+    assert torch.equal(got[1], layer._per_token(x[1:], weights[1:, 1:2], ids[1:, 1:2])[0])  # only expert 0's
+
+
+def test_what_it_does_not_take_goes_the_loop_s_way(cpu_isa):
+    """bf16 activations, and gate and up of two formats (not joined), run the loop over the experts."""
+    layer = _experts(T.Q4_K, T.Q6_K, cpu_isa)
+    x, weights, ids = torch.randn(1, HIDDEN).bfloat16(), torch.rand(1, 2).bfloat16(), torch.tensor([[4, 2]])
+    assert torch.equal(layer._per_token(x, weights, ids), MoeExperts._per_token(layer, x, weights, ids))
+    split = GGUFMoeExperts(2, HIDDEN, INTERMEDIATE, "silu")
+    for e in range(2):
+        for proj, kind, shape in [("gate_proj", T.Q4_K, (INTERMEDIATE, HIDDEN)),
+                                  ("up_proj", T.Q5_K, (INTERMEDIATE, HIDDEN)),
+                                  ("down_proj", T.Q6_K, (HIDDEN, INTERMEDIATE))]:
+            split.put(e, proj, gguf_repack.repack(gguf_tensor(kind, *shape, seed=e), kind, shape))
+    split.use_kernel_level(cpu_isa)
+    assert "gate_up" not in split.formats
+    x, weights, ids = torch.randn(1, HIDDEN), torch.rand(1, 2), torch.tensor([[1, 0]])
+    assert torch.equal(split._per_token(x, weights, ids), MoeExperts._per_token(split, x, weights, ids))
+
+
+def test_refused_shapes_raise(cpu_isa):
+    layer = _experts(T.Q8_0, T.Q8_0, cpu_isa)
+    blocks = {name: (gguf_blocks.FORMAT_IDS[layer.formats[name]], *(layer.get_buffer(f"{name}_{p}") for p in
+                                                                    layer.PARTS)) for name in ("gate_up", "down")}
+    with pytest.raises(RuntimeError, match="pagellm_gguf_moe refused"):
+        gguf_blocks.moe(torch.randn(1, HIDDEN), torch.tensor([[0]]), torch.rand(1, 1), blocks["gate_up"],
+                        blocks["down"], 7, cpu_isa)  # no activation 7
