@@ -94,16 +94,26 @@ class GGUFMoeExperts(MoeExperts):
         gate_up, down = self._kernels(e)
         return down(self.act_mul()(gate_up(x)).contiguous())
 
-    def _per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One kernel call for all of a token's experts where gate and up are joined and x is fp32 (the bits of
-        MoeExperts' loop over the experts, tests/kernels/test_gguf_moe.py), else that loop."""
-        code = ACTIVATIONS.get(FUSED_ACTIVATIONS.get(self.activation, self.activation))
-        if x.dtype != torch.float32 or weights.dtype != torch.float32 or "gate_up" not in self.formats or code is None:
-            return super()._per_token(x, weights, ids)
-        blocks = {name: (gguf_blocks.FORMAT_IDS[self.formats[name]],
-                         *(self._buffers[f"{name}_{part}"] for part in self.PARTS)) for name in ("gate_up", "down")}
-        return gguf_blocks.moe(x.contiguous(), ids.contiguous(), weights.contiguous(), blocks["gate_up"],
-                               blocks["down"], code, self.kernel_level)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                first_expert: int | None = None) -> torch.Tensor:
+        """Every routed expert of every token in one kernel call while the (token, expert) pairs are no more than
+        the experts (each expert's weights read about once a step, and no call per expert: faster than grouping
+        below that, measured in docs/benchmarks/2026-11-29-moe-gguf-start.md), where gate and up are joined, x is
+        fp32 and the loop's act_mul is the native one; else MoeExperts' paths. The same bits either way
+        (tests/kernels/test_gguf_moe.py)."""
+        one_call = self.bound_to_tensors("one_call", self._one_call)
+        if (one_call is None or x.dtype != torch.float32 or weights.dtype != torch.float32
+                or ids.numel() > self.num_experts):
+            return super().forward(x, weights, ids, first_expert)
+        return one_call(x, ids if first_expert is None else ids - first_expert, weights)
+
+    def _one_call(self) -> gguf_blocks.BoundMoe | None:
+        code = ACTIVATIONS.get(FUSED_ACTIVATIONS.get(self.activation))
+        if "gate_up" not in self.formats or code is None or self.ops.act_mul is None:  # torch's act_mul: its bits
+            return None
+        gate_up, down = ((gguf_blocks.FORMAT_IDS[self.formats[name]],
+                          *(self._buffers[f"{name}_{part}"] for part in self.PARTS)) for name in ("gate_up", "down"))
+        return gguf_blocks.BoundMoe(gate_up, down, code, self.kernel_level)
 
     def dispatch(self, x: torch.Tensor) -> str:
         return "per_token" if x.shape[0] <= PER_TOKEN_MAX_TOKENS else "grouped_loop"  # no grouped_mm on blocks
@@ -148,8 +158,8 @@ class GGUFPlanesExperts(GGUFMoeExperts):
             return super().forward(x, weights, ids, first_expert)
         return grouped(x, weights, ids, self._stacked("gate_up"), self._stacked("down"), self.act_mul())
 
-    def _per_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return MoeExperts._per_token(self, x, weights, ids)  # planes: no CPU block kernel
+    def _one_call(self) -> None:
+        return None  # planes: no CPU block kernel
 
     def _stacked(self, name: str) -> tuple:
         """(planes [X, rows, ...] x6, format, rows, cols) of one projection, as kernels/gpu/moe.py takes them."""

@@ -6,8 +6,8 @@ only on the file and on the code that lays it out, so a later start maps the sto
 read as the kernels first touch them), as llama.cpp and vLLM keep what they derive from a file.
 
     <cache_dir>/gguf-blocks/<key>/blocks.bin, manifest.json
-    key       sha256 of this format's version, gguf_repack.py's and gguf_blocks.py's sources (the layout), the
-              file's header bytes,
+    key       sha256 of this format's version, gguf_repack.py's and gguf_blocks.py's sources (the layout; for the
+              MoE and hybrid families gguf_hybrid.py's too, which picks each weight's rows), the file's header bytes,
               its size and its modification time: the weights' bytes are not hashed, which would read the whole
               file at every start (Python checks its .pyc files against their source the same way)
     manifest  per tensor: ggml type, rows, cols, and the offset and shape of its three arrays; blocks.bin's
@@ -230,7 +230,6 @@ class RepackCache:
         self._written = None  # nothing more is written for this load
 
 
-
 def _join_group(name: str, num_experts: int) -> tuple[tuple[str, str], int] | None:
     """(the group's key, its size) of a tensor stored side by side with others, else None. A MoE layer's experts
     form two groups: every expert's gate and up, and every expert's down."""
@@ -255,7 +254,7 @@ def _in_join_order(members: dict[str, gguf_blocks.GGUFWeight]) -> list[tuple[str
         expert = EXPERT_KEY.match(name)
         if expert is None:
             return (next(roles.index(m[2]) for pattern, roles in _JOINS if (m := pattern.match(name))),)
-        index, gate = int(expert["expert"]), int(expert["proj"] != "gate_proj")
-        return (index, gate) if one_format else (gate, index)
+        index, is_up = int(expert["expert"]), int(expert["proj"] == "up_proj")
+        return (index, is_up) if one_format else (is_up, index)
 
     return sorted(members.items(), key=lambda item: position(item[0]))

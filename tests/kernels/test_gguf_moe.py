@@ -1,12 +1,14 @@
-"""A MoE layer's routed experts in one call (pagellm_gguf_moe through GGUFMoeExperts' per-token path): the bits of
-the loop over the experts it replaces (each expert's gate/up, act * up, down, then out += y * w in ascending expert
-id), at every level, for the formats a Q4_K_M or Q8_0 file gives its experts; skipped pairs (expert parallel)
-and ties between routing weights included."""
+"""A MoE layer's routed experts in one call (pagellm_gguf_moe, GGUFMoeExperts.forward while the pairs are no more
+than the experts): the bits of the paths it replaces, the loop over the experts (each expert's gate/up, act * up,
+down, then out += y * w in ascending expert id) and the grouped path, at every level, for the formats a Q4_K_M or
+Q8_0 file gives its experts; skipped pairs (expert parallel) and ties between routing weights included."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from pagellm.kernels.cpu import gguf_blocks
+from pagellm.kernels.cpu import gguf_blocks, layer_ops
 from pagellm.layers.gguf_moe import GGUFMoeExperts
 from pagellm.layers.moe import MoeExperts
 from pagellm.loader import gguf_repack
@@ -15,7 +17,7 @@ from tests.kernels.gguf_blocks_builders import T, gguf_tensor
 
 pytestmark = requires_compiler
 
-EXPERTS, HIDDEN, INTERMEDIATE = 6, 256, 256
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 12, 256, 256, 4
 
 
 def _experts(gate_up: T, down: T, level: str, activation: str = "silu", seed: int = 0) -> GGUFMoeExperts:
@@ -30,19 +32,29 @@ def _experts(gate_up: T, down: T, level: str, activation: str = "silu", seed: in
     return layer
 
 
+def _calls(layer: GGUFMoeExperts) -> list[int]:
+    """The experts the layer runs one at a time from now on (none where one call runs them all)."""
+    calls = []
+    layer.expert = lambda x, e: calls.append(e) or GGUFMoeExperts.expert(layer, x, e)
+    return calls
+
+
 @pytest.mark.parametrize("gate_up,down", [(T.Q4_K, T.Q6_K), (T.Q4_K, T.Q4_K), (T.Q8_0, T.Q8_0), (T.Q5_0, T.Q8_0)],
                          ids=lambda t: t.name)
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 4])
 def test_one_call_is_the_loop_over_the_experts(gate_up, down, tokens, cpu_isa):
     layer = _experts(gate_up, down, cpu_isa)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=g)
-    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:4] for _ in range(tokens)])  # unsorted, as top-k gives
-    weights = torch.rand(tokens, 4, generator=g)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])  # unsorted, as top-k
+    weights = torch.rand(tokens, TOP_K, generator=g)
     weights[0, 1] = weights[0, 0]  # a tie: the sum still runs in expert order
-    got = layer._per_token(x, weights, ids)
+    calls = _calls(layer)
+    got = layer(x, weights, ids)
+    assert (calls == []) == (tokens * TOP_K <= EXPERTS)  # one call up to as many pairs as experts, then grouped
     assert torch.equal(got, MoeExperts._per_token(layer, x, weights, ids))
-    assert torch.equal(got[:1], layer._per_token(x[:1], weights[:1], ids[:1]))  # a token's rows alone
+    assert torch.equal(got, layer._grouped(x, weights, ids))
+    assert torch.equal(got[:1], layer(x[:1], weights[:1], ids[:1]))  # a token's rows alone
 
 
 def test_experts_held_elsewhere_are_skipped(cpu_isa):
@@ -50,16 +62,19 @@ def test_experts_held_elsewhere_are_skipped(cpu_isa):
     layer = _experts(T.Q4_K, T.Q6_K, cpu_isa, activation="gelu_pytorch_tanh")
     x, weights = torch.randn(2, HIDDEN), torch.rand(2, 3)
     ids = torch.tensor([[5, -2, 1], [EXPERTS + 3, 0, -1]])
-    got = layer._per_token(x, weights, ids)
+    got = layer(x, weights, ids + 100, first_expert=100)  # the layer holds experts 100 .. 100 + X - 1
     assert torch.equal(got, MoeExperts._per_token(layer, x, weights, ids))
-    assert torch.equal(got[1], layer._per_token(x[1:], weights[1:, 1:2], ids[1:, 1:2])[0])  # only expert 0's
+    assert torch.equal(got, MoeExperts.forward(layer, x, weights, ids + 100, first_expert=100))  # grouped
+    assert torch.equal(got[1], layer(x[1:], weights[1:, 1:2], ids[1:, 1:2])[0])  # only expert 0's
 
 
 def test_what_it_does_not_take_goes_the_loop_s_way(cpu_isa):
     """bf16 activations, and gate and up of two formats (not joined), run the loop over the experts."""
     layer = _experts(T.Q4_K, T.Q6_K, cpu_isa)
     x, weights, ids = torch.randn(1, HIDDEN).bfloat16(), torch.rand(1, 2).bfloat16(), torch.tensor([[4, 2]])
-    assert torch.equal(layer._per_token(x, weights, ids), MoeExperts._per_token(layer, x, weights, ids))
+    calls = _calls(layer)
+    assert torch.equal(layer(x, weights, ids), MoeExperts._per_token(layer, x, weights, ids))
+    assert calls == [2, 4, 2, 4]
     split = GGUFMoeExperts(2, HIDDEN, INTERMEDIATE, "silu")
     for e in range(2):
         for proj, kind, shape in [("gate_proj", T.Q4_K, (INTERMEDIATE, HIDDEN)),
@@ -69,13 +84,25 @@ def test_what_it_does_not_take_goes_the_loop_s_way(cpu_isa):
     split.use_kernel_level(cpu_isa)
     assert "gate_up" not in split.formats
     x, weights, ids = torch.randn(1, HIDDEN), torch.rand(1, 2), torch.tensor([[1, 0]])
-    assert torch.equal(split._per_token(x, weights, ids), MoeExperts._per_token(split, x, weights, ids))
+    assert torch.equal(split(x, weights, ids), MoeExperts._per_token(split, x, weights, ids))
 
 
-def test_refused_shapes_raise(cpu_isa):
+def test_an_unknown_activation_is_refused(cpu_isa):
     layer = _experts(T.Q8_0, T.Q8_0, cpu_isa)
-    blocks = {name: (gguf_blocks.FORMAT_IDS[layer.formats[name]], *(layer.get_buffer(f"{name}_{p}") for p in
-                                                                    layer.PARTS)) for name in ("gate_up", "down")}
+    gate_up, down = ((gguf_blocks.FORMAT_IDS[layer.formats[name]], *(layer.get_buffer(f"{name}_{p}") for p in
+                                                                      layer.PARTS)) for name in ("gate_up", "down"))
+    unknown = max(layer_ops.ACTIVATIONS.values()) + 1
     with pytest.raises(RuntimeError, match="pagellm_gguf_moe refused"):
-        gguf_blocks.moe(torch.randn(1, HIDDEN), torch.tensor([[0]]), torch.rand(1, 1), blocks["gate_up"],
-                        blocks["down"], 7, cpu_isa)  # no activation 7
+        gguf_blocks.BoundMoe(gate_up, down, unknown, cpu_isa)(torch.randn(1, HIDDEN), torch.tensor([[0]]),
+                                                              torch.rand(1, 1))
+
+
+def test_torch_s_act_mul_keeps_the_loop(cpu_isa):
+    """Where the layer's act_mul is torch's (no native layer ops), the one call, whose epilogue is the native
+    act_mul, would not have the loop's bits: the loop runs."""
+    layer = _experts(T.Q4_K, T.Q6_K, cpu_isa)
+    layer.use_ops(dataclasses.replace(layer.ops, act_mul=None))
+    calls = _calls(layer)
+    x, weights, ids = torch.randn(1, HIDDEN), torch.rand(1, 2), torch.tensor([[3, 1]])
+    assert torch.equal(layer(x, weights, ids), MoeExperts._per_token(layer, x, weights, ids))
+    assert calls == [1, 3, 1, 3]  # both runs went through the experts one at a time

@@ -4,6 +4,7 @@ a damaged entry is rebuilt, never used; a changed file gets a new entry; a load 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -13,8 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import dataclasses
 
 import gguf
 import pytest

@@ -240,19 +240,28 @@ def matmul(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None, at: s
     return BoundMatmul([weight], bias, at)(x)
 
 
+class BoundMoe:
+    """A MoE layer's routed experts of a few tokens in one call (csrc/quant_gguf.cpp's pagellm_gguf_moe): x [T, K]
+    fp32, ids / weights [T, k] -> Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]) [T, N] fp32, each expert computed
+    as BoundMLP computes one row and the sum in ascending expert id (ids outside [0, X) skipped): the bits of the
+    per-token loop over the experts. gate_up, down: (format id, qs, gp, sp) of the stacked arrays [X, rows / 16,
+    ...]; activation as BoundMLP's."""
 
-def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: tuple, down: tuple, activation: int,
-        at: str | None) -> torch.Tensor:
-    """Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]) [T, N] fp32 for a MoE layer's stacked experts, in one call
-    (csrc/quant_gguf.cpp's pagellm_gguf_moe): each expert computed as BoundMLP computes one row, summed in
-    ascending expert id (ids outside [0, X) skipped): the bits of the per-token loop over the experts.
-    gate_up, down: (format id, qs, gp, sp) of the stacked arrays [X, rows / 16, ...]; x, weights fp32."""
-    (format_id, *arrays), (down_format, *down_arrays) = gate_up, down
-    intermediate, hidden = arrays[0].shape[1] * BLOCK_ROWS // 2, down_arrays[0].shape[1] * BLOCK_ROWS
-    out = torch.empty(x.shape[0], hidden, dtype=torch.float32)
-    strides = [a.stride(0) * a.element_size() for a in (*arrays, *down_arrays)]
-    if _kernel(_MOE.symbol, at)(x, x.shape[0], x.shape[1], ids, weights, ids.shape[1], arrays[0].shape[0], format_id,
-                                *arrays, *strides[:3], intermediate, activation, down_format, *down_arrays,
-                                *strides[3:], hidden, out):
-        raise RuntimeError(f"pagellm_gguf_moe refused formats {format_id} and {down_format} or its shapes")
-    return out
+    def __init__(self, gate_up: tuple, down: tuple, activation: int, at: str | None):
+        (self.format_id, *self.arrays), (self.down_format, *self.down_arrays) = gate_up, down
+        self.intermediate = self.arrays[0].shape[1] * BLOCK_ROWS // 2
+        self.hidden = self.down_arrays[0].shape[1] * BLOCK_ROWS
+        # bytes from one expert's arrays to the next's (0 for an empty array: a format without sub-scales)
+        self.strides = [a.stride(0) * a.element_size() if a.numel() else 0 for a in (*self.arrays, *self.down_arrays)]
+        self.activation, self._fn = activation, _kernel(_MOE.symbol, at)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        x, weights = x.to(torch.float32).contiguous(), weights.to(torch.float32).contiguous()
+        ids = ids.to(torch.int64).contiguous()  # the kernel reads int64 ids unchecked
+        out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
+        if self._fn(x, x.shape[0], x.shape[1], ids, weights, ids.shape[1], self.arrays[0].shape[0], self.format_id,
+                    *self.arrays, *self.strides[:3], self.intermediate, self.activation, self.down_format,
+                    *self.down_arrays, *self.strides[3:], self.hidden, out):
+            raise RuntimeError(f"pagellm_gguf_moe refused formats {self.format_id} and {self.down_format}, or the "
+                               f"activation {self.activation}, or its shapes")
+        return out
