@@ -51,10 +51,22 @@ def test_one_call_is_the_loop_over_the_experts(gate_up, down, tokens, cpu_isa):
     weights[0, 1] = weights[0, 0]  # a tie: the sum still runs in expert order
     calls = _calls(layer)
     got = layer(x, weights, ids)
-    assert (calls == []) == (tokens * TOP_K <= EXPERTS)  # one call up to as many pairs as experts, then grouped
+    assert calls == []  # pairs at most twice the distinct experts: one call
     assert torch.equal(got, MoeExperts._per_token(layer, x, weights, ids))
     assert torch.equal(got, layer._grouped(x, weights, ids))
     assert torch.equal(got[:1], layer(x[:1], weights[:1], ids[:1]))  # a token's rows alone
+
+
+def test_tokens_sharing_their_experts_are_grouped(cpu_isa):
+    """Where the tokens route to the same few experts, each expert runs once over its rows instead: the same
+    bits."""
+    layer = _experts(T.Q4_K, T.Q6_K, cpu_isa)
+    x, weights = torch.randn(5, HIDDEN), torch.rand(5, TOP_K)
+    ids = torch.tensor([[3, 1, 7, 0]] * 5)  # 20 pairs of 4 experts
+    calls = _calls(layer)
+    got = layer(x, weights, ids)
+    assert sorted(set(calls)) == [0, 1, 3, 7]
+    assert torch.equal(got, MoeExperts._per_token(layer, x, weights, ids))
 
 
 def test_experts_held_elsewhere_are_skipped(cpu_isa):
