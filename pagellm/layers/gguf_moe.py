@@ -16,11 +16,6 @@ from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.moe import MoeExperts
 
 
-# One kernel call for a step's experts while its (token, expert) pairs are at most this many times its distinct
-# experts; above, each expert once over its rows (measured: docs/benchmarks/2026-11-29-moe-gguf-start.md)
-ONE_CALL_MAX_SHARING = 2
-
-
 class GGUFMoeExperts(MoeExperts):
     """MoeExperts with every expert in its GGUF blocks (a MoE GGUF then needs about its file size in memory):
     per projection one stacked buffer [X, ...] of the experts' repacked blocks (within a layer every expert
@@ -101,14 +96,11 @@ class GGUFMoeExperts(MoeExperts):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 first_expert: int | None = None) -> torch.Tensor:
-        """Every routed expert of every token in one kernel call, where gate and up are joined, x is fp32 and the
-        loop's act_mul is the native one, unless the tokens share their experts much: the call reads an expert's
-        weights once per (token, expert) pair where grouping reads them once per expert, at a call or two per
-        expert (docs/benchmarks/2026-11-29-moe-gguf-start.md measures both). Else MoeExperts' paths; the same bits
-        either way (tests/kernels/test_gguf_moe.py)."""
+        """Every routed expert of every token in one kernel call (each expert's weights read once over its tokens'
+        rows, and no call per expert), where gate and up are joined, x is fp32 and the loop's act_mul is the
+        native one; else MoeExperts' paths. The same bits either way (tests/kernels/test_gguf_moe.py)."""
         one_call = self.bound_to_tensors("one_call", self._one_call)
-        if (one_call is None or x.dtype != torch.float32 or weights.dtype != torch.float32
-                or x.shape[0] > 1 and ids.numel() > ONE_CALL_MAX_SHARING * ids.unique().numel()):
+        if one_call is None or x.dtype != torch.float32 or weights.dtype != torch.float32:
             return super().forward(x, weights, ids, first_expert)
         return one_call(x, ids if first_expert is None else ids - first_expert, weights)
 

@@ -1,7 +1,7 @@
-"""A MoE layer's routed experts in one call (pagellm_gguf_moe, GGUFMoeExperts.forward while the pairs are no more
-than the experts): the bits of the paths it replaces, the loop over the experts (each expert's gate/up, act * up,
-down, then out += y * w in ascending expert id) and the grouped path, at every level, for the formats a Q4_K_M or
-Q8_0 file gives its experts; skipped pairs (expert parallel) and ties between routing weights included."""
+"""A MoE layer's routed experts in one call (pagellm_gguf_moe through GGUFMoeExperts.forward): the bits of the
+paths it replaces, the loop over the experts (each expert's gate/up, act * up, down, then out += y * w in ascending
+expert id) and the grouped path, at every level, for the formats a Q4_K_M or Q8_0 file gives its experts; skipped
+pairs (expert parallel), experts shared between tokens and ties between routing weights included."""
 
 import dataclasses
 
@@ -51,22 +51,23 @@ def test_one_call_is_the_loop_over_the_experts(gate_up, down, tokens, cpu_isa):
     weights[0, 1] = weights[0, 0]  # a tie: the sum still runs in expert order
     calls = _calls(layer)
     got = layer(x, weights, ids)
-    assert calls == []  # pairs at most twice the distinct experts: one call
+    assert calls == []  # one call, however many tokens
     assert torch.equal(got, MoeExperts._per_token(layer, x, weights, ids))
     assert torch.equal(got, layer._grouped(x, weights, ids))
     assert torch.equal(got[:1], layer(x[:1], weights[:1], ids[:1]))  # a token's rows alone
 
 
-def test_tokens_sharing_their_experts_are_grouped(cpu_isa):
-    """Where the tokens route to the same few experts, each expert runs once over its rows instead: the same
-    bits."""
+def test_tokens_sharing_their_experts_run_them_once(cpu_isa):
+    """Where the tokens route to the same few experts, each expert runs once over all its rows, in the one call:
+    the bits of the loop and of the grouped path."""
     layer = _experts(T.Q4_K, T.Q6_K, cpu_isa)
     x, weights = torch.randn(5, HIDDEN), torch.rand(5, TOP_K)
-    ids = torch.tensor([[3, 1, 7, 0]] * 5)  # 20 pairs of 4 experts
+    ids = torch.tensor([[3, 1, 7, 0]] * 4 + [[7, 2, 3, 11]])  # 20 pairs of 6 experts
     calls = _calls(layer)
     got = layer(x, weights, ids)
-    assert sorted(set(calls)) == [0, 1, 3, 7]
+    assert calls == []
     assert torch.equal(got, MoeExperts._per_token(layer, x, weights, ids))
+    assert torch.equal(got, layer._grouped(x, weights, ids))
 
 
 def test_experts_held_elsewhere_are_skipped(cpu_isa):

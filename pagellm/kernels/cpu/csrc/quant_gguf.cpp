@@ -16,117 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "act_mul.h"  // act_mul_row: gguf_mlp's epilogue
-#include "gguf_block_rows.h"  // Panel, gguf_block_rows per level; gguf_format.h, q8_activations.h
+#include "gguf_block_loop.h"  // gguf_blocks, store_block, HiddenEmit, down_blocks; gguf_block_rows.h
 #include "norm.h"  // add_norm_rows_as: the matmul + residual add + norm epilogue
 
 namespace {
-
-template <class F, int... MR>
-void gguf_block_any(int mr, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp, const Panel& a, int64_t K,
-                    float (*out)[16], std::integer_sequence<int, MR...>) {
-    using Fn = void (*)(const uint8_t*, const uint8_t*, const uint8_t*, const Panel&, int64_t, float (*)[16]);
-    static constexpr Fn table[] = {gguf_block_rows<F, MR + 1>...};  // specialisations 1..kMaxRowsQ8
-    table[mr - 1](qs, gp, sp, a, K, out);
-}
-
-// -zero * covered_sum for every (pass, group, row, half) of a, laid out as a.half_sum: where the integer sums of
-// a format with a zero point start, so that no instruction per row and group subtracts it (exact: integers).
-// The calling thread's buffer; none for formats without a zero point.
-template <class F>
-const int32_t* zero_starts(const QuantizedActivations& a, int64_t M, int64_t G) {
-    constexpr int32_t kZero = zero_point<F, kShiftedQ8>();
-    if constexpr (kZero == 0) return nullptr;
-    struct Starts {};
-    std::vector<int32_t>& starts = thread_scratch::scratch<Starts, int32_t>();
-    starts.resize(2 * M * G);
-    for (int64_t i = 0; i < M * G; ++i)
-        for (int h = 0; h < 2; ++h) starts[2 * i + h] = -kZero * covered_sum<F>(a.half_sum + 2 * i, h);
-    return starts.data();
-}
-
-// Blocks [first, last) against all M activation rows: a chunk of blocks at a time (~256 KB, in L2), pass by pass
-// over it (as quant_gemv_q8.cpp's q8_blocks, whose measurements hold here). emit(m0, mr, nb, totals, paired)
-// takes each block's fp32 sums for rows m0 .. m0 + mr - 1; with pair > 0 paired holds block nb + pair's (the up
-// projection's block beside the gate's, for gguf_mlp), otherwise nothing.
-template <class F, class Emit>
-void gguf_blocks(int64_t first, int64_t last, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp,
-                 const QuantizedActivations& a, int64_t M, int64_t K, int64_t pair, Emit&& emit) {
-    const int64_t G = K / kGroup;
-    const int64_t block_bytes = G * (F::kGroupBytes + F::kParamBytes) + K / 256 * F::kSuperBytes;
-    int64_t chunk_size = std::max<int64_t>(1, (256 << 10) / (block_bytes * (pair ? 2 : 1)));
-    if (pair) chunk_size += chunk_size % 2;  // a 32-column group's two blocks in one chunk (gguf_mlp)
-    const int32_t* starts = zero_starts<F>(a, M, G);
-    for (int64_t chunk = first; chunk < last; chunk += chunk_size) {
-        for (int64_t p = 0; p < row_passes(M); ++p) {
-            const int64_t m0 = first_row(p, M);
-            const int mr = int(first_row(p + 1, M) - m0);
-            const Panel panel{a.q + m0 * K / 4, a.scale + m0 * G, a.scaled_sum + m0 * G,
-                              starts ? starts + 2 * m0 * G : nullptr};
-            auto block = [&](int64_t nb, float (*total)[16]) {
-                gguf_block_any<F>(mr, qs + nb * G * F::kGroupBytes, gp + nb * G * F::kParamBytes,
-                                  sp + nb * (K / 256) * F::kSuperBytes, panel, K, total,
-                                  std::make_integer_sequence<int, kMaxRowsQ8>());
-            };
-            for (int64_t nb = chunk; nb < std::min(last, chunk + chunk_size); ++nb) {
-                float total[kMaxRowsQ8][16], paired[kMaxRowsQ8][16];
-                block(nb, total);
-                if (pair) block(nb + pair, paired);
-                emit(m0, mr, nb, total, paired);
-            }
-        }
-    }
-}
-
-// The stored output of a block's sums: v (+ bias) rounded once to out's dtype.
-inline void store_block(void* out, int64_t ldo, const void* bias, int out_bf16, int64_t m0, int mr, int64_t nb,
-                        const float (*total)[16]) {
-    for (int r = 0; r < mr; ++r)
-        for (int i = 0; i < kBlock; ++i) {
-            const float v = total[r][i];
-            store_value(out, (m0 + r) * ldo + nb * kBlock + i,
-                        bias ? v + load_value(bias, nb * kBlock + i, out_bf16) : v, out_bf16);
-        }
-}
-
-// gguf_mlp's first matmul's epilogue: the gate and up blocks stored as the plain matmul stores them (into
-// 16-value rows of T, the output's type), act_mul.h's row arithmetic on those values into a 32-column scratch
-// row, and each finished group (blocks 2g and 2g + 1) quantized straight into the down projection's panels: the
-// bits of the separate calls, with no intermediate stored. Blocks come in pairs (gguf_blocks: even ranges and
-// chunks), each pass's 2g just before its 2g + 1.
-template <typename T, int ACT>
-struct HiddenEmit {
-    QuantizedActivations hidden;  // [M, I] as the down matmul reads its input
-    int64_t M, I;
-    const void* bias;  // [2I] in T, or null
-    T scratch[kMaxRowsQ8][2 * kBlock];
-
-    void operator()(int64_t m0, int mr, int64_t nb, const float (*gate)[16], const float (*up)[16]) {
-        constexpr int kBf16 = std::is_same_v<T, uint16_t>;
-        const T* b = static_cast<const T*>(bias);
-        T g[kMaxRowsQ8][16], u[kMaxRowsQ8][16];
-        store_block(g, 16, b ? b + nb * kBlock : nullptr, kBf16, 0, mr, 0, gate);
-        store_block(u, 16, b ? b + I + nb * kBlock : nullptr, kBf16, 0, mr, 0, up);
-        const int half = int(nb % 2);
-        for (int r = 0; r < mr; ++r) act_mul_row<T, ACT>(g[r], u[r], scratch[r] + half * kBlock, kBlock);
-        if (half)
-            for (int r = 0; r < mr; ++r)
-                quantize_group_from(scratch[r], kBf16, 0, group_slot(m0 + r, nb / 2, M, I / kGroup, hidden));
-    }
-};
-
-// The down projection's share of thread t of `threads`: its blocks against the quantized hidden rows h.
-inline void down_blocks(int down_format, const uint8_t* qs, const uint8_t* gp, const uint8_t* sp,
-                        const QuantizedActivations& h, int64_t M, int64_t I, int64_t N, const void* bias, void* out,
-                        int out_bf16, int64_t t, int64_t threads) {
-    with_format(down_format, [&](auto f) {
-        const int64_t count = N / kBlock;
-        gguf_blocks<decltype(f)>(count * t / threads, count * (t + 1) / threads, qs, gp, sp, h, M, I, 0,
-                                 [&](int64_t m0, int mr, int64_t nb, const float (*total)[16], const float (*)[16]) {
-                                     store_block(out, N, bias, out_bf16, m0, mr, nb, total);
-                                 });
-    });
-}
 
 struct MlpWeights {  // pagellm_gguf_mlp's arguments past x and its shape
     const uint8_t *qs, *gp, *sp;
@@ -167,61 +60,84 @@ struct MoeWeights {
     int64_t down_qs_stride, down_gp_stride, down_sp_stride, N;
 };
 
-// Row m of a (quantized as one row, M = 1) among rows laid out one after another: pagellm_gguf_moe's rows are
-// computed one at a time, as the per-token loop in layers/moe.py calls each expert with one row.
-inline QuantizedActivations row_of(const QuantizedActivations& a, int64_t m, int64_t K) {
+// The panels of rows [m, m + M) of a, where consecutive runs of rows are each quantized as panels of their own
+// (one expert's rows in pagellm_gguf_moe): every array of a run starts where the runs before it end.
+inline QuantizedActivations rows_from(const QuantizedActivations& a, int64_t m, int64_t K) {
     const int64_t G = K / kGroup;
     return {a.q + m * K / 4, a.scale + m * G, a.scaled_sum + m * G, a.half_sum + 2 * m * G};
 }
 
-// Each thread's share of `units` work units, split by pair (units_per_pair each): fn(pair, first, last) on the
-// pairs routed here (ids in [0, X)).
+// Each thread's share of the experts' work units (units_per_expert each): fn(s, first, last) per expert run s.
 template <class Fn>
-void pair_units(int64_t P, int64_t units_per_pair, const int64_t* ids, int64_t X, int64_t t, int64_t threads,
-                Fn&& fn) {
-    const int64_t units = P * units_per_pair, first = units * t / threads, last = units * (t + 1) / threads;
-    for (int64_t p = first / units_per_pair; p < P && p * units_per_pair < last; ++p) {
-        const int64_t lo = std::max(first, p * units_per_pair) - p * units_per_pair;
-        const int64_t hi = std::min(last, (p + 1) * units_per_pair) - p * units_per_pair;
-        if (ids[p] >= 0 && ids[p] < X && lo < hi) fn(p, lo, hi);
+void expert_units(int64_t runs, int64_t units_per_expert, int64_t t, int64_t threads, Fn&& fn) {
+    const int64_t units = runs * units_per_expert, first = units * t / threads, last = units * (t + 1) / threads;
+    for (int64_t s = first / units_per_expert; s < runs && s * units_per_expert < last; ++s) {
+        const int64_t lo = std::max(first, s * units_per_expert) - s * units_per_expert;
+        const int64_t hi = std::min(last, (s + 1) * units_per_expert) - s * units_per_expert;
+        if (lo < hi) fn(s, lo, hi);
     }
 }
 
-// One parallel region for a MoE layer's routed experts: x's rows quantized, every pair's gate/up groups with
-// HiddenEmit into its hidden row, a barrier, every pair's down blocks into its output row, a barrier, then each
-// token's rows summed in ascending expert id, out[t] += y * w in fp32 (two roundings each): the bits of the
-// per-token loop of pagellm_gguf_mlp-equal expert calls (layers/moe.py), in one call instead of one per expert.
+// pagellm_gguf_moe's (token, expert) pairs routed here (ids in [0, X)), by expert and then token: row i of the
+// step's work is pair pair[i]; expert run s is rows [start[s], start[s + 1]); token t's rows, ascending (so by
+// expert id), are token_rows[t * k ..] up to its count (the rest -1).
+struct ExpertRuns {
+    std::vector<int64_t> pair, start, token_rows;
+
+    ExpertRuns(const int64_t* ids, int64_t T, int64_t k, int64_t X) : token_rows(T * k, -1) {
+        for (int64_t p = 0; p < T * k; ++p)
+            if (ids[p] >= 0 && ids[p] < X) pair.push_back(p);
+        std::stable_sort(pair.begin(), pair.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+        std::vector<int64_t> filled(T, 0);
+        for (int64_t i = 0; i < int64_t(pair.size()); ++i) {
+            const int64_t t = pair[i] / k;
+            token_rows[t * k + filled[t]++] = i;
+            if (i == 0 || ids[pair[i]] != ids[pair[i - 1]]) start.push_back(i);
+        }
+        for (int64_t t = 0; t < T; ++t) std::sort(token_rows.begin() + t * k, token_rows.begin() + t * k + filled[t]);
+        start.push_back(int64_t(pair.size()));
+    }
+    int64_t runs() const { return int64_t(start.size()) - 1; }
+};
+
+// One parallel region for a MoE layer's routed experts: each expert's rows (its tokens' x) quantized as one
+// panel, each expert's gate/up groups over its rows with HiddenEmit into their hidden rows, a barrier, each
+// expert's down blocks into its rows' outputs, a barrier, then each token's rows summed in ascending expert id,
+// out[t] += y * w in fp32 (two roundings each). The bits of the loop over the experts in layers/moe.py (the
+// block kernels' rows do not depend on how many run together), with each expert's weights read once and no
+// call per expert.
 template <class F, int ACT>
 void gguf_moe(const float* x, int64_t T, int64_t K, const int64_t* ids, const float* weights, int64_t k, int64_t X,
               const MoeWeights& w, float* out) {
-    const int64_t P = T * k, HG = w.I / kGroup, NB = w.N / kBlock;
-    const QuantizedActivations a = activation_buffers(T, K), h = activation_buffers<1>(P, w.I);
+    const ExpertRuns work(ids, T, k, X);
+    const int64_t R = int64_t(work.pair.size()), HG = w.I / kGroup, NB = w.N / kBlock;
+    const QuantizedActivations a = activation_buffers(std::max<int64_t>(R, 1), K);
+    const QuantizedActivations h = activation_buffers<1>(std::max<int64_t>(R, 1), w.I);
     struct Rows {};
     std::vector<float>& y = thread_scratch::scratch<Rows, float>();
-    y.resize(P * w.N);
-    std::vector<int64_t> order(P);  // each token's pairs by ascending expert id (top-k ids are distinct)
-    for (int64_t p = 0; p < P; ++p) order[p] = p;
-    for (int64_t t = 0; t < T; ++t)
-        std::sort(order.begin() + t * k, order.begin() + (t + 1) * k,
-                  [&](int64_t i, int64_t j) { return ids[i] < ids[j]; });
-    for (int64_t t = 0; t < T; ++t) quantize_rows(x + t * K, 0, 1, K, row_of(a, t, K), false);
-#pragma omp parallel if (worth_threads(P * w.I * K))
+    y.resize(std::max<int64_t>(R, 1) * std::max(K, w.N));  // x's rows gathered per expert, then the outputs
+    for (int64_t i = 0; i < R; ++i) std::copy_n(x + work.pair[i] / k * K, K, y.data() + i * K);
+    for (int64_t s = 0; s < work.runs(); ++s)
+        quantize_rows(y.data() + work.start[s] * K, 0, work.start[s + 1] - work.start[s], K,
+                      rows_from(a, work.start[s], K), false);
+#pragma omp parallel if (worth_threads(R * w.I * K))
     {
         const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
-        pair_units(P, HG, ids, X, t, threads, [&](int64_t p, int64_t g0, int64_t g1) {
-            HiddenEmit<float, ACT> emit{row_of(h, p, w.I), 1, w.I, nullptr, {}};
-            gguf_blocks<F>(2 * g0, 2 * g1, w.qs + ids[p] * w.qs_stride, w.gp + ids[p] * w.gp_stride,
-                           w.sp + ids[p] * w.sp_stride, row_of(a, p / k, K), 1, K, w.I / kBlock, emit);
+        expert_units(work.runs(), HG, t, threads, [&](int64_t s, int64_t g0, int64_t g1) {
+            const int64_t e = ids[work.pair[work.start[s]]], m = work.start[s], M = work.start[s + 1] - m;
+            HiddenEmit<float, ACT> emit{rows_from(h, m, w.I), M, w.I, nullptr, {}};
+            gguf_blocks<F>(2 * g0, 2 * g1, w.qs + e * w.qs_stride, w.gp + e * w.gp_stride, w.sp + e * w.sp_stride,
+                           rows_from(a, m, K), M, K, w.I / kBlock, emit);
         });
 #pragma omp barrier
         with_format(w.down_format, [&](auto f) {
-            pair_units(P, NB, ids, X, t, threads, [&](int64_t p, int64_t b0, int64_t b1) {
+            expert_units(work.runs(), NB, t, threads, [&](int64_t s, int64_t b0, int64_t b1) {
+                const int64_t e = ids[work.pair[work.start[s]]], m = work.start[s], M = work.start[s + 1] - m;
                 auto store = [&](int64_t m0, int mr, int64_t nb, const float (*total)[16], const float (*)[16]) {
-                    store_block(y.data() + p * w.N, w.N, nullptr, 0, m0, mr, nb, total);
+                    store_block(y.data() + m * w.N, w.N, nullptr, 0, m0, mr, nb, total);
                 };
-                gguf_blocks<decltype(f)>(b0, b1, w.down_qs + ids[p] * w.down_qs_stride,
-                                         w.down_gp + ids[p] * w.down_gp_stride,
-                                         w.down_sp + ids[p] * w.down_sp_stride, row_of(h, p, w.I), 1, w.I, 0, store);
+                gguf_blocks<decltype(f)>(b0, b1, w.down_qs + e * w.down_qs_stride, w.down_gp + e * w.down_gp_stride,
+                                         w.down_sp + e * w.down_sp_stride, rows_from(h, m, w.I), M, w.I, 0, store);
             });
         });
 #pragma omp barrier
@@ -229,10 +145,9 @@ void gguf_moe(const float* x, int64_t T, int64_t K, const int64_t* ids, const fl
         for (int64_t i = 0; i < T * w.N; ++i) {
             const int64_t token = i / w.N, n = i % w.N;
             float acc = 0.0f;
-            for (int64_t j = token * k; j < (token + 1) * k; ++j) {
-                const int64_t p = order[j];
-                if (ids[p] < 0 || ids[p] >= X) continue;  // expert parallel: another rank's expert
-                const float product = y[p * w.N + n] * weights[p];
+            for (int64_t j = token * k; j < (token + 1) * k && work.token_rows[j] >= 0; ++j) {
+                const int64_t r = work.token_rows[j];
+                const float product = y[r * w.N + n] * weights[work.pair[r]];
                 acc = acc + product;
             }
             out[i] = acc;
