@@ -70,6 +70,29 @@ def test_tokens_sharing_their_experts_run_them_once(cpu_isa):
     assert torch.equal(got, layer._grouped(x, weights, ids))
 
 
+@pytest.mark.parametrize("gate_up,down", [(T.Q4_K, T.Q6_K), (T.Q5_0, T.Q8_0)], ids=lambda t: t.name)
+def test_experts_of_many_rows_take_several_passes(gate_up, down, cpu_isa):
+    """Runs of more rows than a pass over the weights holds, beside runs of one and a few, and a batch big enough
+    that the threads quantize it (the panels of each expert laid out one after another)."""
+    layer = _experts(gate_up, down, cpu_isa)
+    g = torch.Generator().manual_seed(5)
+    x, weights = torch.randn(40, HIDDEN, generator=g), torch.rand(40, TOP_K, generator=g)
+    ids = torch.tensor([[0, 5, 9, 2]] * 30 + [[0, 5, 1, 3]] * 6 + [[4, 6, 7, 8]] * 3 + [[11, 10, 0, 5]])
+    got = layer(x, weights, ids)
+    assert torch.equal(got, layer._grouped(x, weights, ids))
+    assert torch.equal(got[36:], MoeExperts._per_token(layer, x[36:], weights[36:], ids[36:]))
+    big = torch.randn(300, HIDDEN, generator=g)
+    big_ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(300)])
+    big_weights = torch.rand(300, TOP_K, generator=g)
+    assert torch.equal(layer(big, big_weights, big_ids), layer._grouped(big, big_weights, big_ids))
+
+
+def test_no_pair_routed_here_gives_zeros(cpu_isa):
+    layer = _experts(T.Q8_0, T.Q8_0, cpu_isa)
+    got = layer(torch.randn(2, HIDDEN), torch.rand(2, 2), torch.tensor([[-1, EXPERTS], [EXPERTS + 5, -3]]))
+    assert torch.equal(got, torch.zeros(2, HIDDEN))
+
+
 def test_experts_held_elsewhere_are_skipped(cpu_isa):
     """Expert parallel: local ids outside [0, X) are another rank's, which adds them."""
     layer = _experts(T.Q4_K, T.Q6_K, cpu_isa, activation="gelu_pytorch_tanh")

@@ -241,11 +241,11 @@ def matmul(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None, at: s
 
 
 class BoundMoe:
-    """A MoE layer's routed experts of a few tokens in one call (csrc/quant_gguf.cpp's pagellm_gguf_moe): x [T, K]
-    fp32, ids / weights [T, k] -> Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]) [T, N] fp32, each expert computed
-    as BoundMLP computes one row and the sum in ascending expert id (ids outside [0, X) skipped): the bits of the
-    per-token loop over the experts. gate_up, down: (format id, qs, gp, sp) of the stacked arrays [X, rows / 16,
-    ...]; activation as BoundMLP's."""
+    """A MoE layer's routed experts in one call (csrc/quant_gguf.cpp's pagellm_gguf_moe): x [T, K] fp32, ids /
+    weights [T, k] -> Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]) [T, N] fp32, each expert computed as BoundMLP
+    computes it, once over its tokens' rows, and the sum in ascending expert id (ids outside [0, X) skipped): the
+    bits of the loop over the experts and of the grouped path. gate_up, down: (format id, qs, gp, sp) of the
+    stacked arrays [X, rows / 16, ...]; activation as BoundMLP's."""
 
     def __init__(self, gate_up: tuple, down: tuple, activation: int, at: str | None):
         (self.format_id, *self.arrays), (self.down_format, *self.down_arrays) = gate_up, down

@@ -79,26 +79,30 @@ void expert_units(int64_t runs, int64_t units_per_expert, int64_t t, int64_t thr
 }
 
 // pagellm_gguf_moe's (token, expert) pairs routed here (ids in [0, X)), by expert and then token: row i of the
-// step's work is pair pair[i]; expert run s is rows [start[s], start[s + 1]); token t's rows, ascending (so by
-// expert id), are token_rows[t * k ..] up to its count (the rest -1).
+// step's work is pair pair[i], in expert run run[i]; run s is rows [start[s], start[s + 1]); token t's rows are
+// token_rows[t * k ..] up to its count (the rest -1), ascending, so by expert id.
 struct ExpertRuns {
-    std::vector<int64_t> pair, start, token_rows;
+    std::vector<int64_t> pair, run, start, token_rows;
 
     ExpertRuns(const int64_t* ids, int64_t T, int64_t k, int64_t X) : token_rows(T * k, -1) {
+        pair.reserve(T * k);
         for (int64_t p = 0; p < T * k; ++p)
             if (ids[p] >= 0 && ids[p] < X) pair.push_back(p);
         std::stable_sort(pair.begin(), pair.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
         std::vector<int64_t> filled(T, 0);
         for (int64_t i = 0; i < int64_t(pair.size()); ++i) {
             const int64_t t = pair[i] / k;
-            token_rows[t * k + filled[t]++] = i;
+            token_rows[t * k + filled[t]++] = i;  // ascending i: the token's rows come in expert order
             if (i == 0 || ids[pair[i]] != ids[pair[i - 1]]) start.push_back(i);
+            run.push_back(int64_t(start.size()) - 1);
         }
-        for (int64_t t = 0; t < T; ++t) std::sort(token_rows.begin() + t * k, token_rows.begin() + t * k + filled[t]);
         start.push_back(int64_t(pair.size()));
     }
     int64_t runs() const { return int64_t(start.size()) - 1; }
+    int64_t rows(int64_t s) const { return start[s + 1] - start[s]; }
 };
+
+struct MoeRows {};  // thread_scratch's tag of pagellm_gguf_moe's output rows
 
 // One parallel region for a MoE layer's routed experts: each expert's rows (its tokens' x) quantized as one
 // panel, each expert's gate/up groups over its rows with HiddenEmit into their hidden rows, a barrier, each
@@ -110,21 +114,28 @@ template <class F, int ACT>
 void gguf_moe(const float* x, int64_t T, int64_t K, const int64_t* ids, const float* weights, int64_t k, int64_t X,
               const MoeWeights& w, float* out) {
     const ExpertRuns work(ids, T, k, X);
-    const int64_t R = int64_t(work.pair.size()), HG = w.I / kGroup, NB = w.N / kBlock;
+    const int64_t R = int64_t(work.pair.size()), G = K / kGroup, HG = w.I / kGroup, NB = w.N / kBlock;
     const QuantizedActivations a = activation_buffers(std::max<int64_t>(R, 1), K);
     const QuantizedActivations h = activation_buffers<1>(std::max<int64_t>(R, 1), w.I);
-    struct Rows {};
-    std::vector<float>& y = thread_scratch::scratch<Rows, float>();
-    y.resize(std::max<int64_t>(R, 1) * std::max(K, w.N));  // x's rows gathered per expert, then the outputs
-    for (int64_t i = 0; i < R; ++i) std::copy_n(x + work.pair[i] / k * K, K, y.data() + i * K);
-    for (int64_t s = 0; s < work.runs(); ++s)
-        quantize_rows(y.data() + work.start[s] * K, 0, work.start[s + 1] - work.start[s], K,
-                      rows_from(a, work.start[s], K), false);
+    std::vector<float>& y = thread_scratch::scratch<MoeRows, float>();
+    y.resize(std::max<int64_t>(R, 1) * w.N);
+    auto quantize = [&](int64_t j) {  // group j % G of row j / G, from its token's x, into its expert's panel
+        const int64_t i = j / G, s = work.run[i], m = work.start[s];
+        quantize_group_from(x + work.pair[i] / k * K, 0, j % G * kGroup,
+                            group_slot(i - m, j % G, work.rows(s), G, rows_from(a, m, K)));
+    };
+    const bool shared = share_quantization(R, K);  // as q8_matmul: in the region only when there is enough of it
+    if (!shared)
+        for (int64_t j = 0; j < R * G; ++j) quantize(j);
 #pragma omp parallel if (worth_threads(R * w.I * K))
     {
         const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+        if (shared) {
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < R * G; ++j) quantize(j);  // its barrier: every panel ready before any block
+        }
         expert_units(work.runs(), HG, t, threads, [&](int64_t s, int64_t g0, int64_t g1) {
-            const int64_t e = ids[work.pair[work.start[s]]], m = work.start[s], M = work.start[s + 1] - m;
+            const int64_t e = ids[work.pair[work.start[s]]], m = work.start[s], M = work.rows(s);
             HiddenEmit<float, ACT> emit{rows_from(h, m, w.I), M, w.I, nullptr, {}};
             gguf_blocks<F>(2 * g0, 2 * g1, w.qs + e * w.qs_stride, w.gp + e * w.gp_stride, w.sp + e * w.sp_stride,
                            rows_from(a, m, K), M, K, w.I / kBlock, emit);
@@ -132,7 +143,7 @@ void gguf_moe(const float* x, int64_t T, int64_t K, const int64_t* ids, const fl
 #pragma omp barrier
         with_format(w.down_format, [&](auto f) {
             expert_units(work.runs(), NB, t, threads, [&](int64_t s, int64_t b0, int64_t b1) {
-                const int64_t e = ids[work.pair[work.start[s]]], m = work.start[s], M = work.start[s + 1] - m;
+                const int64_t e = ids[work.pair[work.start[s]]], m = work.start[s], M = work.rows(s);
                 auto store = [&](int64_t m0, int mr, int64_t nb, const float (*total)[16], const float (*)[16]) {
                     store_block(y.data() + m * w.N, w.N, nullptr, 0, m0, mr, nb, total);
                 };
@@ -248,10 +259,10 @@ extern "C" int pagellm_gguf_mlp(const void* x, int x_bf16, int64_t M, int64_t K,
 }
 
 // out[T, N] = sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]) for a MoE layer's stacked experts, fp32:
-// each expert a gated MLP as pagellm_gguf_mlp computes it on one row (gate/up [X, 2I, K] in `format`, down [X, N,
-// I] in `down_format`, expert e's arrays at e * stride bytes, no biases), the sum over j in ascending expert id;
-// ids outside [0, X) are skipped. Returns 0, or -1 for an unknown format or act, or I or K not a multiple of 32,
-// or N of 16 (nothing done).
+// each expert a gated MLP as pagellm_gguf_mlp computes it over its tokens' rows (gate/up [X, 2I, K] in `format`,
+// down [X, N, I] in `down_format`, expert e's arrays at e * stride bytes, no biases), the sum over j in ascending
+// expert id; ids outside [0, X) are skipped. Returns 0, or -1 for an unknown format or act, or I or K not a
+// positive multiple of 32, or N of 16 (nothing done).
 extern "C" int pagellm_gguf_moe(const float* x, int64_t T, int64_t K, const int64_t* ids, const float* weights,
                                 int64_t k, int64_t X, int format, const uint8_t* qs, const uint8_t* gp,
                                 const uint8_t* sp, int64_t qs_stride, int64_t gp_stride, int64_t sp_stride, int64_t I,
@@ -259,7 +270,7 @@ extern "C" int pagellm_gguf_moe(const float* x, int64_t T, int64_t K, const int6
                                 const uint8_t* down_sp, int64_t down_qs_stride, int64_t down_gp_stride,
                                 int64_t down_sp_stride, int64_t N, float* out) {
     if ((act != 0 && act != 1) || !with_format(down_format, [](auto) {})) return -1;
-    if (I % kGroup || K % kGroup || N % kBlock) return -1;
+    if (I % kGroup || K % kGroup || N % kBlock || I == 0 || K == 0 || N == 0) return -1;
     const MoeWeights w{qs, gp, sp, qs_stride, gp_stride, sp_stride, I, down_format, down_qs, down_gp, down_sp,
                        down_qs_stride, down_gp_stride, down_sp_stride, N};
     return with_format(format, [&](auto f) {
