@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Iterator
@@ -213,4 +215,14 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if blocks is not None:
         blocks.release()  # after the joins: the blocks they copied never come back into the resident set
     net.eval()
+    if blocks is not None and not blocks.hit and blocks.entry.is_dir():
+        # The start that wrote the entry holds its weights as heap copies. Loaded again from the entry, they are
+        # the map's pages, read as the kernels touch them (a MoE's unrouted experts never), as every later
+        # start's are: the heap copies go first, so the two are never resident together.
+        del net
+        gc.collect()
+        release_freed_heap()
+        mapped = load_model(model, dtype, device, False, quantization, shard, kernels, load_format, cache_dir,
+                            gguf_layout, state_dtype, mtp)
+        return dataclasses.replace(mapped, tokenizer=tokenizer)
     return LoadedModel(net, hf_config, tokenizer, path, plan)

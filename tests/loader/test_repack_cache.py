@@ -188,8 +188,9 @@ def test_a_load_that_stops_early_leaves_no_entry(tiny, tmp_path, monkeypatch):
 
 
 def test_joined_layers_map_their_stored_blocks(tmp_path):
-    """q/k/v and gate/up of one format are one layer each; on a second load their joined blocks are views of the
-    stored entry (one range of blocks.bin each), not heap copies, and compute what the uncached load computes."""
+    """q/k/v and gate/up of one format are one layer each; on a load that wrote the entry and on every later one,
+    their joined blocks are views of the stored entry (one range of blocks.bin each), not heap copies, and compute
+    what the uncached load computes."""
     joined = {f"blk.{i}.{role}.weight": fmt for i in range(2) for role, fmt in
               [("attn_q", T.Q8_0), ("attn_k", T.Q8_0), ("attn_v", T.Q8_0), ("ffn_gate", T.Q4_0), ("ffn_up", T.Q4_0)]}
     tiny = write_tiny_gguf(tmp_path / "j.gguf", "llama", types=joined)
@@ -198,7 +199,7 @@ def test_joined_layers_map_their_stored_blocks(tmp_path):
     (entry,) = (tmp_path / "cache" / "gguf-blocks").iterdir()
     second = _load(tiny.path, tmp_path / "cache")
     mapped = os.path.getsize(entry / "blocks.bin")
-    for model, is_view in ((first, False), (second, True)):
+    for model, is_view in ((first, True), (second, True)):  # the first start loads again from what it wrote
         layers = [m for name, m in model.named_modules() if name.endswith(("qkv_proj", "gate_up_proj"))]
         assert len(layers) == 4
         for layer in layers:
@@ -229,8 +230,8 @@ def _hybrid_gguf(tmp_path, case: str, expert_types: tuple[T, T, T]) -> str:
 ])
 def test_a_moe_file_s_second_load_maps_its_experts(tmp_path, monkeypatch, case, expert_types):
     """The MoE and hybrid families' files (their tensors read through gguf_hybrid's recipes, under HF names) are
-    cached too: a second load repacks nothing, its stacked experts and joined layers are views of the stored
-    entry, not heap copies, and its logits are those of the uncached load, bit for bit."""
+    cached too: a second load repacks nothing, the stacked experts and joined layers of both loads are views of the
+    stored entry, not heap copies, and their logits are those of the uncached load, bit for bit."""
     path = _hybrid_gguf(tmp_path, case, expert_types)
     reference = _logits(_load(path, None))
     calls = _counting_repacks(monkeypatch)
@@ -240,10 +241,11 @@ def test_a_moe_file_s_second_load_maps_its_experts(tmp_path, monkeypatch, case, 
     assert repacked > 0 and len(calls) == repacked  # none repacked again
     (entry,) = (tmp_path / "cache" / "gguf-blocks").iterdir()
     mapped = os.path.getsize(entry / "blocks.bin")
-    experts = [m for m in second.modules() if isinstance(m, GGUFMoeExperts)]
-    joined = [m for name, m in second.named_modules() if name.endswith(("qkv_proj", "gate_up_proj"))]
+    experts = [m for model in (first, second) for m in model.modules() if isinstance(m, GGUFMoeExperts)]
+    joined = [m for model in (first, second) for name, m in model.named_modules()
+              if name.endswith(("qkv_proj", "gate_up_proj"))]
     assert experts and joined
-    for module in experts + joined:
+    for module in experts + joined:  # the first load too: it loads again from the entry it wrote
         for name, buffer in module.named_buffers():  # (a format without sub-scales has an empty third array)
             assert buffer.numel() == 0 or buffer.untyped_storage().nbytes() == mapped, (module, name)
     assert {tuple(e.formats.values()) for e in experts} == (
