@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -161,6 +160,27 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     mtp: with the checkpoint's MTP head (speculative_config method mtp: models/mtp.py), from HF weights, a hybrid
     GGUF's nextn layers or dummy weights, on one rank.
     """
+    loaded, wrote_cache = _load_once(model, dtype, device, with_tokenizer, quantization, shard, kernels, load_format,
+                                     cache_dir, gguf_layout, state_dtype, mtp)
+    if wrote_cache:
+        # The start that wrote the GGUF's block cache holds its weights as heap copies. Loaded again from the
+        # entry, they are the map's pages, read as the kernels touch them (a MoE's unrouted experts never), as
+        # every later start's are; the heap copies go first, so the two are never resident together.
+        tokenizer = loaded.tokenizer
+        del loaded
+        gc.collect()
+        release_freed_heap()
+        loaded, _ = _load_once(model, dtype, device, False, quantization, shard, kernels, load_format, cache_dir,
+                               gguf_layout, state_dtype, mtp)
+        loaded.tokenizer = tokenizer
+    return loaded
+
+
+def _load_once(model: str | None, dtype: torch.dtype, device: torch.device, with_tokenizer: bool,
+               quantization: str, shard: WeightShard | None, kernels: KernelConfig | None, load_format: str,
+               cache_dir: str | None, gguf_layout: str | None, state_dtype: str,
+               mtp: bool) -> tuple[LoadedModel, bool]:
+    """load_model's one load: (the model, whether this load wrote the GGUF's block cache entry)."""
     kernels = kernels or KernelConfig()
     # the CPU kernels' level the layouts are chosen for (the runner's plan binds the modules to the same)
     level = native.level_of(kernels) if torch.device(device).type == "cpu" else None
@@ -215,14 +235,5 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if blocks is not None:
         blocks.release()  # after the joins: the blocks they copied never come back into the resident set
     net.eval()
-    if blocks is not None and not blocks.hit and blocks.entry.is_dir():
-        # The start that wrote the entry holds its weights as heap copies. Loaded again from the entry, they are
-        # the map's pages, read as the kernels touch them (a MoE's unrouted experts never), as every later
-        # start's are: the heap copies go first, so the two are never resident together.
-        del net
-        gc.collect()
-        release_freed_heap()
-        mapped = load_model(model, dtype, device, False, quantization, shard, kernels, load_format, cache_dir,
-                            gguf_layout, state_dtype, mtp)
-        return dataclasses.replace(mapped, tokenizer=tokenizer)
-    return LoadedModel(net, hf_config, tokenizer, path, plan)
+    wrote_cache = blocks is not None and not blocks.hit and blocks.entry.is_dir()
+    return LoadedModel(net, hf_config, tokenizer, path, plan), wrote_cache
