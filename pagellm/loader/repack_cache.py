@@ -17,7 +17,8 @@ read as the kernels first touch them), as llama.cpp and vLLM keep what they deri
     pruning   each entry is a whole copy of a model's blocks, and a new key for the same file (an edited file, a
               pagellm whose layout changed) orphans the old one for good: a commit removes the file's older
               entries but the newest (two pagellm versions sharing a cache keep one each), entries that do not
-              name their file (written before manifests did), and partial entries no process has written to
+              name their file (written before manifests did) or whose file is gone (deleted or moved: a copy of a
+              whole model would otherwise stay for good), and partial entries no process has written to
               for an hour or whose writer has died (a load killed mid-write: loader/cache_staging.py); those are
               also removed at every start
     layout    the tensors a layer joins (a layer's q/k/v, its gate/up) lie side by side, array by array, in the
@@ -198,7 +199,7 @@ class RepackCache:
             try:
                 manifest = other / "manifest.json"
                 source = json.loads(manifest.read_text()).get("source")
-                if source is None:
+                if source is None or not Path(source).exists():  # its file deleted or moved: never read again
                     self._remove(other)
                 elif source == self.source:
                     same_file.append((manifest.stat().st_mtime_ns, other))

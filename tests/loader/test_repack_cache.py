@@ -121,6 +121,18 @@ def test_a_commit_keeps_one_older_entry_of_its_file_and_no_unnamed_one(tiny, tmp
     torch.testing.assert_close(_logits(_load(tiny.path, cache)), reference, rtol=0, atol=0)  # the newest is whole
 
 
+def test_a_commit_removes_the_entries_of_files_that_are_gone(tiny, tmp_path):
+    """A deleted (or moved) model's entry, a whole copy of its blocks, goes at the next commit."""
+    cache = tmp_path / "cache"
+    gone = write_tiny_gguf(tmp_path / "gone.gguf", "llama", types=TYPES, seed=3)
+    _load(gone.path, cache)
+    (gone_entry,) = (cache / "gguf-blocks").iterdir()
+    os.remove(gone.path)
+    _load(tiny.path, cache)
+    entries = list((cache / "gguf-blocks").iterdir())
+    assert len(entries) == 1 and gone_entry not in entries
+
+
 def test_a_commit_removes_partial_entries_a_killed_load_left(tiny, tmp_path):
     """A load killed mid-write (SIGKILL, power) leaves its temporary directory; one untouched for an hour goes at
     the next commit, one still being written stays."""
