@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from pagellm.kernels.cpu import gguf_blocks
@@ -14,6 +16,12 @@ from pagellm.kernels.reference.gguf_planes import PLANES, GGUFPlanes
 from pagellm.layers.gguf_linear import merged_segments, stacked
 from pagellm.layers.kernel_user import KernelUser
 from pagellm.layers.moe import MoeExperts
+
+
+def joins_gate_up(formats: Iterable) -> bool:
+    """Whether a layer's experts, of these gate and up formats, hold each expert's gate and up as one weight (one
+    format throughout); the block cache lays the experts out by the same rule (loader/repack_cache.py)."""
+    return len(set(formats)) == 1
 
 
 class GGUFMoeExperts(MoeExperts):
@@ -47,7 +55,7 @@ class GGUFMoeExperts(MoeExperts):
     def _stack(self) -> None:
         arriving, self._arriving = self._arriving, {}
         gate, up = arriving["gate_proj"], arriving["up_proj"]
-        joined = all(gate[e].ggml_type == up[e].ggml_type == gate[0].ggml_type for e in range(self.num_experts))
+        joined = joins_gate_up(w.ggml_type for w in (*gate.values(), *up.values()))
         groups = {"gate_up": [self._joined([gate[e], up[e]]) for e in range(self.num_experts)]} if joined else {
             "gate": [gate[e] for e in range(self.num_experts)], "up": [up[e] for e in range(self.num_experts)]}
         groups["down"] = [arriving["down_proj"][e] for e in range(self.num_experts)]

@@ -36,7 +36,8 @@ from pagellm.layers.position_exact import sigmoid_any_position
 # once. torch._grouped_mm (one call, no host sync for counts) matches or beats the Python loop, clearly
 # in bf16, so it is used when present (it is a private API: the loop stays as the fallback). measured:
 # docs/benchmarks/2026-11-24-quantized-layer-crossovers.md. On CUDA the grouped call serves one token
-# too; that path has not run on a GPU yet.
+# too; that path has not run on a GPU yet. Experts kept in GGUF blocks on a CPU take neither: one kernel call
+# runs each active expert once over its tokens (layers/gguf_moe.py), these paths being its fallback.
 
 
 EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")

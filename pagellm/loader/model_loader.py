@@ -192,7 +192,7 @@ def _load_once(model: str | None, dtype: torch.dtype, device: torch.device, with
         logger.info("load format dummy: %s has no tokenizer; prompts must be token ids", path)
         with_tokenizer = False
     is_gguf = path.is_file()
-    header = read_gguf_header(path) if is_gguf else None  # read once: it parses the whole vocabulary
+    header = read_gguf_header(path) if is_gguf else None  # once a load: it parses the whole vocabulary
     tokenizer = load_tokenizer(path, cache_dir, header) if with_tokenizer else None
     release_freed_heap()  # the tokenizer's parsing temporaries: not resident under the weights
     hf_config = load_gguf_config(header) if is_gguf else load_hf_config(path)

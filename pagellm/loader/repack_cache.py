@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from pagellm.kernels.cpu import gguf_blocks
+from pagellm.layers.gguf_moe import joins_gate_up
 from pagellm.layers.moe import EXPERT_KEY
 from pagellm.loader import gguf_hybrid, gguf_repack
 from pagellm.loader.cache_staging import PREFIX, remove_abandoned, staging_folder
@@ -249,7 +250,7 @@ def _in_join_order(members: dict[str, gguf_blocks.GGUFWeight]) -> list[tuple[str
     """A group's members in the order their consumer joins them: a layer's roles in _JOINS's order; experts by
     index, each one's gate before its up where every gate and up share a format (layers/gguf_moe.py joins each
     expert's then), else all the gates, then all the ups."""
-    one_format = len({w.ggml_type for w in members.values()}) == 1
+    one_format = joins_gate_up(w.ggml_type for w in members.values())
 
     def position(name: str) -> tuple[int, ...]:
         expert = EXPERT_KEY.match(name)
