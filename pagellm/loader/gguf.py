@@ -41,7 +41,7 @@ from pagellm.loader.repack_cache import RepackCache
 from pagellm.models.registry import build_model, model_class
 
 __all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header", "load_gguf_config", "iter_gguf_weights",
-           "gguf_weight_types", "unpermute_qk_rows", "SUPPORTED_ARCHITECTURES"]
+           "fill_block_cache", "gguf_weight_types", "unpermute_qk_rows", "SUPPORTED_ARCHITECTURES"]
 
 # gguf general.architecture -> (HF config model_type, HF architecture name); the config is the model_type's
 # family in loader/model_configs.py.
@@ -90,7 +90,7 @@ def load_gguf_config(path: str | Path | GGUFHeader) -> TextModelConfig:
 def iter_gguf_weights(
     path: str | Path | GGUFHeader, config: TextModelConfig, progress: bool | None = None,
     quantized: Mapping[str, str] | None = None, blocks: RepackCache | None = None,
-    parameters: Iterable[str] | None = None, dequantize_on: torch.device | None = None,
+    parameters: Iterable[str] | None = None, dequantize_on: torch.device | None = None, kept_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
 
@@ -104,6 +104,8 @@ def iter_gguf_weights(
     dequantize_on: a device that dequantizes the matrices kept whole (a GPU, where the model runs: its blocks
     copied as planes and dequantized there by torch, the gguf package's values bit for bit, instead of by numpy
     on one host core); None: numpy on the host.
+    kept_only: only the weights kept in blocks ("gguf"), for writing `blocks`' entry before any layer takes a
+    weight (fill_block_cache).
     """
     header = _weights_only(header_of(path))
     arch = header.architecture
@@ -113,11 +115,14 @@ def iter_gguf_weights(
     try:
         if arch in HYBRID_ARCHITECTURES:
             yield from _iter_recipes(header, hybrid_recipes(header, config, _has_mtp(parameters)), show, quantized,
-                                     blocks)
+                                     blocks, kept_only)
         else:
             hf_names = _gguf_to_hf_names(header, config, parameters)  # every tensor has an HF name: checked first
             _check_dequantizable(header)
-            for tensor in tqdm(header.tensors, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
+            for tensor in tqdm(header.tensors, desc=_progress_label(header, kept_only), unit="tensor",
+                               disable=not show):
+                if kept_only and quantized.get(hf_names[tensor.name]) != "gguf":
+                    continue
                 yield _hf_weight(tensor, hf_names[tensor.name], arch, config, quantized.get(hf_names[tensor.name]),
                                  blocks, dequantize_on)
                 tensor.release()  # the consumer has built its weight from the file's pages: out of the resident set
@@ -125,6 +130,21 @@ def iter_gguf_weights(
     finally:  # a load that stops early leaves no entry
         if blocks is not None:
             blocks.commit() if completed else blocks.abandon()
+
+
+def fill_block_cache(path: str | Path | GGUFHeader, config: TextModelConfig, quantized: Mapping[str, str],
+                     blocks: RepackCache, parameters: Iterable[str] | None = None) -> None:
+    """Write `blocks`' entry (a miss) from the file before a model takes any weight: each weight kept in blocks is
+    repacked, stored and dropped in turn (a join group's members once the group is whole), so the load that
+    writes the entry holds a layer's blocks at most, not the model's, and then maps the entry as every later
+    load does. Arguments as iter_gguf_weights'; the entry is committed, or abandoned when a write failed."""
+    for _ in iter_gguf_weights(path, config, quantized=quantized, blocks=blocks, parameters=parameters,
+                               kept_only=True):
+        pass  # the entry keeps what it needs of each weight: nothing else does
+
+
+def _progress_label(header: GGUFHeader, kept_only: bool) -> str:
+    return f"{'Caching the blocks of' if kept_only else 'Loading'} {header.path.name}"
 
 
 def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelConfig, scheme: str | None,
@@ -363,17 +383,22 @@ def _check_dequantizable(header: GGUFHeader) -> None:
 
 
 def _iter_recipes(header: GGUFHeader, recipes: list[TensorRecipe], show: bool, quantized: Mapping[str, str],
-                  blocks: RepackCache | None) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
-    """The recipes' tensors; those kept in blocks come from the cache's entry (under their HF names) when it is
-    whole, else are stored to it."""
+                  blocks: RepackCache | None, kept_only: bool = False
+                  ) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
+    """The recipes' tensors (kept_only: those kept in blocks only); those kept in blocks come from the cache's
+    entry (under their HF names) when it is whole, else are stored to it."""
     _check_dequantizable(header)
-    for recipe in tqdm(recipes, desc=f"Loading {header.path.name}", unit="tensor", disable=not show):
+    for recipe in tqdm(recipes, desc=_progress_label(header, kept_only), unit="tensor", disable=not show):
         scheme = quantized.get(recipe.hf_name)
+        if kept_only and scheme != "gguf":
+            continue
         weight = blocks.get(recipe.hf_name) if blocks is not None and scheme == "gguf" else None
         if weight is None:
             weight = read_recipe(recipe, scheme)
             if blocks is not None and isinstance(weight, gguf_blocks.GGUFWeight):
                 blocks.add(recipe.hf_name, weight)
+        for source in recipe.sources:
+            source.release()  # read into the weight (or lazily again, from the page cache): out of the resident set
         yield recipe.hf_name, weight
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Iterator
@@ -16,7 +15,7 @@ from pagellm.config import KernelConfig
 from pagellm.layers.dense import DenseLinear, use_dense_kernels
 from pagellm.loader.dummy import dummy_weights
 from pagellm.platform import release_freed_heap
-from pagellm.loader.gguf import gguf_weight_types, iter_gguf_weights, load_gguf_config
+from pagellm.loader.gguf import fill_block_cache, gguf_weight_types, iter_gguf_weights, load_gguf_config
 from pagellm.loader.gguf_hybrid import OUT_PROJ_TILED
 from pagellm.loader.gguf_file import read_gguf_header
 from pagellm.loader.quantization import load_quantized, plan_quantization, weight_bytes, weight_schemes
@@ -160,27 +159,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     mtp: with the checkpoint's MTP head (speculative_config method mtp: models/mtp.py), from HF weights, a hybrid
     GGUF's nextn layers or dummy weights, on one rank.
     """
-    loaded, wrote_cache = _load_once(model, dtype, device, with_tokenizer, quantization, shard, kernels, load_format,
-                                     cache_dir, gguf_layout, state_dtype, mtp)
-    if wrote_cache:
-        # The start that wrote the GGUF's block cache holds its weights as heap copies. Loaded again from the
-        # entry, they are the map's pages, read as the kernels touch them (a MoE's unrouted experts never), as
-        # every later start's are; the heap copies go first, so the two are never resident together.
-        tokenizer = loaded.tokenizer
-        del loaded
-        gc.collect()
-        release_freed_heap()
-        loaded, _ = _load_once(model, dtype, device, False, quantization, shard, kernels, load_format, cache_dir,
-                               gguf_layout, state_dtype, mtp)
-        loaded.tokenizer = tokenizer
-    return loaded
-
-
-def _load_once(model: str | None, dtype: torch.dtype, device: torch.device, with_tokenizer: bool,
-               quantization: str, shard: WeightShard | None, kernels: KernelConfig | None, load_format: str,
-               cache_dir: str | None, gguf_layout: str | None, state_dtype: str,
-               mtp: bool) -> tuple[LoadedModel, bool]:
-    """load_model's one load: (the model, whether this load wrote the GGUF's block cache entry)."""
     kernels = kernels or KernelConfig()
     # the CPU kernels' level the layouts are chosen for (the runner's plan binds the modules to the same)
     level = native.level_of(kernels) if torch.device(device).type == "cpu" else None
@@ -215,7 +193,8 @@ def _load_once(model: str | None, dtype: torch.dtype, device: torch.device, with
                          f"not on device {str(device)!r}")
     schemes, blocks = weight_schemes(net, plan), None  # the repacked-blocks cache holds only "gguf" weights
     if is_gguf and cache_dir and not dummy and "gguf" in schemes.values():
-        blocks = RepackCache.for_file(Path(cache_dir), path, header)
+        blocks = _whole_entry(RepackCache.for_file(Path(cache_dir), path, header), header, hf_config, schemes,
+                              parameters)
     if dummy:
         weights = dummy_weights(net, device)  # already this rank's shapes: the model was built with them
     elif is_gguf:
@@ -235,5 +214,17 @@ def _load_once(model: str | None, dtype: torch.dtype, device: torch.device, with
     if blocks is not None:
         blocks.release()  # after the joins: the blocks they copied never come back into the resident set
     net.eval()
-    wrote_cache = blocks is not None and not blocks.hit and blocks.entry.is_dir()
-    return LoadedModel(net, hf_config, tokenizer, path, plan), wrote_cache
+    return LoadedModel(net, hf_config, tokenizer, path, plan)
+
+
+def _whole_entry(blocks: RepackCache, header, hf_config, schemes: dict[str, str],
+                 parameters: tuple[str, ...]) -> RepackCache | None:
+    """The file's block cache entry, whole. A miss is written first, a weight at a time (fill_block_cache), and
+    the load then maps it as every later start does: its weights are the map's pages (a MoE's unrouted experts
+    never read), never heap copies, and its peak holds a layer's blocks rather than the model's. None when the
+    entry could not be written (the load repacks into the heap, as with no cache)."""
+    if not blocks.hit:
+        fill_block_cache(header, hf_config, schemes, blocks, parameters)
+        release_freed_heap()  # the repacking's freed temporaries: not resident under the weights mapped next
+        blocks = blocks.reopened()
+    return blocks if blocks.hit else None

@@ -101,6 +101,10 @@ class RepackCache:
         num_experts = header.metadata.get(f"{header.architecture}.expert_count", 0)
         return cls(cache_dir / "gguf-blocks" / digest.hexdigest(), str(path.resolve()), num_experts)
 
+    def reopened(self) -> RepackCache:
+        """The entry as committed (by this process's fill_block_cache, or another's written first)."""
+        return RepackCache(self.entry, self.source, self.num_experts)
+
     @property
     def hit(self) -> bool:
         return self._blocks is not None

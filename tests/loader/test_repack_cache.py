@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import gguf
@@ -264,6 +265,30 @@ def test_a_moe_file_s_second_load_maps_its_experts(tmp_path, monkeypatch, case, 
         {(T.Q8_0, T.Q8_0)} if expert_types[0] == expert_types[1] else {expert_types})
     torch.testing.assert_close(_logits(first), reference, rtol=0, atol=0)
     torch.testing.assert_close(_logits(second), reference, rtol=0, atol=0)
+
+
+def test_the_load_that_writes_the_entry_holds_one_join_group_at_a_time(tmp_path, monkeypatch):
+    """The first start writes the entry before any layer takes a weight, dropping each repacked weight once it is
+    stored: at most one join group (a layer's experts' gate/up) is alive at a time, never the model's weights, so
+    its peak is a layer's blocks, not the file's size twice."""
+    path = _hybrid_gguf(tmp_path, "qwen3.5-moe-mtp-fused", (T.Q8_0,) * 3)
+    alive, most, made, repack = [], [0], [0], gguf_repack.repack
+
+    def watched(*args, **kwargs):
+        alive[:] = [ref for ref in alive if ref() is not None]
+        most[0] = max(most[0], len(alive))
+        weight = repack(*args, **kwargs)
+        alive.append(weakref.ref(weight))
+        made[0] += 1
+        return weight
+
+    monkeypatch.setattr(gguf_repack, "repack", watched)
+    monkeypatch.setitem(gguf_hybrid._KEEPERS, "gguf", watched)
+    model = _load(path, tmp_path / "cache")
+    experts = [m for m in model.modules() if isinstance(m, GGUFMoeExperts)]
+    group = 2 * experts[0].num_experts  # every expert's gate and up, stored side by side
+    assert made[0] > 3 * group  # the model's repacked weights: several groups' worth
+    assert most[0] <= group + 2, (most[0], group)  # the group pending, the weight being stored and the one before
 
 
 def test_a_hybrid_file_s_entry_follows_the_recipes_source(tmp_path, monkeypatch):
