@@ -73,55 +73,69 @@ def write_hybrid_gguf(shape: str, path: Path, seed: int = 0, mtp: bool = False,
                       head_predicts: bool = False) -> dict[str, T]:
     """The Q4_K_M qwen35moe GGUF of hybrid shape `shape` at `path`; returns {tensor name: type}. mtp: with an
     MTP head (nextn_predict_layers 1); head_predicts: one made to predict the model (bench/mtp.py's way: every
-    block's output projection zero blocks, the head's fc [I | 0] in F32 and its final norm the model's)."""
+    block's output projection zero blocks, the head's fc [I | 0] in F32 and its final norm the model's).
+
+    Streamed: the tensor table first, then each tensor made and written in turn, so writing the whole 35B-A3B
+    (about 20 GiB) holds one tensor at a time, not the file (a 24 GiB host writes it too)."""
     from pagellm.loader.safetensors import load_hf_config
 
     with tempfile.TemporaryDirectory() as tmp:
         config = load_hf_config(write_hybrid_shape(shape, Path(tmp)))
     config = config.replace(mtp_num_hidden_layers=1) if mtp else config
-    rng = np.random.default_rng(seed)
+    tensors = _tensors(config, mtp)
+    types = {name: T.F32 if head_predicts and name.endswith(_FC) else  # the predicting head's fc is exactly [I | 0]
+             tensor_type(name, dims[-1], config.num_hidden_layers) for name, dims in tensors}
     writer = gguf.GGUFWriter(str(path), "qwen35moe")
     _metadata(writer, config, HYBRID_SHAPES[shape])
-    types, kept = {}, {}
-    for name, dims in _tensors(config, mtp):
-        kind = types[name] = tensor_type(name, dims[-1], config.num_hidden_layers)
-        if head_predicts and _predicting(writer, name, dims, kind, kept):
-            types[name] = T.F32 if "nextn" in name else kind
-            continue
-        if kind == T.F32:
-            values = (-rng.uniform(0.5, 8.0, dims) if name.endswith("ssm_a")  # -exp(A_log): decay rates
-                      else 1.0 + 0.1 * rng.standard_normal(dims) if "norm" in name
-                      else 0.02 * rng.standard_normal(dims))
-            writer.add_tensor(name, values.astype(np.float32))
-            kept[name] = values
-        else:
-            rows = random_blocks(rng, kind, int(np.prod(dims[:-1])), dims[-1])
-            writer.add_tensor(name, rows.reshape(*dims[:-1], -1), raw_dtype=kind)
+    for name, dims in tensors:
+        writer.add_tensor_info(name, *_stored_as(dims, types[name]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    rng, kept = np.random.default_rng(seed), {}
+    for name, dims in tensors:
+        data = _predicted(name, dims, types[name], kept) if head_predicts else None
+        writer.write_tensor_data(data if data is not None else _random(rng, name, dims, types[name], kept))
     writer.close()
     return types
 
 
+def _stored_as(dims: tuple[int, ...], kind: T) -> tuple[tuple[int, ...], np.dtype, int, T | None]:
+    """add_tensor_info's (shape, dtype, bytes, raw type) of a tensor of `dims` stored as `kind`."""
+    if kind == T.F32:
+        return dims, np.dtype(np.float32), int(np.prod(dims)) * 4, None
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    stored = (*dims[:-1], dims[-1] // block_size * type_size)
+    return stored, np.dtype(np.uint8), int(np.prod(stored)), kind
+
+
+def _random(rng: np.random.Generator, name: str, dims: tuple[int, ...], kind: T, kept: dict) -> np.ndarray:
+    """Tensor `name`'s random values (F32: those of its kind of weight, kept for a predicting head) or blocks."""
+    if kind != T.F32:
+        return random_blocks(rng, kind, int(np.prod(dims[:-1])), dims[-1]).reshape(*dims[:-1], -1)
+    values = (-rng.uniform(0.5, 8.0, dims) if name.endswith("ssm_a")  # -exp(A_log): decay rates
+              else 1.0 + 0.1 * rng.standard_normal(dims) if "norm" in name
+              else 0.02 * rng.standard_normal(dims))
+    kept[name] = values
+    return values.astype(np.float32)
+
+
 _OUTPUTS = ("attn_output.", "ssm_out.", "ffn_down_exps.", "ffn_down_shexp.")
+_FC = "nextn.eh_proj.weight"
 
 
-def _predicting(writer: gguf.GGUFWriter, name: str, dims: tuple[int, ...], kind: T, kept: dict) -> bool:
-    """Write tensor `name` of a head made to predict the model, where it differs from a random one."""
+def _predicted(name: str, dims: tuple[int, ...], kind: T, kept: dict) -> np.ndarray | None:
+    """Tensor `name` of a head made to predict the model, where it differs from a random one; else None."""
     if any(part in name for part in _OUTPUTS):  # zero blocks (every scale zero): zero weights
         block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
-        writer.add_tensor(name, np.zeros((*dims[:-1], dims[-1] // block_size * type_size), np.uint8), raw_dtype=kind)
-        return True
-    if name.endswith("nextn.eh_proj.weight"):
-        writer.add_tensor(name, np.eye(dims[0], dims[1], dtype=np.float32))
-    elif name.endswith("nextn.enorm.weight"):
-        writer.add_tensor(name, np.ones(dims, np.float32))  # stored + 1: a zero-centred weight of 0
-    elif name.endswith("nextn.shared_head_norm.weight"):
-        writer.add_tensor(name, kept["output_norm.weight"].astype(np.float32))
-    else:
-        return False
-    return True
+        return np.zeros((*dims[:-1], dims[-1] // block_size * type_size), np.uint8)
+    if name.endswith(_FC):
+        return np.eye(dims[0], dims[1], dtype=np.float32)
+    if name.endswith("nextn.enorm.weight"):
+        return np.ones(dims, np.float32)  # stored + 1: a zero-centred weight of 0
+    if name.endswith("nextn.shared_head_norm.weight"):
+        return kept["output_norm.weight"].astype(np.float32)
+    return None
 
 
 def _metadata(writer: gguf.GGUFWriter, config, fields: dict) -> None:
