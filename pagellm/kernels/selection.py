@@ -15,7 +15,7 @@ import torch
 from pagellm.config import KernelConfig
 from pagellm.kernels.build.errors import KernelBuildError
 from pagellm.kernels.cpu import (attention, bf16_gemv, elementwise, f32_rows, gated_delta_decode, gguf_blocks,
-                                 layer_ops, logits, quant_gemv, token_sampling)
+                                 gguf_layout, layer_ops, logits, quant_gemv, token_sampling)
 from pagellm.kernels.build import native
 
 logger = logging.getLogger("pagellm.kernels")
@@ -24,7 +24,7 @@ logger = logging.getLogger("pagellm.kernels")
 LIBRARIES: tuple[native.Library, ...] = (
     *gguf_blocks.LIBRARIES, *quant_gemv.LIBRARIES, *attention.LIBRARIES, *layer_ops.LIBRARIES, *logits.LIBRARIES,
     *gated_delta_decode.LIBRARIES, *elementwise.LIBRARIES, *token_sampling.LIBRARIES, *bf16_gemv.LIBRARIES,
-    *f32_rows.LIBRARIES)
+    *f32_rows.LIBRARIES, *gguf_layout.LIBRARIES)
 
 
 @dataclass(frozen=True)

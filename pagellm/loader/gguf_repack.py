@@ -28,6 +28,8 @@ import gguf
 import numpy as np
 import torch
 
+from pagellm.kernels.build import native
+from pagellm.kernels.cpu import gguf_layout
 from pagellm.kernels.cpu.gguf_blocks import BLOCK_ROWS, FORMAT_IDS, GROUP_SIZE, GGUFWeight, T
 
 _BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
@@ -41,9 +43,12 @@ def supports(ggml_type: T, rows: int, cols: int) -> bool:
 
 
 def repack(data: np.ndarray, ggml_type: T, shape: tuple[int, int],
-           consumed: Callable[[int, int], None] | None = None) -> GGUFWeight:
+           consumed: Callable[[int, int], None] | None = None, level: str | None = native.DEFAULT_LEVEL) -> GGUFWeight:
     """The GGUFWeight of a [rows, cols] tensor from its raw block bytes (`data`, as the file stores them).
-    consumed(first_row, end_row) is called once those rows of `data` are read and will not be read again."""
+    consumed(first_row, end_row) is called once those rows of `data` are read and will not be read again.
+    level: the native kernels' level that lays the codes out (csrc/gguf_layout.cpp; None: numpy). The bytes are
+    the same at every level and in numpy; the default is the process's level."""
+    level = native.default_level() if level == native.DEFAULT_LEVEL else level
     rows, cols = shape
     if not supports(ggml_type, rows, cols):
         raise ValueError(f"a {ggml_type.name} tensor of shape {shape} cannot be kept in its blocks "
@@ -51,7 +56,7 @@ def repack(data: np.ndarray, ggml_type: T, shape: tuple[int, int],
     by_row = np.asarray(data).reshape(rows, -1)
     out = None  # filled chunk by chunk: a big tensor (a 128k-row vocab head) is never held twice
     for start in range(0, rows, _CHUNK_ROWS):
-        parts = _repack_rows(by_row[start:start + _CHUNK_ROWS], ggml_type, cols)
+        parts = _repack_rows(by_row[start:start + _CHUNK_ROWS], ggml_type, cols, level)
         if out is None:
             out = [np.empty((rows // BLOCK_ROWS, *p.shape[1:]), np.uint8) for p in parts]
         for whole, part in zip(out, parts):
@@ -62,13 +67,15 @@ def repack(data: np.ndarray, ggml_type: T, shape: tuple[int, int],
     return GGUFWeight(ggml_type, rows, cols, qs, gp, sp)
 
 
-def _repack_rows(by_row: np.ndarray, ggml_type: T, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _repack_rows(by_row: np.ndarray, ggml_type: T, cols: int,
+                 level: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = by_row.shape[0]
     _, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-    codes, group_factors, super_factors = _DECODERS[ggml_type](by_row.reshape(-1, type_size))
+    codes, group_factors, super_factors = _DECODERS[ggml_type](by_row.reshape(-1, type_size), level)
     codes = codes.reshape(n, cols)
     bits = _BITS[ggml_type]
-    qs = _code_bytes(codes, bits)
+    qs = gguf_layout.code_bytes(codes, bits, level)
+    qs = _code_bytes(codes, bits) if qs is None else qs
     gp = _by_block(group_factors.reshape(n, cols // GROUP_SIZE, -1))
     sp = (_by_block(super_factors.reshape(n, cols // 256, -1)) if ggml_type in _SUPER
           else np.zeros((n // BLOCK_ROWS, 0, 0), np.uint8))
@@ -83,7 +90,8 @@ def _by_block(factors: np.ndarray) -> np.ndarray:
 
 
 def _code_bytes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """[n, K] codes -> [n/16, G, group bytes] as gguf_format.h lays them out."""
+    """[n, K] codes -> [n/16, G, group bytes] as gguf_format.h lays them out: the reference of csrc/gguf_layout.cpp,
+    and where it does not build."""
     n, cols = codes.shape
     per_chunk = codes.reshape(n // BLOCK_ROWS, BLOCK_ROWS, cols // GROUP_SIZE, 8, 4)  # [nb, r, g, t, b]
     if bits == 8:
@@ -113,8 +121,12 @@ def _u16(blocks: np.ndarray, at: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.uint16)  # [blocks, 1] f16 bits
 
 
-def _nibbles(code_bytes: np.ndarray, run: int) -> np.ndarray:
-    """[blocks, bytes] -> [blocks, 2 * bytes]: each run of bytes gives its low nibbles, then its high."""
+def _nibbles(code_bytes: np.ndarray, run: int, level: str | None = None) -> np.ndarray:
+    """[blocks, bytes] -> [blocks, 2 * bytes]: each run of bytes gives its low nibbles, then its high (through
+    csrc/gguf_layout.cpp at `level` where it runs)."""
+    codes = gguf_layout.unpack_nibbles(code_bytes, run, level)
+    if codes is not None:
+        return codes
     runs = code_bytes.reshape(code_bytes.shape[0], -1, 1, run)
     return ((runs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(code_bytes.shape[0], -1)
 
@@ -125,22 +137,22 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return (((word >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
 
 
-def _legacy(blocks: np.ndarray, has_min: bool, has_fifth: bool):
+def _legacy(blocks: np.ndarray, level: str | None, has_min: bool, has_fifth: bool):
     factors = [_u16(blocks, 0)] + ([_u16(blocks, 2)] if has_min else [])
     at = 4 if has_min else 2
-    codes = _nibbles(blocks[:, at + (4 if has_fifth else 0):], run=16)
+    codes = _nibbles(blocks[:, at + (4 if has_fifth else 0):], 16, level)
     if has_fifth:
         codes = codes | _fifth_bits(blocks[:, at:at + 4])
     return codes, np.concatenate(factors, axis=1), None
 
 
-def _q8_0(blocks: np.ndarray):
+def _q8_0(blocks: np.ndarray, level: str | None):
     return np.ascontiguousarray(blocks[:, 2:34]).view(np.int8), _u16(blocks, 0), None
 
 
-def _k_quant(blocks: np.ndarray, has_fifth: bool):
+def _k_quant(blocks: np.ndarray, level: str | None, has_fifth: bool):
     sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))  # [blocks, 8] each (Q5_K alike)
-    codes = _nibbles(blocks[:, 48 if has_fifth else 16:], run=32)  # [blocks, 256]
+    codes = _nibbles(blocks[:, 48 if has_fifth else 16:], 32, level)  # [blocks, 256]
     if has_fifth:
         qh = blocks[:, 16:48]  # [blocks, 32]: bit s of byte l is sub-block s, column l
         codes = codes | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4).reshape(-1, 256)
@@ -148,7 +160,7 @@ def _k_quant(blocks: np.ndarray, has_fifth: bool):
     return codes, group, np.concatenate([_u16(blocks, 0), _u16(blocks, 2)], axis=1)
 
 
-def _q6_k(blocks: np.ndarray):
+def _q6_k(blocks: np.ndarray, level: str | None):
     ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [blocks, half, j % 2, l]
     qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [blocks, half, 1, l]
     low = np.stack([ql[:, :, 0] & 15, ql[:, :, 1] & 15, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)  # [b, h, j, l]
@@ -157,13 +169,13 @@ def _q6_k(blocks: np.ndarray):
     return codes, np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).reshape(-1, 8, 2), _u16(blocks, 208)
 
 
-_DECODERS = {
-    T.Q4_0: lambda b: _legacy(b, has_min=False, has_fifth=False),
-    T.Q4_1: lambda b: _legacy(b, has_min=True, has_fifth=False),
-    T.Q5_0: lambda b: _legacy(b, has_min=False, has_fifth=True),
-    T.Q5_1: lambda b: _legacy(b, has_min=True, has_fifth=True),
+_DECODERS = {  # (the file's blocks, the level of the kernels that may help) -> codes, factors
+    T.Q4_0: lambda b, level: _legacy(b, level, has_min=False, has_fifth=False),
+    T.Q4_1: lambda b, level: _legacy(b, level, has_min=True, has_fifth=False),
+    T.Q5_0: lambda b, level: _legacy(b, level, has_min=False, has_fifth=True),
+    T.Q5_1: lambda b, level: _legacy(b, level, has_min=True, has_fifth=True),
     T.Q8_0: _q8_0,
-    T.Q4_K: lambda b: _k_quant(b, has_fifth=False),
-    T.Q5_K: lambda b: _k_quant(b, has_fifth=True),
+    T.Q4_K: lambda b, level: _k_quant(b, level, has_fifth=False),
+    T.Q5_K: lambda b, level: _k_quant(b, level, has_fifth=True),
     T.Q6_K: _q6_k,
 }

@@ -222,9 +222,13 @@ def _whole_entry(blocks: RepackCache, header, hf_config, schemes: dict[str, str]
     """The file's block cache entry, whole. A miss is written first, a weight at a time (fill_block_cache), and
     the load then maps it as every later start does: its weights are the map's pages (a MoE's unrouted experts
     never read), never heap copies, and its peak holds a layer's blocks rather than the model's. None when the
-    entry could not be written (the load repacks into the heap, as with no cache)."""
-    if not blocks.hit:
-        fill_block_cache(header, hf_config, schemes, blocks, parameters)
-        release_freed_heap()  # the repacking's freed temporaries: not resident under the weights mapped next
-        blocks = blocks.reopened()
+    entry could not be written, or the disk has no room for it (the load repacks into the heap, as with no
+    cache)."""
+    if blocks.hit:
+        return blocks
+    if not blocks.has_room(header.path.stat().st_size):
+        return None
+    fill_block_cache(header, hf_config, schemes, blocks, parameters)
+    release_freed_heap()  # the repacking's freed temporaries: not resident under the weights mapped next
+    blocks = blocks.reopened()
     return blocks if blocks.hit else None

@@ -6,10 +6,11 @@ only on the file and on the code that lays it out, so a later start maps the sto
 read as the kernels first touch them), as llama.cpp and vLLM keep what they derive from a file.
 
     <cache_dir>/gguf-blocks/<key>/blocks.bin, manifest.json
-    key       sha256 of this format's version, gguf_repack.py's and gguf_blocks.py's sources (the layout; for the
-              MoE and hybrid families gguf_hybrid.py's too, which picks each weight's rows), the file's header bytes,
-              its size and its modification time: the weights' bytes are not hashed, which would read the whole
-              file at every start (Python checks its .pyc files against their source the same way)
+    key       sha256 of this format's version, gguf_repack.py's, gguf_blocks.py's and csrc/gguf_layout.cpp's sources
+              (the layout; for the MoE and hybrid families gguf_hybrid.py's too, which picks each weight's rows),
+              the file's header bytes, its size and its modification time: the weights' bytes are not hashed,
+              which would read the whole file at every start (Python checks its .pyc files against their source
+              the same way)
     manifest  per tensor: ggml type, rows, cols, and the offset and shape of its three arrays; blocks.bin's
               size; the file it was made from. An entry whose manifest does not parse or whose blocks.bin has
               another size is rebuilt (logged), never used; entries are written to a temporary directory and
@@ -45,7 +46,8 @@ import gguf
 import numpy as np
 import torch
 
-from pagellm.kernels.cpu import gguf_blocks
+from pagellm.kernels.build import native
+from pagellm.kernels.cpu import gguf_blocks, gguf_layout
 from pagellm.layers.gguf_moe import joins_gate_up
 from pagellm.layers.moe import EXPERT_KEY
 from pagellm.loader import gguf_hybrid, gguf_repack
@@ -55,6 +57,8 @@ from pagellm.loader.gguf_file import GGUFHeader, drop_pages
 logger = logging.getLogger("pagellm.loader")
 
 FORMAT = 2
+_ROOM = 1.05  # an entry's size over its file's at most: the kept blocks grow by up to 3% (gguf_repack.py), plus
+# alignment, and the file's float tensors (norms) are not in it
 _ALIGN = 64  # each array starts on a cache line, as the kernels' own allocations do
 # the tensors of one layer that a model joins into one matmul (models/llama.py, layers/mlp.py), in join order:
 # (a member's name, the group's roles), under GGUF names and under the HF names of the hybrid families' files
@@ -88,7 +92,8 @@ class RepackCache:
     @classmethod
     def for_file(cls, cache_dir: Path, path: Path, header: GGUFHeader) -> RepackCache:
         digest = hashlib.sha256(str(FORMAT).encode())
-        layout = [gguf_repack.__file__, gguf_blocks.__file__]  # the layout, as the code lays it out now
+        # the layout, as the code lays it out now (the numpy and the kernel that lay out the codes)
+        layout = [gguf_repack.__file__, gguf_blocks.__file__, native.source_of(gguf_layout.SOURCE)]
         if header.architecture in gguf_hybrid.HYBRID_ARCHITECTURES:
             layout.append(gguf_hybrid.__file__)  # which rows of which tensors each HF weight is
         for source in layout:
@@ -100,6 +105,19 @@ class RepackCache:
         remove_abandoned(cache_dir / "gguf-blocks")  # a load killed mid-write left it; a hit never commits
         num_experts = header.metadata.get(f"{header.architecture}.expert_count", 0)
         return cls(cache_dir / "gguf-blocks" / digest.hexdigest(), str(path.resolve()), num_experts)
+
+    def has_room(self, file_bytes: int) -> bool:
+        """Whether the disk holds an entry made from a file of `file_bytes` (about that size: logged when not).
+        Why ask first: a fill that runs out of disk is abandoned after repacking the file once for nothing, and
+        the load then repacks it again into memory."""
+        where = next(p for p in (self.entry.parent, *self.entry.parents) if p.exists())
+        free, needed = shutil.disk_usage(where).free, int(file_bytes * _ROOM)
+        if free >= needed:
+            return True
+        logger.warning("weight cache: %s has %.1f GiB free and this file's entry takes about %.1f GiB: not "
+                       "written, so every start repacks the file's blocks into memory (free some space, or "
+                       "pass --cache-dir elsewhere)", where, free / 2**30, needed / 2**30)
+        return False
 
     def reopened(self) -> RepackCache:
         """The entry as committed (by this process's fill_block_cache, or another's written first)."""

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -289,6 +290,21 @@ def test_the_load_that_writes_the_entry_holds_one_join_group_at_a_time(tmp_path,
     group = 2 * experts[0].num_experts  # every expert's gate and up, stored side by side
     assert made[0] > 3 * group  # the model's repacked weights: several groups' worth
     assert most[0] <= group + 2, (most[0], group)  # the group pending, the weight being stored and the one before
+
+
+def test_a_disk_without_room_for_the_entry_is_said_and_the_file_repacked_once(tiny, tmp_path, monkeypatch, caplog):
+    """A fill that would run out of disk is not started: a warning names the space, nothing is written, every
+    kept tensor is repacked once (into memory) and the model computes what the uncached load computes."""
+    reference = _logits(_load(tiny.path, None))
+    calls = _counting_repacks(monkeypatch)
+    monkeypatch.setattr("pagellm.loader.repack_cache.shutil.disk_usage",
+                        lambda where: shutil._ntuple_diskusage(10 << 30, 10 << 30, os.path.getsize(tiny.path)))
+    with caplog.at_level(logging.WARNING, logger="pagellm.loader"):
+        model = _load(tiny.path, tmp_path / "cache")
+    assert "GiB free" in caplog.text and "--cache-dir" in caplog.text
+    assert len(calls) == len(TYPES)
+    assert not list((tmp_path / "cache").rglob("blocks.bin"))
+    torch.testing.assert_close(_logits(model), reference, rtol=0, atol=0)
 
 
 def test_a_hybrid_file_s_entry_follows_the_recipes_source(tmp_path, monkeypatch):
