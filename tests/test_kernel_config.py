@@ -121,7 +121,7 @@ def test_the_kernels_line_names_every_kernel_and_where_it_runs():
     assert selection.describe("generic") == (
         "generic (GGUF blocks x int8 matmul, int4 x int8 matmul, int4 weight layout, paged attention, fused "
         "layer ops, logits epilogue, Gated DeltaNet decode, RMS norm, rotary embedding, fp32 matmul of "
-        "batch-independent rows); torch reference ops: "
+        "batch-independent rows, GGUF block layout at load); torch reference ops: "
         "int4/int8 x bf16 matmul, sampled-token draw, bf16 x bf16 matmul of a few rows (not at generic)")
     if "avx512" in native.host_levels():
         assert selection.describe("avx512") == "avx512 (" + ", ".join(EVERY_KERNEL) + ")"

@@ -76,7 +76,7 @@ def write_hybrid_gguf(shape: str, path: Path, seed: int = 0, mtp: bool = False,
     block's output projection zero blocks, the head's fc [I | 0] in F32 and its final norm the model's).
 
     Streamed: the tensor table first, then each tensor made and written in turn, so writing the whole 35B-A3B
-    (about 20 GiB) holds one tensor at a time, not the file (a 24 GiB host writes it too)."""
+    (about 20 GiB) holds one tensor at a time, not the file (docs/benchmarks/2026-11-29-moe-gguf-whole.md)."""
     from pagellm.loader.safetensors import load_hf_config
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,13 +110,15 @@ def _stored_as(dims: tuple[int, ...], kind: T) -> tuple[tuple[int, ...], np.dtyp
 
 
 def _random(rng: np.random.Generator, name: str, dims: tuple[int, ...], kind: T, kept: dict) -> np.ndarray:
-    """Tensor `name`'s random values (F32: those of its kind of weight, kept for a predicting head) or blocks."""
+    """Tensor `name`'s random values (F32: those of its kind of weight) or blocks; the final norm's kept for a
+    predicting head (_predicted)."""
     if kind != T.F32:
         return random_blocks(rng, kind, int(np.prod(dims[:-1])), dims[-1]).reshape(*dims[:-1], -1)
     values = (-rng.uniform(0.5, 8.0, dims) if name.endswith("ssm_a")  # -exp(A_log): decay rates
               else 1.0 + 0.1 * rng.standard_normal(dims) if "norm" in name
               else 0.02 * rng.standard_normal(dims))
-    kept[name] = values
+    if name == "output_norm.weight":
+        kept[name] = values
     return values.astype(np.float32)
 
 

@@ -1,4 +1,4 @@
-"""Read a GGUF file: an HF config from its metadata, and its tensors under HF names.
+"""Read a GGUF file: its tensors under HF names (its config: gguf_config.py, re-exported here).
 
 The container itself (header, metadata, tensor table) is parsed in gguf_file.py.
 Tensor data stays in one read-only memory map;
@@ -8,8 +8,8 @@ each tensor is dequantized with gguf.quants.dequantize only when it is yielded
 llama.cpp's converter changes some weights on the way to GGUF; we undo each:
 - `llama` arch: q_proj/k_proj rows are permuted for its interleaved rotary layout;
 - `gemma3`: every RMSNorm weight is stored as `w + 1` (Gemma's norm computes x * (1 + w)).
-Llama 3.1-style rope scaling comes as a tensor, rope_freqs.weight: it goes into the config
-(rope_parameters["freq_factors"], see _rope_freq_factors), not into the model's weights.
+Llama 3.1-style rope scaling comes as a tensor, rope_freqs.weight: it goes into the config (gguf_config.py), not
+into the model's weights.
 The MoE and hybrid families (qwen3moe, qwen3next, qwen35, qwen35moe) have their own metadata and many more
 such transforms: gguf_hybrid.py.
 """
@@ -20,77 +20,39 @@ import dataclasses
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from pagellm.kernels.build import native
 from pagellm.kernels.cpu import gguf_blocks
 from pagellm.loader import gguf_repack
 from pagellm.kernels.reference.gguf_planes import dequantize as dequantize_planes, supports
 from pagellm.loader.gguf_planes import planes_of
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import PLAIN_DTYPES, GGUFHeader, GGUFTensor, dequantize, header_of, read_gguf_header
-from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_config_fields, hybrid_recipes,
-                                        read_recipe, recipe_weight_type)
+from pagellm.loader.gguf_config import ROPE_FREQS_TENSOR, SUPPORTED_ARCHITECTURES, load_gguf_config
+from pagellm.loader.gguf_hybrid import (HYBRID_ARCHITECTURES, TensorRecipe, hybrid_recipes, read_recipe,
+                                        recipe_weight_type)
 from pagellm.loader.gguf_quant import EXACT_INT4_TYPES, LazyRows, group_affine_of
-from pagellm.loader.model_configs import TextModelConfig, config_from_dict
+from pagellm.loader.model_configs import TextModelConfig
 from pagellm.loader.repack_cache import RepackCache
 from pagellm.models.registry import build_model, model_class
 
 __all__ = ["GGUFHeader", "GGUFTensor", "read_gguf_header", "load_gguf_config", "iter_gguf_weights",
            "fill_block_cache", "gguf_weight_types", "unpermute_qk_rows", "SUPPORTED_ARCHITECTURES"]
 
-# gguf general.architecture -> (HF config model_type, HF architecture name); the config is the model_type's
-# family in loader/model_configs.py.
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),  # Mistral GGUFs say llama as well
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-    **HYBRID_ARCHITECTURES,
-}
-
-# llama.cpp's default base of Gemma 3's sliding-window layers when the file does not state one
-_GEMMA3_LOCAL_ROPE_BASE = 10_000.0
-# llama.cpp's Gemma 3: every 6th layer attends globally, the other five use the sliding window
-_GEMMA3_SLIDING_WINDOW_PATTERN = 6
-# llama.cpp's per-dimension rope frequency divisors (LLM_TENSOR_ROPE_FREQS): config, not a weight
-_ROPE_FREQS_TENSOR = "rope_freqs.weight"
-
-
 # ---------------------------------------------------------------------------------------------
 # Public API
-
-
-def load_gguf_config(path: str | Path | GGUFHeader) -> TextModelConfig:
-    """The model family's config (loader/model_configs.py), rebuilt from GGUF metadata as HF names its keys."""
-    header = header_of(path)
-    arch = header.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} of {str(path)!r} is not supported; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    model_type, hf_architecture = SUPPORTED_ARCHITECTURES[arch]
-    fields = {"model_type": model_type, "architectures": [hf_architecture], **_common_fields(header)}
-    if arch in HYBRID_ARCHITECTURES:
-        fields.update(hybrid_config_fields(header, fields, _rope_parameters(header)))
-        return config_from_dict(fields)
-    fields["intermediate_size"] = header.required(f"{arch}.feed_forward_length")
-    if arch == "gemma3":
-        fields.update(_gemma3_fields(header, fields))
-    else:
-        fields["rope_parameters"] = _rope_parameters(header)
-    return config_from_dict(fields)
 
 
 def iter_gguf_weights(
     path: str | Path | GGUFHeader, config: TextModelConfig, progress: bool | None = None,
     quantized: Mapping[str, str] | None = None, blocks: RepackCache | None = None,
     parameters: Iterable[str] | None = None, dequantize_on: torch.device | None = None, kept_only: bool = False,
+    level: str | None = native.DEFAULT_LEVEL,
 ) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
     """Yield (HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
 
@@ -106,6 +68,7 @@ def iter_gguf_weights(
     on one host core); None: numpy on the host.
     kept_only: only the weights kept in blocks ("gguf"), for writing `blocks`' entry before any layer takes a
     weight (fill_block_cache).
+    level: the native kernels' level that helps repack blocks (gguf_repack.repack's; None: numpy alone).
     """
     header = _weights_only(header_of(path))
     arch = header.architecture
@@ -115,7 +78,7 @@ def iter_gguf_weights(
     try:
         if arch in HYBRID_ARCHITECTURES:
             yield from _iter_recipes(header, hybrid_recipes(header, config, _has_mtp(parameters)), show, quantized,
-                                     blocks, kept_only)
+                                     blocks, kept_only, level)
         else:
             hf_names = _gguf_to_hf_names(header, config, parameters)  # every tensor has an HF name: checked first
             _check_dequantizable(header)
@@ -124,7 +87,7 @@ def iter_gguf_weights(
                 if kept_only and quantized.get(hf_names[tensor.name]) != "gguf":
                     continue
                 yield _hf_weight(tensor, hf_names[tensor.name], arch, config, quantized.get(hf_names[tensor.name]),
-                                 blocks, dequantize_on)
+                                 blocks, dequantize_on, level)
                 tensor.release()  # the consumer has built its weight from the file's pages: out of the resident set
         completed = True
     finally:  # a load that stops early leaves no entry
@@ -133,14 +96,17 @@ def iter_gguf_weights(
 
 
 def fill_block_cache(path: str | Path | GGUFHeader, config: TextModelConfig, quantized: Mapping[str, str],
-                     blocks: RepackCache, parameters: Iterable[str] | None = None) -> None:
+                     blocks: RepackCache, parameters: Iterable[str] | None = None,
+                     level: str | None = native.DEFAULT_LEVEL) -> None:
     """Write `blocks`' entry (a miss) from the file before a model takes any weight: each weight kept in blocks is
     repacked, stored and dropped in turn (a join group's members once the group is whole), so the load that
     writes the entry holds a layer's blocks at most, not the model's, and then maps the entry as every later
-    load does. Arguments as iter_gguf_weights'; the entry is committed, or abandoned when a write failed."""
+    load does. Arguments as iter_gguf_weights'; the entry is committed, or abandoned when a write failed (the
+    rest of the file is then not repacked for nothing)."""
     for _ in iter_gguf_weights(path, config, quantized=quantized, blocks=blocks, parameters=parameters,
-                               kept_only=True):
-        pass  # the entry keeps what it needs of each weight: nothing else does
+                               kept_only=True, level=level):
+        if blocks.failed:  # the entry keeps what it needs of each weight: nothing else does
+            break
 
 
 def _progress_label(header: GGUFHeader, kept_only: bool) -> str:
@@ -148,7 +114,8 @@ def _progress_label(header: GGUFHeader, kept_only: bool) -> str:
 
 
 def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelConfig, scheme: str | None,
-               blocks: RepackCache | None = None, dequantize_on: torch.device | None = None
+               blocks: RepackCache | None = None, dequantize_on: torch.device | None = None,
+               level: str | None = native.DEFAULT_LEVEL
                ) -> tuple[str, torch.Tensor | GroupAffine | LazyRows | gguf_blocks.GGUFWeight]:
     """(HF name, the weight as the layer taking it wants it) of one tensor of the file."""
     permuted = arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
@@ -160,7 +127,7 @@ def _hf_weight(tensor: GGUFTensor, hf_name: str, arch: str, config: TextModelCon
     if scheme == "gguf":
         weight = blocks.get(tensor.name) if blocks is not None else None
         if weight is None:
-            weight = _blocks_of(tensor, config if permuted else None)
+            weight = _blocks_of(tensor, config if permuted else None, level)
             if blocks is not None:
                 blocks.add(tensor.name, weight)
         return hf_name, weight
@@ -203,19 +170,19 @@ def _block_rows(tensor: GGUFTensor, permuted_in: TextModelConfig | None) -> np.n
     return unpermute_qk_rows(torch.from_numpy(rows.copy()), n_heads).numpy()  # the map is read-only
 
 
-def _blocks_of(tensor: GGUFTensor, permuted_in: TextModelConfig | None) -> gguf_blocks.GGUFWeight:
+def _blocks_of(tensor: GGUFTensor, permuted_in: TextModelConfig | None, level: str | None) -> gguf_blocks.GGUFWeight:
     """A 2-D tensor kept in its blocks, repacked for the CPU kernels."""
     rows = _block_rows(tensor, permuted_in)
     if permuted_in is not None:
-        return gguf_repack.repack(rows, tensor.ggml_type, tuple(tensor.shape))
+        return gguf_repack.repack(rows, tensor.ggml_type, tuple(tensor.shape), level=level)
     # the file's pages leave the resident set chunk by chunk as they are repacked: a big tensor (a vocab-sized
     # embedding) is then never resident twice, as file pages and as blocks
-    return gguf_repack.repack(rows, tensor.ggml_type, tuple(tensor.shape), consumed=tensor.release)
+    return gguf_repack.repack(rows, tensor.ggml_type, tuple(tensor.shape), consumed=tensor.release, level=level)
 
 
 def _weights_only(header: GGUFHeader) -> GGUFHeader:
     """The header without rope_freqs.weight: load_gguf_config reads it into the config, it is no weight."""
-    return dataclasses.replace(header, tensors=tuple(t for t in header.tensors if t.name != _ROPE_FREQS_TENSOR))
+    return dataclasses.replace(header, tensors=tuple(t for t in header.tensors if t.name != ROPE_FREQS_TENSOR))
 
 
 def unpermute_qk_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -228,111 +195,6 @@ def unpermute_qk_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     half = rows // n_heads // 2
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# Config
-
-
-def _common_fields(header: GGUFHeader) -> dict[str, Any]:
-    md, arch = header.metadata, header.architecture
-
-    def key(name: str, default: Any = None) -> Any:
-        return md.get(f"{arch}.{name}", default) if default is not None else header.required(f"{arch}.{name}")
-
-    embedding = header.tensor("token_embd.weight")
-    if embedding is None:
-        raise ValueError(f"{str(header.path)!r} has no token_embd.weight tensor")
-    hidden, n_heads = key("embedding_length"), key("attention.head_count")
-    return {
-        # the embedding's row count is what the weights need; metadata vocab_size may be absent
-        "vocab_size": embedding.shape[0],
-        "hidden_size": hidden,
-        "num_hidden_layers": key("block_count"),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": key("attention.head_count_kv", n_heads),
-        "head_dim": key("attention.key_length", hidden // n_heads),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "max_position_embeddings": key("context_length"),
-        # llama.cpp writes output.weight only when the LM head is not the embedding matrix
-        "tie_word_embeddings": header.tensor("output.weight") is None,
-        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
-    }
-
-
-def _rope_parameters(header: GGUFHeader) -> dict[str, Any]:
-    """HF rope_parameters: llama.cpp's base (default 10000), its linear or YaRN scaling and its
-    per-dimension frequency factors (rope_freqs.weight: Llama 3.1-style scaling)."""
-    md, arch = header.metadata, header.architecture
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(md.get(f"{arch}.rope.freq_base", 1e4))}
-    factors = _rope_freq_factors(header)
-    if factors is not None:
-        params["freq_factors"] = factors  # divides the frequencies after any scaling below, as llama.cpp does
-    kind = md.get(f"{arch}.rope.scaling.type")
-    factor = md.get(f"{arch}.rope.scaling.factor")
-    if kind is None and md.get(f"{arch}.rope.scale_linear", 1.0) != 1.0:  # older files
-        kind, factor = "linear", md[f"{arch}.rope.scale_linear"]
-    if kind in (None, "none"):
-        return params
-    if kind not in ("linear", "yarn"):
-        raise ValueError(f"{str(header.path)!r}: rope scaling type {kind!r} is not supported (linear, yarn)")
-    params.update(rope_type=kind, factor=float(factor))
-    if kind == "yarn":
-        optional = {
-            "original_max_position_embeddings": "rope.scaling.original_context_length",
-            "attention_factor": "rope.scaling.attn_factor",
-            "beta_fast": "rope.scaling.yarn_beta_fast",
-            "beta_slow": "rope.scaling.yarn_beta_slow",
-        }
-        params.update({hf: md[f"{arch}.{k}"] for hf, k in optional.items() if f"{arch}.{k}" in md})
-    return params
-
-
-def _rope_freq_factors(header: GGUFHeader) -> list[float] | None:
-    """rope_freqs.weight as a list of float32 values (one per frequency), or None when the file has none.
-
-    llama.cpp's converter writes Llama 3.1's rope scaling (HF rope_type "llama3") only as this tensor: the
-    factor by which each inverse frequency is divided, and no rope.scaling.* metadata at all, not even the
-    original context length. And it computes them with original_max_position_embeddings read from the top
-    level of config.json, 8192 when absent, while HF reads the one inside rope_scaling (Llama 3.x configs
-    have only that one, also 8192). So we keep the factors rather than fit HF's llama3 parameters back to
-    them: dividing by them (layers/rotary.py) is exactly what llama.cpp computes at inference
-    (ggml_rope_ext's freq_factors), whatever produced them.
-    """
-    tensor = header.tensor(_ROPE_FREQS_TENSOR)
-    if tensor is None:
-        return None
-    factors = gguf.quants.dequantize(tensor.data, tensor.ggml_type).astype(np.float32).reshape(-1)
-    return [float(f) for f in factors]  # exact: every float32 is a Python float
-
-
-def _gemma3_fields(header: GGUFHeader, common: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3 as llama.cpp runs it (llama-model.cpp, LLM_ARCH_GEMMA3)."""
-    md, n_layers = header.metadata, common["num_hidden_layers"]
-    full = _rope_parameters(header)  # scaling (e.g. linear x8 on 4B+) applies to global layers only
-    local_base = float(md.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE))
-    local = {"rope_type": "default", "rope_theta": local_base}
-    pattern = md.get("gemma3.attention.sliding_window_pattern", _GEMMA3_SLIDING_WINDOW_PATTERN)
-    if isinstance(pattern, list):  # newer files: one bool per layer, true = sliding
-        sliding = [bool(p) for p in pattern]
-    else:  # a period: layer i is global when (i + 1) % period == 0
-        sliding = [(i + 1) % pattern != 0 for i in range(n_layers)]
-    # llama.cpp scales queries by 1/sqrt(head_dim), except the 27B (62 layers): 1/sqrt(hidden/heads)
-    scalar = common["head_dim"]
-    if n_layers == 62:
-        scalar = common["hidden_size"] // common["num_attention_heads"]
-    fields = {
-        "rope_parameters": {"full_attention": full, "sliding_attention": local},
-        "sliding_window": header.required("gemma3.attention.sliding_window"),
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "query_pre_attn_scalar": scalar,
-    }
-    for hf_key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if f"gemma3.{hf_key}" in md:
-            fields[hf_key] = md[f"gemma3.{hf_key}"]
-    return fields
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,7 +245,7 @@ def _check_dequantizable(header: GGUFHeader) -> None:
 
 
 def _iter_recipes(header: GGUFHeader, recipes: list[TensorRecipe], show: bool, quantized: Mapping[str, str],
-                  blocks: RepackCache | None, kept_only: bool = False
+                  blocks: RepackCache | None, kept_only: bool, level: str | None
                   ) -> Iterator[tuple[str, torch.Tensor | GroupAffine | LazyRows]]:
     """The recipes' tensors (kept_only: those kept in blocks only); those kept in blocks come from the cache's
     entry (under their HF names) when it is whole, else are stored to it."""
@@ -394,11 +256,11 @@ def _iter_recipes(header: GGUFHeader, recipes: list[TensorRecipe], show: bool, q
             continue
         weight = blocks.get(recipe.hf_name) if blocks is not None and scheme == "gguf" else None
         if weight is None:
-            weight = read_recipe(recipe, scheme)
+            weight = read_recipe(recipe, scheme, level)
             if blocks is not None and isinstance(weight, gguf_blocks.GGUFWeight):
                 blocks.add(recipe.hf_name, weight)
-        for source in recipe.sources:
-            source.release()  # read into the weight (or lazily again, from the page cache): out of the resident set
         yield recipe.hf_name, weight
+        for source in recipe.sources:
+            source.release()  # taken into the weight (or read lazily again, from the page cache): out of the RSS
 
 

@@ -56,6 +56,7 @@ import gguf
 import numpy as np
 import torch
 
+from pagellm.kernels.build import native
 from pagellm.loader import gguf_repack
 from pagellm.layers.quantized import GroupAffine
 from pagellm.loader.gguf_file import GGUFHeader, GGUFTensor, dequantize
@@ -205,18 +206,24 @@ def hybrid_recipes(header: GGUFHeader, config: TextModelConfig, mtp: bool = Fals
     return recipes
 
 
-_KEEPERS = {"gguf": gguf_repack.repack, "gguf_planes": planes_of}  # a scheme keeping blocks -> its layout
+def _planes(rows: np.ndarray, ggml_type: gguf.GGMLQuantizationType, shape: tuple[int, int], level: str | None):
+    return planes_of(rows, ggml_type, shape)  # a GPU's layout: no CPU kernel lays it out
 
 
-def read_recipe(recipe: TensorRecipe, scheme: str | None) -> torch.Tensor | GroupAffine | LazyRows:
+_KEEPERS = {"gguf": gguf_repack.repack, "gguf_planes": _planes}  # a scheme keeping blocks -> its layout
+
+
+def read_recipe(recipe: TensorRecipe, scheme: str | None,
+                level: str | None = native.DEFAULT_LEVEL) -> torch.Tensor | GroupAffine | LazyRows:
     """The HF tensor, float32; for a layer to be quantized (`scheme`), the int4 codes of an exact 4-bit
-    format (rows rearranged as the recipe says) or rows read lazily, when no float transform is needed."""
+    format (rows rearranged as the recipe says) or rows read lazily, when no float transform is needed.
+    level: the native kernels' level that helps repack blocks (gguf_repack.repack's)."""
     sources, rows = recipe.sources, recipe.rows
     if scheme in _KEEPERS and recipe.finish is None and len({s.ggml_type for s in sources}) == 1:
         stacked = np.concatenate([np.asarray(s.data).reshape(s.shape[0], -1) for s in sources])  # rows of blocks
         if rows is not None:
             stacked = stacked[rows.numpy()]
-        return _KEEPERS[scheme](stacked, sources[0].ggml_type, (stacked.shape[0], sources[0].shape[1]))
+        return _KEEPERS[scheme](stacked, sources[0].ggml_type, (stacked.shape[0], sources[0].shape[1]), level=level)
     if scheme == "int4" and recipe.finish is None and all(s.ggml_type in EXACT_INT4_TYPES for s in sources):
         parts = [group_affine_of(s.data, s.ggml_type, s.shape) for s in sources]
         codes = parts[0] if len(parts) == 1 else GroupAffine(

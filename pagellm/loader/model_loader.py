@@ -194,12 +194,12 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     schemes, blocks = weight_schemes(net, plan), None  # the repacked-blocks cache holds only "gguf" weights
     if is_gguf and cache_dir and not dummy and "gguf" in schemes.values():
         blocks = _whole_entry(RepackCache.for_file(Path(cache_dir), path, header), header, hf_config, schemes,
-                              parameters)
+                              parameters, level)
     if dummy:
         weights = dummy_weights(net, device)  # already this rank's shapes: the model was built with them
     elif is_gguf:
         weights = iter_gguf_weights(header, hf_config, quantized=schemes, blocks=blocks, parameters=parameters,
-                                    dequantize_on=torch.device(device) if on != "cpu" else None)
+                                    dequantize_on=torch.device(device) if on != "cpu" else None, level=level)
     else:
         weights = iter_safetensors_weights(path)
     if shard and not dummy:
@@ -217,8 +217,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     return LoadedModel(net, hf_config, tokenizer, path, plan)
 
 
-def _whole_entry(blocks: RepackCache, header, hf_config, schemes: dict[str, str],
-                 parameters: tuple[str, ...]) -> RepackCache | None:
+def _whole_entry(blocks: RepackCache, header, hf_config, schemes: dict[str, str], parameters: tuple[str, ...],
+                 level: str | None) -> RepackCache | None:
     """The file's block cache entry, whole. A miss is written first, a weight at a time (fill_block_cache), and
     the load then maps it as every later start does: its weights are the map's pages (a MoE's unrouted experts
     never read), never heap copies, and its peak holds a layer's blocks rather than the model's. None when the
@@ -228,7 +228,7 @@ def _whole_entry(blocks: RepackCache, header, hf_config, schemes: dict[str, str]
         return blocks
     if not blocks.has_room(header.path.stat().st_size):
         return None
-    fill_block_cache(header, hf_config, schemes, blocks, parameters)
+    fill_block_cache(header, hf_config, schemes, blocks, parameters, level)
     release_freed_heap()  # the repacking's freed temporaries: not resident under the weights mapped next
     blocks = blocks.reopened()
     return blocks if blocks.hit else None

@@ -124,6 +124,11 @@ class RepackCache:
         return RepackCache(self.entry, self.source, self.num_experts)
 
     @property
+    def failed(self) -> bool:
+        """Whether a write failed: this load stores nothing more, and the entry is abandoned."""
+        return self._written is None
+
+    @property
     def hit(self) -> bool:
         return self._blocks is not None
 

@@ -14,7 +14,7 @@ requires_compiler = pytest.mark.skipif(
 EVERY_KERNEL = ("GGUF blocks x int8 matmul", "int4 x int8 matmul", "int4 weight layout", "int4/int8 x bf16 matmul",
                 "paged attention", "fused layer ops", "logits epilogue", "Gated DeltaNet decode", "RMS norm",
                 "rotary embedding", "sampled-token draw", "bf16 x bf16 matmul of a few rows",
-                "fp32 matmul of batch-independent rows")
+                "fp32 matmul of batch-independent rows", "GGUF block layout at load")
 # AVX-512 BF16 dot products; torch's matmul below
 AVX512_ONLY = frozenset({"int4/int8 x bf16 matmul", "bf16 x bf16 matmul of a few rows"})
 NOT_GENERIC = frozenset({"sampled-token draw"})  # emulated fma there: torch's own is faster

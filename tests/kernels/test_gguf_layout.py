@@ -41,6 +41,19 @@ def test_nibbles_are_unpacked_as_numpy_unpacks_them(cpu_isa, run, offset):
         gguf_layout.unpack_nibbles(blocks[:, offset + 1:], run, cpu_isa)
 
 
+def test_a_large_unpack_split_over_threads_is_numpy_s(cpu_isa):
+    """Past a MiB of nibbles the rows are split over the threads (as a whole Q4_K tensor's are)."""
+    blocks = np.random.default_rng(7).integers(0, 256, (9000, 144), dtype=np.uint8)
+    blocks.flags.writeable = False  # as a view of the file's read-only map
+    codes = gguf_layout.unpack_nibbles(blocks[:, 16:], 32, cpu_isa)
+    assert np.array_equal(codes, gguf_repack._nibbles(blocks[:, 16:], 32, level=None))
+
+
+def test_codes_wider_than_a_byte_are_refused(cpu_isa):
+    with pytest.raises(ValueError, match="one byte"):
+        gguf_layout.code_bytes(np.zeros((16, 32), np.int16), 4, cpu_isa)
+
+
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES)
 def test_a_repack_through_the_kernel_is_the_numpy_repack(cpu_isa, ggml_type):
     rows, cols = 32, 512

@@ -307,6 +307,43 @@ def test_a_disk_without_room_for_the_entry_is_said_and_the_file_repacked_once(ti
     torch.testing.assert_close(_logits(model), reference, rtol=0, atol=0)
 
 
+def test_a_write_that_fails_mid_fill_stops_it_and_the_load_repacks_into_memory(tmp_path, monkeypatch, caplog):
+    """A disk that fills during the entry's write: the fill stops at once (not repacking the rest for nothing),
+    nothing is left behind, and the load repacks every weight once into memory, computing the same logits."""
+    path = _hybrid_gguf(tmp_path, "qwen3-moe", (T.Q8_0,) * 3)
+    reference = _logits(_load(path, None))
+    calls = _counting_repacks(monkeypatch)
+    _load(path, tmp_path / "probe")
+    kept = len(calls)
+    real_open, writes = open, []
+
+    class FillingDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            writes.append(1)
+            if len(writes) == 5:
+                raise OSError(28, "No space left on device")
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    def opening(file, mode="r", *args, **kwargs):  # the entry's blocks.bin is the one file opened to write
+        opened = real_open(file, mode, *args, **kwargs)
+        return FillingDisk(opened) if "w" in mode else opened
+
+    monkeypatch.setattr("pagellm.loader.repack_cache.open", opening, raising=False)
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="pagellm.loader"):
+        model = _load(path, tmp_path / "cache")
+    assert "not written" in caplog.text and len(writes) == 5
+    assert kept < len(calls) < 2 * kept  # the fill stopped early; the load repacked every weight once
+    assert not list((tmp_path / "cache").rglob("blocks.bin"))
+    torch.testing.assert_close(_logits(model), reference, rtol=0, atol=0)
+
+
 def test_a_hybrid_file_s_entry_follows_the_recipes_source(tmp_path, monkeypatch):
     """Which rows of which tensors an HF weight is comes from gguf_hybrid.py: a change there is a new entry for
     a hybrid file, and no change for any other."""

@@ -11,15 +11,15 @@ import numpy as np
 import torch
 
 from pagellm.kernels.build import native
-from pagellm.kernels.build.binding import Function, Int, Tensor
+from pagellm.kernels.build.binding import Address, Function, Int, Tensor
 
 _BYTES = (torch.uint8,)
 _CODE_BYTES = Function("pagellm_gguf_code_bytes", (Tensor("codes", _BYTES), Int("n"), Int("cols"), Int("bits"),
                                                    Tensor("out", _BYTES)), returns=ctypes.c_int)
 SOURCE = "gguf_layout"  # csrc/gguf_layout.cpp: its bytes are part of a block cache entry's key
-_UNPACK = Function("pagellm_gguf_unpack_nibbles", (Tensor("src", _BYTES, rows=True), Int("blocks"), Int("stride"),
-                                                   Int("nbytes"), Int("run"), Tensor("out", _BYTES)),
-                   returns=ctypes.c_int)
+# src by address: it is often a read-only view of the file's map, which torch would warn about wrapping
+_UNPACK = Function("pagellm_gguf_unpack_nibbles", (Address("src"), Int("blocks"), Int("stride"), Int("nbytes"),
+                                                   Int("run"), Tensor("out", _BYTES)), returns=ctypes.c_int)
 _LIBRARY = native.Library(SOURCE, [_CODE_BYTES, _UNPACK], "GGUF block layout at load")
 LIBRARIES = (_LIBRARY,)  # for kernels/selection.py
 GROUP_BYTES = {4: 256, 5: 320, 6: 384, 8: 512}  # a 16-row block's 32-column group: gguf_format.h
@@ -38,6 +38,8 @@ def code_bytes(codes: np.ndarray, bits: int, at: str | None) -> np.ndarray | Non
         return None
     if bits not in GROUP_BYTES:
         raise ValueError(f"bits must be one of {sorted(GROUP_BYTES)}, got {bits}")
+    if codes.ndim != 2 or codes.dtype.itemsize != 1:
+        raise ValueError(f"codes must be [rows, cols] of one byte each, got {codes.dtype} {codes.shape}")
     n, cols = codes.shape
     source = torch.from_numpy(np.ascontiguousarray(codes).view(np.uint8))
     out = torch.empty((n // 16, cols // 32, GROUP_BYTES[bits]), dtype=torch.uint8)
@@ -52,9 +54,11 @@ def unpack_nibbles(code_bytes: np.ndarray, run: int, at: str | None) -> np.ndarr
     call = _LIBRARY.checked(_UNPACK.symbol, at)
     if call is None:
         return None
+    if code_bytes.ndim != 2 or code_bytes.dtype != np.uint8 or code_bytes.strides[1] != 1:
+        raise ValueError(f"code_bytes must be [blocks, bytes] uint8 rows, got {code_bytes.dtype} "
+                         f"{code_bytes.shape} strides {code_bytes.strides}")
     blocks, nbytes = code_bytes.shape
-    source = torch.from_numpy(code_bytes)
     out = torch.empty((blocks, 2 * nbytes), dtype=torch.uint8)
-    if call(source, blocks, source.stride(0), nbytes, run, out) != 0:
+    if call(code_bytes.ctypes.data, blocks, code_bytes.strides[0], nbytes, run, out) != 0:
         raise ValueError(f"pagellm_gguf_unpack_nibbles refused runs of {run} in rows of {nbytes} bytes")
     return out.numpy()

@@ -59,7 +59,7 @@ int group_size(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 
 
 // 0, or -1 when bits is not 4, 5, 6 or 8 or the shape is not whole blocks (nothing is written then).
 extern "C" int pagellm_gguf_code_bytes(const uint8_t* codes, int64_t n, int64_t cols, int64_t bits, uint8_t* out) {
-    const int size = group_size(static_cast<int>(bits));
+    const int size = bits == 4 || bits == 5 || bits == 6 || bits == 8 ? group_size(static_cast<int>(bits)) : 0;
     if (size == 0 || n % kRows != 0 || cols % kGroup != 0 || n < 0 || cols < 0) return -1;
     const int64_t blocks = n / kRows, groups = cols / kGroup;
 #pragma omp parallel for schedule(static) if (blocks * groups > 64)
@@ -72,10 +72,10 @@ extern "C" int pagellm_gguf_code_bytes(const uint8_t* codes, int64_t n, int64_t 
 
 // The low 4 bits of each code from a file's nibble bytes, runs of `run` bytes giving their low nibbles, then their
 // high ones: out[b, 2 run i + run h + l] = (src[b * stride + run i + l] >> 4h) & 15 for `blocks` rows of `nbytes`
-// bytes. 0, or -1 when nbytes is not whole runs (nothing is written then).
+// bytes. 0, or -1 when nbytes is not whole runs or rows overlap (nothing is written then).
 extern "C" int pagellm_gguf_unpack_nibbles(const uint8_t* src, int64_t blocks, int64_t stride, int64_t nbytes,
                                            int64_t run, uint8_t* out) {
-    if (run <= 0 || nbytes % run != 0 || blocks < 0) return -1;
+    if (run <= 0 || nbytes % run != 0 || blocks < 0 || (blocks > 1 && stride < nbytes)) return -1;
 #pragma omp parallel for schedule(static) if (blocks * nbytes > (1 << 20))
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* row = src + b * stride;
