@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -228,7 +229,13 @@ def _whole_entry(blocks: RepackCache, header, hf_config, schemes: dict[str, str]
         return blocks
     if not blocks.has_room(header.path.stat().st_size):
         return None
+    # said: on a large file this start takes minutes where every later one takes seconds
+    logger.info("weight cache: repacking %s's blocks for the CPU kernels into %s, once (about %.1f GiB on disk; "
+                "later starts map them)", header.path.name, blocks.entry, header.path.stat().st_size / 2**30)
+    started = time.perf_counter()
     fill_block_cache(header, hf_config, schemes, blocks, parameters, level)
     release_freed_heap()  # the repacking's freed temporaries: not resident under the weights mapped next
     blocks = blocks.reopened()
+    if blocks.hit:
+        logger.info("weight cache: written in %.1f s", time.perf_counter() - started)
     return blocks if blocks.hit else None

@@ -61,15 +61,19 @@ def _counting_repacks(monkeypatch) -> list:
     return calls
 
 
-def test_a_second_load_maps_the_stored_blocks(tiny, tmp_path, monkeypatch):
+def test_a_second_load_maps_the_stored_blocks(tiny, tmp_path, monkeypatch, caplog):
     reference = _logits(_load(tiny.path, None))
     calls = _counting_repacks(monkeypatch)
-    first = _load(tiny.path, tmp_path / "cache")
+    with caplog.at_level(logging.INFO, logger="pagellm.loader"):
+        first = _load(tiny.path, tmp_path / "cache")
+    assert "repacking m.gguf's blocks" in caplog.text and "written in" in caplog.text  # the slow start is said
+    caplog.clear()
     assert len(calls) == len(TYPES)  # every kept tensor repacked once, and stored
     (entry,) = (tmp_path / "cache" / "gguf-blocks").iterdir()
     assert not list(entry.parent.glob(".partial-*"))
-    second = _load(tiny.path, tmp_path / "cache")
-    assert len(calls) == len(TYPES)  # none repacked again
+    with caplog.at_level(logging.INFO, logger="pagellm.loader"):
+        second = _load(tiny.path, tmp_path / "cache")
+    assert len(calls) == len(TYPES) and "repacking" not in caplog.text  # none repacked again
     torch.testing.assert_close(_logits(first), reference, rtol=0, atol=0)
     torch.testing.assert_close(_logits(second), reference, rtol=0, atol=0)
 
