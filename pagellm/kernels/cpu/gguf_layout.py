@@ -42,10 +42,12 @@ def code_bytes(codes: np.ndarray, bits: int, at: str | None) -> np.ndarray | Non
         raise ValueError(f"codes must be [rows, cols] of one byte each, got {codes.dtype} {codes.shape}")
     n, cols = codes.shape
     source = torch.from_numpy(np.ascontiguousarray(codes).view(np.uint8))
-    out = torch.empty((n // 16, cols // 32, GROUP_BYTES[bits]), dtype=torch.uint8)
-    if call(source, n, cols, bits, out) != 0:
+    # numpy's allocation, as the numpy path's: torch's for these load-time temporaries left a first start holding
+    # more (docs/benchmarks/2026-11-29-moe-gguf-whole.md, section 3)
+    out = np.empty((n // 16, cols // 32, GROUP_BYTES[bits]), dtype=np.uint8)
+    if call(source, n, cols, bits, torch.from_numpy(out)) != 0:
         raise ValueError(f"pagellm_gguf_code_bytes refused {bits} bits for codes of shape {codes.shape}")
-    return out.numpy()
+    return out
 
 
 def unpack_nibbles(code_bytes: np.ndarray, run: int, at: str | None) -> np.ndarray | None:
@@ -58,7 +60,7 @@ def unpack_nibbles(code_bytes: np.ndarray, run: int, at: str | None) -> np.ndarr
         raise ValueError(f"code_bytes must be [blocks, bytes] uint8 rows, got {code_bytes.dtype} "
                          f"{code_bytes.shape} strides {code_bytes.strides}")
     blocks, nbytes = code_bytes.shape
-    out = torch.empty((blocks, 2 * nbytes), dtype=torch.uint8)
-    if call(code_bytes.ctypes.data, blocks, code_bytes.strides[0], nbytes, run, out) != 0:
+    out = np.empty((blocks, 2 * nbytes), dtype=np.uint8)  # numpy's allocation, as code_bytes' (why: there)
+    if call(code_bytes.ctypes.data, blocks, code_bytes.strides[0], nbytes, run, torch.from_numpy(out)) != 0:
         raise ValueError(f"pagellm_gguf_unpack_nibbles refused runs of {run} in rows of {nbytes} bytes")
-    return out.numpy()
+    return out
