@@ -25,6 +25,7 @@ import torch
 from pagellm.kernels.attention_metadata import AttentionMetadata
 from pagellm.platform import GIB, available_memory_bytes
 from pagellm.runner.model_runner import kv_cache_bytes_per_block, state_bytes_per_slot
+from pagellm.runner.mtp_drafter import mtp_scratch_blocks
 
 logger = logging.getLogger("pagellm.engine")
 
@@ -151,7 +152,8 @@ def size_kv_pool(model, compute_logits, config, max_model_len: int, kv_cache_dty
         sampler = sc.max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
         budget = kv_budget_bytes(cc.gpu_memory_utilization, before, DeviceMemory.read(device), int(states) + sampler)
         flag = "gpu_memory_utilization (or give kv_cache_memory)"
-    num_blocks = int(budget // per_block)
+    # the MTP head's scratch blocks are bound past the pool's (runner/mtp_drafter.py): the same budget holds them
+    num_blocks = int(budget // per_block) - mtp_scratch_blocks(config)
     if config.model.max_model_len is None:  # the model's own context: shortened to the pool, said once
         max_model_len = fit_max_model_len(num_blocks, cc.block_size, max_model_len, per_block, flag)
     check_holds_one_sequence(num_blocks, cc.block_size, max_model_len, per_block, flag)

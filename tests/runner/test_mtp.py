@@ -119,6 +119,18 @@ def test_without_a_head_method_mtp_is_a_clear_error(tmp_path):
         LLM(str(no_weights), speculative_config=_mtp(1), **ENGINE)
 
 
+def test_the_head_s_scratch_blocks_are_inside_the_kv_budget(family_checkpoint):
+    """The drafts' scratch blocks are bound past the pool's (runner/mtp_drafter.py): the KV memory bound in all,
+    scratch included, stays within kv_cache_memory (one padded decode block aside), as without the head."""
+    path, _ = family_checkpoint
+    budget = ENGINE["kv_cache_memory"] * 2**30
+    for speculative in (None, _mtp(5)):
+        with LLM(str(path), speculative_config=speculative, **ENGINE) as llm:
+            engine = llm.engine
+            bound = engine.model.attention_layers()[0].key_cache.shape[0]  # blocks of every layer's K and V
+            assert (bound - 1) * engine.kv_bytes_per_block <= budget, (speculative, bound)
+
+
 def test_the_default_draft_length_is_one_for_the_head_sixteen_otherwise():
     from pagellm.config import speculative_config_from
 
