@@ -227,11 +227,12 @@ def _whole_entry(blocks: RepackCache, header, hf_config, schemes: dict[str, str]
     cache)."""
     if blocks.hit:
         return blocks
-    if not blocks.has_room(header.path.stat().st_size):
+    file_bytes = header.path.stat().st_size
+    if not blocks.has_room(file_bytes):
         return None
     # said: on a large file this start takes minutes where every later one takes seconds
     logger.info("weight cache: repacking %s's blocks for the CPU kernels into %s, once (about %.1f GiB on disk; "
-                "later starts map them)", header.path.name, blocks.entry, header.path.stat().st_size / 2**30)
+                "later starts map them)", header.path.name, blocks.entry, file_bytes / 2**30)
     started = time.perf_counter()
     fill_block_cache(header, hf_config, schemes, blocks, parameters, level)
     release_freed_heap()  # the repacking's freed temporaries: not resident under the weights mapped next

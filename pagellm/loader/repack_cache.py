@@ -110,7 +110,7 @@ class RepackCache:
         """Whether the disk holds an entry made from a file of `file_bytes` (about that size: logged when not).
         Why ask first: a fill that runs out of disk is abandoned after repacking the file once for nothing, and
         the load then repacks it again into memory."""
-        where = next(p for p in (self.entry.parent, *self.entry.parents) if p.exists())
+        where = next(p for p in self.entry.parents if p.exists())  # the cache's folder, or what holds it
         free, needed = shutil.disk_usage(where).free, int(file_bytes * _ROOM)
         if free >= needed:
             return True

@@ -53,13 +53,13 @@ void group_bytes(const uint8_t* src, int64_t stride, int bits, uint8_t* dst) {
     }
 }
 
-int group_size(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : bits == 8 ? 512 : 0; }
+int group_size(int64_t bits) { return bits == 4 ? 256 : bits == 5 ? 320 : bits == 6 ? 384 : bits == 8 ? 512 : 0; }
 
 }  // namespace
 
 // 0, or -1 when bits is not 4, 5, 6 or 8 or the shape is not whole blocks (nothing is written then).
 extern "C" int pagellm_gguf_code_bytes(const uint8_t* codes, int64_t n, int64_t cols, int64_t bits, uint8_t* out) {
-    const int size = bits == 4 || bits == 5 || bits == 6 || bits == 8 ? group_size(static_cast<int>(bits)) : 0;
+    const int size = group_size(bits);
     if (size == 0 || n % kRows != 0 || cols % kGroup != 0 || n < 0 || cols < 0) return -1;
     const int64_t blocks = n / kRows, groups = cols / kGroup;
 #pragma omp parallel for schedule(static) if (blocks * groups > 64)
